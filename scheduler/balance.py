@@ -1,0 +1,529 @@
+"""Which replica sends each piece, and in what order: the load balancers.
+
+Load is counted per NIC, on the sending side (the sender's NIC egress) and on the receiving
+side (the NIC ingress of each receiving host, and the egress of hosts a chain passes through).
+Receiving-side load is fixed by the receivers; the balancers move sending-side load.
+
+- ``none``: the first replica (in source-mesh order) sends, in task order.
+- ``size``: largest sends first, each to the holder whose NIC has sent the fewest bytes so far.
+- ``greedy``: the paper's randomized greedy: shuffle, pack host-disjoint sends into rounds
+  (each picking the least-loaded free holder), keep the shuffle whose rounds are shortest.
+  Seeded, so deterministic.
+- ``search``: depth-first branch and bound over sender NICs minimizing the most-loaded port,
+  pruned by a lower bound, within a work budget; then list-scheduled.
+- ``auto``: splits each send into pieces over its holders by water-filling, which reaches the
+  least possible peak NIC load (see :func:`_water_fill`), list-schedules the pieces so that
+  busy NICs start first, and keeps whichever of its candidates (and those of ``size``,
+  ``greedy`` and ``search``) the cost model says is fastest.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .cluster import Cluster
+from .cost import NIC_IN, NIC_OUT, CostModel
+from .regions import Region, is_empty, split_region, volume
+
+BALANCES = ("none", "size", "greedy", "search", "auto")
+
+Assignment = list[tuple[int, Region, int]]  # (send index, piece, sender), in launch order
+# What the planner gets back, in launch order: (send index, piece, sender, receivers, after),
+# ``after`` naming earlier entries of the same list that must end first.
+Pieces = list[tuple[int, Region, int, tuple[int, ...], tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Send:
+    """A box that must cross the network: any of ``holders`` may send it to ``receivers``."""
+
+    region: Region
+    nbytes: int
+    holders: tuple[int, ...]
+    receivers: tuple[int, ...]
+
+
+class _Ports:
+    """NIC ports per send: the sender's egress, plus the ones fixed by the receivers."""
+
+    def __init__(self, sends: Sequence[Send], cluster: Cluster) -> None:
+        self.cluster = cluster
+        model = CostModel(cluster)
+        self.fixed: list[tuple[tuple[str, int], ...]] = []
+        for s in sends:
+            # The chain from any remote holder has the same hops after the first one.
+            hops = model.chain(s.holders[0], s.receivers)
+            ports = []
+            for k, hop in enumerate(hops):
+                if hop.network:
+                    if k:
+                        ports.append((NIC_OUT, cluster.nic_of(hop.src)))
+                    ports.append((NIC_IN, cluster.nic_of(hop.dst)))
+            self.fixed.append(tuple(dict.fromkeys(ports)))
+        self.fixed_load: dict[tuple[str, int], int] = defaultdict(int)
+        for s, ports in zip(sends, self.fixed):
+            for p in ports:
+                self.fixed_load[p] += s.nbytes
+
+    def out(self, device: int) -> tuple[str, int]:
+        return (NIC_OUT, self.cluster.nic_of(device))
+
+
+def balance_sends(
+    sends: Sequence[Send], cluster: Cluster, mode: str, *, seed: int, budget: int
+) -> tuple[Pieces, dict[str, Any]]:
+    if not sends:
+        return [], {}
+    ports = _Ports(sends, cluster)
+    stats: dict[str, Any] = {}
+    if mode == "none":
+        assignment = [(i, s.region, s.holders[0]) for i, s in enumerate(sends)]
+    elif mode == "size":
+        assignment = _by_size(sends, ports)
+    elif mode == "greedy":
+        assignment = _greedy_rounds(sends, ports, seed=seed, budget=budget)
+    elif mode == "search":
+        assignment, stats = _search(sends, ports, budget=budget)
+        assignment = _list_schedule(assignment, sends, ports, budget=budget)
+    elif mode == "auto":
+        return _auto(sends, cluster, seed=seed, budget=budget)
+    else:
+        raise ValueError(f"balance: unknown {mode!r}; choose one of {BALANCES}")
+    return [(i, piece, dev, sends[i].receivers, ()) for i, piece, dev in assignment], stats
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _pick_device(candidates: Sequence[int], dev_load: dict[int, int]) -> int:
+    return min(candidates, key=lambda d: (dev_load[d], d))
+
+
+def _holders_by_nic(send: Send, ports: _Ports) -> dict[tuple[str, int], list[int]]:
+    out: dict[tuple[str, int], list[int]] = {}
+    for h in send.holders:
+        out.setdefault(ports.out(h), []).append(h)
+    return out
+
+
+def _by_size(sends: Sequence[Send], ports: _Ports) -> Assignment:
+    load: dict[tuple[str, int], int] = defaultdict(int, ports.fixed_load)
+    dev_load: dict[int, int] = defaultdict(int)
+    chosen: dict[int, int] = {}
+    for i in sorted(range(len(sends)), key=lambda i: (-sends[i].nbytes, i)):
+        s = sends[i]
+        by_nic = _holders_by_nic(s, ports)
+        nic = min(by_nic, key=lambda p: (load[p], p))
+        dev = _pick_device(by_nic[nic], dev_load)
+        load[nic] += s.nbytes
+        dev_load[dev] += s.nbytes
+        chosen[i] = dev
+    return [(i, s.region, chosen[i]) for i, s in enumerate(sends)]
+
+
+def _greedy_rounds(sends: Sequence[Send], ports: _Ports, *, seed: int, budget: int) -> Assignment:
+    rng = random.Random(seed)
+    n = len(sends)
+    trials = max(1, min(64, budget // (n * n + 1)))
+    best: tuple[float, Assignment] | None = None
+    for _ in range(trials):
+        order = list(range(n))
+        rng.shuffle(order)
+        load: dict[tuple[str, int], int] = defaultdict(int)
+        dev_load: dict[int, int] = defaultdict(int)
+        pending = order
+        plan: Assignment = []
+        total = 0
+        while pending:
+            busy: set[tuple[str, int]] = set()
+            rest = []
+            longest = 0
+            for i in pending:
+                s = sends[i]
+                fixed = ports.fixed[i]
+                if any(p in busy for p in fixed):
+                    rest.append(i)
+                    continue
+                by_nic = {p: d for p, d in _holders_by_nic(s, ports).items() if p not in busy}
+                if not by_nic:
+                    rest.append(i)
+                    continue
+                nic = min(by_nic, key=lambda p: (load[p], p))
+                dev = _pick_device(by_nic[nic], dev_load)
+                load[nic] += s.nbytes
+                dev_load[dev] += s.nbytes
+                busy.add(nic)
+                busy.update(fixed)
+                plan.append((i, s.region, dev))
+                longest = max(longest, s.nbytes)
+            total += longest
+            pending = rest
+        if best is None or total < best[0]:
+            best = (total, plan)
+    assert best is not None
+    return best[1]
+
+
+def _search(
+    sends: Sequence[Send], ports: _Ports, *, budget: int
+) -> tuple[Assignment, dict[str, Any]]:
+    """Branch and bound over each send's sender NIC, minimizing the peak port load."""
+    order = sorted(range(len(sends)), key=lambda i: (-sends[i].nbytes, i))
+    choices = [sorted(_holders_by_nic(sends[i], ports)) for i in order]
+    load: dict[tuple[str, int], int] = defaultdict(int, ports.fixed_load)
+    base_peak = max(load.values(), default=0)
+    # Start from the size-greedy answer: a good incumbent makes the prune bite early.
+    greedy_pick: list[tuple[str, int]] = []
+    for k, i in enumerate(order):
+        nic = min(choices[k], key=lambda p: (load[p], p))
+        greedy_pick.append(nic)
+        load[nic] += sends[i].nbytes
+    best_peak = max(max(load.values(), default=0), base_peak)
+    best = list(greedy_pick)
+    for nic, i in zip(greedy_pick, order):
+        load[nic] -= sends[i].nbytes
+    # Lower bound of the rest: the remaining bytes spread perfectly over the out ports.
+    out_ports = sorted({p for c in choices for p in c})
+    suffix = [0] * (len(order) + 1)
+    for k in range(len(order) - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + sends[order[k]].nbytes
+    nodes = 0
+    pick: list[tuple[str, int]] = []
+
+    def bound(k: int, peak: int) -> float:
+        spread = (sum(load[p] for p in out_ports) + suffix[k]) / len(out_ports)
+        return max(peak, spread)
+
+    def dfs(k: int, peak: int) -> None:
+        nonlocal nodes, best_peak, best
+        nodes += 1
+        if nodes > budget:
+            return
+        if k == len(order):
+            if peak < best_peak:
+                best_peak, best = peak, list(pick)
+            return
+        if bound(k, peak) >= best_peak:
+            return
+        size = sends[order[k]].nbytes
+        for nic in sorted(choices[k], key=lambda p: (load[p], p)):
+            load[nic] += size
+            pick.append(nic)
+            dfs(k + 1, max(peak, load[nic]))
+            pick.pop()
+            load[nic] -= size
+
+    dfs(0, base_peak)
+    dev_load: dict[int, int] = defaultdict(int)
+    assignment: Assignment = [(0, sends[0].region, 0)] * len(sends)
+    for nic, i in zip(best, order):
+        dev = _pick_device(_holders_by_nic(sends[i], ports)[nic], dev_load)
+        dev_load[dev] += sends[i].nbytes
+        assignment[i] = (i, sends[i].region, dev)
+    return assignment, {"search_nodes": min(nodes, budget), "search_complete": nodes <= budget}
+
+
+def _water_fill(levels: Sequence[float], amount: float) -> list[float]:
+    """Pour ``amount`` onto bins at ``levels``, filling the lowest first; returns the shares."""
+    order = sorted(range(len(levels)), key=lambda k: levels[k])
+    share = [0.0] * len(levels)
+    filled = 0.0
+    k = 0
+    level = levels[order[0]]
+    while k < len(order):
+        k += 1
+        nxt = levels[order[k]] if k < len(order) else float("inf")
+        need = (nxt - level) * k
+        if filled + need >= amount:
+            level += (amount - filled) / k
+            break
+        filled += need
+        level = nxt
+    for j in order[:k]:
+        share[j] = max(0.0, level - levels[j])
+    return share
+
+
+def _split_assignment(
+    sends: Sequence[Send], ports: _Ports, *, passes: int, min_piece: float
+) -> Assignment:
+    """Water-fill every send over its holders' NICs, then cut the region to match.
+
+    Re-pouring each send against the others is block coordinate descent on the sum of squared
+    NIC loads, whose minimum is the lexicographically balanced load vector, so the peak NIC load
+    falls to the splittable optimum; ``min_piece`` (a fraction of the send) stops tiny pieces
+    whose latency would cost more than the balance gains.
+    """
+    load: dict[tuple[str, int], float] = defaultdict(float)
+    for p, b in ports.fixed_load.items():
+        load[p] = float(b)
+    nics = [sorted(_holders_by_nic(s, ports)) for s in sends]
+    share: list[list[float]] = [[0.0] * len(n) for n in nics]
+    order = sorted(range(len(sends)), key=lambda i: (-sends[i].nbytes, i))
+    for _ in range(passes):
+        for i in order:
+            for nic, x in zip(nics[i], share[i]):
+                load[nic] -= x
+            share[i] = _water_fill([load[p] for p in nics[i]], float(sends[i].nbytes))
+            for nic, x in zip(nics[i], share[i]):
+                load[nic] += x
+    dev_load: dict[int, int] = defaultdict(int)
+    out: Assignment = []
+    for i, s in enumerate(sends):
+        keep = [(nic, x) for nic, x in zip(nics[i], share[i]) if x >= min_piece * s.nbytes]
+        if not keep:
+            keep = [max(zip(nics[i], share[i]), key=lambda t: t[1])]
+        pieces = split_region(s.region, [x for _, x in keep])
+        by_nic = _holders_by_nic(s, ports)
+        for (nic, _), piece in zip(keep, pieces):
+            if is_empty(piece):
+                continue
+            dev = _pick_device(by_nic[nic], dev_load)
+            dev_load[dev] += volume(piece)
+            out.append((i, piece, dev))
+    return out
+
+
+def _cut_pieces(assignment: Assignment, sends: Sequence[Send], cap: float) -> Assignment:
+    """Cut every piece larger than ``cap`` bytes into equal parts (same sender)."""
+    out: Assignment = []
+    for i, piece, dev in assignment:
+        nbytes = volume(piece) * sends[i].nbytes / max(1, volume(sends[i].region))
+        parts = max(1, min(int(nbytes // cap) + (nbytes % cap > 0), 64))
+        out += [(i, p, dev) for p in split_region(piece, [1.0] * parts) if not is_empty(p)]
+    return out
+
+
+# Priority rules for the list schedule, as sort keys over (max port work left, sum of port
+# work left, piece bytes). Most-remaining-work first is the classic open-shop rule; the
+# variants break its ties differently, which matters when ports are exactly balanced.
+_RULES = (
+    lambda mx, sm, b: (-mx, -sm, -b),
+    lambda mx, sm, b: (-mx, -sm, b),
+    lambda mx, sm, b: (-sm, -mx, -b),
+)
+
+
+def _list_schedule(
+    assignment: Assignment, sends: Sequence[Send], ports: _Ports, *, budget: int = 0
+) -> Assignment:
+    """Order pieces as a list schedule in which every NIC port serves one piece at a time.
+
+    Whenever ports free up, waiting pieces start in priority order if their ports and devices
+    are free; the launch order is the start order. The first rule always runs; the others
+    run while ``len(assignment)**2`` fits in ``budget``; the shortest schedule wins.
+    """
+    if not assignment:
+        return []
+    n = len(assignment)
+    rules = _RULES if n * n * len(_RULES) <= budget else _RULES[:1]
+    best: tuple[float, list[int]] | None = None
+    for rule in rules:
+        makespan, order = _list_schedule_once(assignment, sends, ports, rule)
+        if best is None or makespan < best[0]:
+            best = (makespan, order)
+    assert best is not None
+    return [assignment[k] for k in best[1]]
+
+
+def _list_schedule_once(assignment, sends, ports, rule) -> tuple[float, list[int]]:
+    bw = ports.cluster.nic_bytes_per_s
+    nbytes = [
+        volume(piece) * sends[i].nbytes / max(1, volume(sends[i].region))
+        for i, piece, _ in assignment
+    ]
+    need = [(ports.out(dev), *ports.fixed[i]) for (i, _, dev) in assignment]
+    devs = [(dev, *sends[i].receivers) for (i, _, dev) in assignment]
+    left: dict[tuple[str, int], float] = defaultdict(float)
+    for ps, b in zip(need, nbytes):
+        for p in ps:
+            left[p] += b
+    busy_until: dict[object, float] = defaultdict(float)
+    pending = list(range(len(assignment)))
+    ordered: list[int] = []
+    now = makespan = 0.0
+    events: list[float] = []
+    while pending:
+        free = [
+            k for k in pending
+            if all(busy_until[x] <= now for x in need[k])
+            and all(busy_until[x] <= now for x in devs[k])
+        ]
+        free.sort(key=lambda k: (*rule(max(left[p] for p in need[k]),
+                                       sum(left[p] for p in need[k]), nbytes[k]), k))
+        started = set()
+        for k in free:
+            keys = (*need[k], *devs[k])
+            if any(busy_until[x] > now for x in keys):
+                continue
+            end = now + nbytes[k] / bw
+            makespan = max(makespan, end)
+            for x in keys:
+                busy_until[x] = end
+            for p in need[k]:
+                left[p] -= nbytes[k]
+            heapq.heappush(events, end)
+            ordered.append(k)
+            started.add(k)
+        pending = [k for k in pending if k not in started]
+        if pending:
+            while events and events[0] <= now:
+                heapq.heappop(events)
+            now = heapq.heappop(events) if events else now
+    return makespan, ordered
+
+
+def _transfers(pieces: Pieces, itemsize: Sequence[int]):
+    from .plan import Transfer
+
+    return [
+        Transfer(piece, dev, receivers, volume(piece) * itemsize[i], after)
+        for i, piece, dev, receivers, after in pieces
+    ]
+
+
+def _replay(pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]) -> float:
+    return max(x.end for x in CostModel(cluster).run(_transfers(pieces, itemsize)))
+
+
+def _fluid_order(
+    pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]
+) -> tuple[Pieces, float]:
+    """Reorder pieces by list-scheduling them in the cost model itself.
+
+    Whenever devices free up, the piece whose busiest NIC port has the most bytes still to
+    carry starts first (most-remaining-work rule); the run's makespan is the estimate.
+    """
+    model = CostModel(cluster)
+    transfers = _transfers(pieces, itemsize)
+    costs = [model.transfer_cost(t) for t in transfers]
+    nic_ports = [[p for p in c.ports if p[0] in (NIC_OUT, NIC_IN)] for c in costs]
+    left: dict[tuple[str, int], float] = defaultdict(float)
+    for c, ps in zip(costs, nic_ports):
+        for p in ps:
+            left[p] += c.nbytes
+
+    def key(i: int) -> tuple[float, float, int]:
+        return (-max((left[p] for p in nic_ports[i]), default=0.0), -costs[i].nbytes, i)
+
+    def on_start(i: int) -> None:
+        for p in nic_ports[i]:
+            left[p] -= costs[i].nbytes
+
+    order, timings = model.list_schedule(costs, [t.devices for t in transfers], key, on_start)
+    return [pieces[i] for i in order], max(x.end for x in timings)
+
+
+def _nic_exclusive(pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]) -> Pieces:
+    """Make each NIC port serve one piece at a time, in launch order.
+
+    Every piece waits for the previous piece on each of its NIC ports (``after``), unless
+    the two already share a device (the device's stream orders them anyway). Replayed by the
+    cost model this is the exclusive-port schedule the list scheduler planned, with no
+    bandwidth sharing between pieces that would stretch both.
+    """
+    model = CostModel(cluster)
+    last_on: dict[tuple[str, int], int] = {}
+    out: Pieces = []
+    for k, (i, piece, dev, receivers, _) in enumerate(pieces):
+        t_devices = {dev, *receivers}
+        deps = []
+        cost = model.cost_of(dev, receivers, volume(piece) * itemsize[i])
+        for p in cost.ports:
+            if p[0] not in (NIC_OUT, NIC_IN):
+                continue
+            j = last_on.get(p)
+            if j is not None and t_devices.isdisjoint({out[j][2], *out[j][3]}):
+                deps.append(j)
+            last_on[p] = k
+        out.append((i, piece, dev, receivers, tuple(sorted(set(deps)))))
+    return out
+
+
+def _per_host(sends: Sequence[Send], cluster: Cluster) -> tuple[list[Send], list[int]]:
+    """One send per receiving host: shorter chains, at the price of more sender egress."""
+    out: list[Send] = []
+    origin: list[int] = []
+    for i, s in enumerate(sends):
+        groups: dict[int, list[int]] = {}
+        for r in s.receivers:
+            groups.setdefault(cluster.host_of(r), []).append(r)
+        for receivers in groups.values():
+            out.append(Send(s.region, s.nbytes, s.holders, tuple(receivers)))
+            origin.append(i)
+    return out, origin
+
+
+def _auto(
+    sends: Sequence[Send], cluster: Cluster, *, seed: int, budget: int
+) -> tuple[Pieces, dict[str, Any]]:
+    """Build candidates and keep the one the cost model says is fastest (ties: fewest pieces).
+
+    Candidates, best-first: water-filled split (fine, default, coarse pieces), then the
+    search, greedy and size assignments — each for chains over all receiving hosts and, when a
+    send reaches several hosts, for one chain per host; each in list-schedule order, with
+    exclusive NIC ports, and in the cost model's own list-schedule order. Costing a candidate
+    of k pieces spends ``k * k // 64 + k`` work units of ``budget`` (the fluid run is about
+    quadratic); when even the first cannot be afforded it is returned uncosted.
+    """
+    itemsize = [s.nbytes // max(1, volume(s.region)) for s in sends]
+    variants = [("chain", list(sends), list(range(len(sends))))]
+    if any(len({cluster.host_of(r) for r in s.receivers}) > 1 for s in sends):
+        variants.append(("per-host", *_per_host(sends, cluster)))
+
+    def builders(vsends: list[Send], origin: list[int]):
+        ports = _Ports(vsends, cluster)
+
+        def lift(assignment: Assignment) -> Pieces:
+            return [(origin[i], piece, dev, vsends[i].receivers, ())
+                    for i, piece, dev in assignment]
+
+        base = _split_assignment(vsends, ports, passes=8, min_piece=0.02)
+        yield "split", lambda: lift(_list_schedule(base, vsends, ports, budget=budget))
+        # Finer pieces let the list schedule pack ports tightly (near-preemptive open shop);
+        # each costs one more latency, so cap them at a fraction of the busiest port's work.
+        cap = max(ports.fixed_load.values(), default=0) / 16
+        if cap > 0:
+            yield "split-fine", lambda: lift(
+                _list_schedule(_cut_pieces(base, vsends, cap), vsends, ports, budget=budget))
+        yield "split-coarse", lambda: lift(_list_schedule(
+            _split_assignment(vsends, ports, passes=8, min_piece=0.15), vsends, ports,
+            budget=budget))
+        yield "search", lambda: lift(
+            _list_schedule(_search(vsends, ports, budget=budget)[0], vsends, ports, budget=budget))
+        yield "greedy", lambda: lift(_greedy_rounds(vsends, ports, seed=seed, budget=budget))
+        yield "size", lambda: lift(_by_size(vsends, ports))
+
+    left = budget
+    best: tuple[tuple[float, int], str, Pieces] | None = None
+    first: Pieces | None = None
+    estimates: dict[str, float] = {}
+    for label, vsends, origin in variants:
+        for name, build in builders(vsends, origin):
+            k = len(vsends)
+            unit = k * k // 64 + k
+            if first is not None and left < 3 * unit:
+                break
+            cand = build()
+            if first is None:
+                first = cand
+                if left < 3 * unit:
+                    return first, {"auto_choice": f"{label}/{name} (uncosted: over budget)"}
+            left -= 3 * unit
+            exclusive = _nic_exclusive(cand, cluster, itemsize)
+            for suffix, (ordered, t) in (
+                ("", (cand, _replay(cand, cluster, itemsize))),
+                ("+exclusive", (exclusive, _replay(exclusive, cluster, itemsize))),
+                ("+fluid", _fluid_order(cand, cluster, itemsize)),
+            ):
+                estimates[f"{label}/{name}{suffix}"] = t
+                key = (t, len(ordered))
+                if best is None or key < best[0]:
+                    best = (key, f"{label}/{name}{suffix}", ordered)
+    assert best is not None
+    return best[2], {"auto_choice": best[1], "auto_estimates": estimates}

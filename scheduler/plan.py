@@ -1,0 +1,254 @@
+"""The resharding plan: a value listing transfers in launch order."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import PlanError
+from .regions import Region, contains, fmt_region, volume
+from .sharding import Sharding
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Send ``region`` from ``sender`` to every device in ``receivers``.
+
+    One receiver is a point-to-point copy; several are one (pipelined, chained) broadcast.
+    ``receivers == (sender,)`` is a local copy from the device's source shard into its
+    destination buffer. ``after`` names earlier transfers (plan indices) that must end before
+    this one starts, beyond the FIFO order of each device's stream: the planner uses it to
+    keep a NIC serving one transfer at a time where its schedule says so (a runtime waits on
+    their completion events).
+    """
+
+    region: Region
+    sender: int
+    receivers: tuple[int, ...]
+    nbytes: int
+    after: tuple[int, ...] = ()
+
+    @property
+    def is_local_copy(self) -> bool:
+        return self.receivers == (self.sender,)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device taking part, sender first."""
+        if self.is_local_copy:
+            return (self.sender,)
+        return (self.sender, *self.receivers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "region": [list(p) for p in self.region],
+            "sender": self.sender,
+            "receivers": list(self.receivers),
+            "nbytes": self.nbytes,
+            **({"after": list(self.after)} if self.after else {}),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Transfer:
+        return cls(
+            region=tuple((int(a), int(b)) for a, b in data["region"]),
+            sender=int(data["sender"]),
+            receivers=tuple(int(r) for r in data["receivers"]),
+            nbytes=int(data["nbytes"]),
+            after=tuple(int(j) for j in data.get("after", ())),
+        )
+
+    def __str__(self) -> str:
+        if self.is_local_copy:
+            return f"copy {fmt_region(self.region)} on {self.sender} ({self.nbytes} B)"
+        to = ",".join(map(str, self.receivers))
+        dep = f" after {','.join(map(str, self.after))}" if self.after else ""
+        return f"{fmt_region(self.region)} {self.sender} -> {to} ({self.nbytes} B){dep}"
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """Transfers, in launch order, that move a tensor from layout ``src`` to layout ``dst``."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    src: Sharding
+    dst: Sharding
+    transfers: tuple[Transfer, ...]
+    strategy: str
+    balance: str
+    stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved, counting each receiver of a broadcast once (local copies included)."""
+        return sum(t.nbytes * len(t.receivers) for t in self.transfers)
+
+    def estimate(self, cluster: Cluster) -> float:
+        """Seconds to run the plan on ``cluster`` under the project's cost model."""
+        from .cost import CostModel
+
+        return CostModel(cluster).plan_time(self)
+
+    def network_bytes(self, cluster: Cluster) -> int:
+        """Bytes crossing NICs (each chain hop between hosts counts once)."""
+        from .cost import CostModel
+
+        return CostModel(cluster).network_bytes(self)
+
+    # ---- invariants ----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise :class:`PlanError` unless the plan is correct.
+
+        Every sender holds the whole region when its transfer starts (from the source layout
+        or an earlier transfer), and afterwards every destination device has received exactly
+        its destination region, each element once. Exact, by coordinate compression: cheap
+        even for huge tensors.
+        """
+        rank = len(self.shape)
+        src_regions = self.src.device_regions(self.shape)
+        dst_regions = self.dst.device_regions(self.shape)
+        cuts: list[set[int]] = [{0, n} for n in self.shape]
+        for region in (*src_regions.values(), *dst_regions.values(),
+                       *(t.region for t in self.transfers)):
+            for d, (a, b) in enumerate(region):
+                cuts[d].update((a, b))
+        axes = [np.array(sorted(c)) for c in cuts]
+        grid = tuple(max(len(a) - 1, 0) for a in axes)
+
+        def cells(region: Region) -> tuple[slice, ...]:
+            return tuple(
+                slice(int(np.searchsorted(axes[d], a)), int(np.searchsorted(axes[d], b)))
+                for d, (a, b) in enumerate(region)
+            )
+
+        held: dict[int, np.ndarray] = {}
+        got: dict[int, np.ndarray] = {}
+
+        def holding(dev: int) -> np.ndarray:
+            if dev not in held:
+                h = np.zeros(grid, dtype=bool)
+                if dev in src_regions:
+                    h[cells(src_regions[dev])] = True
+                held[dev] = h
+            return held[dev]
+
+        for i, t in enumerate(self.transfers):
+            if len(t.region) != rank:
+                raise PlanError(f"transfer {i} ({t}): region rank != tensor rank {rank}")
+            if t.nbytes != volume(t.region) * self.itemsize:
+                raise PlanError(f"transfer {i} ({t}): nbytes != region volume × itemsize")
+            if any(not 0 <= j < i for j in t.after):
+                raise PlanError(f"transfer {i} ({t}): 'after' must name earlier transfers")
+            if not all(0 <= a <= b <= n for (a, b), n in zip(t.region, self.shape)):
+                raise PlanError(f"transfer {i} ({t}): region outside shape {self.shape}")
+            box = cells(t.region)
+            if not holding(t.sender)[box].all():
+                raise PlanError(f"transfer {i} ({t}): sender {t.sender} does not hold the region")
+            if len(set(t.receivers)) != len(t.receivers):
+                raise PlanError(f"transfer {i} ({t}): repeated receiver")
+            if t.sender in t.receivers and not t.is_local_copy:
+                raise PlanError(f"transfer {i} ({t}): sender also listed as a broadcast receiver")
+            for r in t.receivers:
+                if r not in dst_regions or not contains(dst_regions[r], t.region):
+                    raise PlanError(
+                        f"transfer {i} ({t}): receiver {r} does not need region "
+                        f"{fmt_region(t.region)} (its destination region is "
+                        f"{fmt_region(dst_regions[r]) if r in dst_regions else 'none'})"
+                    )
+                g = got.setdefault(r, np.zeros(grid, dtype=np.int32))
+                g[box] += 1
+                holding(r)[box] = True
+        for dev, region in dst_regions.items():
+            want = np.zeros(grid, dtype=np.int32)
+            want[cells(region)] = 1
+            have = got.get(dev, np.zeros(grid, dtype=np.int32))
+            if not np.array_equal(have, want):
+                missing = int(((have == 0) & (want == 1)).sum())
+                twice = int((have > 1).sum())
+                raise PlanError(
+                    f"device {dev}: destination region {fmt_region(region)} not delivered "
+                    f"exactly once ({missing} cell(s) missing, {twice} delivered more than once)"
+                )
+
+    # ---- reporting -----------------------------------------------------------------------
+
+    def summary(self, cluster: Cluster | None = None) -> str:
+        kinds = Counter(
+            "local copy" if t.is_local_copy else ("send/recv" if len(t.receivers) == 1
+                                                 else "broadcast")
+            for t in self.transfers
+        )
+        lines = [
+            f"ReshardPlan {self.shape} {self.dtype}: {self.src.spec!r} on {self.src.mesh!r}",
+            f"  -> {self.dst.spec!r} on {self.dst.mesh!r}",
+            f"  strategy={self.strategy} balance={self.balance}: {len(self.transfers)} transfers ("
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")",
+            f"  bytes delivered: {_fmt_bytes(self.nbytes)}",
+        ]
+        if cluster is not None:
+            from .cost import CostModel, lower_bound_for
+
+            model = CostModel(cluster)
+            est = model.plan_time(self)
+            lb = lower_bound_for(self.shape, self.dtype, self.src, self.dst, cluster)
+            lines.append(f"  network bytes: {_fmt_bytes(model.network_bytes(self))}")
+            ratio = est / lb if lb > 0 else float("nan")
+            lines.append(
+                f"  estimate {est * 1e3:.2f} ms, lower bound {lb * 1e3:.2f} ms, ratio {ratio:.3f}"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "shape": list(self.shape),
+                "dtype": self.dtype,
+                "src": self.src.to_json(),
+                "dst": self.dst.to_json(),
+                "strategy": self.strategy,
+                "balance": self.balance,
+                "transfers": [t.to_json() for t in self.transfers],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ReshardPlan:
+        data = json.loads(text)
+        return cls(
+            shape=tuple(int(n) for n in data["shape"]),
+            dtype=str(data["dtype"]),
+            src=Sharding.from_json(data["src"]),
+            dst=Sharding.from_json(data["dst"]),
+            transfers=tuple(Transfer.from_json(t) for t in data["transfers"]),
+            strategy=data["strategy"],
+            balance=data["balance"],
+        )
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def transfers_text(transfers: Sequence[Transfer]) -> str:
+    return "\n".join(f"{i:4d}  {t}" for i, t in enumerate(transfers))

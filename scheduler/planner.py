@@ -1,0 +1,133 @@
+"""Cross-mesh resharding planner: unit tasks -> strategy -> sender choice and order -> plan.
+
+1. :func:`~scheduler.tasks.unit_tasks` cuts the tensor into boxes with their holders and
+   needers.
+2. Needs served without the network come first: a device that holds a box copies it locally;
+   devices on a host where some device holds the box get it over NVLink from that holder.
+3. The rest needs the network. The strategy turns each such box into *sends* (a region, the
+   devices that could send it, its receivers): ``send_recv`` one per receiver,
+   ``broadcast`` one chained broadcast to every receiver, ``local_allgather`` one slice per
+   receiver of a host followed by an NVLink all-gather inside that host.
+4. The balance mode (``scheduler.balance``) picks a sender for each send — possibly cutting a
+   send into pieces that different holders send — and the launch order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .balance import BALANCES, Send, balance_sends
+from .cluster import Cluster
+from .plan import ReshardPlan, Transfer
+from .regions import Region, is_empty, split_region, volume
+from .sharding import Sharding
+from .tasks import check_dtype, unit_tasks
+
+STRATEGIES = ("send_recv", "local_allgather", "broadcast")
+
+
+@dataclass(frozen=True)
+class _Decomposed:
+    before: list[Transfer]  # local work that needs no network, launched first
+    sends: list[Send]
+    after: list[tuple[int, Region, tuple[int, ...]]]  # (send index, piece, local receivers)
+
+
+def plan_resharding(
+    shape: Sequence[int],
+    dtype: object,
+    src: Sharding,
+    dst: Sharding,
+    cluster: Cluster,
+    *,
+    strategy: str = "broadcast",
+    balance: str = "auto",
+    seed: int = 0,
+    budget: int = 200_000,
+) -> ReshardPlan:
+    """Plan moving a ``shape``/``dtype`` tensor from layout ``src`` to layout ``dst``.
+
+    Args:
+        strategy: ``"send_recv"``, ``"local_allgather"`` or ``"broadcast"`` (see module doc).
+        balance: ``"none"``, ``"size"``, ``"greedy"``, ``"search"`` or ``"auto"``
+            (see :mod:`scheduler.balance`).
+        seed: seeds the randomized balancers; same inputs, same plan.
+        budget: work units (search nodes, candidate evaluations) the balancers may spend;
+            never wall-clock time, so a plan does not depend on machine load.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: unknown {strategy!r}; choose one of {STRATEGIES}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance: unknown {balance!r}; choose one of {BALANCES}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, got {seed!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget: expected an int >= 1, got {budget!r}")
+    dt = check_dtype(dtype)
+    tasks = unit_tasks(shape, dt, src, dst, cluster)
+    parts = _decompose(tasks, dt.itemsize, cluster, strategy)
+    ordered, stats = balance_sends(parts.sends, cluster, balance, seed=seed, budget=budget)
+    transfers = list(parts.before)
+    offset = len(transfers)
+    for _, region, sender, receivers, after in ordered:
+        transfers.append(
+            Transfer(region, sender, receivers, volume(region) * dt.itemsize,
+                     tuple(offset + j for j in after))
+        )
+    for idx, region, local in parts.after:
+        # The all-gather step of local_allgather: the slice's receiver forwards it on-host.
+        owner = parts.sends[idx].receivers[0]
+        transfers.append(Transfer(region, owner, local, volume(region) * dt.itemsize))
+    return ReshardPlan(
+        shape=tuple(int(n) for n in shape),
+        dtype=dt.name,
+        src=src,
+        dst=dst,
+        transfers=tuple(transfers),
+        strategy=strategy,
+        balance=balance,
+        stats=stats,
+    )
+
+
+def _decompose(tasks, itemsize: int, cluster: Cluster, strategy: str) -> _Decomposed:
+    before: list[Transfer] = []
+    sends: list[Send] = []
+    after: list[tuple[int, Region, tuple[int, ...]]] = []
+    nvlink_load: dict[int, int] = {}
+    for task in tasks:
+        holders = set(task.holders)
+        holder_hosts: dict[int, list[int]] = {}
+        for h in task.holders:
+            holder_hosts.setdefault(cluster.host_of(h), []).append(h)
+        remote: dict[int, list[int]] = {}
+        on_host: dict[int, list[int]] = {}
+        for r in task.needers:
+            if r in holders:
+                before.append(Transfer(task.region, r, (r,), task.nbytes))
+                continue
+            host = cluster.host_of(r)
+            (on_host if host in holder_hosts else remote).setdefault(host, []).append(r)
+        for host, receivers in on_host.items():
+            # The least-used holder on the host forwards over NVLink.
+            sender = min(holder_hosts[host], key=lambda d: (nvlink_load.get(d, 0), d))
+            nvlink_load[sender] = nvlink_load.get(sender, 0) + task.nbytes * len(receivers)
+            groups = [(r,) for r in receivers] if strategy == "send_recv" else [tuple(receivers)]
+            before += [Transfer(task.region, sender, g, task.nbytes) for g in groups]
+        if not remote:
+            continue
+        if strategy == "broadcast":
+            receivers = tuple(r for rs in remote.values() for r in rs)
+            sends.append(Send(task.region, task.nbytes, task.holders, receivers))
+            continue
+        for receivers in remote.values():
+            slices = split_region(task.region, [1.0] * len(receivers))
+            if strategy == "send_recv" or len(receivers) == 1 or any(map(is_empty, slices)):
+                sends += [Send(task.region, task.nbytes, task.holders, (r,)) for r in receivers]
+                continue
+            for i, (r, piece) in enumerate(zip(receivers, slices)):
+                sends.append(Send(piece, volume(piece) * itemsize, task.holders, (r,)))
+                others = tuple(receivers[:i] + receivers[i + 1 :])
+                after.append((len(sends) - 1, piece, others))
+    return _Decomposed(before, sends, after)

@@ -1,0 +1,56 @@
+"""Regions: half-open boxes of a global tensor, ``((start, stop), ...)`` one pair per dim."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+Region = tuple[tuple[int, int], ...]
+
+
+def volume(region: Region) -> int:
+    return math.prod(max(0, b - a) for a, b in region)
+
+
+def is_empty(region: Region) -> bool:
+    return any(b <= a for a, b in region)
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    """The common box of ``a`` and ``b``, or None when they do not overlap."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return None if is_empty(out) else out
+
+
+def contains(outer: Region, inner: Region) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
+def full_region(shape: Sequence[int]) -> Region:
+    return tuple((0, int(n)) for n in shape)
+
+
+def split_region(region: Region, weights: Sequence[float]) -> list[Region]:
+    """Cut ``region`` along its longest dim into consecutive pieces sized by ``weights``.
+
+    Cut points are rounded to whole elements; pieces that round to nothing are dropped, so
+    the result has at most ``len(weights)`` non-empty boxes that tile ``region`` exactly.
+    Returns one list entry per weight (an empty-region entry is ``None``-free: callers get
+    the box or an empty box they can skip with :func:`is_empty`).
+    """
+    dim = max(range(len(region)), key=lambda d: region[d][1] - region[d][0])
+    start, stop = region[dim]
+    total = float(sum(weights))
+    cuts = [start]
+    acc = 0.0
+    for w in weights[:-1]:
+        acc += w
+        cuts.append(start + round((stop - start) * acc / total))
+    cuts.append(stop)
+    return [
+        region[:dim] + ((lo, hi),) + region[dim + 1 :] for lo, hi in zip(cuts[:-1], cuts[1:])
+    ]
+
+
+def fmt_region(region: Region) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in region) + "]"

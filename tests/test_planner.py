@@ -1,0 +1,341 @@
+"""Concrete resharding plans: shapes of the plans each strategy makes, and the cost targets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scheduler import (
+    BALANCES,
+    STRATEGIES,
+    Cluster,
+    DeviceMesh,
+    P,
+    ReshardPlan,
+    Sharding,
+    Transfer,
+    lower_bound,
+    paper_model_time,
+    plan_resharding,
+)
+from scheduler.suites import paper_suite, random_suite
+
+ROOT = Path(__file__).resolve().parents[1]
+
+P3 = Cluster.preset("p3.8xlarge", 2)
+ONE_GPU = Sharding(DeviceMesh([[0]], ("host", "gpu")), P())
+HOST1_REPLICATED = Sharding(P3.mesh([1]), P())
+
+
+def _paper_cases():
+    return paper_suite()
+
+
+PAPER = _paper_cases()
+PAPER_IDS = [c.name for c in PAPER]
+
+
+def _covered(regions, shape):
+    count = np.zeros(shape, dtype=int)
+    for r in regions:
+        count[tuple(slice(a, b) for a, b in r)] += 1
+    return count
+
+
+# ---- shapes of plans ----------------------------------------------------------------------
+
+
+def test_broadcast_auto_one_to_four_is_one_broadcast():
+    plan = plan_resharding((64, 32), "float32", ONE_GPU, HOST1_REPLICATED, P3,
+                           strategy="broadcast", balance="auto")
+    plan.check()
+    assert len(plan.transfers) == 1
+    (t,) = plan.transfers
+    assert t.sender == 0
+    assert sorted(t.receivers) == [4, 5, 6, 7]
+    assert t.region == ((0, 64), (0, 32))
+    assert t.nbytes == 64 * 32 * 4
+    assert plan.nbytes == 4 * t.nbytes
+    # A chain crosses the network once, then stays on host 1.
+    assert plan.network_bytes(P3) == t.nbytes
+
+
+def test_broadcast_estimate_matches_alpha_beta_formula():
+    # One chain 0 -> 4,5,6,7 of B bytes: network latency + 3 NVLink latencies + B over the
+    # 10 Gbps NIC + pipeline fill of one 512 KiB chunk over three NVLink hops.
+    shape = (1 << 20,)
+    plan = plan_resharding(shape, "float32", Sharding(DeviceMesh([[0]], ("host", "gpu")), P()),
+                           HOST1_REPLICATED, P3, strategy="broadcast", balance="auto")
+    (t,) = plan.transfers
+    nbytes = 4 << 20
+    chunk = 512 << 10
+    expect = (40e-6 + 3 * 5e-6 + nbytes / (10e9 / 8) + 3 * chunk / (640e9 / 8))
+    assert t.nbytes == nbytes
+    assert plan.estimate(P3) == pytest.approx(expect, rel=1e-9)
+    assert paper_model_time(plan, P3) == pytest.approx(nbytes / (10e9 / 8), rel=1e-12)
+
+
+def test_point_to_point_estimate():
+    src = Sharding(DeviceMesh([0], "x"), P())
+    dst = Sharding(DeviceMesh([5], "x"), P())
+    plan = plan_resharding((1000,), "int64", src, dst, P3, strategy="send_recv", balance="none")
+    assert [(t.sender, t.receivers) for t in plan.transfers] == [(0, (5,))]
+    assert plan.estimate(P3) == pytest.approx(40e-6 + 8000 / 1.25e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("balance", BALANCES)
+@pytest.mark.parametrize("case", PAPER[:8], ids=PAPER_IDS[:8])
+def test_send_recv_only_point_to_point(case, balance):
+    plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
+                           strategy="send_recv", balance=balance)
+    assert plan.transfers
+    assert all(len(t.receivers) == 1 for t in plan.transfers)
+
+
+def test_send_recv_one_to_four():
+    plan = plan_resharding((64, 32), "float32", ONE_GPU, HOST1_REPLICATED, P3,
+                           strategy="send_recv", balance="auto")
+    plan.check()
+    assert sorted((t.sender, t.receivers) for t in plan.transfers) == [
+        (0, (4,)), (0, (5,)), (0, (6,)), (0, (7,))
+    ]
+    assert all(t.region == ((0, 64), (0, 32)) for t in plan.transfers)
+    assert plan.network_bytes(P3) == 4 * 64 * 32 * 4
+
+
+@pytest.mark.parametrize("balance", BALANCES)
+def test_local_allgather_slices_then_gathers(balance):
+    shape = (64, 32)
+    plan = plan_resharding(shape, "float32", ONE_GPU, HOST1_REPLICATED, P3,
+                           strategy="local_allgather", balance=balance)
+    plan.check()
+    dst_host = set(P3.devices_of_host(1))
+    network = [t for t in plan.transfers if P3.host_of(t.sender) == 0]
+    local = [t for t in plan.transfers if P3.host_of(t.sender) == 1]
+    assert len(network) + len(local) == len(plan.transfers)
+    # Slices: one point-to-point send per receiving GPU, a quarter each, tiling the tensor.
+    assert len(network) == 4
+    assert all(t.sender == 0 and len(t.receivers) == 1 for t in network)
+    assert sorted(t.receivers[0] for t in network) == sorted(dst_host)
+    assert all(t.nbytes == 64 * 32 * 4 // 4 for t in network)
+    assert (_covered([t.region for t in network], shape) == 1).all()
+    # All-gather: each slice's owner forwards it to the three other GPUs of its host,
+    # after it got the slice.
+    assert len(local) == 4
+    owner = {t.region: t.receivers[0] for t in network}
+    for t in local:
+        assert t.sender == owner[t.region]
+        assert set(t.receivers) == dst_host - {t.sender}
+        assert plan.transfers.index(t) > max(
+            i for i, n in enumerate(plan.transfers) if n in network and n.region == t.region
+        )
+    # Only the slices cross the network: each byte once.
+    assert plan.network_bytes(P3) == 64 * 32 * 4
+
+
+def test_local_allgather_single_receiver_per_host_sends_whole_region():
+    src = Sharding(DeviceMesh([0], "x"), P())
+    dst = Sharding(DeviceMesh([4], "x"), P())
+    plan = plan_resharding((8, 4), "int32", src, dst, P3, strategy="local_allgather")
+    plan.check()
+    assert [(t.region, t.sender, t.receivers) for t in plan.transfers] == [
+        (((0, 8), (0, 4)), 0, (4,))
+    ]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_same_layout_is_all_local_copies(strategy):
+    mesh = P3.mesh([0, 1])
+    sh = Sharding(mesh, P("gpu", "host"))
+    plan = plan_resharding((8, 6), "float16", sh, sh, P3, strategy=strategy)
+    plan.check()
+    regions = sh.device_regions((8, 6))
+    assert len(plan.transfers) == 8
+    assert all(t.is_local_copy for t in plan.transfers)
+    assert {t.sender: t.region for t in plan.transfers} == regions
+    assert plan.network_bytes(P3) == 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_overlapping_meshes_make_local_copies(strategy):
+    # Devices 0..3 hold one row block each and must end up with the whole tensor.
+    mesh = DeviceMesh([0, 1, 2, 3], "x")
+    src = Sharding(mesh, P("x"))
+    dst = Sharding(mesh, P())
+    plan = plan_resharding((8, 2), "int32", src, dst, P3, strategy=strategy)
+    plan.check()
+    copies = [t for t in plan.transfers if t.is_local_copy]
+    assert {t.sender: t.region for t in copies} == src.device_regions((8, 2))
+    assert all(t.receivers == (t.sender,) for t in copies)
+    # Everything else stays on host 0, over NVLink.
+    assert plan.network_bytes(P3) == 0
+    others = [t for t in plan.transfers if not t.is_local_copy]
+    assert others and all(d in range(4) for t in others for d in t.devices)
+
+
+def test_partially_overlapping_meshes():
+    # src on host 0 (devices 0..3), dst on devices 2..5: devices 2 and 3 keep what they have.
+    src = Sharding(DeviceMesh([0, 1, 2, 3], "x"), P("x"))
+    dst = Sharding(DeviceMesh([2, 3, 4, 5], "x"), P("x"))
+    plan = plan_resharding((8,), "int32", src, dst, P3)
+    plan.check()
+    # dst device 2 needs [0:2] (held by 0), 3 needs [2:4] (held by 1), 4 needs [4:6] (held by 2),
+    # 5 needs [6:8] (held by 3); no device holds its own destination shard.
+    assert not any(t.is_local_copy for t in plan.transfers)
+    src2 = Sharding(DeviceMesh([2, 3, 4, 5], "x"), P("x"))
+    plan2 = plan_resharding((8,), "int32", src2, dst, P3)
+    plan2.check()
+    assert all(t.is_local_copy for t in plan2.transfers)
+    assert len(plan2.transfers) == 4
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("balance", BALANCES)
+@pytest.mark.parametrize("shape", [(0,), (4, 0), (0, 0, 3)])
+def test_zero_size_tensor_empty_plan(strategy, balance, shape):
+    src = Sharding(P3.mesh([0]), P("gpu"))
+    dst = Sharding(P3.mesh([1]), P(None, "gpu") if len(shape) > 1 else P())
+    plan = plan_resharding(shape, "float32", src, dst, P3, strategy=strategy, balance=balance)
+    assert plan.transfers == ()
+    assert plan.estimate(P3) == 0.0
+    assert plan.nbytes == 0
+    assert paper_model_time(plan, P3) == 0.0
+    assert lower_bound(shape, "float32", src, dst, P3) == 0.0
+    plan.check()
+
+
+def test_plan_records_inputs():
+    plan = plan_resharding([4, 4], np.float16, ONE_GPU, HOST1_REPLICATED, P3,
+                           strategy="send_recv", balance="size")
+    assert plan.shape == (4, 4)
+    assert plan.dtype == "float16"
+    assert plan.itemsize == 2
+    assert plan.src == ONE_GPU and plan.dst == HOST1_REPLICATED
+    assert (plan.strategy, plan.balance) == ("send_recv", "size")
+
+
+# ---- determinism and serialization --------------------------------------------------------
+
+DET_CASES = [PAPER[3], PAPER[5], *random_suite(2, seed=1)]
+
+
+@pytest.mark.parametrize("balance", ["greedy", "auto", "search"])
+@pytest.mark.parametrize("case", DET_CASES, ids=[c.name for c in DET_CASES])
+def test_deterministic(case, balance):
+    def make():
+        return plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
+                               strategy="broadcast", balance=balance, seed=3)
+
+    a, b = make(), make()
+    assert a.transfers == b.transfers
+    assert a == b
+
+
+_DETERMINISM_SCRIPT = """
+import sys
+from scheduler import plan_resharding
+from scheduler.suites import paper_suite
+out = []
+for c in [paper_suite()[i] for i in (2, 3, 5, 7)]:
+    for b in ("greedy", "auto"):
+        for s in ("broadcast", "local_allgather"):
+            p = plan_resharding(c.shape, c.dtype, c.src, c.dst, c.cluster, strategy=s, balance=b)
+            out.append(p.to_json())
+sys.stdout.write("\\n".join(out))
+"""
+
+
+def test_deterministic_across_processes_and_hash_seeds():
+    outs = []
+    for hash_seed in ("0", "12345"):
+        env = {k: v for k, v in os.environ.items() if k != "AUTO_FORCE"}
+        env["PYTHONHASHSEED"] = hash_seed
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        res = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120, check=True)
+        outs.append(res.stdout)
+    assert outs[0] and outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_json_round_trip(strategy):
+    case = PAPER[3]
+    plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
+                           strategy=strategy, balance="auto")
+    text = plan.to_json()
+    json.loads(text)  # valid JSON
+    back = ReshardPlan.from_json(text)
+    assert back.transfers == plan.transfers
+    assert all(isinstance(t, Transfer) for t in back.transfers)
+    assert back == plan
+    assert back.estimate(case.cluster) == plan.estimate(case.cluster)
+    back.check()
+    assert ReshardPlan.from_json(text.encode()).transfers == plan.transfers
+
+
+def test_transfer_json_round_trip():
+    t = Transfer(((1, 3), (0, 4)), 2, (5, 6), 32)
+    assert Transfer.from_json(json.loads(json.dumps(t.to_json()))) == t
+    local = Transfer(((0, 1),), 3, (3,), 4)
+    assert local.is_local_copy and local.devices == (3,)
+    assert t.devices == (2, 5, 6) and not t.is_local_copy
+
+
+def test_summary_mentions_estimate_and_lower_bound():
+    case = PAPER[2]
+    plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster)
+    text = plan.summary(case.cluster)
+    est = plan.estimate(case.cluster)
+    lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
+    assert "estimate" in text and "lower bound" in text
+    assert f"estimate {est * 1e3:.2f} ms" in text
+    assert f"lower bound {lb * 1e3:.2f} ms" in text
+    assert f"ratio {est / lb:.3f}" in text
+    assert "strategy=broadcast" in text and "balance=auto" in text
+    assert f"{len(plan.transfers)} transfers" in text
+    # Without a cluster there is nothing to estimate.
+    assert "estimate" not in plan.summary()
+    assert str(plan) == plan.summary()
+
+
+# ---- cost targets -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", PAPER, ids=PAPER_IDS)
+def test_estimate_at_least_lower_bound_paper_suite(case):
+    lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
+    assert lb > 0
+    for strategy in STRATEGIES:
+        for balance in BALANCES:
+            plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
+                                   strategy=strategy, balance=balance)
+            est = plan.estimate(case.cluster)
+            assert est >= lb * (1 - 1e-12), (strategy, balance, est, lb)
+
+
+@pytest.mark.parametrize("case", PAPER, ids=PAPER_IDS)
+def test_broadcast_auto_near_lower_bound_cost_model(case):
+    plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
+                           strategy="broadcast", balance="auto")
+    plan.check()
+    lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
+    est = plan.estimate(case.cluster)
+    assert est <= 1.05 * lb, f"{case.name}: estimate {est:.6f}s > 1.05 × lower bound {lb:.6f}s"
+
+
+@pytest.mark.parametrize("case", PAPER, ids=PAPER_IDS)
+def test_broadcast_auto_near_lower_bound_paper_model(case):
+    plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
+                           strategy="broadcast", balance="auto")
+    lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
+    t = paper_model_time(plan, case.cluster)
+    assert t <= 1.05 * lb, (
+        f"{case.name}: paper-model time {t:.6f}s > 1.05 × lower bound {lb:.6f}s "
+        f"(ratio {t / lb:.3f}); transfers: {[str(x) for x in plan.transfers]}"
+    )
