@@ -445,16 +445,26 @@ def _nic_exclusive(pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]) ->
     return out
 
 
-def _per_host(sends: Sequence[Send], cluster: Cluster) -> tuple[list[Send], list[int]]:
-    """One send per receiving host: shorter chains, at the price of more sender egress."""
+def _host_groups(
+    sends: Sequence[Send], cluster: Cluster, groups: int | None
+) -> tuple[list[Send], list[int]]:
+    """Split every send's receiving hosts into ``groups`` chains (``None``: one per host).
+
+    Shorter chains pay fewer pipeline fills and latencies, and the groups run side by side
+    from different holders; each group costs the senders one more egress of the bytes.
+    """
     out: list[Send] = []
     origin: list[int] = []
     for i, s in enumerate(sends):
-        groups: dict[int, list[int]] = {}
+        by_host: dict[int, list[int]] = {}
         for r in s.receivers:
-            groups.setdefault(cluster.host_of(r), []).append(r)
-        for receivers in groups.values():
-            out.append(Send(s.region, s.nbytes, s.holders, tuple(receivers)))
+            by_host.setdefault(cluster.host_of(r), []).append(r)
+        hosts = list(by_host)
+        k = len(hosts) if groups is None else min(groups, len(hosts))
+        for g in range(k):
+            members = hosts[g * len(hosts) // k : (g + 1) * len(hosts) // k]
+            receivers = tuple(r for h in members for r in by_host[h])
+            out.append(Send(s.region, s.nbytes, s.holders, receivers))
             origin.append(i)
     return out, origin
 
@@ -466,15 +476,20 @@ def _auto(
 
     Candidates, best-first: water-filled split (fine, default, coarse pieces), then the
     search, greedy and size assignments — each for chains over all receiving hosts and, when a
-    send reaches several hosts, for one chain per host; each in list-schedule order, with
+    send reaches several hosts, for chains over halves, quarters and single hosts of its
+    receiving hosts; each in list-schedule order, with
     exclusive NIC ports, and in the cost model's own list-schedule order. Costing a candidate
     of k pieces spends ``k * k // 64 + k`` work units of ``budget`` (the fluid run is about
     quadratic); when even the first cannot be afforded it is returned uncosted.
     """
     itemsize = [s.nbytes // max(1, volume(s.region)) for s in sends]
     variants = [("chain", list(sends), list(range(len(sends))))]
-    if any(len({cluster.host_of(r) for r in s.receivers}) > 1 for s in sends):
-        variants.append(("per-host", *_per_host(sends, cluster)))
+    most_hosts = max(len({cluster.host_of(r) for r in s.receivers}) for s in sends)
+    if most_hosts > 1:
+        variants.append(("per-host", *_host_groups(sends, cluster, None)))
+    for k in (2, 4):
+        if most_hosts > k:
+            variants.append((f"{k}-chains", *_host_groups(sends, cluster, k)))
 
     def builders(vsends: list[Send], origin: list[int]):
         ports = _Ports(vsends, cluster)

@@ -148,7 +148,9 @@ class Cluster:
         hosts = list(hosts)
         for h in hosts:
             if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < self.num_hosts:
-                raise ValueError(f"hosts: {h!r} is not a host of this {self.num_hosts}-host cluster")
+                raise ValueError(
+                    f"hosts: {h!r} is not a host of this {self.num_hosts}-host cluster"
+                )
         return DeviceMesh([list(self.devices_of_host(h)) for h in hosts], axis_names)
 
     # ---- rates ---------------------------------------------------------------------------
@@ -179,7 +181,9 @@ class Cluster:
         if "preset" in data:
             extra = set(data) - {"preset", "num_hosts"}
             if extra:
-                raise ValueError(f"cluster: a preset takes only num_hosts, got also {sorted(extra)}")
+                raise ValueError(
+                    f"cluster: a preset takes only num_hosts, got also {sorted(extra)}"
+                )
             return cls.preset(data["preset"], data["num_hosts"])
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 
 Region = tuple[tuple[int, int], ...]
 
@@ -33,10 +34,9 @@ def full_region(shape: Sequence[int]) -> Region:
 def split_region(region: Region, weights: Sequence[float]) -> list[Region]:
     """Cut ``region`` along its longest dim into consecutive pieces sized by ``weights``.
 
-    Cut points are rounded to whole elements; pieces that round to nothing are dropped, so
-    the result has at most ``len(weights)`` non-empty boxes that tile ``region`` exactly.
-    Returns one list entry per weight (an empty-region entry is ``None``-free: callers get
-    the box or an empty box they can skip with :func:`is_empty`).
+    Cut points are rounded to whole elements, so the boxes tile ``region`` exactly. Returns
+    one box per weight, in order; a weight too small for a whole element gets an empty box,
+    which callers skip with :func:`is_empty`.
     """
     dim = max(range(len(region)), key=lambda d: region[d][1] - region[d][0])
     start, stop = region[dim]
@@ -47,9 +47,7 @@ def split_region(region: Region, weights: Sequence[float]) -> list[Region]:
         acc += w
         cuts.append(start + round((stop - start) * acc / total))
     cuts.append(stop)
-    return [
-        region[:dim] + ((lo, hi),) + region[dim + 1 :] for lo, hi in zip(cuts[:-1], cuts[1:])
-    ]
+    return [(*region[:dim], (lo, hi), *region[dim + 1 :]) for lo, hi in pairwise(cuts)]
 
 
 def fmt_region(region: Region) -> str:

@@ -80,7 +80,8 @@ def _random_spec(rng: random.Random, rank: int) -> ShardingSpec:
 
 def random_suite(num_cases: int = 24, seed: int = 0) -> list[Case]:
     """Seeded random cases: 2–8 source hosts -> 2–8 destination hosts of 4 GPUs (p3.8xlarge),
-    3-d int32 tensors of 64 MiB – 3 GiB (the paper suite's sizes) whose dims are not always divisible by the splits."""
+    3-d int32 tensors of 64 MiB – 3 GiB (the paper suite's sizes) whose dims are not always
+    divisible by the splits."""
     rng = random.Random(seed)
     cases = []
     for k in range(num_cases):

@@ -1,0 +1,34 @@
+"""overlap — pipeline-parallel runtime with cross-mesh resharding and eager-1F1B.
+
+The planner/compiler lives in the pure-Python ``scheduler`` package; ``overlap`` is the
+runtime that interprets its plans (see docs/architecture.md for what exists today). Optional
+dependencies (cupy, nvtx, uvloop, mpi4py, matplotlib, torch) are imported lazily, so
+``import overlap`` works without any of them.
+"""
+
+from __future__ import annotations
+
+from scheduler import (
+    Cluster,
+    DeviceMesh,
+    ReshardPlan,
+    Sharding,
+    ShardingSpec,
+    Transfer,
+    lower_bound,
+    plan_resharding,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cluster",
+    "DeviceMesh",
+    "ReshardPlan",
+    "Sharding",
+    "ShardingSpec",
+    "Transfer",
+    "__version__",
+    "lower_bound",
+    "plan_resharding",
+]

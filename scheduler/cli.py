@@ -1,0 +1,176 @@
+"""Command line: ``python -m scheduler plan ...`` (also ``overlap plan ...``).
+
+Examples::
+
+    overlap plan --cluster p3.8xlarge --hosts 5 --shape 1024,1024,512 --dtype int32 \\
+        --src-mesh 0:2 --src-spec=host,-,- --dst-mesh 2:4 --dst-spec=host,-,-
+    overlap plan --case case.json --strategy send_recv --show-transfers
+    overlap plan --suite paper
+
+Meshes on the command line are whole hosts ``FIRST:STOP`` (axes "host", "gpu"), optionally
+``FIRST:STOPxGPUS`` for the first GPUS GPUs of each host. A spec is comma-separated entries:
+``-`` (or ``None``) for an unsplit dim, an axis name, or names joined by ``+`` for a tuple
+(``host+gpu`` = ("host", "gpu")); write ``--src-spec=-,host`` with ``=`` when it starts
+with ``-``. A JSON case file holds ``cluster`` (fields of Cluster, or
+``{"preset": NAME, "num_hosts": N}``), ``shape``, ``dtype``, and ``src``/``dst`` each
+``{"mesh": {"devices": [[...]], "axis_names": [...]}, "spec": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .balance import BALANCES
+from .cluster import Cluster
+from .cost import lower_bound_for, paper_model_time
+from .mesh import DeviceMesh
+from .plan import transfers_text
+from .planner import STRATEGIES, plan_resharding
+from .sharding import Sharding, ShardingSpec
+from .suites import Case, paper_suite, random_suite, scale_case
+
+
+def parse_spec(text: str) -> ShardingSpec:
+    entries: list[object] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if item in ("", "-", "None", "none"):
+            entries.append(None)
+        elif "+" in item:
+            entries.append(tuple(part.strip() for part in item.split("+")))
+        else:
+            entries.append(item)
+    return ShardingSpec(*entries)
+
+
+def parse_mesh(text: str, cluster: Cluster, *, argument: str) -> DeviceMesh:
+    try:
+        hosts_part, _, gpus_part = text.partition("x")
+        first, _, stop = hosts_part.partition(":")
+        lo = int(first)
+        hi = int(stop) if stop else lo + 1
+        gpus = int(gpus_part) if gpus_part else cluster.gpus_per_host
+    except ValueError:
+        raise ValueError(
+            f"{argument}: expected FIRST:STOP[xGPUS] (hosts FIRST..STOP-1), got {text!r}"
+        ) from None
+    if not 0 <= lo < hi <= cluster.num_hosts:
+        raise ValueError(f"{argument}: hosts {lo}:{hi} are not within 0:{cluster.num_hosts}")
+    if not 1 <= gpus <= cluster.gpus_per_host:
+        raise ValueError(f"{argument}: {gpus} GPUs per host; the cluster has "
+                         f"{cluster.gpus_per_host}")
+    devices = [[h * cluster.gpus_per_host + g for g in range(gpus)] for h in range(lo, hi)]
+    return DeviceMesh(devices, ("host", "gpu"))
+
+
+def case_from_json(data: dict) -> Case:
+    missing = {"cluster", "shape", "src", "dst"} - set(data)
+    if missing:
+        raise ValueError(f"case file: missing keys {sorted(missing)}")
+    return Case(
+        name=str(data.get("name", "case")),
+        shape=tuple(data["shape"]),
+        dtype=str(data.get("dtype", "float32")),
+        src=Sharding.from_json(data["src"]),
+        dst=Sharding.from_json(data["dst"]),
+        cluster=Cluster.from_dict(data["cluster"]),
+    )
+
+
+def machine_line() -> str:
+    import os
+
+    return (f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="overlap plan", description="Plan a cross-mesh resharding.")
+    p.add_argument("--suite", choices=("paper", "random", "scale"),
+                   help="plan a whole benchmark suite and print one table")
+    p.add_argument("--case", type=Path, help="JSON case file (see module doc)")
+    p.add_argument("--cluster", default="p3.8xlarge", help="cluster preset")
+    p.add_argument("--hosts", type=int, default=4, help="number of hosts of the preset")
+    p.add_argument("--shape", help="comma-separated dims, e.g. 1024,1024,512")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--src-mesh", help="FIRST:STOP[xGPUS] hosts of the source mesh")
+    p.add_argument("--dst-mesh", help="FIRST:STOP[xGPUS] hosts of the destination mesh")
+    p.add_argument("--src-spec", default="", help="e.g. host,-,- or host+gpu,-")
+    p.add_argument("--dst-spec", default="", help="e.g. -,host,-")
+    p.add_argument("--strategy", default="broadcast", choices=STRATEGIES)
+    p.add_argument("--balance", default="auto", choices=BALANCES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=int, default=200_000)
+    p.add_argument("--show-transfers", action="store_true", help="list every transfer")
+    p.add_argument("--json", type=Path, help="write the plan as JSON to this file")
+    return p
+
+
+def _case_from_args(args: argparse.Namespace) -> Case:
+    if args.case is not None:
+        return case_from_json(json.loads(args.case.read_text()))
+    for name in ("shape", "src_mesh", "dst_mesh"):
+        if getattr(args, name) is None:
+            raise ValueError(f"--{name.replace('_', '-')} is required without --case/--suite")
+    cluster = Cluster.preset(args.cluster, args.hosts)
+    try:
+        shape = tuple(int(x) for x in args.shape.split(","))
+    except ValueError:
+        raise ValueError(f"--shape: expected comma-separated ints, got {args.shape!r}") from None
+    src = Sharding(parse_mesh(args.src_mesh, cluster, argument="--src-mesh"),
+                   parse_spec(args.src_spec))
+    dst = Sharding(parse_mesh(args.dst_mesh, cluster, argument="--dst-mesh"),
+                   parse_spec(args.dst_spec))
+    return Case("cli", shape, args.dtype, src, dst, cluster)
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.suite:
+            from .suite_report import format_ratio_summary, format_table, run_case
+
+            cases = {"paper": paper_suite, "random": random_suite,
+                     "scale": lambda: [scale_case()]}[args.suite]()
+            results = [run_case(c) for c in cases]
+            print(f"suite {args.suite}: estimates in ms under the project cost model; "
+                  "ratios are to the lower bound")
+            print(machine_line())
+            print(format_table(results))
+            print()
+            print(format_ratio_summary(results))
+            return 0
+        case = _case_from_args(args)
+        plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
+                               strategy=args.strategy, balance=args.balance,
+                               seed=args.seed, budget=args.budget)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(plan.summary(case.cluster))
+    lb = lower_bound_for(case.shape, case.dtype, case.src, case.dst, case.cluster)
+    paper = paper_model_time(plan, case.cluster)
+    print(f"  paper's simple model: {paper * 1e3:.2f} ms "
+          f"(ratio {paper / lb if lb else float('nan'):.3f})")
+    if args.show_transfers:
+        print(transfers_text(plan.transfers))
+    if args.json is not None:
+        args.json.write_text(plan.to_json())
+        print(f"plan written to {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m scheduler plan [options]   (see 'plan --help')")
+        return 0 if argv else 2
+    if argv[0] == "plan":
+        return plan_main(argv[1:])
+    print(f"error: unknown command {argv[0]!r}; known: plan", file=sys.stderr)
+    return 2
