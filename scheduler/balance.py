@@ -28,6 +28,7 @@ from typing import Any
 
 from .cluster import Cluster
 from .cost import NIC_IN, NIC_OUT, CostModel
+from .plan import Transfer
 from .regions import Region, is_empty, split_region, volume
 
 BALANCES = ("none", "size", "greedy", "search", "auto")
@@ -51,8 +52,12 @@ class Send:
 class _Ports:
     """NIC ports per send: the sender's egress, plus the ones fixed by the receivers."""
 
-    def __init__(self, sends: Sequence[Send], cluster: Cluster) -> None:
+    def __init__(
+        self, sends: Sequence[Send], cluster: Cluster, ready: dict[int, float] | None = None
+    ) -> None:
         self.cluster = cluster
+        # When each device is done with the local work launched before any send.
+        self.ready: dict[int, float] = defaultdict(float, ready or {})
         model = CostModel(cluster)
         self.fixed: list[tuple[tuple[str, int], ...]] = []
         for s in sends:
@@ -74,12 +79,30 @@ class _Ports:
         return (NIC_OUT, self.cluster.nic_of(device))
 
 
+def _ready_times(before: Sequence[Transfer], cluster: Cluster) -> dict[int, float]:
+    ready: dict[int, float] = {}
+    for t, timing in zip(before, CostModel(cluster).run(before)):
+        for d in t.devices:
+            ready[d] = max(ready.get(d, 0.0), timing.end)
+    return ready
+
+
 def balance_sends(
-    sends: Sequence[Send], cluster: Cluster, mode: str, *, seed: int, budget: int
+    sends: Sequence[Send],
+    cluster: Cluster,
+    mode: str,
+    *,
+    seed: int,
+    budget: int,
+    before: Sequence[Transfer] = (),
 ) -> tuple[Pieces, dict[str, Any]]:
+    """Senders, pieces and launch order for ``sends``, launched after the ``before`` work."""
     if not sends:
         return [], {}
-    ports = _Ports(sends, cluster)
+    ready = _ready_times(before, cluster)
+    if mode == "auto":
+        return _auto(sends, cluster, seed=seed, budget=budget, before=before, ready=ready)
+    ports = _Ports(sends, cluster, ready)
     stats: dict[str, Any] = {}
     if mode == "none":
         assignment = [(i, s.region, s.holders[0]) for i, s in enumerate(sends)]
@@ -90,8 +113,6 @@ def balance_sends(
     elif mode == "search":
         assignment, stats = _search(sends, ports, budget=budget)
         assignment = _list_schedule(assignment, sends, ports, budget=budget)
-    elif mode == "auto":
-        return _auto(sends, cluster, seed=seed, budget=budget)
     else:
         raise ValueError(f"balance: unknown {mode!r}; choose one of {BALANCES}")
     return [(i, piece, dev, sends[i].receivers, ()) for i, piece, dev in assignment], stats
@@ -100,8 +121,16 @@ def balance_sends(
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def _pick_device(candidates: Sequence[int], dev_load: dict[int, int]) -> int:
-    return min(candidates, key=lambda d: (dev_load[d], d))
+def _pick_device(candidates: Sequence[int], dev_load: dict[int, int], ports: _Ports) -> int:
+    """The least-loaded holder; ties go to the one free of local work first."""
+    return min(candidates, key=lambda d: (dev_load[d], ports.ready[d], d))
+
+
+def _pick_nic(
+    by_nic: dict[tuple[str, int], list[int]], load: dict[tuple[str, int], Any], ports: _Ports
+) -> tuple[str, int]:
+    """The least-loaded NIC; ties go to the one with a holder free of local work first."""
+    return min(by_nic, key=lambda p: (load[p], min(ports.ready[d] for d in by_nic[p]), p))
 
 
 def _holders_by_nic(send: Send, ports: _Ports) -> dict[tuple[str, int], list[int]]:
@@ -118,8 +147,8 @@ def _by_size(sends: Sequence[Send], ports: _Ports) -> Assignment:
     for i in sorted(range(len(sends)), key=lambda i: (-sends[i].nbytes, i)):
         s = sends[i]
         by_nic = _holders_by_nic(s, ports)
-        nic = min(by_nic, key=lambda p: (load[p], p))
-        dev = _pick_device(by_nic[nic], dev_load)
+        nic = _pick_nic(by_nic, load, ports)
+        dev = _pick_device(by_nic[nic], dev_load, ports)
         load[nic] += s.nbytes
         dev_load[dev] += s.nbytes
         chosen[i] = dev
@@ -153,8 +182,8 @@ def _greedy_rounds(sends: Sequence[Send], ports: _Ports, *, seed: int, budget: i
                 if not by_nic:
                     rest.append(i)
                     continue
-                nic = min(by_nic, key=lambda p: (load[p], p))
-                dev = _pick_device(by_nic[nic], dev_load)
+                nic = _pick_nic(by_nic, load, ports)
+                dev = _pick_device(by_nic[nic], dev_load, ports)
                 load[nic] += s.nbytes
                 dev_load[dev] += s.nbytes
                 busy.add(nic)
@@ -222,7 +251,7 @@ def _search(
     dev_load: dict[int, int] = defaultdict(int)
     assignment: Assignment = [(0, sends[0].region, 0)] * len(sends)
     for nic, i in zip(best, order):
-        dev = _pick_device(_holders_by_nic(sends[i], ports)[nic], dev_load)
+        dev = _pick_device(_holders_by_nic(sends[i], ports)[nic], dev_load, ports)
         dev_load[dev] += sends[i].nbytes
         assignment[i] = (i, sends[i].region, dev)
     return assignment, {"search_nodes": min(nodes, budget), "search_complete": nodes <= budget}
@@ -283,7 +312,7 @@ def _split_assignment(
         for (nic, _), piece in zip(keep, pieces):
             if is_empty(piece):
                 continue
-            dev = _pick_device(by_nic[nic], dev_load)
+            dev = _pick_device(by_nic[nic], dev_load, ports)
             dev_load[dev] += volume(piece)
             out.append((i, piece, dev))
     return out
@@ -343,11 +372,11 @@ def _list_schedule_once(assignment, sends, ports, rule) -> tuple[float, list[int
     for ps, b in zip(need, nbytes):
         for p in ps:
             left[p] += b
-    busy_until: dict[object, float] = defaultdict(float)
+    busy_until: dict[object, float] = defaultdict(float, ports.ready)
     pending = list(range(len(assignment)))
     ordered: list[int] = []
     now = makespan = 0.0
-    events: list[float] = []
+    events: list[float] = sorted({t for t in ports.ready.values() if t > 0})
     while pending:
         free = [
             k for k in pending
@@ -378,26 +407,32 @@ def _list_schedule_once(assignment, sends, ports, rule) -> tuple[float, list[int
     return makespan, ordered
 
 
-def _transfers(pieces: Pieces, itemsize: Sequence[int]):
-    from .plan import Transfer
-
+def _transfers(pieces: Pieces, itemsize: Sequence[int]) -> list[Transfer]:
     return [
         Transfer(piece, dev, receivers, volume(piece) * itemsize[i], after)
         for i, piece, dev, receivers, after in pieces
     ]
 
 
-def _replay(pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]) -> float:
-    return max(x.end for x in CostModel(cluster).run(_transfers(pieces, itemsize)))
+def _replay(
+    pieces: Pieces, cluster: Cluster, itemsize: Sequence[int], before: Sequence[Transfer]
+) -> float:
+    """The cost model's time for the local work, then the pieces (as the plan will be)."""
+    shift = len(before)
+    transfers = list(before) + [
+        Transfer(t.region, t.sender, t.receivers, t.nbytes, tuple(j + shift for j in t.after))
+        for t in _transfers(pieces, itemsize)
+    ]
+    return max(x.end for x in CostModel(cluster).run(transfers))
 
 
 def _fluid_order(
-    pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]
-) -> tuple[Pieces, float]:
+    pieces: Pieces, cluster: Cluster, itemsize: Sequence[int], ready: dict[int, float]
+) -> Pieces:
     """Reorder pieces by list-scheduling them in the cost model itself.
 
-    Whenever devices free up, the piece whose busiest NIC port has the most bytes still to
-    carry starts first (most-remaining-work rule); the run's makespan is the estimate.
+    Whenever devices free up (``ready``: after their local work), the piece whose busiest NIC
+    port has the most bytes still to carry starts first (most-remaining-work rule).
     """
     model = CostModel(cluster)
     transfers = _transfers(pieces, itemsize)
@@ -415,8 +450,12 @@ def _fluid_order(
         for p in nic_ports[i]:
             left[p] -= costs[i].nbytes
 
-    order, timings = model.list_schedule(costs, [t.devices for t in transfers], key, on_start)
-    return [pieces[i] for i in order], max(x.end for x in timings)
+    devices = [t.devices for t in transfers]
+    order, _ = model.list_schedule(
+        costs, devices, key, on_start,
+        ready=[max((ready.get(d, 0.0) for d in devs), default=0.0) for devs in devices],
+    )
+    return [pieces[i] for i in order]
 
 
 def _nic_exclusive(pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]) -> Pieces:
@@ -470,17 +509,24 @@ def _host_groups(
 
 
 def _auto(
-    sends: Sequence[Send], cluster: Cluster, *, seed: int, budget: int
+    sends: Sequence[Send],
+    cluster: Cluster,
+    *,
+    seed: int,
+    budget: int,
+    before: Sequence[Transfer],
+    ready: dict[int, float],
 ) -> tuple[Pieces, dict[str, Any]]:
     """Build candidates and keep the one the cost model says is fastest (ties: fewest pieces).
 
     Candidates, best-first: water-filled split (fine, default, coarse pieces), then the
-    search, greedy and size assignments — each for chains over all receiving hosts and, when a
-    send reaches several hosts, for chains over halves, quarters and single hosts of its
-    receiving hosts; each in list-schedule order, with
+    search, greedy, size and first-replica assignments — each for chains over all receiving
+    hosts and, when a send reaches several hosts, for chains over halves, quarters and single
+    hosts of its receiving hosts; each in list-schedule order, with
     exclusive NIC ports, and in the cost model's own list-schedule order. Costing a candidate
     of k pieces spends ``k * k // 64 + k`` work units of ``budget`` (the fluid run is about
-    quadratic); when even the first cannot be afforded it is returned uncosted.
+    quadratic); when even the first cannot be afforded it is returned uncosted. Every
+    candidate is costed after the ``before`` local work, as the plan will run.
     """
     itemsize = [s.nbytes // max(1, volume(s.region)) for s in sends]
     variants = [("chain", list(sends), list(range(len(sends))))]
@@ -492,7 +538,7 @@ def _auto(
             variants.append((f"{k}-chains", *_host_groups(sends, cluster, k)))
 
     def builders(vsends: list[Send], origin: list[int]):
-        ports = _Ports(vsends, cluster)
+        ports = _Ports(vsends, cluster, ready)
 
         def lift(assignment: Assignment) -> Pieces:
             return [(origin[i], piece, dev, vsends[i].receivers, ())
@@ -513,6 +559,7 @@ def _auto(
             _list_schedule(_search(vsends, ports, budget=budget)[0], vsends, ports, budget=budget))
         yield "greedy", lambda: lift(_greedy_rounds(vsends, ports, seed=seed, budget=budget))
         yield "size", lambda: lift(_by_size(vsends, ports))
+        yield "none", lambda: lift([(i, s.region, s.holders[0]) for i, s in enumerate(vsends)])
 
     left = budget
     best: tuple[tuple[float, int], str, Pieces] | None = None
@@ -530,12 +577,12 @@ def _auto(
                 if left < 3 * unit:
                     return first, {"auto_choice": f"{label}/{name} (uncosted: over budget)"}
             left -= 3 * unit
-            exclusive = _nic_exclusive(cand, cluster, itemsize)
-            for suffix, (ordered, t) in (
-                ("", (cand, _replay(cand, cluster, itemsize))),
-                ("+exclusive", (exclusive, _replay(exclusive, cluster, itemsize))),
-                ("+fluid", _fluid_order(cand, cluster, itemsize)),
+            for suffix, ordered in (
+                ("", cand),
+                ("+exclusive", _nic_exclusive(cand, cluster, itemsize)),
+                ("+fluid", _fluid_order(cand, cluster, itemsize, ready)),
             ):
+                t = _replay(ordered, cluster, itemsize, before)
                 estimates[f"{label}/{name}{suffix}"] = t
                 key = (t, len(ordered))
                 if best is None or key < best[0]:

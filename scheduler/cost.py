@@ -187,6 +187,7 @@ class CostModel:
         devices: Sequence[Sequence[int]],
         key: Callable[[int], Any],
         on_start: Callable[[int], None] | None = None,
+        ready: Sequence[float] | None = None,
     ) -> tuple[list[int], list[TransferTiming]]:
         """A launch order found by running the model itself as a non-delay list schedule.
 
@@ -195,8 +196,9 @@ class CostModel:
         started: ``on_start(i)`` is called as each one starts). Replaying the returned order
         with :meth:`run_costs` gives the same timings, because per-device FIFO order is all
         that the replay enforces and the schedule never idles a startable transfer.
+        ``ready[i]`` is the earliest start of transfer ``i``.
         """
-        run = _FluidRun(self, costs, devices, None, None)
+        run = _FluidRun(self, costs, devices, ready, None)
         pending_on: dict[int, set[int]] = defaultdict(set)
         for i, devs in enumerate(devices):
             for d in devs:

@@ -67,7 +67,9 @@ def plan_resharding(
     dt = check_dtype(dtype)
     tasks = unit_tasks(shape, dt, src, dst, cluster)
     parts = _decompose(tasks, dt.itemsize, cluster, strategy)
-    ordered, stats = balance_sends(parts.sends, cluster, balance, seed=seed, budget=budget)
+    ordered, stats = balance_sends(
+        parts.sends, cluster, balance, seed=seed, budget=budget, before=parts.before
+    )
     transfers = list(parts.before)
     offset = len(transfers)
     for _, region, sender, receivers, after in ordered:

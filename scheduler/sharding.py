@@ -161,10 +161,23 @@ class ShardingSpec:
         return cls(*(tuple(by_dim[d]) if d in by_dim else None for d in range(rank)))
 
     def to_placements(self, mesh: DeviceMesh) -> tuple[Shard | Replicate, ...]:
-        """The DTensor-style placements of this spec, one per mesh axis."""
+        """The DTensor-style placements of this spec, one per mesh axis.
+
+        DTensor nests the shards of one dim in mesh-axis order, so a tuple entry whose axes
+        run against the mesh order (``("gpu", "host")`` on a ("host", "gpu") mesh) has no
+        placement form and raises ``ShardingError``.
+        """
         where = {a: d for d, e in enumerate(self._entries) for a in _entry_axes(e)}
         for a in where:
             mesh.axis_index(a)
+        for d, e in enumerate(self._entries):
+            order = [mesh.axis_index(a) for a in _entry_axes(e)]
+            if order != sorted(order):
+                raise ShardingError(
+                    f"spec {self!r}: dim {d} is split over {e} major to minor, against the mesh "
+                    f"axis order {mesh.axis_names}; DTensor placements nest in mesh-axis order "
+                    "and cannot express it"
+                )
         return tuple(Shard(where[a]) if a in where else Replicate() for a in mesh.axis_names)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cluster import Cluster
-from .errors import ClusterError
+from .errors import ClusterError, ShardingError
 from .regions import Region
 from .sharding import Sharding, check_shape
 
@@ -50,6 +50,13 @@ def check_fits(sharding: Sharding, cluster: Cluster, *, argument: str) -> None:
             )
 
 
+def _regions(sharding: Sharding, shape: tuple[int, ...], *, argument: str):
+    try:
+        return sharding.device_regions(shape)
+    except ShardingError as exc:
+        raise ShardingError(f"{argument}: {exc}") from None
+
+
 def _dim_tiles(regions: dict[int, Region], dim: int) -> list[tuple[int, int]]:
     return sorted({r[dim] for r in regions.values()})
 
@@ -66,8 +73,8 @@ def unit_tasks(
         raise TypeError(f"dst: expected a Sharding, got {type(dst).__name__}")
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
-    src_regions = src.device_regions(shape)
-    dst_regions = dst.device_regions(shape)
+    src_regions = _regions(src, shape, argument="src")
+    dst_regions = _regions(dst, shape, argument="dst")
     check_fits(src, cluster, argument="src")
     check_fits(dst, cluster, argument="dst")
     if math.prod(shape) == 0:

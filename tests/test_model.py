@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -391,7 +392,7 @@ def test_split_bounds(n, k, sizes):
     assert [b - a for a, b in bounds] == sizes
     # Consecutive, starting at 0, ending at n.
     assert bounds[0][0] == 0 and bounds[-1][1] == n
-    for (_, b0), (a1, _) in zip(bounds, bounds[1:]):
+    for (_, b0), (a1, _) in itertools.pairwise(bounds):
         assert b0 == a1
 
 
@@ -487,3 +488,11 @@ def test_device_regions_tile_the_tensor():
 def test_num_shards():
     mesh = DeviceMesh(np.arange(12).reshape(2, 3, 2), ("a", "b", "c"))
     assert Sharding(mesh, P("b", ("c", "a"))).num_shards(3) == (3, 4, 1)
+
+
+def test_to_placements_rejects_axes_against_mesh_order():
+    # DTensor nests one dim's shards in mesh-axis order; ("gpu", "host") on a ("host", "gpu")
+    # mesh would come back from from_placements as ("host", "gpu"), a different layout.
+    with pytest.raises(ShardingError, match="against the mesh axis order"):
+        P(("gpu", "host")).to_placements(MESH_HG)
+    assert P(("host", "gpu")).to_placements(MESH_HG) == (Shard(0), Shard(0))

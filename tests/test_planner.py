@@ -33,11 +33,7 @@ ONE_GPU = Sharding(DeviceMesh([[0]], ("host", "gpu")), P())
 HOST1_REPLICATED = Sharding(P3.mesh([1]), P())
 
 
-def _paper_cases():
-    return paper_suite()
-
-
-PAPER = _paper_cases()
+PAPER = paper_suite()
 PAPER_IDS = [c.name for c in PAPER]
 
 
@@ -339,3 +335,66 @@ def test_broadcast_auto_near_lower_bound_paper_model(case):
         f"{case.name}: paper-model time {t:.6f}s > 1.05 × lower bound {lb:.6f}s "
         f"(ratio {t / lb:.3f}); transfers: {[str(x) for x in plan.transfers]}"
     )
+
+
+# ---- ``after`` dependencies -----------------------------------------------------------------
+
+
+def test_transfer_after_json_round_trip():
+    t = Transfer(((0, 2),), 0, (4,), 8, after=(1, 3))
+    data = json.loads(json.dumps(t.to_json()))
+    assert data["after"] == [1, 3]
+    assert Transfer.from_json(data) == t
+    assert "after 1,3" in str(t)
+    assert "after" not in Transfer(((0, 2),), 0, (4,), 8).to_json()
+
+
+def test_after_serializes_transfers_in_cost_model():
+    # Two point-to-point sends on disjoint devices and NICs run concurrently, unless the second
+    # is declared ``after`` the first.
+    c = Cluster(4, 1, nic_gbps=8, nic_latency_us=0)
+    src = Sharding(DeviceMesh([0, 1], "x"), P("x"))
+    dst = Sharding(DeviceMesh([2, 3], "x"), P("x"))
+    plan = plan_resharding((2000,), "int8", src, dst, c, strategy="send_recv", balance="none")
+    assert len(plan.transfers) == 2 and not any(t.after for t in plan.transfers)
+    one = 1000 / 1e9
+    assert plan.estimate(c) == pytest.approx(one, rel=1e-9)
+    t0, t1 = plan.transfers
+    chained = ReshardPlan(plan.shape, plan.dtype, plan.src, plan.dst,
+                          (t0, Transfer(t1.region, t1.sender, t1.receivers, t1.nbytes, (0,))),
+                          plan.strategy, plan.balance)
+    chained.check()
+    assert chained.estimate(c) == pytest.approx(2 * one, rel=1e-9)
+    assert paper_model_time(chained, c) == pytest.approx(2 * one, rel=1e-9)
+
+
+def test_auto_plan_after_indices_are_earlier_and_survive_json():
+    case = random_suite(1, seed=0)[0]
+    plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster)
+    plan.check()
+    for i, t in enumerate(plan.transfers):
+        assert all(0 <= j < i for j in t.after)
+    back = ReshardPlan.from_json(plan.to_json())
+    assert [t.after for t in back.transfers] == [t.after for t in plan.transfers]
+    assert back.estimate(case.cluster) == pytest.approx(plan.estimate(case.cluster), rel=1e-12)
+    lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
+    assert plan.estimate(case.cluster) >= lb
+
+
+# ---- auto against the other balancers -------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1024,), (1 << 20,)])
+def test_auto_no_worse_than_none_when_a_holder_is_busy_with_a_local_copy(shape):
+    # Devices 4 (host 1) and 0 (host 0) both hold the tensor; device 0 also needs it (a local
+    # copy on its stream) and device 8 (host 2) needs it over the network. Sending from 4
+    # overlaps the copy; sending from 0 waits for it.
+    c = Cluster.preset("p3.8xlarge", 3)
+    src = Sharding(DeviceMesh([4, 0], "x"), P())
+    dst = Sharding(DeviceMesh([0, 8], "x"), P())
+    est = {
+        b: plan_resharding(shape, "float32", src, dst, c, strategy="broadcast",
+                           balance=b).estimate(c)
+        for b in BALANCES
+    }
+    assert est["auto"] <= est["none"] * (1 + 1e-9), est
