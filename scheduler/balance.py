@@ -361,49 +361,63 @@ def _list_schedule(
 
 
 def _list_schedule_once(assignment, sends, ports, rule) -> tuple[float, list[int]]:
+    """One event-driven list schedule; returns its makespan and start order.
+
+    Only pieces waiting on a port or device that just came free are looked at again, so the
+    work is about the number of (piece, key) pairs times the waiting per key, not n².
+    """
     bw = ports.cluster.nic_bytes_per_s
     nbytes = [
         volume(piece) * sends[i].nbytes / max(1, volume(sends[i].region))
         for i, piece, _ in assignment
     ]
     need = [(ports.out(dev), *ports.fixed[i]) for (i, _, dev) in assignment]
-    devs = [(dev, *sends[i].receivers) for (i, _, dev) in assignment]
+    keys = [(*need[k], dev, *sends[i].receivers) for k, (i, _, dev) in enumerate(assignment)]
     left: dict[tuple[str, int], float] = defaultdict(float)
     for ps, b in zip(need, nbytes):
         for p in ps:
             left[p] += b
+    waiting_on: dict[object, set[int]] = defaultdict(set)
+    for k, ks in enumerate(keys):
+        for x in ks:
+            waiting_on[x].add(k)
     busy_until: dict[object, float] = defaultdict(float, ports.ready)
-    pending = list(range(len(assignment)))
     ordered: list[int] = []
-    now = makespan = 0.0
-    events: list[float] = sorted({t for t in ports.ready.values() if t > 0})
-    while pending:
-        free = [
-            k for k in pending
-            if all(busy_until[x] <= now for x in need[k])
-            and all(busy_until[x] <= now for x in devs[k])
-        ]
-        free.sort(key=lambda k: (*rule(max(left[p] for p in need[k]),
-                                       sum(left[p] for p in need[k]), nbytes[k]), k))
-        started = set()
-        for k in free:
-            keys = (*need[k], *devs[k])
-            if any(busy_until[x] > now for x in keys):
+    makespan = 0.0
+    # Event heap of (time, seq, keys freed then); devices busy with local work free later.
+    events: list[tuple[float, int, tuple[object, ...]]] = []
+    seq = 0
+    for d, t in ports.ready.items():
+        if t > 0:
+            events.append((t, seq, (d,)))
+            seq += 1
+    heapq.heapify(events)
+    now = 0.0
+    freed: set[object] = set(waiting_on)
+    while True:
+        cands = {k for x in freed for k in waiting_on[x]}
+        ready = [k for k in cands if all(busy_until[x] <= now for x in keys[k])]
+        ready.sort(key=lambda k: (*rule(max(left[p] for p in need[k]),
+                                        sum(left[p] for p in need[k]), nbytes[k]), k))
+        for k in ready:
+            if any(busy_until[x] > now for x in keys[k]):
                 continue
             end = now + nbytes[k] / bw
             makespan = max(makespan, end)
-            for x in keys:
+            for x in keys[k]:
                 busy_until[x] = end
+                waiting_on[x].discard(k)
             for p in need[k]:
                 left[p] -= nbytes[k]
-            heapq.heappush(events, end)
+            heapq.heappush(events, (end, seq, keys[k]))
+            seq += 1
             ordered.append(k)
-            started.add(k)
-        pending = [k for k in pending if k not in started]
-        if pending:
-            while events and events[0] <= now:
-                heapq.heappop(events)
-            now = heapq.heappop(events) if events else now
+        if not events:
+            break
+        now = events[0][0]
+        freed = set()
+        while events and events[0][0] <= now:
+            freed.update(heapq.heappop(events)[2])
     return makespan, ordered
 
 
