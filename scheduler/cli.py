@@ -122,11 +122,17 @@ def _case_from_args(args: argparse.Namespace) -> Case:
         shape = tuple(int(x) for x in args.shape.split(","))
     except ValueError:
         raise ValueError(f"--shape: expected comma-separated ints, got {args.shape!r}") from None
-    src = Sharding(parse_mesh(args.src_mesh, cluster, argument="--src-mesh"),
-                   parse_spec(args.src_spec))
-    dst = Sharding(parse_mesh(args.dst_mesh, cluster, argument="--dst-mesh"),
-                   parse_spec(args.dst_spec))
+    src = _sharding(args.src_mesh, args.src_spec, cluster, side="src")
+    dst = _sharding(args.dst_mesh, args.dst_spec, cluster, side="dst")
     return Case("cli", shape, args.dtype, src, dst, cluster)
+
+
+def _sharding(mesh_text: str, spec_text: str, cluster: Cluster, *, side: str) -> Sharding:
+    mesh = parse_mesh(mesh_text, cluster, argument=f"--{side}-mesh")
+    try:
+        return Sharding(mesh, parse_spec(spec_text))
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"--{side}-spec: {exc}") from None
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
