@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -85,7 +86,11 @@ class ReshardPlan:
     transfers: tuple[Transfer, ...]
     strategy: str
     balance: str
-    stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # How the plan was found (e.g. which auto candidate won); not part of the plan's value.
+    stats: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
 
     @property
     def itemsize(self) -> int:

@@ -22,7 +22,7 @@ from .cluster import Cluster
 from .plan import ReshardPlan, Transfer
 from .regions import Region, is_empty, split_region, volume
 from .sharding import Sharding
-from .tasks import check_dtype, unit_tasks
+from .tasks import UnitTask, check_dtype, unit_tasks
 
 STRATEGIES = ("send_recv", "local_allgather", "broadcast")
 
@@ -93,7 +93,9 @@ def plan_resharding(
     )
 
 
-def _decompose(tasks, itemsize: int, cluster: Cluster, strategy: str) -> _Decomposed:
+def _decompose(
+    tasks: Sequence[UnitTask], itemsize: int, cluster: Cluster, strategy: str
+) -> _Decomposed:
     before: list[Transfer] = []
     sends: list[Send] = []
     after: list[tuple[int, Region, tuple[int, ...]]] = []
