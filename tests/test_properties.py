@@ -42,8 +42,8 @@ SETTINGS = settings(
 
 @st.composite
 def clusters(draw) -> Cluster:
-    hosts = draw(st.integers(1, 4))
-    gpus = draw(st.integers(1, 4))
+    hosts = draw(st.integers(1, 8))
+    gpus = draw(st.integers(1, 8))
     nics = draw(st.sampled_from([n for n in (1, 2) if gpus % n == 0]))
     return Cluster(
         hosts,
@@ -61,7 +61,7 @@ def _mesh(draw, cluster: Cluster, names: tuple[str, ...], preferred: tuple[int, 
     ndim = draw(st.integers(1, 3))
     sizes, room = [], cluster.num_devices
     for _ in range(ndim):
-        s = draw(st.integers(1, min(4, room)))
+        s = draw(st.integers(1, min(8, room)))
         sizes.append(s)
         room //= s
     total = math.prod(sizes)
