@@ -23,11 +23,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from .cluster import Cluster
 from .regions import Region
@@ -130,6 +128,14 @@ class CostModel:
         # A chain may leave and enter the same NIC on different hops only across hosts;
         # a port listed twice would be double-booked, so keep each once.
         return TransferCost(tuple(dict.fromkeys(ports)), latency + fill, nbytes, bw)
+
+    def latency_of(self, sender: int, receivers: Sequence[int]) -> float:
+        """Only the latency terms of a transfer: what a 1-byte message costs (signal mode)."""
+        c = self.cluster
+        if tuple(receivers) == (sender,):
+            return c.nvlink_latency_s
+        return sum(c.nic_latency_s if h.network else c.nvlink_latency_s
+                   for h in self.chain(sender, receivers))
 
     def capacity(self, port: tuple[str, int]) -> float:
         c = self.cluster
@@ -272,7 +278,7 @@ class _FluidRun:
                     caps.append(model.capacity(p))
                 ids.append(port_ids[p])
             self.flow_ports.append(ids)
-        self.cap = np.array(caps, dtype=float)
+        self.cap = caps
         self.busy: set[int] = set()
         self.now = 0.0
 
@@ -287,10 +293,16 @@ class _FluidRun:
         n, costs = self.n, self.costs
         start = [math.nan] * n
         end = [math.nan] * n
-        remaining = [float(tc.nbytes) for tc in costs]
-        heap: list[tuple[float, int, int]] = []  # (time, seq, i): fixed part over
+        # Flow state, updated lazily: bytes left at time `last`, draining at `rate`.
+        left = [float(tc.nbytes) for tc in costs]
+        last = [0.0] * n
+        rate = [0.0] * n
+        version = [0] * n
+        fixed_heap: list[tuple[float, int, int]] = []  # (time, seq, i): fixed part over
+        flow_heap: list[tuple[float, int, int]] = []  # (predicted end, version, i)
         wake: list[float] = sorted({t for t in self.earliest if t > 0})
-        flowing: dict[int, float] = {}
+        flowing: set[int] = set()
+        port_flows: dict[int, set[int]] = defaultdict(set)
         seq = 0
         done = 0
         freed: set[int] = {d for devs in self.devices for d in devs}
@@ -300,47 +312,54 @@ class _FluidRun:
                     start[i] = self.now
                     self.busy.update(self.devices[i])
                     started(i)
-                    heapq.heappush(heap, (self.now + costs[i].fixed_s, seq, i))
+                    heapq.heappush(fixed_heap, (self.now + costs[i].fixed_s, seq, i))
                     seq += 1
                 freed = set()
             if done == n:
                 break
-            t_flow, i_flow = math.inf, -1
-            for i, r in flowing.items():
-                t = self.now + remaining[i] / r if r > 0 else math.inf
-                if t < t_flow:
-                    t_flow, i_flow = t, i
-            t_fix = heap[0][0] if heap else math.inf
+            while flow_heap and flow_heap[0][1] != version[flow_heap[0][2]]:
+                heapq.heappop(flow_heap)
+            t_flow = flow_heap[0][0] if flow_heap else math.inf
+            t_fix = fixed_heap[0][0] if fixed_heap else math.inf
             t_wake = wake[0] if wake else math.inf
             t_next = min(t_flow, t_fix, t_wake)
             if t_next == math.inf:
                 raise RuntimeError(
                     "cost model: transfers can never start (a device order has a cycle?)"
                 )
-            dt = t_next - self.now
-            if dt > 0:
-                for i, r in flowing.items():
-                    remaining[i] -= r * dt
             self.now = t_next
             finished: list[int] = []
-            if t_next == t_flow:
-                finished = [
-                    i for i, r in flowing.items()
-                    if i == i_flow or remaining[i] <= 1e-9 * max(1.0, costs[i].nbytes)
-                ]
-                for i in finished:
-                    del flowing[i]
-            while heap and heap[0][0] <= self.now:
-                _, _, i = heapq.heappop(heap)
-                if remaining[i] <= 0:
+            changed: set[int] = set()  # ports whose set of flows changed
+            # Flows ending now (ties within rounding end together).
+            while flow_heap:
+                t, ver, i = flow_heap[0]
+                if ver != version[i]:
+                    heapq.heappop(flow_heap)
+                    continue
+                if t > self.now * (1 + 1e-12) + 1e-15:
+                    break
+                heapq.heappop(flow_heap)
+                version[i] += 1
+                flowing.discard(i)
+                finished.append(i)
+                for p in self.flow_ports[i]:
+                    port_flows[p].discard(i)
+                    changed.add(p)
+            while fixed_heap and fixed_heap[0][0] <= self.now:
+                _, _, i = heapq.heappop(fixed_heap)
+                if left[i] <= 0 or not self.flow_ports[i]:
                     finished.append(i)
                 else:
-                    flowing[i] = 0.0
+                    flowing.add(i)
+                    last[i] = self.now
+                    rate[i] = 0.0
+                    for p in self.flow_ports[i]:
+                        port_flows[p].add(i)
+                        changed.add(p)
             while wake and wake[0] <= self.now:
                 wake.pop(0)
                 freed = {d for devs in self.devices for d in devs} - self.busy
             for i in finished:
-                remaining[i] = 0.0
                 end[i] = self.now
                 done += 1
                 self.ended[i] = True
@@ -348,40 +367,68 @@ class _FluidRun:
                 freed.update(self.devices[i])
                 for j in self.dependents[i]:
                     freed.update(self.devices[j])
-            if flowing:
-                ids = list(flowing)
-                rates = _max_min_rates([self.flow_ports[i] for i in ids], self.cap)
-                for i, r in zip(ids, rates):
-                    flowing[i] = r
+            if changed:
+                comp = _component(changed, self.flow_ports, port_flows)
+                for i, r in _max_min_rates(comp, self.flow_ports, port_flows, self.cap).items():
+                    left[i] -= rate[i] * (self.now - last[i])
+                    last[i] = self.now
+                    rate[i] = r
+                    version[i] += 1
+                    if r > 0:
+                        heapq.heappush(
+                            flow_heap, (self.now + max(left[i], 0.0) / r, version[i], i)
+                        )
         return [TransferTiming(s, e) for s, e in zip(start, end)]
 
 
-def _max_min_rates(flows: list[list[int]], cap: np.ndarray) -> list[float]:
-    """Max-min fair rates by progressive filling over the ports each flow uses."""
-    rates = [0.0] * len(flows)
-    rem = cap.copy()
-    active = list(range(len(flows)))
+def _max_min_rates(
+    flows: Sequence[int],
+    flow_ports: Sequence[Sequence[int]],
+    port_flows: Mapping[int, set[int]],
+    cap: Sequence[float],
+) -> dict[int, float]:
+    """Max-min fair rates of ``flows`` by progressive filling.
+
+    ``flows`` must be closed under sharing a port (a connected component, or a union of them):
+    then the rates elsewhere do not change, and only this component is recomputed.
+    """
+    rem: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for i in flows:
+        for p in flow_ports[i]:
+            if p not in rem:
+                rem[p] = cap[p]
+                count[p] = 0
+            count[p] += 1
+    rates: dict[int, float] = {}
+    active = set(flows)
     while active:
-        count = np.zeros(len(cap))
-        for i in active:
-            for p in flows[i]:
-                count[p] += 1
-        used = count > 0
-        share = np.full(len(cap), np.inf)
-        share[used] = rem[used] / count[used]
-        p_min = int(np.argmin(share))
-        s = float(share[p_min])
-        still = []
-        for i in active:
-            if p_min in flows[i]:
-                rates[i] = s
-                for p in flows[i]:
-                    rem[p] -= s
-            else:
-                still.append(i)
-        np.maximum(rem, 0.0, out=rem)
-        active = still
+        p_min = min((p for p in count if count[p] > 0), key=lambda p: rem[p] / count[p])
+        share = rem[p_min] / count[p_min]
+        for i in [i for i in port_flows[p_min] if i in active]:
+            rates[i] = share
+            active.discard(i)
+            for p in flow_ports[i]:
+                rem[p] = max(0.0, rem[p] - share)
+                count[p] -= 1
     return rates
+
+
+def _component(start_ports: set[int], flow_ports, port_flows) -> list[int]:
+    """Flowing transfers connected to ``start_ports`` through shared ports."""
+    seen_ports = set(start_ports)
+    stack = list(start_ports)
+    flows: set[int] = set()
+    while stack:
+        p = stack.pop()
+        for i in port_flows.get(p, ()):
+            if i not in flows:
+                flows.add(i)
+                for q in flow_ports[i]:
+                    if q not in seen_ports:
+                        seen_ports.add(q)
+                        stack.append(q)
+    return list(flows)
 
 
 # ---- the paper's simple model ----------------------------------------------------------------

@@ -1,0 +1,348 @@
+"""Discrete-event simulation of lowered programs on a cluster, and the Timeline it produces.
+
+The simulator interprets the same programs as the runtime: it dry-runs them
+(:func:`~scheduler.programs.validate`) to get a launch order, turns every compute instruction
+and every transfer of every resharding into an operation on its streams, and runs them through
+the planner's cost model (:meth:`CostModel.run_costs`): FIFO per stream, event waits as
+dependencies, transfers sharing NIC and NVLink ports max-min fairly. In **signal** mode every
+transfer costs only its latency (the paper's upper bound: a 1-byte message).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from .cluster import Cluster
+from .cost import CostModel, TransferCost
+from .programs import Programs, Record, Wait, validate
+
+ComputeCosts = Mapping[Any, float] | Callable[[int, str], float]
+
+
+class Span(NamedTuple):
+    """One operation on one device stream of the timeline (a tuple: cheap by the million)."""
+
+    device: int
+    stream: str  # "compute" or "comm"
+    name: str  # "F s1 mb3", "reshard s1→s2 mb3", "grad s2→s1 mb3"
+    start: float
+    end: float
+    stage: int
+    microbatch: int
+    kind: str  # "F", "B", "fwd", "bwd"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What ran where and when, with the metrics measured and simulated runs share."""
+
+    spans: tuple[Span, ...]
+    num_stages: int
+    devices: tuple[int, ...]
+    stage_of: Mapping[int, int]
+    exposed: Mapping[int, float] = field(default_factory=dict)  # device -> seconds
+
+    @property
+    def iteration_time(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    def busy(self, device: int, stream: str = "compute") -> float:
+        return _union_length(
+            [(s.start, s.end) for s in self.spans if s.device == device and s.stream == stream]
+        )
+
+    def busy_fraction(self, device: int) -> float:
+        t = self.iteration_time
+        return self.busy(device) / t if t > 0 else 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean over devices of the share of the iteration their compute stream is idle."""
+        if not self.devices:
+            return 0.0
+        return sum(1.0 - self.busy_fraction(d) for d in self.devices) / len(self.devices)
+
+    def exposed_comm(self, device: int) -> float:
+        """Seconds the device's compute stream sat waiting for a transfer still in flight."""
+        return self.exposed.get(device, 0.0)
+
+    @property
+    def exposed_comm_fraction(self) -> float:
+        """Mean over devices of exposed communication / iteration time."""
+        t = self.iteration_time
+        if t <= 0 or not self.devices:
+            return 0.0
+        return sum(self.exposed_comm(d) for d in self.devices) / len(self.devices) / t
+
+    def comm_time(self, device: int) -> float:
+        return self.busy(device, "comm")
+
+    def peak_activations(self, stage: int) -> int:
+        """Most microbatches with F done and B not yet, on the stage's first device."""
+        devs = [d for d in self.devices if self.stage_of[d] == stage]
+        if not devs:
+            raise ValueError(f"stage: no device runs stage {stage}")
+        ops = sorted((s.start, s.kind == "B") for s in self.spans
+                     if s.device == devs[0] and s.stream == "compute")
+        live = peak = 0
+        for _, is_b in ops:
+            live += -1 if is_b else 1
+            peak = max(peak, live)
+        return peak
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "iteration_s": self.iteration_time,
+            "bubble": self.bubble_fraction,
+            "exposed_comm": self.exposed_comm_fraction,
+        }
+
+    # ---- output --------------------------------------------------------------------------
+
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write Chrome/Perfetto trace JSON: one process per device, one track per stream."""
+        events: list[dict[str, Any]] = []
+        for d in self.devices:
+            events.append({"ph": "M", "name": "process_name", "pid": d,
+                           "args": {"name": f"device {d} (stage {self.stage_of[d]})"}})
+            for tid, stream in enumerate(("compute", "comm")):
+                events.append({"ph": "M", "name": "thread_name", "pid": d, "tid": tid,
+                               "args": {"name": stream}})
+        for s in self.spans:
+            events.append({
+                "ph": "X", "name": s.name, "cat": s.stream, "pid": s.device,
+                "tid": 0 if s.stream == "compute" else 1,
+                "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
+                "args": {"stage": s.stage, "microbatch": s.microbatch, "kind": s.kind},
+            })
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                                    "metadata": self.summary()}))
+        return path
+
+    def plot(self, path: str | Path) -> Path:
+        """A PNG Gantt chart (needs matplotlib: the ``viz`` extra)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError(
+                "Timeline.plot needs matplotlib: pip install 'overlap[viz]'"
+            ) from None
+        colors = {"F": "tab:blue", "B": "tab:green", "fwd": "tab:orange", "bwd": "tab:red"}
+        rows = [(d, st) for d in self.devices for st in ("compute", "comm")]
+        fig, ax = plt.subplots(figsize=(12, max(2.0, 0.3 * len(rows))))
+        for y, (d, st) in enumerate(rows):
+            for kind, color in colors.items():
+                bars = [(s.start * 1e3, (s.end - s.start) * 1e3) for s in self.spans
+                        if s.device == d and s.stream == st and s.kind == kind]
+                if bars:
+                    ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color)
+        ax.set_yticks(range(len(rows)), [f"d{d} {st}" for d, st in rows], fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms")
+        ax.set_title(f"iteration {self.iteration_time * 1e3:.2f} ms, bubble "
+                     f"{self.bubble_fraction:.1%}, exposed comm {self.exposed_comm_fraction:.1%}")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+        ax.legend(handles, ["F", "B", "activation", "gradient"], loc="upper right", fontsize=7)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, -math.inf, -math.inf
+    for s, e in sorted(intervals):
+        if s > cur_e:
+            total += max(0.0, cur_e - cur_s) if cur_e > cur_s else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e > cur_s:
+        total += cur_e - cur_s
+    return total
+
+
+def _compute_cost_fn(compute_costs: ComputeCosts, num_stages: int) -> Callable[[int, str], float]:
+    if callable(compute_costs):
+        fn = compute_costs
+    elif isinstance(compute_costs, Mapping):
+        table = dict(compute_costs)
+
+        def fn(stage: int, kind: str) -> float:
+            if (stage, kind) in table:
+                return table[(stage, kind)]
+            if kind in table:
+                return table[kind]
+            raise ValueError(
+                f"compute_costs: no duration for stage {stage} {kind!r}; give "
+                "{(stage, 'F'): seconds, ...} or {'F': seconds, 'B': seconds}"
+            )
+    else:
+        raise TypeError(
+            f"compute_costs: expected a mapping or a callable (stage, kind) -> seconds, got "
+            f"{type(compute_costs).__name__}"
+        )
+    for s in range(num_stages):
+        for k in ("F", "B"):
+            v = fn(s, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"compute_costs: stage {s} {k!r} has duration {v!r}; "
+                                 "need seconds >= 0")
+    return fn
+
+
+def simulate(
+    programs: Programs,
+    cluster: Cluster,
+    compute_costs: ComputeCosts,
+    *,
+    signal: bool = False,
+) -> Timeline:
+    """Simulate one training step of ``programs`` on ``cluster``.
+
+    Args:
+        compute_costs: seconds per (stage, kind): a mapping ``{(stage, "F"): s, ...}`` or
+            ``{"F": s, "B": s}`` for every stage, or a callable ``(stage, kind) -> s``.
+        signal: cost every transfer only its latency (the paper's upper bound).
+    """
+    if not isinstance(programs, Programs):
+        raise TypeError(f"programs: expected Programs, got {type(programs).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
+    cost_of = _compute_cost_fn(compute_costs, programs.schedule.num_stages)
+    model = CostModel(cluster)
+    order = validate(programs)
+
+    # Per stream: the events each op-bearing instruction waits on (since the previous one),
+    # and which op-bearing instruction each Record follows.
+    record_source: dict[tuple[int, str], tuple[str, int]] = {}
+    waits_before: dict[tuple[int, str], list[tuple[str, ...]]] = {}
+    last_op: dict[tuple[int, str], list[int]] = {}  # op index of each instruction, per stream
+    for d, prog in programs.devices.items():
+        for st, instrs in (("compute", prog.compute), ("comm", prog.comm)):
+            prev, pending = -1, []
+            waits: list[tuple[str, ...]] = [()] * len(instrs)
+            for i, ins in enumerate(instrs):
+                kind = type(ins)
+                if kind is Wait:
+                    pending.append(ins.event)
+                elif kind is Record:
+                    if prev >= 0:
+                        record_source[(d, ins.event)] = (st, prev)
+                else:
+                    waits[i] = tuple(pending)
+                    prev, pending = i, []
+            waits_before[(d, st)] = waits
+            last_op[(d, st)] = [-1] * len(instrs)
+
+    def deps_for(d: int, st: str, i: int, out: list[int]) -> None:
+        for e in waits_before[(d, st)][i]:
+            src = record_source.get((d, e))
+            if src is not None:
+                out.append(last_op[(d, src[0])][src[1]])
+
+    costs: list[TransferCost] = []
+    keys: list[tuple[tuple[str, int], ...]] = []
+    after: list[list[int]] = []
+    # Per op: (devices, stream, name, stage, microbatch, kind, reshard id or -1).
+    meta: list[tuple[tuple[int, ...], str, str, int, int, str, int]] = []
+    compute_cost: dict[tuple[int, str], TransferCost] = {}
+    transfer_cost: dict[tuple[str, int], tuple[TransferCost, tuple[tuple[str, int], ...]]] = {}
+    current: tuple[int, int] | None = None  # (reshard id, transfer index) of the last comm op
+    devices = programs.devices
+    for d, stream, idx, k in order:
+        if stream == "compute":
+            ins = devices[d].compute[idx]
+            ck = (ins.stage, ins.kind)
+            if ck not in compute_cost:
+                compute_cost[ck] = TransferCost((), cost_of(ins.stage, ins.kind), 0, math.inf)
+            n = len(costs)
+            costs.append(compute_cost[ck])
+            keys.append((("compute", d),))
+            deps: list[int] = []
+            deps_for(d, "compute", idx, deps)
+            after.append(deps)
+            meta.append(((d,), "compute", str(ins), ins.stage, ins.microbatch, ins.kind, -1))
+            last_op[(d, "compute")][idx] = n
+            continue
+        ins = devices[d].comm[idx]
+        # The dry run lists every device of a transfer together: the first creates the op.
+        if current != (ins.id, k):
+            current = (ins.id, k)
+            op = programs.op(ins.id)
+            ck2 = (op.plan_key, k)
+            if ck2 not in transfer_cost:  # the same for every microbatch
+                t = programs.plans[op.plan_key].transfers[k]
+                transfer_cost[ck2] = (
+                    TransferCost((), model.latency_of(t.sender, t.receivers), 0, math.inf)
+                    if signal else model.transfer_cost(t),
+                    tuple(("comm", e) for e in t.devices),
+                )
+            cost, tkeys = transfer_cost[ck2]
+            costs.append(cost)
+            keys.append(tkeys)
+            after.append([])
+            meta.append((tuple(e for _, e in tkeys), "comm", op.label, op.src_stage,
+                         op.microbatch, op.direction, op.id))
+        n = len(costs) - 1
+        slots = last_op[(d, "comm")]
+        if slots[idx] < 0:  # the device's first transfer of this Reshard: its waits apply
+            deps_for(d, "comm", idx, after[n])
+        slots[idx] = n
+
+    timings = model.run_costs(costs, keys, after=[tuple(sorted(set(a))) for a in after])
+    spans = [
+        Span(d, stream, name, tm.start, tm.end, stage, mb, kind)
+        for (devs, stream, name, stage, mb, kind, _), tm in zip(meta, timings)
+        for d in devs
+    ]
+    stage_of = {d: p.stage for d, p in programs.devices.items()}
+    exposed = _exposed(after, meta, timings)
+    return Timeline(tuple(spans), programs.schedule.num_stages, tuple(sorted(programs.devices)),
+                    stage_of, exposed)
+
+
+def _exposed(after, meta, timings) -> dict[int, float]:
+    """Per device: time its compute stream waited while a transfer it depends on was running.
+
+    For each compute op that waits on a resharding, the gap before it on its device's compute
+    stream, intersected with the time that resharding's transfers on the device took (first
+    start to last end).
+    """
+    window: dict[tuple[int, int], list[float]] = {}  # (device, reshard id) -> [lo, hi]
+    for (devs, stream, *_, rid), tm in zip(meta, timings):
+        if stream == "comm":
+            for d in devs:
+                w = window.get((d, rid))
+                if w is None:
+                    window[(d, rid)] = [tm.start, tm.end]
+                else:
+                    w[0] = min(w[0], tm.start)
+                    w[1] = max(w[1], tm.end)
+    exposed: dict[int, float] = defaultdict(float)
+    prev_end: dict[int, float] = {}
+    for i, ((devs, stream, *_), tm) in enumerate(zip(meta, timings)):
+        if stream != "compute":
+            continue
+        d = devs[0]
+        gap_start = prev_end.get(d, 0.0)
+        prev_end[d] = tm.end
+        for j in after[i]:
+            rid = meta[j][6]
+            if rid >= 0:
+                lo, hi = window[(d, rid)]
+                exposed[d] += max(0.0, min(tm.start, hi) - max(gap_start, lo))
+    return dict(exposed)
