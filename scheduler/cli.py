@@ -174,9 +174,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m scheduler plan [options]   (see 'plan --help')")
+        print("usage: python -m scheduler {plan,simulate} [options]   (see '<command> --help')")
         return 0 if argv else 2
     if argv[0] == "plan":
         return plan_main(argv[1:])
-    print(f"error: unknown command {argv[0]!r}; known: plan", file=sys.stderr)
+    if argv[0] == "simulate":
+        from .sim_cli import simulate_main
+
+        return simulate_main(argv[1:])
+    print(f"error: unknown command {argv[0]!r}; known: plan, simulate", file=sys.stderr)
     return 2

@@ -25,7 +25,7 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .cluster import Cluster
 from .regions import Region
@@ -59,8 +59,7 @@ class TransferCost:
     alone_bw: float  # bottleneck bandwidth when nothing else runs (bytes/s)
 
 
-@dataclass(frozen=True)
-class TransferTiming:
+class TransferTiming(NamedTuple):
     start: float
     end: float
 
@@ -283,11 +282,13 @@ class _FluidRun:
         self.now = 0.0
 
     def can_start(self, i: int) -> bool:
-        return (
-            self.earliest[i] <= self.now
-            and self.busy.isdisjoint(self.devices[i])
-            and all(self.ended[j] for j in self.after[i])
-        )
+        if self.earliest[i] > self.now or not self.busy.isdisjoint(self.devices[i]):
+            return False
+        ended = self.ended
+        for j in self.after[i]:
+            if not ended[j]:
+                return False
+        return True
 
     def run(self, startable, started) -> list[TransferTiming]:
         n, costs = self.n, self.costs

@@ -1,28 +1,32 @@
 """The IR: per-device stream programs, the lowering that builds them, and their dry run.
 
-Every device runs two streams, as on a GPU: a **compute** stream and a **comm** stream.
-Instructions:
+Every device runs streams, as on a GPU: one **compute** stream, and one **comm** stream per
+channel it takes part in. A channel is a stage boundary in one direction: ``fwd<s>`` carries
+activations from stage ``s`` to ``s + 1``, ``bwd<s>`` their gradients back. A stage in the middle
+of the pipeline has four comm streams (activations in and out, gradients in and out), so
+receiving the next activation never queues behind sending the last one — as with NCCL, where
+each channel gets its own communicator and stream. Instructions:
 
 - ``Compute(stage, microbatch, kind)`` — the stage's F or B on this device (compute stream).
-- ``Reshard(id)`` — this device's part of resharding ``id`` (comm stream): the transfers of its
-  plan that involve the device, in plan order. Each transfer is a collective of its devices.
+- ``Reshard(id)`` — this device's part of resharding ``id`` (its channel's stream): the
+  transfers of its plan that involve the device, in plan order. Each transfer is a collective
+  of its devices.
 - ``Record(event)`` / ``Wait(event)`` — events are per device, as CUDA events: a stream records
-  one after its previous instruction completes; the other stream of the same device waits for
+  one after its previous instruction completes; another stream of the same device waits for
   it. Devices synchronize only through collectives.
 
-Lowering places every forward activation's resharding on the comm stream right after the F
-that produces it (the comm stream waits for that F), and the consumer's compute stream waits
-only right before the compute that needs it; gradients likewise, backward. All reshardings
-follow one global launch order (derived from a dependency order of the schedule), and each
-device's comm stream takes the subsequence it is part of, so collectives are launched in the
-same order by every participant.
+Lowering places every forward activation's resharding on its channel right after the F that
+produces it (the channel waits for that F), and the consumer's compute stream waits only right
+before the compute that needs it; gradients likewise, backward. All reshardings follow one
+global launch order (a dependency order of the schedule); each device's channel stream takes
+the subsequence it is part of, so every participant launches its collectives in the same order.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -138,13 +142,31 @@ class ReshardOp:
         what = "reshard" if self.direction == "fwd" else "grad"
         return f"{what} s{self.src_stage}→s{self.dst_stage} mb{self.microbatch}"
 
+    @property
+    def channel(self) -> str:
+        """The comm stream this resharding runs on: ``fwd<boundary>`` or ``bwd<boundary>``."""
+        return f"{self.direction}{self.boundary}"
+
+
+COMPUTE = "compute"
+
 
 @dataclass(frozen=True)
 class DeviceProgram:
+    """One device's instruction lists: ``streams["compute"]`` and one per comm channel."""
+
     device: int
     stage: int
-    compute: tuple[Instruction, ...]
-    comm: tuple[Instruction, ...]
+    streams: Mapping[str, tuple[Instruction, ...]]
+
+    @property
+    def compute(self) -> tuple[Instruction, ...]:
+        return self.streams[COMPUTE]
+
+    @property
+    def channels(self) -> tuple[str, ...]:
+        """The comm streams, in name order."""
+        return tuple(sorted(k for k in self.streams if k != COMPUTE))
 
 
 @dataclass(frozen=True)
@@ -192,7 +214,8 @@ class Programs:
         for d in sorted(self.devices):
             prog = self.devices[d]
             lines.append(f"device {d} (stage {prog.stage})")
-            for stream, instrs in (("compute", prog.compute), ("comm", prog.comm)):
+            for stream in (COMPUTE, *prog.channels):
+                instrs = prog.streams[stream]
                 lines.append(f"  {stream}:")
                 for i, ins in enumerate(instrs):
                     extra = f"  ({self.op(ins.id).label})" if isinstance(ins, Reshard) else ""
@@ -211,8 +234,8 @@ class Programs:
             ],
             "devices": {
                 str(d): {"stage": p.stage,
-                         "compute": [_instr_json(i) for i in p.compute],
-                         "comm": [_instr_json(i) for i in p.comm]}
+                         "streams": {name: [_instr_json(i) for i in instrs]
+                                     for name, instrs in p.streams.items()}}
                 for d, p in self.devices.items()
             },
         })
@@ -232,8 +255,8 @@ class Programs:
             devices={
                 int(d): DeviceProgram(
                     int(d), int(p["stage"]),
-                    tuple(_instr_from_json(i) for i in p["compute"]),
-                    tuple(_instr_from_json(i) for i in p["comm"]),
+                    {name: tuple(_instr_from_json(i) for i in instrs)
+                     for name, instrs in p["streams"].items()},
                 )
                 for d, p in data["devices"].items()
             },
@@ -291,16 +314,19 @@ def lower(
             reshards.append(ReshardOp(len(reshards), s - 1, "bwd", a.microbatch, f"bwd{s - 1}"))
     roles = {key: _roles(plan) for key, plan in plans.items()}
     stage_devices = [set(mesh.device_ids) for mesh in stages]
-    comm: dict[int, list[Instruction]] = {d: [] for mesh in stages for d in mesh.device_ids}
+    comm: dict[int, dict[str, list[Instruction]]] = {
+        d: defaultdict(list) for mesh in stages for d in mesh.device_ids
+    }
     for op in reshards:
         senders, receivers, members = roles[op.plan_key]
         kind = "F" if op.direction == "fwd" else "B"
         for d in sorted(members):
+            stream = comm[d][op.channel]
             if d in senders and d in stage_devices[op.src_stage]:
-                comm[d].append(Wait(compute_event(op.src_stage, Action(kind, op.microbatch))))
-            comm[d].append(Reshard(op.id))
+                stream.append(Wait(compute_event(op.src_stage, Action(kind, op.microbatch))))
+            stream.append(Reshard(op.id))
             if d in receivers:
-                comm[d].append(Record(reshard_event(op.id)))
+                stream.append(Record(reshard_event(op.id)))
     devices: dict[int, DeviceProgram] = {}
     for s, mesh in enumerate(stages):
         for d in mesh.device_ids:
@@ -316,7 +342,9 @@ def lower(
                 out_key = f"fwd{s}" if a.kind == "F" else f"bwd{s - 1}"
                 if out_key in roles and d in roles[out_key][0]:
                     compute.append(Record(compute_event(s, a)))
-            devices[d] = DeviceProgram(d, s, tuple(compute), tuple(comm[d]))
+            streams = {COMPUTE: tuple(compute)}
+            streams.update({ch: tuple(ins) for ch, ins in sorted(comm[d].items())})
+            devices[d] = DeviceProgram(d, s, streams)
     return Programs(schedule, stages, plans, tuple(reshards), devices)
 
 
@@ -384,7 +412,7 @@ class Step(NamedTuple):
     """One executed instruction of the dry run (for a reshard: one of its transfers)."""
 
     device: int
-    stream: Literal["compute", "comm"]
+    stream: str  # "compute" or a comm channel
     index: int  # instruction index in that stream
     transfer: int | None = None  # plan transfer index, for Reshard steps (one per transfer)
 
@@ -398,20 +426,38 @@ def validate(programs: Programs) -> list[Step]:
     compute producing what it sends). Raises :class:`ProgramError` naming the devices,
     instructions and what they wait on, on deadlock or violation.
     """
+    return [Step(*t) for t in dry_run(programs)]
+
+
+def dry_run(programs: Programs) -> list[tuple[int, str, int, int | None]]:
+    """:func:`validate`'s work, returning plain ``(device, stream, index, transfer)`` tuples.
+
+    The simulator runs it on hundreds of thousands of instructions; tuples keep it lean.
+    """
     devs = programs.devices
-    pos = {(d, st): 0 for d in devs for st in ("compute", "comm")}
-    sub: dict[int, int] = defaultdict(int)  # comm stream: next transfer within current Reshard
+    pos = {(d, st): 0 for d in devs for st in devs[d].streams}
+    sub: dict[tuple[int, str], int] = defaultdict(int)  # next transfer within current Reshard
     recorded: dict[int, set[str]] = defaultdict(set)
     waiting_event: dict[tuple[int, str], list[tuple[int, str]]] = defaultdict(list)
     arrived: dict[tuple[int, int], set[int]] = defaultdict(set)  # (reshard, k) -> devices
     my_transfers: dict[tuple[int, str], list[int]] = {}
     computed: dict[int, set[tuple[int, int, str]]] = defaultdict(set)
     reshard_done: dict[int, set[int]] = defaultdict(set)  # device -> completed reshard ids
-    order: list[Step] = []
-    work = deque((d, st) for d in sorted(devs) for st in ("compute", "comm"))
+    order: list[tuple[int, str, int, int | None]] = []
+    work = deque((d, st) for d in sorted(devs) for st in devs[d].streams)
     plan_devices: dict[str, list[frozenset[int]]] = {
         key: [frozenset(t.devices) for t in plan.transfers] for key, plan in programs.plans.items()
     }
+    # Per plan transfer: its devices in order, and its sender if that sender must first have
+    # computed what it sends (it is in the producing stage), else None.
+    plan_transfers: dict[str, list[tuple[tuple[int, ...], int | None]]] = {}
+    for op in programs.reshards:
+        if op.plan_key not in plan_transfers:
+            src = programs.stage_devices(op.src_stage)
+            plan_transfers[op.plan_key] = [
+                (tuple(sorted(set(t.devices))), t.sender if t.sender in src else None)
+                for t in programs.plans[op.plan_key].transfers
+            ]
     plan_key_of = {op.id: op.plan_key for op in programs.reshards}
     input_of: dict[tuple[int, int, str], ReshardOp | None] = {}
     p = programs.schedule.num_stages
@@ -428,7 +474,7 @@ def validate(programs: Programs) -> list[Step]:
 
     while work:
         d, st = work.popleft()
-        instrs = devs[d].compute if st == "compute" else devs[d].comm
+        instrs = devs[d].streams[st]
         i = pos[(d, st)]
         while i < len(instrs):
             ins = instrs[i]
@@ -451,38 +497,38 @@ def validate(programs: Programs) -> list[Step]:
                     fail(f"dependency violation: device {d} runs {ins} before its input "
                          f"({need.label}, #{need.id}) has arrived")
                 computed[d].add(key3)
-                order.append(Step(d, st, i))
+                order.append((d, st, i, None))
             else:  # Reshard
                 mine = transfers_of(d, ins.id)
-                if sub[d] < len(mine):
-                    k = mine[sub[d]]
+                if sub[(d, st)] < len(mine):
+                    k = mine[sub[(d, st)]]
                     got = arrived[(ins.id, k)]
                     got.add(d)
-                    t_devs = plan_devices[plan_key_of[ins.id]][k]
+                    t_devs, check = plan_transfers[plan_key_of[ins.id]][k]
                     if len(got) < len(t_devs):
                         pos[(d, st)] = i
                         break
-                    t = programs.plans[plan_key_of[ins.id]].transfers[k]
-                    _check_sender_ready(programs, ins.id, t.sender, computed, fail)
+                    if check is not None:
+                        _check_sender_ready(programs, ins.id, check, computed, fail)
                     del arrived[(ins.id, k)]
-                    for e in sorted(t_devs):
-                        sub[e] += 1
-                        order.append(Step(e, "comm", i if e == d else pos[(e, "comm")], k))
+                    for e in t_devs:
+                        sub[(e, st)] += 1
+                        order.append((e, st, i if e == d else pos[(e, st)], k))
                         if e != d:
-                            work.append((e, "comm"))
-                    if sub[d] < len(mine):
+                            work.append((e, st))
+                    if sub[(d, st)] < len(mine):
                         continue
-                sub[d] = 0
+                sub[(d, st)] = 0
                 reshard_done[d].add(ins.id)
             i += 1
         pos[(d, st)] = i
     stuck = [
-        (d, st) for d in sorted(devs) for st in ("compute", "comm")
-        if pos[(d, st)] < len(devs[d].compute if st == "compute" else devs[d].comm)
+        (d, st) for d in sorted(devs) for st in devs[d].streams
+        if pos[(d, st)] < len(devs[d].streams[st])
     ]
     if stuck:
         raise ProgramError("programs deadlock:\n" + "\n".join(
-            _describe_block(programs, d, st, pos[(d, st)], sub[d], arrived, transfers_of)
+            _describe_block(programs, d, st, pos[(d, st)], sub[(d, st)], arrived, transfers_of)
             for d, st in stuck
         ))
     return order
@@ -509,7 +555,7 @@ def _check_sender_ready(programs: Programs, rid: int, sender: int, computed, fai
 
 def _describe_block(programs, d, st, i, k_sub, arrived, transfers_of) -> str:
     prog = programs.devices[d]
-    ins = (prog.compute if st == "compute" else prog.comm)[i]
+    ins = prog.streams[st][i]
     where = f"device {d} {st}[{i}] {ins}"
     if isinstance(ins, Wait):
         return f"{where}: waits for event {ins.event!r}, never recorded on device {d}"

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from .cluster import Cluster
 from .cost import CostModel, TransferCost
-from .programs import Programs, Record, Wait, validate
+from .programs import Programs, Record, Wait, dry_run
 
 ComputeCosts = Mapping[Any, float] | Callable[[int, str], float]
 
@@ -29,7 +29,7 @@ class Span(NamedTuple):
     """One operation on one device stream of the timeline (a tuple: cheap by the million)."""
 
     device: int
-    stream: str  # "compute" or "comm"
+    stream: str  # "compute", or the comm channel: "fwd<s>" / "bwd<s>"
     name: str  # "F s1 mb3", "reshard s1→s2 mb3", "grad s2→s1 mb3"
     start: float
     end: float
@@ -80,8 +80,15 @@ class Timeline:
             return 0.0
         return sum(self.exposed_comm(d) for d in self.devices) / len(self.devices) / t
 
+    def streams(self, device: int) -> tuple[str, ...]:
+        """The device's streams in the timeline: "compute" first, then its comm channels."""
+        names = {s.stream for s in self.spans if s.device == device}
+        return ("compute", *sorted(names - {"compute"}))
+
     def comm_time(self, device: int) -> float:
-        return self.busy(device, "comm")
+        """Seconds at least one of the device's comm streams was busy."""
+        return _union_length([(s.start, s.end) for s in self.spans
+                              if s.device == device and s.stream != "compute"])
 
     def peak_activations(self, stage: int) -> int:
         """Most microbatches with F done and B not yet, on the stage's first device."""
@@ -111,13 +118,16 @@ class Timeline:
         for d in self.devices:
             events.append({"ph": "M", "name": "process_name", "pid": d,
                            "args": {"name": f"device {d} (stage {self.stage_of[d]})"}})
-            for tid, stream in enumerate(("compute", "comm")):
+        tids = {}
+        for d in self.devices:
+            for tid, stream in enumerate(self.streams(d)):
+                tids[(d, stream)] = tid
                 events.append({"ph": "M", "name": "thread_name", "pid": d, "tid": tid,
                                "args": {"name": stream}})
         for s in self.spans:
             events.append({
-                "ph": "X", "name": s.name, "cat": s.stream, "pid": s.device,
-                "tid": 0 if s.stream == "compute" else 1,
+                "ph": "X", "name": s.name, "cat": "compute" if s.stream == "compute" else "comm",
+                "pid": s.device, "tid": tids[(s.device, s.stream)],
                 "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
                 "args": {"stage": s.stage, "microbatch": s.microbatch, "kind": s.kind},
             })
@@ -139,7 +149,7 @@ class Timeline:
                 "Timeline.plot needs matplotlib: pip install 'overlap[viz]'"
             ) from None
         colors = {"F": "tab:blue", "B": "tab:green", "fwd": "tab:orange", "bwd": "tab:red"}
-        rows = [(d, st) for d in self.devices for st in ("compute", "comm")]
+        rows = [(d, st) for d in self.devices for st in self.streams(d)]
         fig, ax = plt.subplots(figsize=(12, max(2.0, 0.3 * len(rows))))
         for y, (d, st) in enumerate(rows):
             for kind, color in colors.items():
@@ -224,7 +234,7 @@ def simulate(
         raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
     cost_of = _compute_cost_fn(compute_costs, programs.schedule.num_stages)
     model = CostModel(cluster)
-    order = validate(programs)
+    order = dry_run(programs)
 
     # Per stream: the events each op-bearing instruction waits on (since the previous one),
     # and which op-bearing instruction each Record follows.
@@ -232,7 +242,7 @@ def simulate(
     waits_before: dict[tuple[int, str], list[tuple[str, ...]]] = {}
     last_op: dict[tuple[int, str], list[int]] = {}  # op index of each instruction, per stream
     for d, prog in programs.devices.items():
-        for st, instrs in (("compute", prog.compute), ("comm", prog.comm)):
+        for st, instrs in prog.streams.items():
             prev, pending = -1, []
             waits: list[tuple[str, ...]] = [()] * len(instrs)
             for i, ins in enumerate(instrs):
@@ -278,7 +288,7 @@ def simulate(
             meta.append(((d,), "compute", str(ins), ins.stage, ins.microbatch, ins.kind, -1))
             last_op[(d, "compute")][idx] = n
             continue
-        ins = devices[d].comm[idx]
+        ins = devices[d].streams[stream][idx]
         # The dry run lists every device of a transfer together: the first creates the op.
         if current != (ins.id, k):
             current = (ins.id, k)
@@ -289,18 +299,18 @@ def simulate(
                 transfer_cost[ck2] = (
                     TransferCost((), model.latency_of(t.sender, t.receivers), 0, math.inf)
                     if signal else model.transfer_cost(t),
-                    tuple(("comm", e) for e in t.devices),
+                    tuple((stream, e) for e in t.devices),
                 )
             cost, tkeys = transfer_cost[ck2]
             costs.append(cost)
             keys.append(tkeys)
             after.append([])
-            meta.append((tuple(e for _, e in tkeys), "comm", op.label, op.src_stage,
+            meta.append((tuple(e for _, e in tkeys), stream, op.label, op.src_stage,
                          op.microbatch, op.direction, op.id))
         n = len(costs) - 1
-        slots = last_op[(d, "comm")]
+        slots = last_op[(d, stream)]
         if slots[idx] < 0:  # the device's first transfer of this Reshard: its waits apply
-            deps_for(d, "comm", idx, after[n])
+            deps_for(d, stream, idx, after[n])
         slots[idx] = n
 
     timings = model.run_costs(costs, keys, after=[tuple(sorted(set(a))) for a in after])
@@ -323,8 +333,8 @@ def _exposed(after, meta, timings) -> dict[int, float]:
     start to last end).
     """
     window: dict[tuple[int, int], list[float]] = {}  # (device, reshard id) -> [lo, hi]
-    for (devs, stream, *_, rid), tm in zip(meta, timings):
-        if stream == "comm":
+    for (devs, _, *_, rid), tm in zip(meta, timings):
+        if rid >= 0:
             for d in devs:
                 w = window.get((d, rid))
                 if w is None:
