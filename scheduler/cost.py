@@ -285,10 +285,7 @@ class _FluidRun:
         if self.earliest[i] > self.now or not self.busy.isdisjoint(self.devices[i]):
             return False
         ended = self.ended
-        for j in self.after[i]:
-            if not ended[j]:
-                return False
-        return True
+        return all(ended[j] for j in self.after[i])
 
     def run(self, startable, started) -> list[TransferTiming]:
         n, costs = self.n, self.costs
