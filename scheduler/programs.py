@@ -450,14 +450,43 @@ def dry_run(programs: Programs) -> list[tuple[int, str, int, int | None]]:
     }
     # Per plan transfer: its devices in order, and its sender if that sender must first have
     # computed what it sends (it is in the producing stage), else None.
-    plan_transfers: dict[str, list[tuple[tuple[int, ...], int | None]]] = {}
+    plan_transfers: dict[str, list[tuple[tuple[int, ...], int | None, tuple[int, ...]]]] = {}
     for op in programs.reshards:
         if op.plan_key not in plan_transfers:
             src = programs.stage_devices(op.src_stage)
             plan_transfers[op.plan_key] = [
-                (tuple(sorted(set(t.devices))), t.sender if t.sender in src else None)
+                (tuple(sorted(set(t.devices))), t.sender if t.sender in src else None, t.after)
                 for t in programs.plans[op.plan_key].transfers
             ]
+    # Transfer.after: only plans that use it pay for tracking which transfers have run.
+    ordered_plans = {key for key, plan in programs.plans.items()
+                     if any(t.after for t in plan.transfers)}
+    fired: set[tuple[int, int]] = set()
+    held: dict[int, list[int]] = defaultdict(list)  # reshard -> transfers waiting on `after`
+
+    def fire(rid: int, k: int, st: str, check: int | None) -> None:
+        """Run transfer k of reshard rid: every device moves past it; release what waited."""
+        tracked = plan_key_of[rid] in ordered_plans
+        if tracked:
+            if (rid, k) in fired:
+                return
+            fired.add((rid, k))
+        if check is not None:
+            _check_sender_ready(programs, rid, check, computed, fail)
+        del arrived[(rid, k)]
+        t_devs = plan_transfers[plan_key_of[rid]][k][0]
+        for e in t_devs:
+            sub[(e, st)] += 1
+            order.append((e, st, pos[(e, st)], k))
+            work.append((e, st))
+        if not tracked:
+            return
+        waiting = held.pop(rid, [])
+        for j in waiting:
+            if all((rid, x) in fired for x in plan_transfers[plan_key_of[rid]][j][2]):
+                fire(rid, j, st, plan_transfers[plan_key_of[rid]][j][1])
+            else:
+                held[rid].append(j)
     plan_key_of = {op.id: op.plan_key for op in programs.reshards}
     input_of: dict[tuple[int, int, str], ReshardOp | None] = {}
     p = programs.schedule.num_stages
@@ -504,18 +533,17 @@ def dry_run(programs: Programs) -> list[tuple[int, str, int, int | None]]:
                     k = mine[sub[(d, st)]]
                     got = arrived[(ins.id, k)]
                     got.add(d)
-                    t_devs, check = plan_transfers[plan_key_of[ins.id]][k]
+                    t_devs, check, deps = plan_transfers[plan_key_of[ins.id]][k]
+                    pos[(d, st)] = i
                     if len(got) < len(t_devs):
-                        pos[(d, st)] = i
                         break
-                    if check is not None:
-                        _check_sender_ready(programs, ins.id, check, computed, fail)
-                    del arrived[(ins.id, k)]
-                    for e in t_devs:
-                        sub[(e, st)] += 1
-                        order.append((e, st, i if e == d else pos[(e, st)], k))
-                        if e != d:
-                            work.append((e, st))
+                    if any((ins.id, j) not in fired for j in deps):
+                        # Everyone is here, but the plan orders it after a transfer that has
+                        # not run yet (Transfer.after): it runs when that one does.
+                        if k not in held[ins.id]:
+                            held[ins.id].append(k)
+                        break
+                    fire(ins.id, k, st, check)
                     if sub[(d, st)] < len(mine):
                         continue
                 sub[(d, st)] = 0

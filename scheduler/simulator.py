@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from .cluster import Cluster
 from .cost import CostModel, TransferCost
@@ -48,13 +51,25 @@ class Timeline:
     stage_of: Mapping[int, int]
     exposed: Mapping[int, float] = field(default_factory=dict)  # device -> seconds
 
+    def __post_init__(self) -> None:
+        # Spans per device, built once: metrics are asked per device, many times.
+        by_device: dict[int, list[Span]] = defaultdict(list)
+        for span in self.spans:
+            by_device[span.device].append(span)
+        object.__setattr__(self, "_by_device", dict(by_device))
+        object.__setattr__(self, "_end", max((s.end for s in self.spans), default=0.0))
+
+    def spans_of(self, device: int) -> list[Span]:
+        return self._by_device.get(device, [])  # type: ignore[attr-defined]
+
     @property
     def iteration_time(self) -> float:
-        return max((s.end for s in self.spans), default=0.0)
+        return self._end  # type: ignore[attr-defined]
 
     def busy(self, device: int, stream: str = "compute") -> float:
+        """Seconds the device's ``stream`` was busy."""
         return _union_length(
-            [(s.start, s.end) for s in self.spans if s.device == device and s.stream == stream]
+            [(s.start, s.end) for s in self.spans_of(device) if s.stream == stream]
         )
 
     def busy_fraction(self, device: int) -> float:
@@ -82,23 +97,23 @@ class Timeline:
 
     def streams(self, device: int) -> tuple[str, ...]:
         """The device's streams in the timeline: "compute" first, then its comm channels."""
-        names = {s.stream for s in self.spans if s.device == device}
+        names = {s.stream for s in self.spans_of(device)}
         return ("compute", *sorted(names - {"compute"}))
 
     def comm_time(self, device: int) -> float:
         """Seconds at least one of the device's comm streams was busy."""
-        return _union_length([(s.start, s.end) for s in self.spans
-                              if s.device == device and s.stream != "compute"])
+        return _union_length([(s.start, s.end) for s in self.spans_of(device)
+                              if s.stream != "compute"])
 
     def peak_activations(self, stage: int) -> int:
         """Most microbatches with F done and B not yet, on the stage's first device."""
         devs = [d for d in self.devices if self.stage_of[d] == stage]
         if not devs:
             raise ValueError(f"stage: no device runs stage {stage}")
-        ops = sorted((s.start, s.kind == "B") for s in self.spans
-                     if s.device == devs[0] and s.stream == "compute")
+        # Spans of one stream are kept in program order (ties in time keep their order).
+        ops = [s.kind == "B" for s in self.spans_of(devs[0]) if s.stream == "compute"]
         live = peak = 0
-        for _, is_b in ops:
+        for is_b in ops:
             live += -1 if is_b else 1
             peak = max(peak, live)
         return peak
@@ -153,8 +168,8 @@ class Timeline:
         fig, ax = plt.subplots(figsize=(12, max(2.0, 0.3 * len(rows))))
         for y, (d, st) in enumerate(rows):
             for kind, color in colors.items():
-                bars = [(s.start * 1e3, (s.end - s.start) * 1e3) for s in self.spans
-                        if s.device == d and s.stream == st and s.kind == kind]
+                bars = [(s.start * 1e3, (s.end - s.start) * 1e3) for s in self.spans_of(d)
+                        if s.stream == st and s.kind == kind]
                 if bars:
                     ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color)
         ax.set_yticks(range(len(rows)), [f"d{d} {st}" for d, st in rows], fontsize=6)
@@ -205,13 +220,18 @@ def _compute_cost_fn(compute_costs: ComputeCosts, num_stages: int) -> Callable[[
             f"compute_costs: expected a mapping or a callable (stage, kind) -> seconds, got "
             f"{type(compute_costs).__name__}"
         )
+    durations: dict[tuple[int, str], float] = {}
     for s in range(num_stages):
         for k in ("F", "B"):
             v = fn(s, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+                raise TypeError(f"compute_costs: stage {s} {k!r} has duration {v!r} "
+                                f"({type(v).__name__}); need a number of seconds")
+            if not math.isfinite(v) or v < 0:
                 raise ValueError(f"compute_costs: stage {s} {k!r} has duration {v!r}; "
-                                 "need seconds >= 0")
-    return fn
+                                 "need finite seconds >= 0")
+            durations[(s, k)] = float(v)
+    return lambda stage, kind: durations[(stage, kind)]
 
 
 def simulate(
@@ -272,7 +292,9 @@ def simulate(
     compute_cost: dict[tuple[int, str], TransferCost] = {}
     transfer_cost: dict[tuple[str, int], tuple[TransferCost, tuple[tuple[str, int], ...]]] = {}
     current: tuple[int, int] | None = None  # (reshard id, transfer index) of the last comm op
+    transfer_op: dict[tuple[int, int], int] = {}  # (reshard id, transfer index) -> op
     devices = programs.devices
+    label: dict[Any, str] = {}
     for d, stream, idx, k in order:
         if stream == "compute":
             ins = devices[d].compute[idx]
@@ -283,9 +305,13 @@ def simulate(
             costs.append(compute_cost[ck])
             keys.append((("compute", d),))
             deps: list[int] = []
-            deps_for(d, "compute", idx, deps)
+            if waits_before[(d, "compute")][idx]:
+                deps_for(d, "compute", idx, deps)
             after.append(deps)
-            meta.append(((d,), "compute", str(ins), ins.stage, ins.microbatch, ins.kind, -1))
+            name = label.get(ins)
+            if name is None:
+                name = label[ins] = str(ins)
+            meta.append(((d,), "compute", name, ins.stage, ins.microbatch, ins.kind, -1))
             last_op[(d, "compute")][idx] = n
             continue
         ins = devices[d].streams[stream][idx]
@@ -304,12 +330,16 @@ def simulate(
             cost, tkeys = transfer_cost[ck2]
             costs.append(cost)
             keys.append(tkeys)
-            after.append([])
+            # The plan's own ordering constraints between its transfers (Transfer.after).
+            after.append([transfer_op[(ins.id, j)]
+                          for j in programs.plans[op.plan_key].transfers[k].after])
+            transfer_op[(ins.id, k)] = len(costs) - 1
             meta.append((tuple(e for _, e in tkeys), stream, op.label, op.src_stage,
                          op.microbatch, op.direction, op.id))
         n = len(costs) - 1
         slots = last_op[(d, stream)]
-        if slots[idx] < 0:  # the device's first transfer of this Reshard: its waits apply
+        if slots[idx] < 0 and waits_before[(d, stream)][idx]:
+            # The device's first transfer of this Reshard: the waits before it apply.
             deps_for(d, stream, idx, after[n])
         slots[idx] = n
 

@@ -1,0 +1,171 @@
+"""End-to-end pipeline simulation benchmark (not a test): schedules × resharding strategies.
+
+Two paper-like setups on p3.8xlarge clusters (one stage = one host = 4 V100), compute times
+from FLOPs at a stated device rate, simulated with the project's cost model:
+
+- GPT-3-like: hidden 8192, sequence 1024, 96 layers over 16 stages (6 per stage), microbatch
+  of one sequence, fp16; inside a stage tensor parallelism leaves the activation replicated on
+  the 4 GPUs, and the next stage needs it replicated too.
+- U-Transformer-like: 2 stages, large skip activations (8 × 128 × 128 × 256 fp16 = 64 MiB per
+  microbatch) sharded by batch over the producer's GPUs and needed whole by every GPU of the
+  consumer: resharding heavy.
+
+Rows: send_recv + 1f1b (the Alpa baseline), broadcast + 1f1b, broadcast + eager-1f1b, and
+signal (eager-1f1b with every transfer costing only its latency: the paper's upper bound).
+Every ratio is computed in this run. Also: simulator wall time for 64 stages × 256
+microbatches.
+
+    python benchmarks/schedule_sim.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler import (
+    Boundary,
+    Cluster,
+    P,
+    Sharding,
+    lower,
+    make_schedule,
+    plan_resharding,
+    simulate,
+)
+from scheduler.cli import machine_line
+
+# V100: 125 TFLOP/s fp16 tensor-core peak; we assume 30 % of it end to end.
+GPU_FLOPS = 125e12 * 0.30
+GPUS_PER_STAGE = 4
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    stages: int
+    microbatches: int
+    shape: tuple[int, ...]
+    producer: P
+    consumer: P
+    fwd_flops: float  # per stage per microbatch
+    dtype: str = "float16"
+
+    @property
+    def fwd_s(self) -> float:
+        return self.fwd_flops / (GPU_FLOPS * GPUS_PER_STAGE)
+
+    @property
+    def bwd_s(self) -> float:
+        return 2 * self.fwd_s
+
+
+def gpt3_like() -> Setup:
+    h, s, layers_per_stage = 8192, 1024, 6
+    per_token_layer = 24 * h * h * (1 + s / (6 * h))  # Megatron-LM's FLOP count
+    return Setup("GPT-3-like", 16, 64, (s, h), P(), P(),
+                 fwd_flops=per_token_layer * s * layers_per_stage)
+
+
+def u_transformer_like() -> Setup:
+    return Setup("U-Transformer-like", 2, 16, (8, 128, 128, 256), P("gpu"), P(),
+                 fwd_flops=1.2e13)
+
+
+def pipeline(setup: Setup):
+    cluster = Cluster.preset("p3.8xlarge", setup.stages)
+    stages = [cluster.mesh([h]) for h in range(setup.stages)]
+    boundaries = [
+        Boundary(setup.shape, setup.dtype, Sharding(stages[s], setup.producer),
+                 Sharding(stages[s + 1], setup.consumer))
+        for s in range(setup.stages - 1)
+    ]
+    return cluster, stages, boundaries
+
+
+def run_setup(setup: Setup) -> tuple[str, bool]:
+    cluster, stages, boundaries = pipeline(setup)
+    costs = {"F": setup.fwd_s, "B": setup.bwd_s}
+    rows = []
+    for label, strategy, sched, signal in (
+        ("send_recv + 1f1b", "send_recv", "1f1b", False),
+        ("broadcast + 1f1b", "broadcast", "1f1b", False),
+        ("broadcast + eager-1f1b", "broadcast", "eager-1f1b", False),
+        ("signal (eager-1f1b)", "broadcast", "eager-1f1b", True),
+    ):
+        schedule = make_schedule(sched, setup.stages, setup.microbatches)
+        programs = lower(stages, boundaries, schedule, cluster, strategy=strategy)
+        t0 = time.perf_counter()
+        tl = simulate(programs, cluster, costs, signal=signal)
+        rows.append((label, tl, time.perf_counter() - t0))
+    xfer = {
+        strategy: plan_resharding(setup.shape, setup.dtype, boundaries[0].producer,
+                                  boundaries[0].consumer, cluster,
+                                  strategy=strategy).estimate(cluster)
+        for strategy in ("send_recv", "broadcast")
+    }
+    base = rows[0][1].iteration_time
+    signal_t = rows[-1][1].iteration_time
+    lines = [
+        f"== {setup.name}: {setup.stages} stages × {setup.microbatches} microbatches, "
+        f"boundary {setup.shape} {setup.dtype} {setup.producer!r} -> {setup.consumer!r} ==",
+        f"per microbatch: F {setup.fwd_s * 1e3:.1f} ms, B {setup.bwd_s * 1e3:.1f} ms; "
+        f"activation transfer {xfer['broadcast'] * 1e3:.1f} ms (broadcast), "
+        f"{xfer['send_recv'] * 1e3:.1f} ms (send_recv)",
+        f"{'row':<24}{'iteration s':>12}{'/ signal':>10}{'exposed comm':>14}{'bubble':>9}"
+        f"{'throughput vs send_recv+1f1b':>31}{'sim s':>8}",
+    ]
+    for label, tl, secs in rows:
+        lines.append(
+            f"{label:<24}{tl.iteration_time:>12.3f}{tl.iteration_time / signal_t:>10.3f}"
+            f"{tl.exposed_comm_fraction:>14.1%}{tl.bubble_fraction:>9.1%}"
+            f"{base / tl.iteration_time - 1:>+31.1%}{secs:>8.2f}"
+        )
+    eager = rows[2][1].iteration_time
+    applies = xfer["broadcast"] <= setup.fwd_s
+    ok = eager <= 1.05 * signal_t
+    lines.append(
+        f"target broadcast+eager-1f1b <= 1.05 × signal when transfer <= compute "
+        f"({'applies' if applies else 'does not apply'}): {eager / signal_t:.3f} -> "
+        f"{'met' if ok else 'NOT met'}"
+    )
+    return "\n".join(lines), ok or not applies
+
+
+def sim_speed(stages: int = 64, microbatches: int = 256) -> str:
+    cluster = Cluster.preset("p3.8xlarge", stages)
+    meshes = [cluster.mesh([h]) for h in range(stages)]
+    boundaries = [Boundary((1024, 8192), "float16", Sharding(meshes[s], P(None, "gpu")),
+                           Sharding(meshes[s + 1], P(None, "gpu")))
+                  for s in range(stages - 1)]
+    t0 = time.perf_counter()
+    programs = lower(meshes, boundaries, make_schedule("eager-1f1b", stages, microbatches),
+                     cluster)
+    t1 = time.perf_counter()
+    tl = simulate(programs, cluster, {"F": 0.010, "B": 0.020})
+    t2 = time.perf_counter()
+    ops = len(tl.spans)
+    return (f"== simulator speed: {stages} stages × {microbatches} microbatches (eager-1f1b, "
+            f"{len(programs.devices)} devices, {ops} spans) ==\n"
+            f"lower {t1 - t0:.2f} s, simulate {t2 - t1:.2f} s (target <= 10 s: "
+            f"{'met' if t2 - t1 <= 10 else 'NOT met'})")
+
+
+def main() -> int:
+    print(machine_line())
+    print(f"compute: {GPU_FLOPS / 1e12:.1f} TFLOP/s per V100 (30 % of fp16 peak), "
+          f"{GPUS_PER_STAGE} GPUs per stage\n")
+    for setup in (gpt3_like(), u_transformer_like()):
+        text, _ = run_setup(setup)
+        print(text)
+        print()
+    print(sim_speed())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
