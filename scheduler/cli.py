@@ -122,17 +122,20 @@ def _case_from_args(args: argparse.Namespace) -> Case:
         shape = tuple(int(x) for x in args.shape.split(","))
     except ValueError:
         raise ValueError(f"--shape: expected comma-separated ints, got {args.shape!r}") from None
-    src = _sharding(args.src_mesh, args.src_spec, cluster, side="src")
-    dst = _sharding(args.dst_mesh, args.dst_spec, cluster, side="dst")
+    src = _sharding(args.src_mesh, args.src_spec, cluster, len(shape), side="src")
+    dst = _sharding(args.dst_mesh, args.dst_spec, cluster, len(shape), side="dst")
     return Case("cli", shape, args.dtype, src, dst, cluster)
 
 
-def _sharding(mesh_text: str, spec_text: str, cluster: Cluster, *, side: str) -> Sharding:
+def _sharding(mesh_text: str, spec_text: str, cluster: Cluster, rank: int, *,
+              side: str) -> Sharding:
     mesh = parse_mesh(mesh_text, cluster, argument=f"--{side}-mesh")
     try:
-        return Sharding(mesh, parse_spec(spec_text))
+        sharding = Sharding(mesh, parse_spec(spec_text))
+        sharding.spec.padded(rank)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"--{side}-spec: {exc}") from None
+    return sharding
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:

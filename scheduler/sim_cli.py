@@ -138,10 +138,12 @@ def _case_from_args(args: argparse.Namespace) -> PipelineCase:
     for s in range(args.stages - 1):
         try:
             producer = Sharding(stages[s], parse_spec(args.src_spec))
+            producer.spec.padded(len(shape))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"--src-spec: {exc}") from None
         try:
             consumer = Sharding(stages[s + 1], parse_spec(args.dst_spec))
+            consumer.spec.padded(len(shape))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"--dst-spec: {exc}") from None
         boundaries.append(Boundary(shape, args.dtype, producer, consumer))
