@@ -174,10 +174,19 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+COMMANDS = {
+    "plan": "plan a cross-mesh resharding (or --suite paper) and cost it",
+    "simulate": "compare gpipe / 1f1b / eager-1f1b / signal on a pipeline",
+}
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -> int:
+    """Dispatch a subcommand; ``overlap`` and ``python -m scheduler`` both land here."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m scheduler {plan,simulate} [options]   (see '<command> --help')")
+        print(f"usage: {prog} COMMAND [options]   (see '{prog} COMMAND --help')\n\ncommands:")
+        for name, what in COMMANDS.items():
+            print(f"  {name:<9} {what}")
         return 0 if argv else 2
     if argv[0] == "plan":
         return plan_main(argv[1:])
@@ -185,5 +194,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .sim_cli import simulate_main
 
         return simulate_main(argv[1:])
-    print(f"error: unknown command {argv[0]!r}; known: plan, simulate", file=sys.stderr)
+    print(f"{prog}: unknown command {argv[0]!r}; known: {', '.join(COMMANDS)}", file=sys.stderr)
     return 2

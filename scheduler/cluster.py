@@ -16,15 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import ClusterError
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+from .errors import ClusterError, check_positive_int
 
 
 def _positive_float(name: str, value: object, *, allow_zero: bool = False) -> float:
@@ -60,9 +52,9 @@ class Cluster:
     nvlink_latency_us: float = 5.0
 
     def __post_init__(self) -> None:
-        _positive_int("num_hosts", self.num_hosts)
-        _positive_int("gpus_per_host", self.gpus_per_host)
-        _positive_int("nics_per_host", self.nics_per_host)
+        check_positive_int("num_hosts", self.num_hosts)
+        check_positive_int("gpus_per_host", self.gpus_per_host)
+        check_positive_int("nics_per_host", self.nics_per_host)
         for name in ("nic_gbps", "nvlink_gbps"):
             object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
         for name in ("nic_latency_us", "nvlink_latency_us"):

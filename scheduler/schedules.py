@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+from .errors import check_positive_int
+
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 
 Kind = Literal["F", "B"]
@@ -75,14 +77,6 @@ def _stage_actions(w: int, m: int) -> tuple[Action, ...]:
     return tuple(out)
 
 
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}: must be >= 1, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class Schedule:
     """Per stage, its actions in execution order (``actions[stage]``)."""
@@ -93,8 +87,8 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
 
     def __post_init__(self) -> None:
-        _check_count("num_stages", self.num_stages)
-        _check_count("num_microbatches", self.num_microbatches)
+        check_positive_int("num_stages", self.num_stages)
+        check_positive_int("num_microbatches", self.num_microbatches)
         if len(self.actions) != self.num_stages:
             raise ValueError(
                 f"actions: {len(self.actions)} stage lists for {self.num_stages} stages"
@@ -169,8 +163,8 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule
     """The named schedule (see module doc) for ``num_stages`` × ``num_microbatches``."""
     if name not in SCHEDULES:
         raise ValueError(f"name: unknown schedule {name!r}; choose one of {SCHEDULES}")
-    p = _check_count("num_stages", num_stages)
-    m = _check_count("num_microbatches", num_microbatches)
+    p = check_positive_int("num_stages", num_stages)
+    m = check_positive_int("num_microbatches", num_microbatches)
     actions = tuple(_stage_actions(warmup(name, p, m, s), m) for s in range(p))
     return Schedule(name, p, m, actions)
 
