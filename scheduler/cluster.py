@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 from typing import Any
 
 from .errors import ClusterError, check_positive_int
@@ -41,10 +41,14 @@ class Cluster:
         nvlink_gbps: effective intra-host bandwidth of one GPU, per direction.
         nic_latency_us: one-way latency of a network hop (the α of the α–β model).
         nvlink_latency_us: latency of an intra-host hop.
+
+    Everything after ``gpus_per_host`` is keyword-only. The NVLink and latency defaults are the
+    p3.8xlarge figures (see :meth:`preset`).
     """
 
     num_hosts: int
     gpus_per_host: int
+    _: KW_ONLY  # the link figures are always named: Cluster(2, 4, nic_gbps=10, ...)
     nic_gbps: float
     nics_per_host: int = 1
     nvlink_gbps: float = 640.0
