@@ -1,0 +1,449 @@
+"""The CPU backend: virtual devices in one process that behave like CUDA streams + NCCL.
+
+- A **stream** is a worker thread draining a FIFO of operations: work launched on one stream
+  runs in launch order; different streams run concurrently.
+- An **event** is recorded on a stream and completes when the stream reaches it; another
+  stream may wait for it (``wait_event``), and asyncio code may await it — the host never
+  blocks to find out.
+- **Collectives** (broadcast, all-gather, all-reduce) rendezvous their participants on a
+  communicator (one per device group) by launch position, as NCCL does: an operation completes
+  only when every participant has launched it, so an inconsistent launch order really
+  deadlocks — and the watchdog turns that into :class:`CollectiveTimeout` naming the devices
+  that never arrived. Participants that launch *different* collectives at the same position
+  get :class:`CollectiveMismatch` (NCCL would hang or corrupt data).
+- Bytes really move: a broadcast copies the root's buffer into every receiver's buffer.
+- Optional **link emulation**: a collective takes at least the time the cost model gives for
+  it on a chosen cluster, so a 10 Gbps cluster can be played on one machine.
+
+A failing operation fails its stream: later work on it is skipped and every event recorded
+after it completes with the error; :meth:`CpuBackend.abort` wakes everything that waits, and
+:meth:`CpuBackend.reset` makes the backend usable again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    CollectiveAborted,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    OverlapRuntimeError,
+    StreamError,
+)
+
+# How often a blocked thread looks at the abort flag; a wait ends within this after abort().
+_POLL_S = 0.02
+
+
+class CpuEvent:
+    """A point in a stream's work; completes (or fails) when the stream gets there."""
+
+    __slots__ = ("_callbacks", "_done", "_error", "_lock", "label")
+
+    def __init__(self, label: str = "") -> None:
+        self.label = label
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[CpuEvent], None]] = []
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def add_done_callback(self, cb: Callable[[CpuEvent], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+    async def wait(self) -> None:
+        """Await completion from asyncio without blocking the loop; raises the stream's error."""
+        if not self.done():
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+
+            def wake(_: CpuEvent) -> None:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+            self.add_done_callback(wake)
+            await fut
+        if self._error is not None:
+            raise self._error
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self.done() else "pending")
+        return f"CpuEvent({self.label!r}, {state})"
+
+
+class CpuStream:
+    """A FIFO of operations run by one worker thread (started on first use)."""
+
+    def __init__(self, backend: CpuBackend, device: int, name: str) -> None:
+        self.backend = backend
+        self.device = device
+        self.name = name
+        self._queue: deque[tuple[str, Any]] = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._closing = False
+
+    # ---- launching (any thread) ----------------------------------------------------------
+
+    def launch(self, label: str, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on this stream after everything launched before it."""
+        self._put(("op", (label, fn)))
+
+    def record(self, label: str = "", *, event: CpuEvent | None = None) -> CpuEvent:
+        """An event that completes when the stream reaches this point.
+
+        Pass ``event`` to record into one created earlier (so other streams could already be
+        told to wait for it, as programs launched out of order need).
+        """
+        ev = event if event is not None else CpuEvent(label or f"d{self.device}/{self.name}")
+        self._put(("record", ev))
+        return ev
+
+    def wait_event(self, event: CpuEvent) -> None:
+        """Later work on this stream waits until ``event`` completes (fails if it failed)."""
+        self._put(("wait", event))
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        with self._cv:
+            if self._closing:
+                raise OverlapRuntimeError(f"device {self.device} stream {self.name!r} is closed")
+            self._queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"overlap-d{self.device}-{self.name}", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+
+    # ---- the worker ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                kind, payload = self._queue.popleft()
+            if kind == "record":
+                payload._complete(self._failed)
+                continue
+            if self._failed is not None:
+                continue  # a failed stream skips work until reset()
+            try:
+                if kind == "wait":
+                    self._wait_for(payload)
+                else:
+                    _, fn = payload
+                    fn()
+            except BaseException as exc:
+                op = payload[0] if kind == "op" else f"wait {payload.label}"
+                if isinstance(exc, OverlapRuntimeError):
+                    self._failed = exc
+                else:
+                    err = StreamError(
+                        f"device {self.device} stream {self.name!r}: {op} failed: "
+                        f"{type(exc).__name__}: {exc}",
+                        device=self.device, stream=self.name, op=op,
+                    )
+                    err.__cause__ = exc
+                    self._failed = err
+                self.backend._note_failure(self._failed)
+
+    def _wait_for(self, event: CpuEvent) -> None:
+        while not event._done.wait(_POLL_S):
+            self.backend._check_abort(f"device {self.device} stream {self.name!r} waiting for "
+                                      f"{event.label}")
+        if event.error is not None:
+            raise event.error
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._queue
+
+    def _reset(self) -> None:
+        with self._cv:
+            pending = list(self._queue)
+            self._queue.clear()
+            self._failed = None
+        for kind, payload in pending:
+            if kind == "record":
+                payload._complete(CollectiveAborted("work dropped by reset()"))
+
+    def _close(self) -> threading.Thread | None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+            return self._thread
+
+
+class _Rendezvous:
+    """One collective position on a communicator: waits for every participant."""
+
+    def __init__(self, devices: tuple[int, ...]) -> None:
+        self.devices = devices
+        self.arrived: dict[int, tuple[str, Any]] = {}
+        self.done = False
+        self.error: BaseException | None = None
+        self.start = 0.0
+        self.deadline_after = 0.0  # seconds the emulated link keeps every participant busy
+
+
+class Communicator:
+    """Collectives among a fixed group of devices, matched by launch position."""
+
+    def __init__(self, backend: CpuBackend, devices: tuple[int, ...]) -> None:
+        self.backend = backend
+        self.devices = devices
+        self._lock = threading.Condition()
+        self._next: dict[int, int] = dict.fromkeys(devices, 0)
+        self._slots: dict[int, _Rendezvous] = {}
+
+    def run(self, device: int, desc: str, contribution: Any,
+            combine: Callable[[dict[int, Any]], float]) -> None:
+        """Join the device's next collective; the last to arrive runs ``combine``.
+
+        ``combine`` gets every participant's contribution, moves the data, and returns the
+        seconds the emulated link should take (0 without emulation).
+        """
+        backend = self.backend
+        with self._lock:
+            seq = self._next[device]
+            self._next[device] = seq + 1
+            rv = self._slots.get(seq)
+            if rv is None:
+                rv = self._slots[seq] = _Rendezvous(self.devices)
+            rv.arrived[device] = (desc, contribution)
+            if len(rv.arrived) == len(self.devices):
+                rv.start = time.perf_counter()  # the wire time counts from the last arrival
+                descs = {d: a[0] for d, a in rv.arrived.items()}
+                if len(set(descs.values())) > 1:
+                    rv.error = CollectiveMismatch(
+                        "collective launch order differs between devices "
+                        f"{list(self.devices)} at position {seq}: "
+                        + "; ".join(f"device {d} launched {s}" for d, s in sorted(descs.items()))
+                    )
+                else:
+                    try:
+                        rv.deadline_after = combine({d: a[1] for d, a in rv.arrived.items()})
+                    except BaseException as exc:
+                        rv.error = exc
+                rv.done = True
+                del self._slots[seq]
+                self._lock.notify_all()
+            else:
+                started = time.perf_counter()
+                while not rv.done:
+                    self._lock.wait(_POLL_S)
+                    if rv.done:
+                        break
+                    reason = backend._abort_reason
+                    if reason is not None:
+                        raise CollectiveAborted(f"{desc} on device {device}: aborted ({reason})")
+                    if time.perf_counter() - started > backend.timeout:
+                        missing = tuple(d for d in self.devices if d not in rv.arrived)
+                        raise CollectiveTimeout(
+                            f"{desc}: device {device} waited {backend.timeout:g} s; devices "
+                            f"{list(missing)} of {list(self.devices)} never launched it "
+                            "(inconsistent launch order, or a failed peer)",
+                            op=desc, devices=self.devices, missing=missing,
+                        )
+        if rv.error is not None:
+            raise rv.error
+        remaining = rv.start + rv.deadline_after - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)  # the emulated wire time
+
+
+class CpuBackend:
+    """Virtual devices on the CPU (see module doc)."""
+
+    name = "cpu"
+
+    def __init__(self, num_devices: int, *, timeout: float = 30.0,
+                 link_time: Callable[[int, Sequence[int], int], float] | None = None) -> None:
+        """
+        Args:
+            num_devices: device ids are 0..num_devices-1.
+            timeout: seconds a collective or event wait may block before it raises.
+            link_time: ``(root, receivers, nbytes) -> seconds`` a broadcast must take at least
+                (link emulation); None moves data as fast as memcpy.
+        """
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"num_devices: expected an int >= 1, got {num_devices!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
+        self.num_devices = num_devices
+        self.timeout = float(timeout)
+        self.link_time = link_time
+        self._streams: dict[tuple[int, str], CpuStream] = {}
+        self._comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
+        self._lock = threading.Lock()
+        self._abort_reason: str | None = None
+        self._failures: list[BaseException] = []
+        self._closed = False
+        # Called (on the failing stream's thread) with every stream failure; the runtime uses
+        # it to abort all in-flight work at once, so a failed step ends fast.
+        self.on_failure: Callable[[BaseException], None] | None = None
+
+    # ---- streams and events --------------------------------------------------------------
+
+    def stream(self, device: int, name: str = "compute") -> CpuStream:
+        if not 0 <= device < self.num_devices:
+            raise ValueError(f"device: {device} is not in 0..{self.num_devices - 1}")
+        with self._lock:
+            if self._closed:
+                raise OverlapRuntimeError("backend is closed")
+            key = (device, name)
+            if key not in self._streams:
+                self._streams[key] = CpuStream(self, device, name)
+            return self._streams[key]
+
+    def streams(self) -> list[CpuStream]:
+        with self._lock:
+            return list(self._streams.values())
+
+    # ---- collectives (called on stream threads) ------------------------------------------
+
+    def communicator(self, devices: Sequence[int], namespace: str = "") -> Communicator:
+        """The communicator of a device group; ``namespace`` separates groups used from
+        different streams (NCCL needs one communicator per concurrently used stream too)."""
+        group = tuple(sorted(set(devices)))
+        with self._lock:
+            if (namespace, group) not in self._comms:
+                self._comms[(namespace, group)] = Communicator(self, group)
+            return self._comms[(namespace, group)]
+
+    def broadcast(self, devices: Sequence[int], device: int, root: int,
+                  buffer: np.ndarray, desc: str, namespace: str = "") -> None:
+        """The root's ``buffer`` is copied into every other participant's ``buffer``."""
+        group = tuple(sorted(set(devices)))
+
+        def combine(bufs: dict[int, np.ndarray]) -> float:
+            src = bufs[root]
+            for d, b in bufs.items():
+                if d != root:
+                    if b.shape != src.shape or b.dtype != src.dtype:
+                        raise CollectiveMismatch(
+                            f"{desc}: device {d} buffer {b.shape} {b.dtype} != root {root} "
+                            f"buffer {src.shape} {src.dtype}"
+                        )
+                    np.copyto(b, src)
+            if self.link_time is None:
+                return 0.0
+            return self.link_time(root, [d for d in group if d != root], src.nbytes)
+
+        self.communicator(group, namespace).run(device, f"broadcast[{desc}] root {root}", buffer,
+                                                combine)
+
+    def all_reduce(self, devices: Sequence[int], device: int, buffer: np.ndarray,
+                   desc: str, op: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+                   namespace: str = "") -> None:
+        """Every participant's ``buffer`` becomes the reduction of all of them (in place)."""
+        group = tuple(sorted(set(devices)))
+
+        def combine(bufs: dict[int, np.ndarray]) -> float:
+            total = bufs[group[0]].copy()
+            for d in group[1:]:
+                total = op(total, bufs[d])
+            for b in bufs.values():
+                np.copyto(b, total)
+            return 0.0
+
+        self.communicator(group, namespace).run(device, f"all_reduce[{desc}]", buffer, combine)
+
+    def all_gather(self, devices: Sequence[int], device: int, buffer: np.ndarray,
+                   out: np.ndarray, desc: str, namespace: str = "") -> None:
+        """``out`` (on every participant) = the participants' buffers stacked in group order."""
+        group = tuple(sorted(set(devices)))
+
+        def combine(pairs: dict[int, tuple[np.ndarray, np.ndarray]]) -> float:
+            stacked = np.stack([pairs[d][0] for d in group])
+            for _, o in pairs.values():
+                np.copyto(o, stacked)
+            return 0.0
+
+        self.communicator(group, namespace).run(device, f"all_gather[{desc}]", (buffer, out),
+                                                combine)
+
+    # ---- failure, abort, lifecycle -------------------------------------------------------
+
+    def _note_failure(self, exc: BaseException) -> None:
+        with self._lock:
+            self._failures.append(exc)
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
+    def _check_abort(self, what: str) -> None:
+        if self._abort_reason is not None:
+            raise CollectiveAborted(f"{what}: aborted ({self._abort_reason})")
+
+    def abort(self, reason: str) -> None:
+        """Wake every blocked wait and collective with :class:`CollectiveAborted`."""
+        self._abort_reason = reason
+
+    def quiesce(self, timeout: float | None = None) -> bool:
+        """Wait (blocking) until every stream's queue is empty and its op finished."""
+        deadline = time.perf_counter() + (self.timeout if timeout is None else timeout)
+        for s in self.streams():
+            ev = s.record("quiesce")
+            while not ev.done():
+                if time.perf_counter() > deadline:
+                    return False
+                ev._done.wait(_POLL_S)
+        return True
+
+    def reset(self) -> None:
+        """After a failure: drop queued work, clear failed state and abort, forget rendezvous."""
+        for s in self.streams():
+            s._reset()
+        with self._lock:
+            self._comms.clear()
+            self._failures.clear()
+        self._abort_reason = None
+
+    def close(self) -> None:
+        """Stop and join every stream thread (blocked waits are aborted first)."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams.values())
+        if not all(s.idle() for s in streams):
+            self.abort("backend closed")
+        threads = [t for t in (s._close() for s in streams) if t is not None]
+        for t in threads:
+            t.join()
+
+    @property
+    def failures(self) -> list[BaseException]:
+        with self._lock:
+            return list(self._failures)

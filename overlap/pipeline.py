@@ -1,0 +1,266 @@
+"""Pipeline training steps: user stage functions run by the lowered per-device programs.
+
+The user describes each stage by its mesh and two SPMD functions, called once per device of
+the mesh for every microbatch:
+
+- ``forward(ctx, x) -> y``: ``x`` is this device's shard of the stage input (the previous
+  stage's output in this stage's input layout; for stage 0, its shard of the microbatch);
+  ``y`` is its shard of the output in the boundary's producer layout. The last stage returns
+  the microbatch loss (a scalar) instead.
+- ``backward(ctx, dy) -> dx``: ``dy`` is this device's shard of the output gradient (``None`` on
+  the last stage); returns its shard of the input gradient (ignored on stage 0, may be None).
+  Parameter gradients are the user's to accumulate (e.g. in a dict keyed by ``ctx.device``),
+  ready for the user's optimizer after the step.
+
+``ctx`` (:class:`StageContext`) names the device, stage, microbatch and mesh, carries
+``ctx.saved`` — a dict shared by the F and B of the same (device, microbatch) — and offers mesh
+collectives (``ctx.all_reduce``, ``ctx.all_gather``) that run on the device's compute stream.
+
+The runtime lowers the schedule (``scheduler.lower``), launches every device's streams at once
+(the host never waits on a device to decide what to launch), and awaits the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from scheduler import (
+    Boundary,
+    Cluster,
+    Compute,
+    DeviceMesh,
+    Programs,
+    Record,
+    Reshard,
+    Sharding,
+    Wait,
+    lower,
+    make_schedule,
+)
+
+from .backends.cpu import CpuBackend, CpuEvent
+from .reshard import region_shape, transfer_op
+
+Forward = Callable[["StageContext", np.ndarray], Any]
+Backward = Callable[["StageContext", "np.ndarray | None"], "np.ndarray | None"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its mesh and its SPMD forward and backward functions."""
+
+    mesh: DeviceMesh
+    forward: Forward
+    backward: Backward
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage function knows about where it runs (see module doc)."""
+
+    device: int
+    stage: int
+    microbatch: int
+    phase: str  # "F" or "B"
+    mesh: DeviceMesh
+    saved: dict[str, Any]
+    _backend: CpuBackend = field(repr=False)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This device's index along each mesh axis."""
+        idx = self.mesh.coords()[self.device]
+        return dict(zip(self.mesh.axis_names, idx))
+
+    def _group(self, axis: str | None) -> tuple[int, ...]:
+        if axis is None:
+            return self.mesh.device_ids
+        ax = self.mesh.axis_index(axis)
+        here = self.mesh.coords()[self.device]
+        return tuple(d for d, c in self.mesh.coords().items()
+                     if all(c[i] == here[i] for i in range(len(c)) if i != ax))
+
+    def all_reduce(self, x: np.ndarray, axis: str | None = None) -> np.ndarray:
+        """Sum of ``x`` over the mesh (or one mesh axis); every participant gets it."""
+        buf = np.array(x, copy=True)
+        self._backend.all_reduce(self._group(axis), self.device, buf,
+                                 f"all_reduce s{self.stage} mb{self.microbatch} {self.phase}",
+                                 namespace="compute")
+        return buf
+
+    def all_gather(self, x: np.ndarray, axis: str | None = None) -> np.ndarray:
+        """``x`` of every participant, stacked in device order along a new first axis."""
+        group = self._group(axis)
+        buf = np.ascontiguousarray(x)
+        out = np.empty((len(group), *buf.shape), buf.dtype)
+        self._backend.all_gather(group, self.device, buf, out,
+                                 f"all_gather s{self.stage} mb{self.microbatch} {self.phase}",
+                                 namespace="compute")
+        return out
+
+
+@dataclass
+class StepState:
+    """Buffers of one step: per (reshard id, device) sources and destinations; losses."""
+
+    sends: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    recvs: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)
+    saved: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+
+
+def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
+                   input_sharding: Sharding, microbatches: Sequence[np.ndarray]) -> None:
+    if not stages:
+        raise ValueError("stages: need at least one stage")
+    for s, st in enumerate(stages):
+        if not isinstance(st, Stage):
+            raise TypeError(f"stages[{s}]: expected a Stage, got {type(st).__name__}")
+        if not callable(st.forward) or not callable(st.backward):
+            raise TypeError(f"stages[{s}]: forward and backward must be callables")
+    if not isinstance(input_sharding, Sharding):
+        raise TypeError(f"input_sharding: expected a Sharding, got "
+                        f"{type(input_sharding).__name__}")
+    if input_sharding.mesh != stages[0].mesh:
+        raise ValueError(f"input_sharding: its mesh {input_sharding.mesh!r} is not stage 0's "
+                         f"mesh {stages[0].mesh!r}")
+    if len(microbatches) < 1:
+        raise ValueError("microbatches: need at least one")
+    shape0 = np.shape(microbatches[0])
+    for i, mb in enumerate(microbatches):
+        if not isinstance(mb, np.ndarray):
+            raise TypeError(f"microbatches[{i}]: expected a numpy array, got {type(mb).__name__}")
+        if mb.shape != shape0:
+            raise ValueError(f"microbatches[{i}]: shape {mb.shape} != microbatches[0] {shape0}")
+    input_sharding.device_regions(shape0)  # spec fits the input's rank
+
+
+def launch_step(
+    backend: CpuBackend,
+    programs: Programs,
+    stages: Sequence[Stage],
+    boundaries: Sequence[Boundary],
+    input_sharding: Sharding,
+    microbatches: Sequence[np.ndarray],
+) -> tuple[StepState, list[CpuEvent]]:
+    """Launch every device's streams for one step; returns the state and the end events."""
+    state = StepState()
+    p = len(stages)
+    events: dict[tuple[int, str], CpuEvent] = {}
+
+    def event(d: int, name: str) -> CpuEvent:
+        if (d, name) not in events:
+            events[(d, name)] = CpuEvent(f"device {d} {name}")
+        return events[(d, name)]
+
+    in_regions = input_sharding.device_regions(microbatches[0].shape)
+    # Regions of every boundary's layouts, per device.
+    prod = [b.producer.device_regions(b.shape) for b in boundaries]
+    cons = [b.consumer.device_regions(b.shape) for b in boundaries]
+    ends: list[CpuEvent] = []
+    for d, prog in programs.devices.items():
+        for name, instrs in prog.streams.items():
+            stream = backend.stream(d, name)
+            for ins in instrs:
+                kind = type(ins)
+                if kind is Wait:
+                    stream.wait_event(event(d, ins.event))
+                elif kind is Record:
+                    stream.record(event=event(d, ins.event))
+                elif kind is Compute:
+                    stream.launch(
+                        f"{ins.kind} s{ins.stage} mb{ins.microbatch} on device {d}",
+                        _compute_op(backend, programs, stages, state, d, ins, p,
+                                    microbatches, in_regions, prod, cons),
+                    )
+                else:
+                    _launch_reshard_part(backend, programs, state, stream, d, ins, prod, cons)
+            ends.append(stream.record(f"device {d} {name} end"))
+    return state, ends
+
+
+def _compute_op(backend, programs, stages, state, d, ins: Compute, p, microbatches,
+                in_regions, prod, cons):
+    s, i, kind = ins.stage, ins.microbatch, ins.kind
+    stage = stages[s]
+
+    def run() -> None:
+        saved = state.saved.setdefault((d, i), {})
+        ctx = StageContext(d, s, i, kind, stage.mesh, saved, backend)
+        if kind == "F":
+            if s == 0:
+                x = microbatches[i][tuple(slice(a, b) for a, b in in_regions[d])]
+            else:
+                x = state.recvs[(programs.find("fwd", s - 1, i).id, d)]
+            y = stage.forward(ctx, x)
+            if s == p - 1:
+                if d == stage.mesh.device_ids[0]:
+                    state.losses[i] = float(y)
+                return
+            _deliver(state, programs.find("fwd", s, i).id, d, y, prod[s][d],
+                     f"stage {s} forward (mb {i}, device {d})")
+        else:
+            dy = None if s == p - 1 else state.recvs[(programs.find("bwd", s, i).id, d)]
+            dx = stage.backward(ctx, dy)
+            if s > 0:
+                _deliver(state, programs.find("bwd", s - 1, i).id, d, dx, cons[s - 1][d],
+                         f"stage {s} backward (mb {i}, device {d})")
+    return run
+
+
+def _deliver(state, rid, d, value, region, what) -> None:
+    want = region_shape(region)
+    arr = np.asarray(value)
+    if arr.shape != want:
+        raise ValueError(f"{what} returned shape {arr.shape}; this device's region of the "
+                         f"boundary needs {want}")
+    state.sends[(rid, d)] = arr
+
+
+def _launch_reshard_part(backend, programs, state, stream, d, ins: Reshard, prod, cons) -> None:
+    op = programs.op(ins.id)
+    plan = programs.plans[op.plan_key]
+    b = op.boundary
+    src_regions = prod[b] if op.direction == "fwd" else cons[b]
+    dst_regions = cons[b] if op.direction == "fwd" else prod[b]
+    dtype = np.dtype(plan.dtype)
+    if d in dst_regions and (ins.id, d) not in state.recvs:
+        state.recvs[(ins.id, d)] = np.empty(region_shape(dst_regions[d]), dtype)
+    shards = _Lazy(state.sends, ins.id)
+    outs = _Lazy(state.recvs, ins.id)
+    for k, t in enumerate(plan.transfers):
+        if d not in t.devices:
+            continue
+        stream.launch(
+            f"{op.label} transfer {k} on device {d}",
+            transfer_op(backend, t.region, t.sender, t.receivers, d, src_regions, dst_regions,
+                        shards, outs, dtype, f"{op.label} #{k}", op.channel),
+        )
+
+
+class _Lazy(Mapping):
+    """device -> buffer of one resharding, read when the transfer runs (after the compute)."""
+
+    def __init__(self, table: dict[tuple[int, int], np.ndarray], rid: int) -> None:
+        self.table, self.rid = table, rid
+
+    def __getitem__(self, d: int) -> np.ndarray:
+        return self.table[(self.rid, d)]
+
+    def __iter__(self):
+        return (d for (r, d) in self.table if r == self.rid)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def make_programs(stages: Sequence[Stage], boundaries: Sequence[Boundary], schedule: str,
+                  num_microbatches: int, cluster: Cluster, *, strategy: str,
+                  balance: str) -> Programs:
+    sched = make_schedule(schedule, len(stages), num_microbatches)
+    return lower([st.mesh for st in stages], boundaries, sched, cluster,
+                 strategy=strategy, balance=balance)

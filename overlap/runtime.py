@@ -1,0 +1,195 @@
+"""The runtime: interprets plans (and, next, pipeline programs) on a backend from asyncio.
+
+Async-first: ``await rt.reshard(plan, shards)``; ``rt.reshard_sync(...)`` wraps it for
+synchronous code. The event loop never blocks on device work: completions arrive through
+events. On failure the runtime aborts all in-flight work, waits until every stream has
+stopped, resets the backend and raises — it is usable again afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from scheduler import Boundary, Cluster, CostModel, ReshardPlan, Sharding
+
+from .backends import make_backend
+from .backends.cpu import CpuBackend
+from .errors import CollectiveAborted, CollectiveTimeout, OverlapRuntimeError
+from .pipeline import Stage, check_pipeline, launch_step, make_programs
+from .reshard import check_shards, launch_reshard, region_shape
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on a new event loop — uvloop's when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+class Runtime:
+    """Executes resharding plans (and pipeline programs) on a backend.
+
+    Args:
+        cluster: the cluster the plans were made for; devices are its device ids.
+        backend: ``"cpu"`` (virtual devices in this process).
+        emulate_links: make every transfer take at least the cost model's time for it on
+            ``cluster`` (so a 10 Gbps cluster can be played on one machine).
+        timeout: seconds a collective or wait may block before it raises, naming who is
+            missing.
+    """
+
+    def __init__(self, cluster: Cluster, backend: str = "cpu", *,
+                 emulate_links: bool = False, timeout: float = 30.0) -> None:
+        if not isinstance(cluster, Cluster):
+            raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
+        self.cluster = cluster
+        link_time = None
+        if emulate_links:
+            model = CostModel(cluster)
+
+            def link_time(root: int, receivers: Any, nbytes: int) -> float:
+                tc = model.cost_of(root, tuple(receivers), nbytes)
+                return tc.fixed_s + nbytes / tc.alone_bw
+
+        self.backend: CpuBackend = make_backend(backend, cluster.num_devices, timeout=timeout,
+                                                link_time=link_time)
+        self._closed = False
+        self._programs: dict[Any, Any] = {}
+        # Structured concurrency: the first failure anywhere aborts everything in flight.
+        self.backend.on_failure = lambda exc: self.backend.abort(
+            f"{type(exc).__name__} on another stream: {exc}"
+        )
+
+    # ---- resharding ----------------------------------------------------------------------
+
+    async def reshard(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray], *,
+                      stream: str = "comm") -> dict[int, np.ndarray]:
+        """Move a tensor from ``plan.src`` to ``plan.dst`` layout.
+
+        ``shards[d]`` is source device d's region of the tensor (every source device, its
+        exact region shape, the plan's dtype — checked before anything starts). Returns
+        destination device -> its region.
+        """
+        self._check_open()
+        if not isinstance(plan, ReshardPlan):
+            raise TypeError(f"plan: expected a ReshardPlan, got {type(plan).__name__}")
+        top = max((*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids), default=-1)
+        if top >= self.cluster.num_devices:
+            raise ValueError(f"plan: device {top} is outside the runtime's cluster "
+                             f"(devices 0..{self.cluster.num_devices - 1})")
+        check_shards(plan, shards)
+        dtype = np.dtype(plan.dtype)
+        outs = {d: np.empty(region_shape(r), dtype)
+                for d, r in plan.dst.device_regions(plan.shape).items()}
+        events = launch_reshard(self.backend, plan, shards, outs, stream=stream)
+        await self._gather(events, what="reshard")
+        return outs
+
+    def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray]
+                     ) -> dict[int, np.ndarray]:
+        """:meth:`reshard` for synchronous callers (not from inside a running event loop)."""
+        return run(self.reshard(plan, shards))
+
+    # ---- pipeline training ---------------------------------------------------------------
+
+    async def train_step(
+        self,
+        stages: Sequence[Stage],
+        boundaries: Sequence[Boundary],
+        microbatches: Sequence[np.ndarray],
+        *,
+        input_sharding: Sharding,
+        schedule: str = "eager-1f1b",
+        strategy: str = "broadcast",
+        balance: str = "auto",
+    ) -> list[float]:
+        """Run one training step (forward and backward of every microbatch); return the losses.
+
+        ``boundaries[s]`` is the activation stage ``s`` hands to ``s + 1`` (shape and dtype per
+        microbatch, producer and consumer layouts); ``input_sharding`` is how stage 0 holds each
+        microbatch. Stage functions accumulate parameter gradients themselves (see
+        :mod:`overlap.pipeline`). The lowered programs are cached per configuration.
+        """
+        self._check_open()
+        check_pipeline(stages, boundaries, input_sharding, microbatches)
+        key = (tuple(id(st) for st in stages), tuple(boundaries), schedule, len(microbatches),
+               strategy, balance)
+        programs = self._programs.get(key)
+        if programs is None:
+            programs = make_programs(stages, boundaries, schedule, len(microbatches),
+                                     self.cluster, strategy=strategy, balance=balance)
+            self._programs[key] = programs
+        state, ends = launch_step(self.backend, programs, stages, boundaries, input_sharding,
+                                  microbatches)
+        await self._gather(ends, what="train_step")
+        return [state.losses[i] for i in range(len(microbatches))]
+
+    def train_step_sync(self, *args: Any, **kwargs: Any) -> list[float]:
+        """:meth:`train_step` for synchronous callers."""
+        return run(self.train_step(*args, **kwargs))
+
+    # ---- internals -----------------------------------------------------------------------
+
+    async def _gather(self, events, *, what: str) -> None:
+        try:
+            for ev in events:
+                await ev.wait()
+        except BaseException as exc:
+            root = self._root_cause(exc)
+            await self._recover(f"{what} failed: {root}" if isinstance(exc, Exception)
+                                else f"{what} cancelled")
+            if root is not exc:
+                raise root from root.__cause__
+            raise
+
+    def _root_cause(self, exc: BaseException) -> BaseException:
+        """The first failure that is not just a consequence of another one (an abort)."""
+        for f in self.backend.failures:
+            if not isinstance(f, (CollectiveAborted, CollectiveTimeout)):
+                return f
+        return exc
+
+    async def _recover(self, reason: str) -> None:
+        """Abort in-flight work, wait for every stream to stop, make the backend reusable."""
+        self.backend.abort(reason)
+        stopped = await asyncio.to_thread(self.backend.quiesce, self.backend.timeout)
+        if not stopped:
+            raise OverlapRuntimeError(
+                f"after {reason}: streams did not stop within {self.backend.timeout:g} s"
+            )
+        self.backend.reset()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OverlapRuntimeError("runtime is closed")
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop and join every backend thread. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.backend.close()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Runtime:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
