@@ -173,9 +173,11 @@ def launch_step(
                     stream.record(event=event(d, ins.event))
                 elif kind is Compute:
                     stream.launch(
-                        f"{ins.kind} s{ins.stage} mb{ins.microbatch} on device {d}",
+                        f"{ins} on device {d}",
                         _compute_op(backend, programs, stages, state, d, ins, p,
                                     microbatches, in_regions, prod, cons),
+                        category="compute",
+                        meta=(ins.stage, ins.microbatch, ins.kind, str(ins)),
                     )
                 else:
                     _launch_reshard_part(backend, programs, state, stream, d, ins, prod, cons)
@@ -239,6 +241,8 @@ def _launch_reshard_part(backend, programs, state, stream, d, ins: Reshard, prod
             f"{op.label} transfer {k} on device {d}",
             transfer_op(backend, t.region, t.sender, t.receivers, d, src_regions, dst_regions,
                         shards, outs, dtype, f"{op.label} #{k}", op.channel),
+            category="comm",
+            meta=(op.src_stage, op.microbatch, op.direction, op.label),
         )
 
 

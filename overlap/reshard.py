@@ -84,7 +84,7 @@ def launch_reshard(
             s.launch(f"reshard {desc} on device {d}", transfer_op(
                 backend, t.region, t.sender, t.receivers, d, src, dst, shards, outs, dtype, desc,
                 stream,
-            ))
+            ), category="comm", meta=(0, 0, "fwd", f"reshard {desc}"))
         done.append(backend.stream(t.sender, stream).record(f"reshard {desc} sent"))
     return [backend.stream(d, stream).record(f"reshard {tag} done on device {d}")
             for d in sorted(touched)]

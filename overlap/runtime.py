@@ -9,12 +9,14 @@ stopped, resets the backend and raises — it is usable again afterwards.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
-from scheduler import Boundary, Cluster, CostModel, ReshardPlan, Sharding
+from scheduler import Boundary, Cluster, CostModel, ReshardPlan, Sharding, Span, Timeline
 
 from .backends import make_backend
 from .backends.cpu import CpuBackend
@@ -63,6 +65,7 @@ class Runtime:
                                                 link_time=link_time)
         self._closed = False
         self._programs: dict[Any, Any] = {}
+        self._last_trace: tuple[float, list[Any], Any] | None = None
         # Structured concurrency: the first failure anywhere aborts everything in flight.
         self.backend.on_failure = lambda exc: self.backend.abort(
             f"{type(exc).__name__} on another stream: {exc}"
@@ -127,10 +130,34 @@ class Runtime:
             programs = make_programs(stages, boundaries, schedule, len(microbatches),
                                      self.cluster, strategy=strategy, balance=balance)
             self._programs[key] = programs
+        self.backend.trace = []
+        t0 = time.perf_counter()
         state, ends = launch_step(self.backend, programs, stages, boundaries, input_sharding,
                                   microbatches)
-        await self._gather(ends, what="train_step")
+        try:
+            await self._gather(ends, what="train_step")
+        finally:
+            self._last_trace = (t0, self.backend.trace, programs)
+            self.backend.trace = None
         return [state.losses[i] for i in range(len(microbatches))]
+
+    def timeline(self) -> Timeline:
+        """What the last :meth:`train_step` ran where and when (measured), as a Timeline —
+        the simulator's type, so measured and simulated steps share metrics and traces."""
+        if self._last_trace is None:
+            raise OverlapRuntimeError("timeline: no train_step has run yet")
+        t0, records, programs = self._last_trace
+        spans = tuple(
+            Span(d, stream, name, start - t0, end - t0, stage, mb, kind)
+            for d, stream, _, start, end, (stage, mb, kind, name) in sorted(
+                records, key=lambda r: (r[0], r[3]))
+        )
+        stage_of = {d: p.stage for d, p in programs.devices.items()}
+        return Timeline(spans, programs.schedule.num_stages, tuple(sorted(stage_of)), stage_of)
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write the last step's measured timeline as Chrome/Perfetto JSON."""
+        return self.timeline().to_chrome_trace(path)
 
     def train_step_sync(self, *args: Any, **kwargs: Any) -> list[float]:
         """:meth:`train_step` for synchronous callers."""

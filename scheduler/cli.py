@@ -177,7 +177,25 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 COMMANDS = {
     "plan": "plan a cross-mesh resharding (or --suite paper) and cost it",
     "simulate": "compare gpipe / 1f1b / eager-1f1b / signal on a pipeline",
+    "trace": "trace report FILE: busy, bubble, communication and how much of it was hidden",
 }
+
+
+def trace_main(argv: Sequence[str]) -> int:
+    from .simulator import Timeline
+
+    p = argparse.ArgumentParser(prog="overlap trace", description="Summarize a trace file.")
+    p.add_argument("action", choices=("report",))
+    p.add_argument("file", type=Path, help="a trace written by the runtime or the simulator")
+    args = p.parse_args(argv)
+    try:
+        tl = Timeline.from_chrome_trace(args.file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.file}:")
+    print(tl.report())
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -> int:
@@ -194,5 +212,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -
         from .sim_cli import simulate_main
 
         return simulate_main(argv[1:])
+    if argv[0] == "trace":
+        return trace_main(argv[1:])
     print(f"{prog}: unknown command {argv[0]!r}; known: {', '.join(COMMANDS)}", file=sys.stderr)
     return 2

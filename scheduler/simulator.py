@@ -15,7 +15,7 @@ import math
 import numbers
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,7 +49,6 @@ class Timeline:
     num_stages: int
     devices: tuple[int, ...]
     stage_of: Mapping[int, int]
-    exposed: Mapping[int, float] = field(default_factory=dict)  # device -> seconds
 
     def __post_init__(self) -> None:
         # Spans per device, built once: metrics are asked per device, many times.
@@ -58,6 +57,9 @@ class Timeline:
             by_device[span.device].append(span)
         object.__setattr__(self, "_by_device", dict(by_device))
         object.__setattr__(self, "_end", max((s.end for s in self.spans), default=0.0))
+        object.__setattr__(self, "_exposed", {
+            d: _exposed_on(spans, self.num_stages) for d, spans in by_device.items()
+        })
 
     def spans_of(self, device: int) -> list[Span]:
         return self._by_device.get(device, [])  # type: ignore[attr-defined]
@@ -84,8 +86,14 @@ class Timeline:
         return sum(1.0 - self.busy_fraction(d) for d in self.devices) / len(self.devices)
 
     def exposed_comm(self, device: int) -> float:
-        """Seconds the device's compute stream sat waiting for a transfer still in flight."""
-        return self.exposed.get(device, 0.0)
+        """Seconds the device's compute stream sat waiting for a transfer still in flight.
+
+        For every compute that needs a resharding's result (an F after stage 0, a B before the
+        last stage), the idle gap before it on the compute stream, intersected with the time
+        the device spent on that resharding (its spans named "reshard s→s' mbN" / "grad
+        s→s' mbN"). Measured and simulated timelines use the same definition.
+        """
+        return self._exposed.get(device, 0.0)  # type: ignore[attr-defined]
 
     @property
     def exposed_comm_fraction(self) -> float:
@@ -124,6 +132,54 @@ class Timeline:
             "bubble": self.bubble_fraction,
             "exposed_comm": self.exposed_comm_fraction,
         }
+
+    def report(self) -> str:
+        """Per device: busy %, communication time, exposed and hidden communication."""
+        t = self.iteration_time
+        lines = [
+            f"iteration {t * 1e3:.3f} ms, bubble {self.bubble_fraction:.1%}, exposed "
+            f"communication {self.exposed_comm_fraction:.1%} of the iteration",
+            f"{'device':>6} {'stage':>5} {'busy':>7} {'comm ms':>9} {'exposed ms':>11} "
+            f"{'hidden':>7}",
+        ]
+        for d in self.devices:
+            comm = self.comm_time(d)
+            exp = self.exposed_comm(d)
+            hidden = f"{1 - exp / comm:.1%}" if comm > 0 else "-"
+            lines.append(f"{d:>6} {self.stage_of[d]:>5} {self.busy_fraction(d):>7.1%} "
+                         f"{comm * 1e3:>9.3f} {exp * 1e3:>11.3f} {hidden:>7}")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_chrome_trace(cls, path: str | Path) -> Timeline:
+        """Read back a trace written by :meth:`to_chrome_trace` (simulated or measured)."""
+        try:
+            data = json.loads(Path(path).read_text())
+            events = data["traceEvents"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"path: {path} is not a trace written by overlap: {exc}") from None
+        threads: dict[tuple[int, int], str] = {}
+        stage_of: dict[int, int] = {}
+        for e in events:
+            if e.get("ph") == "M" and e.get("name") == "thread_name":
+                threads[(e["pid"], e["tid"])] = e["args"]["name"]
+            if e.get("ph") == "M" and e.get("name") == "process_name":
+                label = e["args"]["name"]  # "device 5 (stage 1)"
+                if "(stage " in label:
+                    stage_of[e["pid"]] = int(label.rsplit("(stage ", 1)[1].rstrip(")"))
+        spans = []
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            args = e.get("args", {})
+            start = e["ts"] / 1e6
+            spans.append(Span(e["pid"], threads.get((e["pid"], e["tid"]), "compute"), e["name"],
+                              start, start + e["dur"] / 1e6, int(args.get("stage", 0)),
+                              int(args.get("microbatch", 0)), str(args.get("kind", ""))))
+        for sp in spans:
+            stage_of.setdefault(sp.device, sp.stage)
+        num_stages = max(stage_of.values(), default=-1) + 1
+        return cls(tuple(spans), num_stages, tuple(sorted(stage_of)), stage_of)
 
     # ---- output --------------------------------------------------------------------------
 
@@ -185,6 +241,36 @@ class Timeline:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+def input_label(stage: int, microbatch: int, kind: str, num_stages: int) -> str | None:
+    """The name of the resharding a compute waits for (None at the pipeline's ends)."""
+    if kind == "F" and stage > 0:
+        return f"reshard s{stage - 1}→s{stage} mb{microbatch}"
+    if kind == "B" and stage < num_stages - 1:
+        return f"grad s{stage + 1}→s{stage} mb{microbatch}"
+    return None
+
+
+def _exposed_on(spans: list[Span], num_stages: int) -> float:
+    """See :meth:`Timeline.exposed_comm` (spans of one device, in program order per stream)."""
+    window: dict[str, list[float]] = {}
+    for s in spans:
+        if s.stream != "compute":
+            w = window.get(s.name)
+            if w is None:
+                window[s.name] = [s.start, s.end]
+            else:
+                w[0] = min(w[0], s.start)
+                w[1] = max(w[1], s.end)
+    exposed, prev_end = 0.0, 0.0
+    for s in sorted((s for s in spans if s.stream == "compute"), key=lambda s: s.start):
+        name = input_label(s.stage, s.microbatch, s.kind, num_stages)
+        w = window.get(name) if name else None
+        if w is not None:
+            exposed += max(0.0, min(s.start, w[1]) - max(prev_end, w[0]))
+        prev_end = max(prev_end, s.end)
+    return exposed
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -350,39 +436,5 @@ def simulate(
         for d in devs
     ]
     stage_of = {d: p.stage for d, p in programs.devices.items()}
-    exposed = _exposed(after, meta, timings)
     return Timeline(tuple(spans), programs.schedule.num_stages, tuple(sorted(programs.devices)),
-                    stage_of, exposed)
-
-
-def _exposed(after, meta, timings) -> dict[int, float]:
-    """Per device: time its compute stream waited while a transfer it depends on was running.
-
-    For each compute op that waits on a resharding, the gap before it on its device's compute
-    stream, intersected with the time that resharding's transfers on the device took (first
-    start to last end).
-    """
-    window: dict[tuple[int, int], list[float]] = {}  # (device, reshard id) -> [lo, hi]
-    for (devs, _, *_, rid), tm in zip(meta, timings):
-        if rid >= 0:
-            for d in devs:
-                w = window.get((d, rid))
-                if w is None:
-                    window[(d, rid)] = [tm.start, tm.end]
-                else:
-                    w[0] = min(w[0], tm.start)
-                    w[1] = max(w[1], tm.end)
-    exposed: dict[int, float] = defaultdict(float)
-    prev_end: dict[int, float] = {}
-    for i, ((devs, stream, *_), tm) in enumerate(zip(meta, timings)):
-        if stream != "compute":
-            continue
-        d = devs[0]
-        gap_start = prev_end.get(d, 0.0)
-        prev_end[d] = tm.end
-        for j in after[i]:
-            rid = meta[j][6]
-            if rid >= 0:
-                lo, hi = window[(d, rid)]
-                exposed[d] += max(0.0, min(tm.start, hi) - max(gap_start, lo))
-    return dict(exposed)
+                    stage_of)

