@@ -19,16 +19,35 @@ from scheduler import (
     plan_resharding,
 )
 
+from .errors import (
+    CollectiveAborted,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    OverlapRuntimeError,
+    StreamError,
+)
+from .pipeline import Stage, StageContext
+from .runtime import Runtime, run
+
 __version__ = "0.1.0"
 
 __all__ = [
     "Cluster",
+    "CollectiveAborted",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
     "DeviceMesh",
+    "OverlapRuntimeError",
     "ReshardPlan",
+    "Runtime",
     "Sharding",
     "ShardingSpec",
+    "Stage",
+    "StageContext",
+    "StreamError",
     "Transfer",
     "__version__",
     "lower_bound",
     "plan_resharding",
+    "run",
 ]

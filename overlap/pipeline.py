@@ -22,6 +22,7 @@ The runtime lowers the schedule (``scheduler.lower``), launches every device's s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,8 +147,13 @@ def launch_step(
     boundaries: Sequence[Boundary],
     input_sharding: Sharding,
     microbatches: Sequence[np.ndarray],
+    compute_time: Callable[[int, str], float] | None = None,
 ) -> tuple[StepState, list[CpuEvent]]:
-    """Launch every device's streams for one step; returns the state and the end events."""
+    """Launch every device's streams for one step; returns the state and the end events.
+
+    ``compute_time(stage, kind)``: seconds each compute must take at least (compute
+    emulation: the stream stays busy, as a GPU kernel of that length would keep it).
+    """
     state = StepState()
     p = len(stages)
     events: dict[tuple[int, str], CpuEvent] = {}
@@ -175,7 +181,8 @@ def launch_step(
                     stream.launch(
                         f"{ins} on device {d}",
                         _compute_op(backend, programs, stages, state, d, ins, p,
-                                    microbatches, in_regions, prod, cons),
+                                    microbatches, in_regions, prod, cons,
+                                    compute_time(ins.stage, ins.kind) if compute_time else 0.0),
                         category="compute",
                         meta=(ins.stage, ins.microbatch, ins.kind, str(ins)),
                     )
@@ -186,11 +193,20 @@ def launch_step(
 
 
 def _compute_op(backend, programs, stages, state, d, ins: Compute, p, microbatches,
-                in_regions, prod, cons):
+                in_regions, prod, cons, min_seconds: float):
     s, i, kind = ins.stage, ins.microbatch, ins.kind
     stage = stages[s]
 
     def run() -> None:
+        start = time.perf_counter()
+        try:
+            body()
+        finally:
+            left = start + min_seconds - time.perf_counter()
+            if left > 0:
+                time.sleep(left)  # emulated device time
+
+    def body() -> None:
         saved = state.saved.setdefault((d, i), {})
         ctx = StageContext(d, s, i, kind, stage.mesh, saved, backend)
         if kind == "F":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,15 +44,22 @@ class Runtime:
         backend: ``"cpu"`` (virtual devices in this process).
         emulate_links: make every transfer take at least the cost model's time for it on
             ``cluster`` (so a 10 Gbps cluster can be played on one machine).
+        compute_time: ``(stage, kind) -> seconds`` each stage compute takes at least (compute
+            emulation, for the same purpose; the user function still runs for real).
         timeout: seconds a collective or wait may block before it raises, naming who is
             missing.
     """
 
     def __init__(self, cluster: Cluster, backend: str = "cpu", *,
-                 emulate_links: bool = False, timeout: float = 30.0) -> None:
+                 emulate_links: bool = False,
+                 compute_time: Callable[[int, str], float] | None = None,
+                 timeout: float = 30.0) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
         self.cluster = cluster
+        if compute_time is not None and not callable(compute_time):
+            raise TypeError("compute_time: expected a callable (stage, kind) -> seconds")
+        self.compute_time = compute_time
         link_time = None
         if emulate_links:
             model = CostModel(cluster)
@@ -133,7 +140,7 @@ class Runtime:
         self.backend.trace = []
         t0 = time.perf_counter()
         state, ends = launch_step(self.backend, programs, stages, boundaries, input_sharding,
-                                  microbatches)
+                                  microbatches, self.compute_time)
         try:
             await self._gather(ends, what="train_step")
         finally:
