@@ -13,9 +13,14 @@ overlap report.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
+
+# One BLAS thread per virtual device: each device's stream is a thread, and several
+# multi-threaded BLAS calls at once oversubscribe the cores (8x slower on 2 cores).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 

@@ -43,7 +43,8 @@ class Runtime:
         cluster: the cluster the plans were made for; devices are its device ids.
         backend: ``"cpu"`` (virtual devices in this process).
         emulate_links: make every transfer take at least the cost model's time for it on
-            ``cluster`` (so a 10 Gbps cluster can be played on one machine).
+            ``cluster`` (so a 10 Gbps cluster can be played on one machine); ``"signal"``:
+            at least its latency only (the paper's 1-byte-message upper bound).
         compute_time: ``(stage, kind) -> seconds`` each stage compute takes at least (compute
             emulation, for the same purpose; the user function still runs for real).
         timeout: seconds a collective or wait may block before it raises, naming who is
@@ -51,7 +52,7 @@ class Runtime:
     """
 
     def __init__(self, cluster: Cluster, backend: str = "cpu", *,
-                 emulate_links: bool = False,
+                 emulate_links: bool | str = False,
                  compute_time: Callable[[int, str], float] | None = None,
                  timeout: float = 30.0) -> None:
         if not isinstance(cluster, Cluster):
@@ -60,10 +61,15 @@ class Runtime:
         if compute_time is not None and not callable(compute_time):
             raise TypeError("compute_time: expected a callable (stage, kind) -> seconds")
         self.compute_time = compute_time
+        if emulate_links not in (False, True, "signal"):
+            raise ValueError(f"emulate_links: expected True, False or 'signal', got "
+                             f"{emulate_links!r}")
         link_time = None
-        if emulate_links:
-            model = CostModel(cluster)
-
+        model = CostModel(cluster)
+        if emulate_links == "signal":
+            def link_time(root: int, receivers: Any, nbytes: int) -> float:
+                return model.latency_of(root, tuple(receivers))
+        elif emulate_links:
             def link_time(root: int, receivers: Any, nbytes: int) -> float:
                 tc = model.cost_of(root, tuple(receivers), nbytes)
                 return tc.fixed_s + nbytes / tc.alone_bw
