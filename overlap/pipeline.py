@@ -211,7 +211,8 @@ def _compute_op(backend, programs, stages, state, d, ins: Compute, p, microbatch
         ctx = StageContext(d, s, i, kind, stage.mesh, saved, backend)
         if kind == "F":
             if s == 0:
-                x = microbatches[i][tuple(slice(a, b) for a, b in in_regions[d])]
+                # Each device gets its own copy, as it would in its own memory.
+                x = microbatches[i][tuple(slice(a, b) for a, b in in_regions[d])].copy()
             else:
                 x = state.recvs[(programs.find("fwd", s - 1, i).id, d)]
             y = stage.forward(ctx, x)
@@ -219,23 +220,24 @@ def _compute_op(backend, programs, stages, state, d, ins: Compute, p, microbatch
                 if d == stage.mesh.device_ids[0]:
                     state.losses[i] = float(y)
                 return
-            _deliver(state, programs.find("fwd", s, i).id, d, y, prod[s][d],
+            _deliver(state, programs, programs.find("fwd", s, i).id, d, y, prod[s][d],
                      f"stage {s} forward (mb {i}, device {d})")
         else:
             dy = None if s == p - 1 else state.recvs[(programs.find("bwd", s, i).id, d)]
             dx = stage.backward(ctx, dy)
             if s > 0:
-                _deliver(state, programs.find("bwd", s - 1, i).id, d, dx, cons[s - 1][d],
-                         f"stage {s} backward (mb {i}, device {d})")
+                _deliver(state, programs, programs.find("bwd", s - 1, i).id, d, dx,
+                         cons[s - 1][d], f"stage {s} backward (mb {i}, device {d})")
     return run
 
 
-def _deliver(state, rid, d, value, region, what) -> None:
+def _deliver(state, programs, rid, d, value, region, what) -> None:
     want = region_shape(region)
+    dtype = np.dtype(programs.plan_of(rid).dtype)
     arr = np.asarray(value)
-    if arr.shape != want:
-        raise ValueError(f"{what} returned shape {arr.shape}; this device's region of the "
-                         f"boundary needs {want}")
+    if arr.shape != want or arr.dtype != dtype:
+        raise ValueError(f"{what} returned {arr.shape} {arr.dtype}; this device's region of "
+                         f"the boundary needs {want} {dtype}")
     state.sends[(rid, d)] = arr
 
 

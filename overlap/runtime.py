@@ -25,6 +25,7 @@ from .pipeline import Stage, check_pipeline, launch_step, make_programs
 from .reshard import check_shards, launch_reshard, region_shape
 
 T = TypeVar("T")
+_PROGRAM_CACHE = 16  # lowered step programs kept per runtime (least recently used dropped)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -136,13 +137,16 @@ class Runtime:
         """
         self._check_open()
         check_pipeline(stages, boundaries, input_sharding, microbatches)
-        key = (tuple(id(st) for st in stages), tuple(boundaries), schedule, len(microbatches),
+        # Programs depend on the meshes and layouts, not on the stage functions.
+        key = (tuple(st.mesh for st in stages), tuple(boundaries), schedule, len(microbatches),
                strategy, balance)
-        programs = self._programs.get(key)
+        programs = self._programs.pop(key, None)
         if programs is None:
             programs = make_programs(stages, boundaries, schedule, len(microbatches),
                                      self.cluster, strategy=strategy, balance=balance)
-            self._programs[key] = programs
+        self._programs[key] = programs  # most recently used last
+        while len(self._programs) > _PROGRAM_CACHE:
+            self._programs.pop(next(iter(self._programs)))
         self.backend.trace = []
         t0 = time.perf_counter()
         state, ends = launch_step(self.backend, programs, stages, boundaries, input_sharding,

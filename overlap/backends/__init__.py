@@ -7,10 +7,59 @@ backend today; ``cuda`` (CuPy streams and NCCL) follows the same interface.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
 
 from .cpu import CpuBackend, CpuEvent, CpuStream
 
 BACKENDS = ("cpu",)
+
+
+class Event(Protocol):
+    """Recorded on a stream; done when the stream gets there (or failed with its error)."""
+
+    def done(self) -> bool: ...
+    async def wait(self) -> None: ...
+
+
+class Stream(Protocol):
+    """A FIFO of device work (CUDA stream semantics)."""
+
+    device: int
+    name: str
+
+    def launch(self, label: str, fn: Callable[[], Any], *, category: str = "compute",
+               meta: tuple[int, int, str, str] | None = None) -> None: ...
+    def record(self, label: str = "", *, event: Any = None) -> Event: ...
+    def wait_event(self, event: Any) -> None: ...
+
+
+class Backend(Protocol):
+    """What the runtime needs from a backend. Collectives are called from stream work and
+    match participants by launch position on a communicator per (namespace, device group),
+    as NCCL does; ``timeout`` bounds every blocking wait."""
+
+    num_devices: int
+    timeout: float
+    trace: list[tuple[Any, ...]] | None
+    on_failure: Callable[[BaseException], None] | None
+
+    def stream(self, device: int, name: str = "compute") -> Stream: ...
+    def streams(self) -> list[Any]: ...
+    def broadcast(self, devices: Sequence[int], device: int, root: int, buffer: np.ndarray,
+                  desc: str, namespace: str = "") -> None: ...
+    def all_reduce(self, devices: Sequence[int], device: int, buffer: np.ndarray, desc: str,
+                   op: Callable[[np.ndarray, np.ndarray], np.ndarray] = ...,
+                   namespace: str = "") -> None: ...
+    def all_gather(self, devices: Sequence[int], device: int, buffer: np.ndarray,
+                   out: np.ndarray, desc: str, namespace: str = "") -> None: ...
+    def abort(self, reason: str) -> None: ...
+    def quiesce(self, timeout: float | None = None) -> bool: ...
+    def reset(self) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def failures(self) -> list[BaseException]: ...
 
 
 def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
@@ -21,4 +70,5 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
     raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
 
 
-__all__ = ["BACKENDS", "CpuBackend", "CpuEvent", "CpuStream", "make_backend"]
+__all__ = ["BACKENDS", "Backend", "CpuBackend", "CpuEvent", "CpuStream", "Event", "Stream",
+           "make_backend"]

@@ -1,0 +1,94 @@
+"""NVTX ranges, the measured trace, and `overlap trace report` on it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import overlap.nvtx as nvtx_mod
+from overlap import Runtime
+from overlap.cli import main as overlap_main
+from overlap.toy import ToyMLP
+from scheduler import Cluster, Timeline
+
+
+@pytest.fixture
+def toy():
+    cluster = Cluster.preset("p3.8xlarge", 4)
+    model = ToyMLP.build(cluster, hidden=8, batch=4)
+    mbs = [np.random.default_rng(i).standard_normal((4, 8)) for i in range(3)]
+    return cluster, model, mbs
+
+
+def _step(rt, model, mbs, schedule="1f1b"):
+    return rt.train_step_sync(model.stages(), model.boundaries(), mbs,
+                              input_sharding=model.input_sharding(), schedule=schedule)
+
+
+def test_every_op_is_one_closed_nvtx_range(toy, monkeypatch):
+    cluster, model, mbs = toy
+    opened: list[tuple[str, str]] = []
+    closed: list[int] = []
+
+    def start(message, category):
+        opened.append((message, category))
+        return len(opened)
+
+    monkeypatch.setattr(nvtx_mod, "_start", start)
+    monkeypatch.setattr(nvtx_mod, "_end", closed.append)
+    with Runtime(cluster) as rt:
+        _step(rt, model, mbs)
+        spans = rt.timeline().spans
+    assert sorted(closed) == list(range(1, len(opened) + 1))  # every range ended, once
+    compute = [m for m, c in opened if c == "compute"]
+    comm = [m for m, c in opened if c == "comm"]
+    # 9 devices run an F and a B per microbatch; every traced op has its range.
+    assert len(compute) == 9 * len(mbs) * 2
+    assert "F s1 mb2 on device 4" in compute
+    assert any(m.startswith("reshard s0→s1 mb0") for m in comm)
+    assert any(m.startswith("grad s3→s2 mb1") for m in comm)
+    assert len(compute) + len(comm) == len(spans)
+    assert all(c in ("compute", "comm", "wait") for _, c in opened)
+
+
+def test_nvtx_disable_makes_ranges_no_ops(monkeypatch):
+    monkeypatch.setenv("NVTX_DISABLE", "1")
+    start, end = nvtx_mod._load()
+    assert start("x", "compute") is None
+    end(None)
+
+
+def test_measured_trace_round_trips_through_the_report(toy, tmp_path, capsys):
+    cluster, model, mbs = toy
+    with Runtime(cluster) as rt:
+        _step(rt, model, mbs, "eager-1f1b")
+        tl = rt.timeline()
+        path = rt.write_trace(tmp_path / "step.json")
+    data = json.loads(path.read_text())
+    names = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
+    assert "device 4 (stage 1)" in names
+    back = Timeline.from_chrome_trace(path)
+    assert back.iteration_time == pytest.approx(tl.iteration_time, rel=1e-6)
+    assert back.bubble_fraction == pytest.approx(tl.bubble_fraction, rel=1e-6)
+    assert back.exposed_comm_fraction == pytest.approx(tl.exposed_comm_fraction, rel=1e-6,
+                                                       abs=1e-12)
+    assert [back.peak_activations(s) for s in range(4)] == [3, 3, 3, 1]  # min(m, 2(p-s)-1)
+    assert overlap_main(["trace", "report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "bubble" in out and "hidden" in out
+    assert out.count("\n") >= 2 + 9  # a header and one line per device
+
+
+def test_timeline_before_any_step_is_an_error(toy):
+    cluster, _, _ = toy
+    with Runtime(cluster) as rt, pytest.raises(Exception, match="no train_step"):
+        rt.timeline()
+
+
+def test_trace_report_on_a_bad_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert overlap_main(["trace", "report", str(bad)]) == 2
+    assert "path" in capsys.readouterr().err
