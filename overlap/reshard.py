@@ -10,6 +10,7 @@ copy on the device. ``Transfer.after`` becomes an event wait on the sender's str
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -103,7 +104,13 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
 
     if receivers == (sender,):
         def local_copy() -> None:
+            start = time.perf_counter()
             outs[device][_local(dst[device], region)] = holding(device)
+            if backend.link_time is not None:  # emulated: at least the model's copy time
+                nbytes = int(np.prod(shape)) * dtype.itemsize
+                left = start + backend.link_time(sender, (sender,), nbytes) - time.perf_counter()
+                if left > 0:
+                    time.sleep(left)
         return local_copy
 
     group = (sender, *receivers)

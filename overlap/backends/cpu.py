@@ -23,6 +23,7 @@ after it completes with the error; :meth:`CpuBackend.abort` wakes everything tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -87,7 +88,9 @@ class CpuEvent:
             fut: asyncio.Future[None] = loop.create_future()
 
             def wake(_: CpuEvent) -> None:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                # A closed loop means nobody awaits this any more.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
             self.add_done_callback(wake)
             await fut
@@ -474,8 +477,8 @@ class CpuBackend:
         with self._lock:
             self._closed = True
             streams = list(self._streams.values())
-        if not all(s.idle() for s in streams):
-            self.abort("backend closed")
+        # Wake anything blocked in a wait or a collective (idle threads just exit).
+        self.abort("backend closed")
         threads = [t for t in (s._close() for s in streams) if t is not None]
         for t in threads:
             t.join()
