@@ -85,9 +85,20 @@ class StageContext:
         return tuple(d for d, c in self.mesh.coords().items()
                      if all(c[i] == here[i] for i in range(len(c)) if i != ax))
 
+    @property
+    def xp(self) -> Any:
+        """The array module of this device's arrays: numpy (CPU backend) or cupy (CUDA)."""
+        return self._backend.xp
+
+    @property
+    def cuda_stream(self) -> Any:
+        """The CUDA stream this op runs on (CUDA backend; None on the CPU). For torch:
+        ``torch.cuda.ExternalStream(ctx.cuda_stream.ptr)``, tensors via DLPack."""
+        return self._backend.current_stream()
+
     def all_reduce(self, x: np.ndarray, axis: str | None = None) -> np.ndarray:
         """Sum of ``x`` over the mesh (or one mesh axis); every participant gets it."""
-        buf = np.array(x, copy=True)
+        buf = self.xp.array(x, copy=True)
         self._backend.all_reduce(self._group(axis), self.device, buf,
                                  f"all_reduce s{self.stage} mb{self.microbatch} {self.phase}",
                                  namespace="compute")
@@ -96,8 +107,9 @@ class StageContext:
     def all_gather(self, x: np.ndarray, axis: str | None = None) -> np.ndarray:
         """``x`` of every participant, stacked in device order along a new first axis."""
         group = self._group(axis)
-        buf = np.ascontiguousarray(x)
-        out = np.empty((len(group), *buf.shape), buf.dtype)
+        xp = self.xp
+        buf = xp.ascontiguousarray(x)
+        out = xp.empty((len(group), *buf.shape), buf.dtype)
         self._backend.all_gather(group, self.device, buf, out,
                                  f"all_gather s{self.stage} mb{self.microbatch} {self.phase}",
                                  namespace="compute")
@@ -110,7 +122,7 @@ class StepState:
 
     sends: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     recvs: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    losses: dict[int, float] = field(default_factory=dict)
+    losses: dict[int, Any] = field(default_factory=dict)  # as returned (may live on a GPU)
     saved: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
 
 
@@ -211,30 +223,46 @@ def _compute_op(backend, programs, stages, state, d, ins: Compute, p, microbatch
         ctx = StageContext(d, s, i, kind, stage.mesh, saved, backend)
         if kind == "F":
             if s == 0:
-                # Each device gets its own copy, as it would in its own memory.
-                x = microbatches[i][tuple(slice(a, b) for a, b in in_regions[d])].copy()
+                # Each device gets its own copy, in its own memory.
+                x = backend.xp.array(microbatches[i][tuple(slice(a, b) for a, b in in_regions[d])],
+                                     copy=True)
             else:
-                x = state.recvs[(programs.find("fwd", s - 1, i).id, d)]
+                x = _received(state, programs.find("fwd", s - 1, i).id, d, cons[s - 1][d],
+                              boundaries_dtype(programs, "fwd", s - 1), backend.xp)
             y = stage.forward(ctx, x)
             if s == p - 1:
                 if d == stage.mesh.device_ids[0]:
-                    state.losses[i] = float(y)
+                    state.losses[i] = y  # float() after the step: no device sync here
                 return
             _deliver(state, programs, programs.find("fwd", s, i).id, d, y, prod[s][d],
-                     f"stage {s} forward (mb {i}, device {d})")
+                     f"stage {s} forward (mb {i}, device {d})", backend.xp)
         else:
-            dy = None if s == p - 1 else state.recvs[(programs.find("bwd", s, i).id, d)]
+            dy = None if s == p - 1 else _received(
+                state, programs.find("bwd", s, i).id, d, prod[s][d],
+                boundaries_dtype(programs, "bwd", s), backend.xp)
             dx = stage.backward(ctx, dy)
             if s > 0:
                 _deliver(state, programs, programs.find("bwd", s - 1, i).id, d, dx,
-                         cons[s - 1][d], f"stage {s} backward (mb {i}, device {d})")
+                         cons[s - 1][d], f"stage {s} backward (mb {i}, device {d})", backend.xp)
     return run
 
 
-def _deliver(state, programs, rid, d, value, region, what) -> None:
+def boundaries_dtype(programs: Programs, direction: str, boundary: int) -> np.dtype:
+    return np.dtype(programs.plans[f"{direction}{boundary}"].dtype)
+
+
+def _received(state, rid, d, region, dtype, xp):
+    """What device d received (an empty region receives nothing: its buffer is made here)."""
+    key = (rid, d)
+    if key not in state.recvs:
+        state.recvs[key] = xp.empty(region_shape(region), dtype)
+    return state.recvs[key]
+
+
+def _deliver(state, programs, rid, d, value, region, what, xp=np) -> None:
     want = region_shape(region)
     dtype = np.dtype(programs.plan_of(rid).dtype)
-    arr = np.asarray(value)
+    arr = xp.asarray(value)
     if arr.shape != want or arr.dtype != dtype:
         raise ValueError(f"{what} returned {arr.shape} {arr.dtype}; this device's region of "
                          f"the boundary needs {want} {dtype}")
@@ -248,10 +276,10 @@ def _launch_reshard_part(backend, programs, state, stream, d, ins: Reshard, prod
     src_regions = prod[b] if op.direction == "fwd" else cons[b]
     dst_regions = cons[b] if op.direction == "fwd" else prod[b]
     dtype = np.dtype(plan.dtype)
-    if d in dst_regions and (ins.id, d) not in state.recvs:
-        state.recvs[(ins.id, d)] = np.empty(region_shape(dst_regions[d]), dtype)
     shards = _Lazy(state.sends, ins.id)
-    outs = _Lazy(state.recvs, ins.id)
+    # Receive buffers are allocated on first use, on the stream's thread (the device's memory).
+    outs = _Lazy(state.recvs, ins.id,
+                 lambda dev: backend.xp.empty(region_shape(dst_regions[dev]), dtype))
     for k, t in enumerate(plan.transfers):
         if d not in t.devices:
             continue
@@ -265,13 +293,18 @@ def _launch_reshard_part(backend, programs, state, stream, d, ins: Reshard, prod
 
 
 class _Lazy(Mapping):
-    """device -> buffer of one resharding, read when the transfer runs (after the compute)."""
+    """device -> buffer of one resharding, read when the transfer runs (after the compute);
+    with ``make``, a missing buffer is created on first use."""
 
-    def __init__(self, table: dict[tuple[int, int], np.ndarray], rid: int) -> None:
-        self.table, self.rid = table, rid
+    def __init__(self, table: dict[tuple[int, int], np.ndarray], rid: int,
+                 make: Callable[[int], Any] | None = None) -> None:
+        self.table, self.rid, self.make = table, rid, make
 
     def __getitem__(self, d: int) -> np.ndarray:
-        return self.table[(self.rid, d)]
+        key = (self.rid, d)
+        if key not in self.table and self.make is not None:
+            self.table[key] = self.make(d)
+        return self.table[key]
 
     def __iter__(self):
         return (d for (r, d) in self.table if r == self.rid)

@@ -102,6 +102,8 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
             return shards[d][_local(src[d], region)]
         return outs[d][_local(dst[d], region)]
 
+    xp = backend.xp  # numpy on the CPU backend, cupy on CUDA
+
     if receivers == (sender,):
         def local_copy() -> None:
             start = time.perf_counter()
@@ -117,10 +119,10 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
 
     def op() -> None:
         if device == sender:
-            buf = np.ascontiguousarray(holding(device))  # pack
+            buf = xp.ascontiguousarray(holding(device))  # pack
             backend.broadcast(group, device, sender, buf, desc, namespace)
         else:
-            buf = np.empty(shape, dtype)
+            buf = xp.empty(shape, dtype)
             backend.broadcast(group, device, sender, buf, desc, namespace)
             outs[device][_local(dst[device], region)] = buf  # unpack
     return op

@@ -156,7 +156,7 @@ class Runtime:
         finally:
             self._last_trace = (t0, self.backend.trace, programs)
             self.backend.trace = None
-        return [state.losses[i] for i in range(len(microbatches))]
+        return [float(state.losses[i]) for i in range(len(microbatches))]
 
     def timeline(self) -> Timeline:
         """What the last :meth:`train_step` ran where and when (measured), as a Timeline —

@@ -321,6 +321,11 @@ class CpuBackend:
     """Virtual devices on the CPU (see module doc)."""
 
     name = "cpu"
+    xp = np  # the array module stage functions and transfers use
+
+    def current_stream(self) -> Any:
+        """The native stream of the calling op (None: CPU streams are threads)."""
+        return None
 
     def __init__(self, num_devices: int, *, timeout: float = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None) -> None:
