@@ -9,7 +9,6 @@ stopped, resets the backend and raises — it is usable again afterwards.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,7 +41,8 @@ class Runtime:
 
     Args:
         cluster: the cluster the plans were made for; devices are its device ids.
-        backend: ``"cpu"`` (virtual devices in this process).
+        backend: ``"cpu"`` (virtual devices in this process) or ``"cuda"`` (virtual devices
+            on the visible GPUs, round-robin; several share a GPU through loopback copies).
         emulate_links: make every transfer take at least the cost model's time for it on
             ``cluster`` (so a 10 Gbps cluster can be played on one machine); ``"signal"``:
             at least its latency only (the paper's 1-byte-message upper bound).
@@ -79,7 +79,7 @@ class Runtime:
                                                 link_time=link_time)
         self._closed = False
         self._programs: dict[Any, Any] = {}
-        self._last_trace: tuple[float, list[Any], Any] | None = None
+        self._last_trace: tuple[list[Any], Any] | None = None
         # Structured concurrency: the first failure anywhere aborts everything in flight.
         self.backend.on_failure = lambda exc: self.backend.abort(
             f"{type(exc).__name__} on another stream: {exc}"
@@ -147,14 +147,13 @@ class Runtime:
         self._programs[key] = programs  # most recently used last
         while len(self._programs) > _PROGRAM_CACHE:
             self._programs.pop(next(iter(self._programs)))
-        self.backend.trace = []
-        t0 = time.perf_counter()
+        self.backend.start_trace()
         state, ends = launch_step(self.backend, programs, stages, boundaries, input_sharding,
                                   microbatches, self.compute_time)
         try:
             await self._gather(ends, what="train_step")
         finally:
-            self._last_trace = (t0, self.backend.trace, programs)
+            self._last_trace = (self.backend.trace, programs)
             self.backend.trace = None
         return [float(state.losses[i]) for i in range(len(microbatches))]
 
@@ -163,12 +162,13 @@ class Runtime:
         the simulator's type, so measured and simulated steps share metrics and traces."""
         if self._last_trace is None:
             raise OverlapRuntimeError("timeline: no train_step has run yet")
-        t0, records, programs = self._last_trace
-        spans = tuple(
-            Span(d, stream, name, start - t0, end - t0, stage, mb, kind)
-            for d, stream, _, start, end, (stage, mb, kind, name) in sorted(
-                records, key=lambda r: (r[0], r[3]))
-        )
+        records, programs = self._last_trace
+        sec = self.backend.span_seconds
+        spans = tuple(sorted(
+            (Span(d, stream, name, sec(start), sec(end), stage, mb, kind)
+             for d, stream, _, start, end, (stage, mb, kind, name) in records),
+            key=lambda s: (s.device, s.start),
+        ))
         stage_of = {d: p.stage for d, p in programs.devices.items()}
         return Timeline(spans, programs.schedule.num_stages, tuple(sorted(stage_of)), stage_of)
 

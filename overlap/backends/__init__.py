@@ -1,7 +1,8 @@
 """Backends: where streams, events and collectives live.
 
-``cpu`` (virtual devices in this process; the default and how everything is tested) is the only
-backend today; ``cuda`` (CuPy streams and NCCL) follows the same interface.
+``cpu`` (virtual devices in this process; the default and how everything is tested) and
+``cuda`` (the same structure on CuPy streams, events and NCCL; imported only when asked for, so
+``import overlap`` never needs CuPy).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from .cpu import CpuBackend, CpuEvent, CpuStream
 
-BACKENDS = ("cpu",)
+BACKENDS = ("cpu", "cuda")
 
 
 class Event(Protocol):
@@ -67,6 +68,10 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
                  ) -> CpuBackend:
     if name == "cpu":
         return CpuBackend(num_devices, timeout=timeout, link_time=link_time)
+    if name == "cuda":
+        from .cuda import CudaBackend
+
+        return CudaBackend(num_devices, timeout=timeout, link_time=link_time)
     raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
 
 

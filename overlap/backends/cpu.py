@@ -163,7 +163,7 @@ class CpuStream:
                     return
                 kind, payload = self._queue.popleft()
             if kind == "record":
-                payload._complete(self._failed)
+                self._on_record(payload)
                 continue
             if self._failed is not None:
                 continue  # a failed stream skips work until reset()
@@ -177,15 +177,14 @@ class CpuStream:
                 else:
                     label, fn, category, meta = payload
                     rng = range_start(label, category)
-                    t0 = time.perf_counter()
+                    trace = self.backend.trace if meta is not None else None
+                    t0 = self._mark() if trace is not None else None
                     try:
-                        fn()
+                        self._execute(fn)
                     finally:
                         range_end(rng)
-                    trace = self.backend.trace
-                    if trace is not None and meta is not None:
-                        trace.append((self.device, self.name, label, t0, time.perf_counter(),
-                                      meta))
+                    if trace is not None:
+                        trace.append((self.device, self.name, label, t0, self._mark(), meta))
             except BaseException as exc:
                 op = payload[0] if kind == "op" else f"wait {payload.label}"
                 if isinstance(exc, OverlapRuntimeError):
@@ -199,6 +198,20 @@ class CpuStream:
                     err.__cause__ = exc
                     self._failed = err
                 self.backend._note_failure(self._failed)
+
+    # ---- hooks a device backend overrides (the CUDA backend does) -------------------------
+
+    def _mark(self) -> Any:
+        """A timestamp for the trace (CUDA: an event recorded on the stream)."""
+        return time.perf_counter()
+
+    def _execute(self, fn: Callable[[], Any]) -> None:
+        """Run one op's host code (CUDA: with this stream current, so its kernels land here)."""
+        fn()
+
+    def _on_record(self, event: CpuEvent) -> None:
+        """The stream reached a record point (CUDA: enqueue a device event there)."""
+        event._complete(self._failed)
 
     def _wait_for(self, event: CpuEvent) -> None:
         while not event._done.wait(_POLL_S):
@@ -249,6 +262,7 @@ class _Rendezvous:
         self.error: BaseException | None = None
         self.start = 0.0
         self.deadline_after = 0.0  # seconds the emulated link keeps every participant busy
+        self.result: Any = None
 
 
 class Communicator:
@@ -262,11 +276,12 @@ class Communicator:
         self._slots: dict[int, _Rendezvous] = {}
 
     def run(self, device: int, desc: str, contribution: Any,
-            combine: Callable[[dict[int, Any]], float]) -> None:
+            combine: Callable[[dict[int, Any]], Any]) -> Any:
         """Join the device's next collective; the last to arrive runs ``combine``.
 
         ``combine`` gets every participant's contribution, moves the data, and returns the
-        seconds the emulated link should take (0 without emulation).
+        seconds the emulated link should take (0 without emulation), or a pair (seconds,
+        result) whose result every participant gets back (the CUDA backend's done event).
         """
         backend = self.backend
         with self._lock:
@@ -287,7 +302,9 @@ class Communicator:
                     )
                 else:
                     try:
-                        rv.deadline_after = combine({d: a[1] for d, a in rv.arrived.items()})
+                        out = combine({d: a[1] for d, a in rv.arrived.items()})
+                        rv.deadline_after, rv.result = out if isinstance(out, tuple) else (out,
+                                                                                          None)
                     except BaseException as exc:
                         rv.error = exc
                 rv.done = True
@@ -315,6 +332,7 @@ class Communicator:
         remaining = rv.start + rv.deadline_after - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)  # the emulated wire time
+        return rv.result
 
 
 class CpuBackend:
@@ -322,10 +340,20 @@ class CpuBackend:
 
     name = "cpu"
     xp = np  # the array module stage functions and transfers use
+    stream_class: type[CpuStream] = CpuStream
 
     def current_stream(self) -> Any:
         """The native stream of the calling op (None: CPU streams are threads)."""
         return None
+
+    def start_trace(self) -> None:
+        """Record every op launched with metadata from now on (see ``trace``)."""
+        self._trace_t0 = time.perf_counter()
+        self.trace = []
+
+    def span_seconds(self, mark: Any) -> float:
+        """A trace mark as seconds since :meth:`start_trace` (after the work completed)."""
+        return mark - self._trace_t0
 
     def __init__(self, num_devices: int, *, timeout: float = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None) -> None:
@@ -366,7 +394,7 @@ class CpuBackend:
                 raise OverlapRuntimeError("backend is closed")
             key = (device, name)
             if key not in self._streams:
-                self._streams[key] = CpuStream(self, device, name)
+                self._streams[key] = self.stream_class(self, device, name)
             return self._streams[key]
 
     def streams(self) -> list[CpuStream]:
@@ -460,7 +488,10 @@ class CpuBackend:
             while not ev.done():
                 if time.perf_counter() > deadline:
                     return False
-                ev._done.wait(_POLL_S)
+                if ev._done.is_set():
+                    time.sleep(0.0005)  # launched; a device is still working (CUDA)
+                else:
+                    ev._done.wait(_POLL_S)
         return True
 
     def reset(self) -> None:

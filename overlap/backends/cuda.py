@@ -1,0 +1,369 @@
+"""The CUDA backend: the CPU backend's structure, with GPU streams, events and NCCL underneath.
+
+Each (device, stream) keeps its host worker thread, as on the CPU backend — that is what lets
+SPMD stage functions of several devices, driven by one process, call collectives without
+deadlocking the host. But an op's host code now runs with the device's **non-blocking
+``cupy.cuda.Stream``** current, so every kernel it launches (user compute, pack/unpack copies,
+transfers) is enqueued on that GPU stream and the host thread moves on at once:
+
+- ``record`` enqueues a CUDA event on the GPU stream; ``wait_event`` makes the host thread
+  wait only until the other stream has *enqueued* its record, then enqueues a device-side
+  ``stream.wait_event`` — the host never waits for the GPU in the launch path.
+- Completion reaches asyncio by polling ``Event.done`` with exponential backoff (50 µs to
+  2 ms) — no thread blocks in ``synchronize()``; ``benchmarks/gpu_check.py`` measures this
+  against a waiter thread.
+- Virtual devices map to physical GPUs round-robin (``device % num_gpus``). A collective whose
+  participants share one GPU (every collective on a one-GPU machine) becomes device-to-device
+  copies on the stream of the last participant to arrive ("loopback"), ordered by events
+  against every participant's stream. Participants on distinct GPUs use NCCL
+  (``cupy.cuda.nccl``): one communicator per (stream namespace, device group) — i.e. per
+  pipeline channel or stage mesh actually used, created on first use with ``initAll``; a
+  broadcast is grouped send/recv from the root. Groups mixing shared and distinct GPUs use
+  peer copies.
+- CuPy has no ``record_stream``: every buffer a collective reads or writes is kept alive, with
+  the event that ends its use, until that event has completed.
+
+Only the one-GPU (loopback) path can run on the machines this project is tested on; the NCCL
+path has not run on multi-GPU hardware (docs/architecture.md says so too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveMismatch, OverlapRuntimeError
+from .cpu import CpuBackend, CpuEvent, CpuStream
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise OverlapRuntimeError(
+            "backend 'cuda' needs CuPy: pip install 'overlap[cuda12]' (or [cuda13])"
+        ) from None
+    return cupy
+
+
+def gpu_count() -> int:
+    """Visible CUDA devices (0 without CuPy or without a GPU)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+class CudaEvent(CpuEvent):
+    """A CUDA event: first *launched* (recorded on its stream by the host thread), then
+    *done* when the GPU passes it."""
+
+    __slots__ = ("cuda_event",)
+
+    def __init__(self, label: str = "") -> None:
+        super().__init__(label)
+        self.cuda_event: Any = None
+
+    def launched(self) -> bool:
+        return self._done.is_set()
+
+    def done(self) -> bool:
+        if not self._done.is_set():
+            return False
+        return self.cuda_event is None or bool(self.cuda_event.done)
+
+    async def wait(self) -> None:
+        await super().wait()  # launched (or failed)
+        delay = 50e-6
+        while self.cuda_event is not None and not self.cuda_event.done:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
+
+class CudaStream(CpuStream):
+    """A host worker thread feeding one non-blocking CUDA stream."""
+
+    def __init__(self, backend: CudaBackend, device: int, name: str) -> None:
+        super().__init__(backend, device, name)
+        self.gpu = backend.physical(device)
+        self.cuda_stream: Any = None  # created on the worker thread, under its device
+
+    def _ensure(self) -> None:
+        if self.cuda_stream is None:
+            cp = _cupy()
+            with cp.cuda.Device(self.gpu):
+                self.cuda_stream = cp.cuda.Stream(non_blocking=True)
+
+    def _execute(self, fn: Callable[[], Any]) -> None:
+        cp = _cupy()
+        self._ensure()
+        with cp.cuda.Device(self.gpu), self.cuda_stream:
+            self.backend._local.stream = self
+            try:
+                fn()
+            finally:
+                self.backend._local.stream = None
+
+    def _mark(self) -> Any:
+        cp = _cupy()
+        self._ensure()
+        with cp.cuda.Device(self.gpu):
+            ev = cp.cuda.Event()
+            ev.record(self.cuda_stream)
+        return (self.gpu, ev)  # CuPy events do not know their device
+
+    def _on_record(self, event: CpuEvent) -> None:
+        if self._failed is None and isinstance(event, CudaEvent):
+            cp = _cupy()
+            self._ensure()
+            with cp.cuda.Device(self.gpu):
+                ev = cp.cuda.Event(disable_timing=False)
+                ev.record(self.cuda_stream)
+            event.cuda_event = ev
+        event._complete(self._failed)
+
+    def _wait_for(self, event: CpuEvent) -> None:
+        super()._wait_for(event)  # the host waits only for the record to be enqueued
+        if isinstance(event, CudaEvent) and event.cuda_event is not None:
+            self._ensure()
+            with _cupy().cuda.Device(self.gpu):
+                self.cuda_stream.wait_event(event.cuda_event)
+
+    def record(self, label: str = "", *, event: CpuEvent | None = None) -> CpuEvent:
+        return super().record(label, event=event if event is not None else CudaEvent(
+            label or f"d{self.device}/{self.name}"))
+
+
+class CudaBackend(CpuBackend):
+    """Virtual devices on CUDA GPUs (see module doc)."""
+
+    name = "cuda"
+    stream_class = CudaStream
+
+    def __init__(self, num_devices: int, *, timeout: float = 30.0,
+                 link_time: Callable[[int, Sequence[int], int], float] | None = None,
+                 num_gpus: int | None = None) -> None:
+        cp = _cupy()
+        available = gpu_count()
+        if available < 1:
+            raise OverlapRuntimeError("backend 'cuda': no CUDA device is visible")
+        if num_gpus is not None and not 1 <= num_gpus <= available:
+            raise ValueError(f"num_gpus: {num_gpus} not in 1..{available} visible GPUs")
+        super().__init__(num_devices, timeout=timeout, link_time=link_time)
+        self.xp = cp
+        self.num_gpus = num_gpus or available
+        self._local = threading.local()
+        self._nccl: dict[tuple[str, tuple[int, ...]], dict[int, Any]] = {}
+        self._keepalive: list[tuple[Any, tuple[Any, ...]]] = []
+        self._keep_lock = threading.Lock()
+
+    def physical(self, device: int) -> int:
+        return device % self.num_gpus
+
+    def start_trace(self) -> None:
+        """Trace marks are CUDA events; times are measured from a reference event per GPU."""
+        cp = self.xp
+        self._refs = {}
+        for g in range(self.num_gpus):
+            with cp.cuda.Device(g):
+                ev = cp.cuda.Event()
+                ev.record(cp.cuda.Stream.null)
+                self._refs[g] = ev
+        self.trace = []
+
+    def span_seconds(self, mark: Any) -> float:
+        gpu, event = mark
+        event.synchronize()
+        return self.xp.cuda.get_elapsed_time(self._refs[gpu], event) / 1e3
+
+    def current_stream(self) -> Any:
+        s = getattr(self._local, "stream", None)
+        return None if s is None else s.cuda_stream
+
+    # ---- buffers in flight ---------------------------------------------------------------
+
+    def _keep(self, event: Any, *buffers: Any) -> None:
+        """Keep ``buffers`` alive until ``event`` completes (CuPy has no record_stream)."""
+        with self._keep_lock:
+            self._keepalive = [(e, b) for e, b in self._keepalive if not e.done]
+            self._keepalive.append((event, buffers))
+
+    # ---- collectives ---------------------------------------------------------------------
+
+    def _arrive(self) -> Any:
+        """An event on the calling op's stream marking its contribution as ready."""
+        cp = self.xp
+        stream = self._local.stream
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(stream.cuda_stream)
+        return ev
+
+    def _finish(self, done: Any) -> None:
+        """The calling participant's stream waits for the collective's device work."""
+        self._local.stream.cuda_stream.wait_event(done)
+
+    def _loopback(self, arrivals: dict[int, tuple[Any, Any]],
+                  work: Callable[[dict[int, Any]], None]) -> Any:
+        """Run ``work`` on the last arriver's stream after every participant's ready event;
+        return the event that marks it done (participants then wait for it)."""
+        cp = self.xp
+        stream = self._local.stream.cuda_stream
+        for ev, _ in arrivals.values():
+            stream.wait_event(ev)
+        work({d: payload for d, (_, payload) in arrivals.items()})
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(stream)
+        self._keep(done, *(p for _, p in arrivals.values()))
+        return done
+
+    def _copy(self, dst: Any, src: Any) -> None:
+        """dst[...] = src on the current stream, across GPUs if need be (peer copy)."""
+        cp = self.xp
+        dst_gpu = getattr(getattr(dst, "device", None), "id", 0)
+        src_gpu = getattr(getattr(src, "device", None), "id", 0)
+        if dst_gpu == src_gpu:
+            dst[...] = src
+        else:
+            cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, src.data.ptr,
+                                            src.device.id, src.nbytes,
+                                            cp.cuda.get_current_stream().ptr)
+
+    def _distinct_gpus(self, group: tuple[int, ...]) -> bool:
+        return len({self.physical(d) for d in group}) == len(group) and len(group) > 1
+
+    def broadcast(self, devices: Sequence[int], device: int, root: int, buffer: Any,
+                  desc: str, namespace: str = "") -> None:
+        group = tuple(sorted(set(devices)))
+        if self._distinct_gpus(group):
+            self._nccl_broadcast(group, device, root, buffer, desc, namespace)
+            return
+
+        def combine(arrivals: dict[int, tuple[Any, Any]]) -> tuple[float, Any]:
+            src = arrivals[root][1]
+            for d, (_, b) in arrivals.items():
+                if d != root and (b.shape != src.shape or b.dtype != src.dtype):
+                    raise CollectiveMismatch(f"{desc}: device {d} buffer {b.shape} {b.dtype} "
+                                             f"!= root {root} buffer {src.shape} {src.dtype}")
+
+            def work(bufs: dict[int, Any]) -> None:
+                for d, b in bufs.items():
+                    if d != root:
+                        self._copy(b, bufs[root])
+
+            done = self._loopback(arrivals, work)
+            seconds = (0.0 if self.link_time is None else
+                       self.link_time(root, [d for d in group if d != root], src.nbytes))
+            return seconds, done
+
+        done = self.communicator(group, namespace).run(
+            device, f"broadcast[{desc}] root {root}", (self._arrive(), buffer), combine)
+        self._finish(done)
+
+    def all_reduce(self, devices: Sequence[int], device: int, buffer: Any, desc: str,
+                   op: Callable[[Any, Any], Any] = np.add, namespace: str = "") -> None:
+        group = tuple(sorted(set(devices)))
+        if self._distinct_gpus(group):
+            self._nccl_all_reduce(group, device, buffer, desc, namespace)
+            return
+
+        def combine(arrivals: dict[int, tuple[Any, Any]]) -> tuple[float, Any]:
+            def work(bufs: dict[int, Any]) -> None:
+                total = bufs[group[0]].copy()
+                for d in group[1:]:
+                    total = op(total, bufs[d])
+                for b in bufs.values():
+                    self._copy(b, total)
+
+            return 0.0, self._loopback(arrivals, work)
+
+        done = self.communicator(group, namespace).run(
+            device, f"all_reduce[{desc}]", (self._arrive(), buffer), combine)
+        self._finish(done)
+
+    def all_gather(self, devices: Sequence[int], device: int, buffer: Any, out: Any,
+                   desc: str, namespace: str = "") -> None:
+        group = tuple(sorted(set(devices)))
+
+        def combine(arrivals: dict[int, tuple[Any, Any]]) -> tuple[float, Any]:
+            def work(pairs: dict[int, Any]) -> None:
+                for _, o in pairs.values():
+                    for k, d in enumerate(group):
+                        self._copy(o[k], pairs[d][0])
+
+            return 0.0, self._loopback(arrivals, work)
+
+        done = self.communicator(group, namespace).run(
+            device, f"all_gather[{desc}]", (self._arrive(), (buffer, out)), combine)
+        self._finish(done)
+
+    # ---- NCCL (participants on distinct GPUs) --------------------------------------------
+
+    def _nccl_comm(self, namespace: str, group: tuple[int, ...], device: int) -> Any:
+        key = (namespace, group)
+        with self._lock:
+            if key not in self._nccl:
+                from cupy.cuda import nccl
+
+                comms = nccl.NcclCommunicator.initAll([self.physical(d) for d in group])
+                self._nccl[key] = dict(zip(group, comms))
+            return self._nccl[key][device]
+
+    def _nccl_broadcast(self, group, device, root, buffer, desc, namespace) -> None:
+        from cupy.cuda import nccl
+
+        # Match launch positions on the host first: mismatches and missing peers are named.
+        self.communicator(group, namespace).run(device, f"broadcast[{desc}] root {root}",
+                                                None, lambda _: 0.0)
+        comm = self._nccl_comm(namespace, group, device)
+        stream = self._local.stream.cuda_stream.ptr
+        count, dtype = buffer.size, _nccl_dtype(buffer.dtype)
+        if device == root:
+            nccl.groupStart()
+            for k, d in enumerate(group):
+                if d != root:
+                    comm.send(buffer.data.ptr, count, dtype, k, stream)
+            nccl.groupEnd()
+        else:
+            comm.recv(buffer.data.ptr, count, dtype, group.index(root), stream)
+        self._keep(self._arrive(), buffer)
+
+    def _nccl_all_reduce(self, group, device, buffer, desc, namespace) -> None:
+        from cupy.cuda import nccl
+
+        self.communicator(group, namespace).run(device, f"all_reduce[{desc}]", None,
+                                                lambda _: 0.0)
+        comm = self._nccl_comm(namespace, group, device)
+        comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size,
+                       _nccl_dtype(buffer.dtype), nccl.NCCL_SUM,
+                       self._local.stream.cuda_stream.ptr)
+        self._keep(self._arrive(), buffer)
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            comms = [c for group in self._nccl.values() for c in group.values()]
+            self._nccl.clear()
+        for c in comms:
+            c.destroy()
+        self._keepalive.clear()
+
+
+def _nccl_dtype(dtype: Any) -> int:
+    from cupy.cuda import nccl
+
+    table = {
+        np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
+        np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.int32): nccl.NCCL_INT32,
+        np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int8): nccl.NCCL_INT8,
+        np.dtype(np.uint8): nccl.NCCL_UINT8,
+    }
+    try:
+        return table[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"dtype: NCCL has no {np.dtype(dtype)}") from None
