@@ -175,6 +175,10 @@ def launch_step(
             events[(d, name)] = CpuEvent(f"device {d} {name}")
         return events[(d, name)]
 
+    channels = {op.channel: boundaries[op.boundary] for op in programs.reshards}
+    for channel, b in channels.items():  # one communicator per channel on the CUDA backend
+        backend.declare_group(channel, (*b.producer.mesh.device_ids,
+                                        *b.consumer.mesh.device_ids))
     in_regions = input_sharding.device_regions(microbatches[0].shape)
     # Regions of every boundary's layouts, per device.
     prod = [b.producer.device_regions(b.shape) for b in boundaries]

@@ -71,6 +71,7 @@ def launch_reshard(
     """
     src = plan.src.device_regions(plan.shape)
     dst = plan.dst.device_regions(plan.shape)
+    backend.declare_group(stream, (*src, *dst))
     dtype = np.dtype(plan.dtype)
     done: list[CpuEvent] = []
     touched: set[int] = set()

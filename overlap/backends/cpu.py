@@ -346,6 +346,10 @@ class CpuBackend:
         """The native stream of the calling op (None: CPU streams are threads)."""
         return None
 
+    def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
+        """Every device that collectives of ``namespace`` (a channel) may involve. The CPU
+        backend needs nothing; the CUDA backend builds one NCCL communicator per group."""
+
     def start_trace(self) -> None:
         """Record every op launched with metadata from now on (see ``trace``)."""
         self._trace_t0 = time.perf_counter()

@@ -16,10 +16,14 @@ transfers) is enqueued on that GPU stream and the host thread moves on at once:
   participants share one GPU (every collective on a one-GPU machine) becomes device-to-device
   copies on the stream of the last participant to arrive ("loopback"), ordered by events
   against every participant's stream. Participants on distinct GPUs use NCCL
-  (``cupy.cuda.nccl``): one communicator per (stream namespace, device group) — i.e. per
-  pipeline channel or stage mesh actually used, created on first use with ``initAll``; a
-  broadcast is grouped send/recv from the root. Groups mixing shared and distinct GPUs use
-  peer copies.
+  (``cupy.cuda.nccl``) with a **bounded number of communicators**: one per declared channel
+  (``declare_group``: a pipeline boundary in one direction spans both stage meshes; a
+  standalone resharding spans its source and destination meshes), in which a broadcast is
+  grouped send/recv from the root to its receivers — so a pipeline of p stages needs
+  2 (p − 1) of them, whatever its plans' device sets — plus one per mesh (or mesh-axis) group
+  that stage functions all-reduce over. Alpa creates one per distinct device set instead.
+  Each (device, channel) communicator is used by that device's one channel thread only.
+  Groups mixing shared and distinct GPUs use peer copies.
 - CuPy has no ``record_stream``: every buffer a collective reads or writes is kept alive, with
   the event that ends its use, until that event has completed.
 
@@ -160,11 +164,22 @@ class CudaBackend(CpuBackend):
         self.num_gpus = num_gpus or available
         self._local = threading.local()
         self._nccl: dict[tuple[str, tuple[int, ...]], dict[int, Any]] = {}
+        self._declared: dict[str, tuple[int, ...]] = {}
         self._keepalive: list[tuple[Any, tuple[Any, ...]]] = []
         self._keep_lock = threading.Lock()
 
     def physical(self, device: int) -> int:
         return device % self.num_gpus
+
+    def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
+        group = tuple(sorted(set(devices)))
+        with self._lock:
+            old = self._declared.get(namespace)
+            if old is not None and old != group:
+                # A channel's communicator spans fixed devices; a new group needs a new one.
+                for c in self._nccl.pop((namespace, old), {}).values():
+                    c.destroy()
+            self._declared[namespace] = group
 
     def start_trace(self) -> None:
         """Trace marks are CUDA events; times are measured from a reference event per GPU."""
@@ -304,15 +319,22 @@ class CudaBackend(CpuBackend):
 
     # ---- NCCL (participants on distinct GPUs) --------------------------------------------
 
-    def _nccl_comm(self, namespace: str, group: tuple[int, ...], device: int) -> Any:
-        key = (namespace, group)
+    def _nccl_comm(self, namespace: str, group: tuple[int, ...], device: int
+                   ) -> tuple[Any, tuple[int, ...]]:
+        """The communicator of ``device`` for this collective, and its ranks' devices: the
+        declared channel's when it covers the group on distinct GPUs, else the group's own."""
         with self._lock:
+            members = self._declared.get(namespace, group)
+            if not set(group) <= set(members) or len(
+                    {self.physical(d) for d in members}) < len(members):
+                members = group
+            key = (namespace, members)
             if key not in self._nccl:
                 from cupy.cuda import nccl
 
-                comms = nccl.NcclCommunicator.initAll([self.physical(d) for d in group])
-                self._nccl[key] = dict(zip(group, comms))
-            return self._nccl[key][device]
+                comms = nccl.NcclCommunicator.initAll([self.physical(d) for d in members])
+                self._nccl[key] = dict(zip(members, comms))
+            return self._nccl[key][device], members
 
     def _nccl_broadcast(self, group, device, root, buffer, desc, namespace) -> None:
         from cupy.cuda import nccl
@@ -320,17 +342,17 @@ class CudaBackend(CpuBackend):
         # Match launch positions on the host first: mismatches and missing peers are named.
         self.communicator(group, namespace).run(device, f"broadcast[{desc}] root {root}",
                                                 None, lambda _: 0.0)
-        comm = self._nccl_comm(namespace, group, device)
+        comm, ranks = self._nccl_comm(namespace, group, device)
         stream = self._local.stream.cuda_stream.ptr
         count, dtype = buffer.size, _nccl_dtype(buffer.dtype)
         if device == root:
             nccl.groupStart()
-            for k, d in enumerate(group):
+            for d in group:
                 if d != root:
-                    comm.send(buffer.data.ptr, count, dtype, k, stream)
+                    comm.send(buffer.data.ptr, count, dtype, ranks.index(d), stream)
             nccl.groupEnd()
         else:
-            comm.recv(buffer.data.ptr, count, dtype, group.index(root), stream)
+            comm.recv(buffer.data.ptr, count, dtype, ranks.index(root), stream)
         self._keep(self._arrive(), buffer)
 
     def _nccl_all_reduce(self, group, device, buffer, desc, namespace) -> None:
@@ -338,7 +360,7 @@ class CudaBackend(CpuBackend):
 
         self.communicator(group, namespace).run(device, f"all_reduce[{desc}]", None,
                                                 lambda _: 0.0)
-        comm = self._nccl_comm(namespace, group, device)
+        comm, _ = self._nccl_comm(f"{namespace}:{group}", group, device)
         comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size,
                        _nccl_dtype(buffer.dtype), nccl.NCCL_SUM,
                        self._local.stream.cuda_stream.ptr)
