@@ -130,3 +130,54 @@ def test_failure_on_gpu_names_the_op_and_recovers():
         rt.train_step_sync(stages, model.boundaries(), mbs,
                            input_sharding=model.input_sharding())
     assert OverlapRuntimeError  # the base class is exported
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@needs_gpu
+@pytest.mark.skipif(not _torch_cuda(), reason="torch with CUDA is not installed")
+def test_torch_tensors_in_stage_functions_via_dlpack():
+    import cupy as cp
+    import torch
+
+    cluster = Cluster.preset("p3.8xlarge", 2)
+    m0, m1 = cluster.mesh([0]), cluster.mesh([1])
+    seen_streams = []
+
+    def fwd(s):
+        def f(ctx, x):
+            seen_streams.append(ctx.cuda_stream.ptr)
+            with torch.cuda.stream(torch.cuda.ExternalStream(ctx.cuda_stream.ptr)):
+                t = torch.from_dlpack(x)  # zero-copy view of the cupy array
+                y = torch.tanh(t * 2.0)
+            ctx.saved["y"] = y
+            out = cp.from_dlpack(y)
+            return out.sum() if s == 1 else out
+        return f
+
+    def bwd(s):
+        def b(ctx, dy):
+            y = ctx.saved["y"]
+            with torch.cuda.stream(torch.cuda.ExternalStream(ctx.cuda_stream.ptr)):
+                g = torch.ones_like(y) if dy is None else torch.from_dlpack(dy)
+                dx = g * (1 - y * y) * 2.0
+            return cp.from_dlpack(dx)
+        return b
+
+    from overlap import Stage
+    from scheduler import Boundary
+
+    stages = [Stage(m0, fwd(0), bwd(0)), Stage(m1, fwd(1), bwd(1))]
+    bounds = [Boundary((8, 4), "float32", Sharding(m0, P()), Sharding(m1, P()))]
+    mbs = [np.full((8, 4), 0.1 * i, np.float32) for i in range(3)]
+    with Runtime(cluster, backend="cuda") as rt:
+        losses = rt.train_step_sync(stages, bounds, mbs, input_sharding=Sharding(m0, P()))
+    expect = [float(np.tanh(2 * np.tanh(2 * x)).sum()) for x in mbs]
+    np.testing.assert_allclose(losses, expect, rtol=1e-5)
+    assert all(ptr != 0 for ptr in seen_streams)  # never the legacy default stream
