@@ -127,7 +127,8 @@ class StepState:
 
 
 def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
-                   input_sharding: Sharding, microbatches: Sequence[np.ndarray]) -> None:
+                   input_sharding: Sharding, microbatches: Sequence[np.ndarray],
+                   array_types: tuple[type, ...] = (np.ndarray,)) -> None:
     if not stages:
         raise ValueError("stages: need at least one stage")
     for s, st in enumerate(stages):
@@ -145,8 +146,9 @@ def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
         raise ValueError("microbatches: need at least one")
     shape0 = np.shape(microbatches[0])
     for i, mb in enumerate(microbatches):
-        if not isinstance(mb, np.ndarray):
-            raise TypeError(f"microbatches[{i}]: expected a numpy array, got {type(mb).__name__}")
+        if not isinstance(mb, array_types):
+            raise TypeError(f"microbatches[{i}]: expected a numpy (or, on CUDA, cupy) array, "
+                            f"got {type(mb).__name__}")
         if mb.shape != shape0:
             raise ValueError(f"microbatches[{i}]: shape {mb.shape} != microbatches[0] {shape0}")
     input_sharding.device_regions(shape0)  # spec fits the input's rank

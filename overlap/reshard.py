@@ -10,6 +10,7 @@ copy on the device. ``Transfer.after`` becomes an event wait on the sender's str
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 
@@ -30,8 +31,27 @@ def _local(outer: Region, inner: Region) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
 
 
-def check_shards(plan: ReshardPlan, shards: Mapping[int, np.ndarray]) -> None:
-    """Raise ValueError/TypeError naming the device unless ``shards`` fit the plan's source."""
+class BufferTable(dict):
+    """device -> buffer, each made by ``make(device)`` on first access (on the stream thread
+    that first touches it: the device's own memory on the CUDA backend)."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self._make = make
+        self._lock = threading.Lock()
+
+    def __missing__(self, device: int):
+        with self._lock:
+            if device not in self:
+                self[device] = self._make(device)
+            return dict.__getitem__(self, device)
+
+
+def check_shards(plan: ReshardPlan, shards: Mapping[int, np.ndarray],
+                 array_types: tuple[type, ...] = (np.ndarray,)) -> None:
+    """Raise ValueError/TypeError naming the device unless ``shards`` fit the plan's source.
+
+    ``array_types``: what counts as an array (the CUDA backend adds ``cupy.ndarray``)."""
     if not isinstance(shards, Mapping):
         raise TypeError(f"shards: expected a mapping device -> ndarray, got "
                         f"{type(shards).__name__}")
@@ -46,8 +66,9 @@ def check_shards(plan: ReshardPlan, shards: Mapping[int, np.ndarray]) -> None:
     dtype = np.dtype(plan.dtype)
     for d, region in want.items():
         a = shards[d]
-        if not isinstance(a, np.ndarray):
-            raise TypeError(f"shards[{d}]: expected a numpy array, got {type(a).__name__}")
+        if not isinstance(a, array_types):
+            kinds = " or ".join(dict.fromkeys(t.__module__.split(".")[0] for t in array_types))
+            raise TypeError(f"shards[{d}]: expected a {kinds} array, got {type(a).__name__}")
         if a.shape != region_shape(region) or a.dtype != dtype:
             raise ValueError(
                 f"shards[{d}]: got {a.shape} {a.dtype}, the plan's source region "

@@ -21,7 +21,7 @@ from .backends import make_backend
 from .backends.cpu import CpuBackend
 from .errors import CollectiveAborted, CollectiveTimeout, OverlapRuntimeError
 from .pipeline import Stage, check_pipeline, launch_step, make_programs
-from .reshard import check_shards, launch_reshard, region_shape
+from .reshard import BufferTable, check_shards, launch_reshard, region_shape
 
 T = TypeVar("T")
 _PROGRAM_CACHE = 16  # lowered step programs kept per runtime (least recently used dropped)
@@ -102,13 +102,15 @@ class Runtime:
         if top >= self.cluster.num_devices:
             raise ValueError(f"plan: device {top} is outside the runtime's cluster "
                              f"(devices 0..{self.cluster.num_devices - 1})")
-        check_shards(plan, shards)
+        check_shards(plan, shards, self._array_types())
         dtype = np.dtype(plan.dtype)
-        outs = {d: np.empty(region_shape(r), dtype)
-                for d, r in plan.dst.device_regions(plan.shape).items()}
+        regions = plan.dst.device_regions(plan.shape)
+        xp = self.backend.xp
+        # Each destination buffer is made on first use, by its device's stream (its memory).
+        outs = BufferTable(lambda d: xp.empty(region_shape(regions[d]), dtype))
         events = launch_reshard(self.backend, plan, shards, outs, stream=stream)
         await self._gather(events, what="reshard")
-        return outs
+        return {d: outs[d] for d in regions}  # devices that got nothing: empty regions
 
     def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray]
                      ) -> dict[int, np.ndarray]:
@@ -136,7 +138,7 @@ class Runtime:
         :mod:`overlap.pipeline`). The lowered programs are cached per configuration.
         """
         self._check_open()
-        check_pipeline(stages, boundaries, input_sharding, microbatches)
+        check_pipeline(stages, boundaries, input_sharding, microbatches, self._array_types())
         # Programs depend on the meshes and layouts, not on the stage functions.
         key = (tuple(st.mesh for st in stages), tuple(boundaries), schedule, len(microbatches),
                strategy, balance)
@@ -210,6 +212,10 @@ class Runtime:
                 f"after {reason}: streams did not stop within {self.backend.timeout:g} s"
             )
         self.backend.reset()
+
+    def _array_types(self) -> tuple[type, ...]:
+        xp = self.backend.xp
+        return (np.ndarray,) if xp is np else (np.ndarray, xp.ndarray)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -23,6 +23,7 @@ from numpy import (  # noqa: F401  (the array API the backend and tests use)
     empty_like,
     float32,
     float64,
+    ndarray,
     ones,
     zeros,
 )
