@@ -174,7 +174,7 @@ def launch_step(
 
     def event(d: int, name: str) -> CpuEvent:
         if (d, name) not in events:
-            events[(d, name)] = CpuEvent(f"device {d} {name}")
+            events[(d, name)] = backend.new_event(f"device {d} {name}")
         return events[(d, name)]
 
     channels = {op.channel: boundaries[op.boundary] for op in programs.reshards}

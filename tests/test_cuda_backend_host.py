@@ -43,7 +43,18 @@ def test_reshard_through_the_cuda_backend(strategy):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_toy_pipeline_through_the_cuda_backend(schedule):
+def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
+    from overlap.backends import cuda
+
+    device_waits = []
+    real_wait = cuda.CudaStream._wait_for
+
+    def counting_wait(self, event):
+        real_wait(self, event)
+        if getattr(event, "cuda_event", None) is not None:
+            device_waits.append(event.label)
+
+    monkeypatch.setattr(cuda.CudaStream, "_wait_for", counting_wait)
     cluster = Cluster.preset("p3.8xlarge", 4)
     model = ToyMLP.build(cluster, hidden=8, batch=4)
     mbs = [np.random.default_rng(i).standard_normal((4, 8)) for i in range(3)]
@@ -55,6 +66,12 @@ def test_toy_pipeline_through_the_cuda_backend(schedule):
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-10)
     model.check_against(model.full_weights, ref_grads)
     assert len(tl.spans) > 0 and tl.iteration_time >= 0
+    # Every Wait of the programs became a device-side wait on a recorded CUDA event (the
+    # fake asserts the event was recorded before the wait was enqueued).
+    programs = next(iter(rt._programs.values()))
+    waits = sum(type(ins).__name__ == "Wait" for p in programs.devices.values()
+                for instrs in p.streams.values() for ins in instrs)
+    assert len(device_waits) == waits > 0
 
 
 def test_failure_through_the_cuda_backend_names_the_op():

@@ -346,6 +346,11 @@ class CpuBackend:
         """The native stream of the calling op (None: CPU streams are threads)."""
         return None
 
+    def new_event(self, label: str = "") -> CpuEvent:
+        """An event to record later (``stream.record(event=...)``) that others may already be
+        told to wait for — of this backend's kind."""
+        return CpuEvent(label)
+
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         """Every device that collectives of ``namespace`` (a channel) may involve. The CPU
         backend needs nothing; the CUDA backend builds one NCCL communicator per group."""

@@ -171,6 +171,9 @@ class CudaBackend(CpuBackend):
     def physical(self, device: int) -> int:
         return device % self.num_gpus
 
+    def new_event(self, label: str = "") -> CudaEvent:
+        return CudaEvent(label)
+
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         group = tuple(sorted(set(devices)))
         with self._lock:
