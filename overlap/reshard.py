@@ -141,10 +141,14 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
 
     def op() -> None:
         if device == sender:
-            buf = xp.ascontiguousarray(holding(device))  # pack
+            buf = xp.ascontiguousarray(holding(device))  # pack (free when contiguous)
             backend.broadcast(group, device, sender, buf, desc, namespace)
+            return
+        view = outs[device][_local(dst[device], region)]
+        if view.flags.c_contiguous:
+            backend.broadcast(group, device, sender, view, desc, namespace)  # in place
         else:
             buf = xp.empty(shape, dtype)
             backend.broadcast(group, device, sender, buf, desc, namespace)
-            outs[device][_local(dst[device], region)] = buf  # unpack
+            view[...] = buf  # unpack
     return op
