@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .cluster import Cluster
-from .regions import Region
 
 if TYPE_CHECKING:
     from .plan import ReshardPlan, Transfer
@@ -520,7 +519,3 @@ def lower_bound_for(
         terms.append(out / (len(group) * host_bw))
     latency = c.nic_latency_s if crosses_host else (c.nvlink_latency_s if crosses_device else 0.0)
     return max(terms) + latency
-
-
-def region_bytes(region: Region, itemsize: int) -> int:
-    return math.prod(b - a for a, b in region) * itemsize

@@ -27,10 +27,6 @@ def contains(outer: Region, inner: Region) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
 
 
-def full_region(shape: Sequence[int]) -> Region:
-    return tuple((0, int(n)) for n in shape)
-
-
 def split_region(region: Region, weights: Sequence[float]) -> list[Region]:
     """Cut ``region`` along its longest dim into consecutive pieces sized by ``weights``.
 
