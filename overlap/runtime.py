@@ -1,7 +1,7 @@
-"""The runtime: interprets plans (and, next, pipeline programs) on a backend from asyncio.
+"""The runtime: interprets resharding plans and pipeline programs on a backend, from asyncio.
 
-Async-first: ``await rt.reshard(plan, shards)``; ``rt.reshard_sync(...)`` wraps it for
-synchronous code. The event loop never blocks on device work: completions arrive through
+Async-first: ``await rt.reshard(plan, shards)`` and ``await rt.train_step(...)``; the
+``*_sync`` methods wrap them for synchronous code. The event loop never blocks on device work: completions arrive through
 events. On failure the runtime aborts all in-flight work, waits until every stream has
 stopped, resets the backend and raises — it is usable again afterwards.
 """
@@ -37,7 +37,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 class Runtime:
-    """Executes resharding plans (and pipeline programs) on a backend.
+    """Executes resharding plans and pipeline training steps on a backend.
 
     Args:
         cluster: the cluster the plans were made for; devices are its device ids.
