@@ -1,9 +1,10 @@
 """The runtime: interprets resharding plans and pipeline programs on a backend, from asyncio.
 
 Async-first: ``await rt.reshard(plan, shards)`` and ``await rt.train_step(...)``; the
-``*_sync`` methods wrap them for synchronous code. The event loop never blocks on device work: completions arrive through
-events. On failure the runtime aborts all in-flight work, waits until every stream has
-stopped, resets the backend and raises — it is usable again afterwards.
+``*_sync`` methods wrap them for synchronous code. The event loop never blocks on device
+work: completions arrive through events. On failure the runtime aborts all in-flight work,
+waits until every stream has stopped, resets the backend and raises — it is usable again
+afterwards.
 """
 
 from __future__ import annotations
