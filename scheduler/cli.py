@@ -64,8 +64,7 @@ def parse_mesh(text: str, cluster: Cluster, *, argument: str) -> DeviceMesh:
     if not 1 <= gpus <= cluster.gpus_per_host:
         raise ValueError(f"{argument}: {gpus} GPUs per host; the cluster has "
                          f"{cluster.gpus_per_host}")
-    devices = [[h * cluster.gpus_per_host + g for g in range(gpus)] for h in range(lo, hi)]
-    return DeviceMesh(devices, ("host", "gpu"))
+    return cluster.mesh(range(lo, hi), gpus=gpus)
 
 
 def case_from_json(data: dict) -> Case:

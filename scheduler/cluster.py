@@ -137,8 +137,10 @@ class Cluster:
     def devices_of_host(self, host: int) -> range:
         return range(host * self.gpus_per_host, (host + 1) * self.gpus_per_host)
 
-    def mesh(self, hosts: Iterable[int], axis_names: tuple[str, str] = ("host", "gpu")):
-        """A 2-d mesh over whole hosts: shape (len(hosts), gpus_per_host)."""
+    def mesh(self, hosts: Iterable[int], axis_names: tuple[str, str] = ("host", "gpu"), *,
+             gpus: int | None = None):
+        """A 2-d mesh over hosts: shape (len(hosts), gpus), the first ``gpus`` GPUs of each
+        host (all of them by default)."""
         from .mesh import DeviceMesh
 
         hosts = list(hosts)
@@ -147,7 +149,10 @@ class Cluster:
                 raise ValueError(
                     f"hosts: {h!r} is not a host of this {self.num_hosts}-host cluster"
                 )
-        return DeviceMesh([list(self.devices_of_host(h)) for h in hosts], axis_names)
+        g = self.gpus_per_host if gpus is None else gpus
+        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= self.gpus_per_host:
+            raise ValueError(f"gpus: {g!r} GPUs per host; the cluster has {self.gpus_per_host}")
+        return DeviceMesh([list(self.devices_of_host(h))[:g] for h in hosts], axis_names)
 
     # ---- rates ---------------------------------------------------------------------------
 

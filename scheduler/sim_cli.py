@@ -126,10 +126,7 @@ def _case_from_args(args: argparse.Namespace) -> PipelineCase:
     gpus = args.gpus_per_stage or cluster.gpus_per_host
     if not 1 <= gpus <= cluster.gpus_per_host:
         raise ValueError(f"--gpus-per-stage: {gpus} not in 1..{cluster.gpus_per_host}")
-    stages = tuple(
-        DeviceMesh([[h * cluster.gpus_per_host + g for g in range(gpus)]], ("host", "gpu"))
-        for h in range(args.stages)
-    )
+    stages = tuple(cluster.mesh([h], gpus=gpus) for h in range(args.stages))
     try:
         shape = tuple(int(x) for x in args.shape.split(","))
     except ValueError:

@@ -23,15 +23,6 @@ class Case:
     cluster: Cluster
 
 
-def _hosts_mesh(cluster: Cluster, first_host: int, num_hosts: int, gpus: int | None = None):
-    from .mesh import DeviceMesh
-
-    g = cluster.gpus_per_host if gpus is None else gpus
-    devs = [[h * cluster.gpus_per_host + i for i in range(g)]
-            for h in range(first_host, first_host + num_hosts)]
-    return DeviceMesh(devs, ("host", "gpu"))
-
-
 def paper_suite() -> list[Case]:
     """The microbenchmark suite of arXiv 2211.05322 (Table 2 / Fig. 7) on 5 × p3.8xlarge."""
     cluster = Cluster.preset("p3.8xlarge", 5)
@@ -49,12 +40,12 @@ def paper_suite() -> list[Case]:
     ]
     cases = []
     for name, (sh, sg), (dh, dg), shape, s_spec, d_spec in rows:
-        src = Sharding(_hosts_mesh(cluster, 0, sh, sg), ShardingSpec(*s_spec))
-        dst = Sharding(_hosts_mesh(cluster, sh, dh, dg), ShardingSpec(*d_spec))
+        src = Sharding(cluster.mesh(range(sh), gpus=sg), ShardingSpec(*s_spec))
+        dst = Sharding(cluster.mesh(range(sh, sh + dh), gpus=dg), ShardingSpec(*d_spec))
         cases.append(Case(f"case {name}", shape, "int32", src, dst, cluster))
     for dh, dg in ((1, 1), (1, 2), (1, 3), (1, 4), (2, 2), (3, 2), (4, 2)):
-        src = Sharding(_hosts_mesh(cluster, 0, 1, 1), ShardingSpec())
-        dst = Sharding(_hosts_mesh(cluster, 1, dh, dg), ShardingSpec())
+        src = Sharding(cluster.mesh(range(1), gpus=1), ShardingSpec())
+        dst = Sharding(cluster.mesh(range(1, 1 + dh), gpus=dg), ShardingSpec())
         cases.append(Case(f"1->({dh},{dg})", (2**28,), "int32", src, dst, cluster))
     return cases
 
@@ -62,8 +53,8 @@ def paper_suite() -> list[Case]:
 def scale_case() -> Case:
     """128 DGX H100 hosts: (64, 8) mesh -> (64, 8) mesh, fully sharded -> differently sharded."""
     cluster = Cluster.preset("dgx-h100", 128)
-    src = Sharding(_hosts_mesh(cluster, 0, 64), ShardingSpec("host", "gpu", None))
-    dst = Sharding(_hosts_mesh(cluster, 64, 64), ShardingSpec(("host", "gpu"), None, None))
+    src = Sharding(cluster.mesh(range(64)), ShardingSpec("host", "gpu", None))
+    dst = Sharding(cluster.mesh(range(64, 128)), ShardingSpec(("host", "gpu"), None, None))
     return Case("scale dgx-h100 ×128", (8192, 8192, 64), "float32", src, dst, cluster)
 
 
@@ -92,7 +83,7 @@ def random_suite(num_cases: int = 24, seed: int = 0) -> list[Case]:
             rng.choice([512, 600, 1024, 2048]),
             rng.choice([64, 100, 128, 170, 256]),
         )
-        src = Sharding(_hosts_mesh(cluster, 0, ns), _random_spec(rng, 3))
-        dst = Sharding(_hosts_mesh(cluster, ns, nd), _random_spec(rng, 3))
+        src = Sharding(cluster.mesh(range(ns)), _random_spec(rng, 3))
+        dst = Sharding(cluster.mesh(range(ns, ns + nd)), _random_spec(rng, 3))
         cases.append(Case(f"random {k}", shape, "int32", src, dst, cluster))
     return cases

@@ -222,10 +222,6 @@ class CpuStream:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def idle(self) -> bool:
-        with self._cv:
-            return not self._queue
-
     def _reset(self) -> threading.Thread | None:
         """Drop queued work and clear the failure; the worker thread exits (restarted on the
         next launch), so nothing keeps running after a failed step. Returns it to join."""
