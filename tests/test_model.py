@@ -496,3 +496,13 @@ def test_to_placements_rejects_axes_against_mesh_order():
     with pytest.raises(ShardingError, match="against the mesh axis order"):
         P(("gpu", "host")).to_placements(MESH_HG)
     assert P(("host", "gpu")).to_placements(MESH_HG) == (Shard(0), Shard(0))
+
+
+def test_cluster_mesh_first_gpus_of_each_host():
+    c = Cluster(3, 4, nic_gbps=10)
+    m = c.mesh([1, 2], gpus=2)
+    assert m.devices.tolist() == [[4, 5], [8, 9]]
+    assert c.mesh([0]).devices.tolist() == [[0, 1, 2, 3]]
+    for bad in (0, 5, True):
+        with pytest.raises(ValueError, match="gpus"):
+            c.mesh([0], gpus=bad)
