@@ -8,6 +8,11 @@ overlap report.
 
     python examples/toy_pipeline.py                        # fast, links at memory speed
     python examples/toy_pipeline.py --emulate p3.8xlarge   # links as slow as that cluster's
+    mpiexec -n 4 python examples/toy_pipeline.py           # one process per host (4 devices)
+
+Under ``mpiexec`` every process runs this same script and drives its own devices; each checks
+its devices' gradients and weights, every process gets every loss, and each writes the trace
+of its own devices (``toy-<schedule>.rank<r>.json``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap import Runtime
 from overlap.toy import ToyMLP, reference_step
+from overlap.world import detect_world
 from scheduler import Cluster
 
 
@@ -65,20 +71,31 @@ def train(schedule: str, args: argparse.Namespace, cluster: Cluster) -> dict:
             ref_losses, ref_grads = reference_step(ref_w, mbs)
             if not np.allclose(losses, ref_losses, rtol=0, atol=1e-10):
                 raise AssertionError(f"{schedule} step {step}: losses differ from the reference")
-            model.check_against(ref_w, ref_grads)  # gradients, before the update
+            model.check_against(ref_w, ref_grads, devices=rt.local_devices)  # before the update
             model.sgd(args.lr)
             for w, g in zip(ref_w, ref_grads):
                 w -= args.lr * g
-            print(f"  {schedule:<10} step {step}: mean loss {np.mean(losses):.6f}  "
-                  f"({seconds * 1e3:.1f} ms; losses and gradients match the reference)")
+            say(f"  {schedule:<10} step {step}: mean loss {np.mean(losses):.6f}  "
+                f"({seconds * 1e3:.1f} ms; losses and gradients match the reference)")
         tl = rt.timeline()
-        trace = rt.write_trace(Path(args.trace_dir) / f"toy-{schedule}.json")
+        suffix = f".rank{rt.world.rank}" if rt.world.distributed else ""
+        trace = rt.write_trace(Path(args.trace_dir) / f"toy-{schedule}{suffix}.json")
         report = {"step_ms": seconds * 1e3, "exposed": tl.exposed_comm_fraction,
                   "bubble": tl.bubble_fraction, "trace": trace, "timeline": tl}
     return report
 
 
+def say(text: str) -> None:
+    """Print once per job: from the first process of a multi-process run."""
+    if RANK == 0:
+        print(text, flush=True)
+
+
+RANK = 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    global RANK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--emulate", metavar="PRESET", default=None,
                     help="emulate the links of this cluster preset (e.g. p3.8xlarge)")
@@ -93,23 +110,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", default="traces")
     args = ap.parse_args(argv)
     cluster = Cluster.preset(args.emulate or "p3.8xlarge", 4)
-    print(f"toy pipeline: 4 stages, {args.microbatches} microbatches of {args.batch} × "
+    RANK = detect_world().rank
+    say(f"toy pipeline: 4 stages, {args.microbatches} microbatches of {args.batch} × "
           f"{args.hidden} float64, {args.steps} SGD steps, links "
           f"{'emulated as ' + args.emulate if args.emulate else 'at memory speed'}")
     if args.emulate:
         _, fwd, slowest = emulated_compute(
             cluster, ToyMLP.build(cluster, hidden=args.hidden, batch=args.batch),
             args.compute_ratio)
-        print(f"emulated device time per microbatch: F {fwd * 1e3:.2f} ms, B "
+        say(f"emulated device time per microbatch: F {fwd * 1e3:.2f} ms, B "
               f"{2 * fwd * 1e3:.2f} ms; slowest boundary transfer {slowest * 1e3:.2f} ms")
     results = {s: train(s, args, cluster) for s in ("1f1b", "eager-1f1b")}
-    print("\nschedule     last step ms  exposed comm  bubble   trace")
+    say("\nschedule     last step ms  exposed comm  bubble   trace"
+        + ("  (this rank's devices)" if RANK else ""))
     for s, r in results.items():
-        print(f"{s:<12} {r['step_ms']:>12.1f}  {r['exposed']:>12.1%}  {r['bubble']:>6.1%}   "
+        say(f"{s:<12} {r['step_ms']:>12.1f}  {r['exposed']:>12.1%}  {r['bubble']:>6.1%}   "
               f"{r['trace']}")
-    print("\noverlap report (eager-1f1b, last step):")
-    print(results["eager-1f1b"]["timeline"].report())
-    print("\nview a trace: open https://ui.perfetto.dev and drop the file in; "
+    say("\noverlap report (eager-1f1b, last step):")
+    say(results["eager-1f1b"]["timeline"].report())
+    say("\nview a trace: open https://ui.perfetto.dev and drop the file in; "
           "or run: overlap trace report " + str(results["eager-1f1b"]["trace"]))
     return 0
 

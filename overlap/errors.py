@@ -34,3 +34,13 @@ class CollectiveMismatch(OverlapRuntimeError):
 
 class CollectiveAborted(OverlapRuntimeError):
     """A collective was abandoned because a participant failed or the run was cancelled."""
+
+
+class RankFailed(OverlapRuntimeError):
+    """Another process of a multi-process job failed (or raised outside the runtime); this
+    process stopped its work. ``rank`` is the failed one, ``error`` what it reported."""
+
+    def __init__(self, message: str, *, rank: int, error: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.error = error

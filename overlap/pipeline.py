@@ -178,15 +178,21 @@ def launch_step(
         return events[(d, name)]
 
     channels = {op.channel: boundaries[op.boundary] for op in programs.reshards}
-    for channel, b in channels.items():  # one communicator per channel on the CUDA backend
+    for channel, b in channels.items():  # one communicator per channel (CUDA, MPI)
         backend.declare_group(channel, (*b.producer.mesh.device_ids,
                                         *b.consumer.mesh.device_ids))
+    # Groups stage collectives may use: every mesh and every mesh axis group of it.
+    backend.declare_subgroups("compute", sorted({g for st in stages for g in mesh_groups(st.mesh)}))
+    # Transfer k of resharding r is named r * per_plan + k across processes.
+    per_plan = max((len(p.transfers) for p in programs.plans.values()), default=1) or 1
     in_regions = input_sharding.device_regions(microbatches[0].shape)
     # Regions of every boundary's layouts, per device.
     prod = [b.producer.device_regions(b.shape) for b in boundaries]
     cons = [b.consumer.device_regions(b.shape) for b in boundaries]
     ends: list[CpuEvent] = []
     for d, prog in programs.devices.items():
+        if not backend.is_local(d):
+            continue  # another process runs this device's program
         for name, instrs in prog.streams.items():
             stream = backend.stream(d, name)
             for ins in instrs:
@@ -205,7 +211,8 @@ def launch_step(
                         meta=(ins.stage, ins.microbatch, ins.kind, str(ins)),
                     )
                 else:
-                    _launch_reshard_part(backend, programs, state, stream, d, ins, prod, cons)
+                    _launch_reshard_part(backend, programs, state, stream, d, ins, prod, cons,
+                                         per_plan)
             ends.append(stream.record(f"device {d} {name} end"))
     return state, ends
 
@@ -275,7 +282,8 @@ def _deliver(state, programs, rid, d, value, region, what, xp=np) -> None:
     state.sends[(rid, d)] = arr
 
 
-def _launch_reshard_part(backend, programs, state, stream, d, ins: Reshard, prod, cons) -> None:
+def _launch_reshard_part(backend, programs, state, stream, d, ins: Reshard, prod, cons,
+                         per_plan: int) -> None:
     op = programs.op(ins.id)
     plan = programs.plans[op.plan_key]
     b = op.boundary
@@ -292,7 +300,8 @@ def _launch_reshard_part(backend, programs, state, stream, d, ins: Reshard, prod
         stream.launch(
             f"{op.label} transfer {k} on device {d}",
             transfer_op(backend, t.region, t.sender, t.receivers, d, src_regions, dst_regions,
-                        shards, outs, dtype, f"{op.label} #{k}", op.channel),
+                        shards, outs, dtype, f"{op.label} #{k}", op.channel,
+                        op.id * per_plan + k),
             category="comm",
             meta=(op.src_stage, op.microbatch, op.direction, op.label),
         )
@@ -317,6 +326,19 @@ class _Lazy(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def mesh_groups(mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """The device groups ``StageContext`` collectives use on ``mesh``: the whole mesh and, per
+    axis, every line of devices along it."""
+    groups = {tuple(sorted(mesh.device_ids))}
+    coords = mesh.coords()
+    for ax in range(len(mesh.axis_names)):
+        lines: dict[tuple[int, ...], list[int]] = {}
+        for d, c in coords.items():
+            lines.setdefault(c[:ax] + c[ax + 1:], []).append(d)
+        groups.update(tuple(sorted(g)) for g in lines.values())
+    return sorted(groups)
 
 
 def make_programs(stages: Sequence[Stage], boundaries: Sequence[Boundary], schedule: str,

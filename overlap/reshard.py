@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -48,10 +48,12 @@ class BufferTable(dict):
 
 
 def check_shards(plan: ReshardPlan, shards: Mapping[int, np.ndarray],
-                 array_types: tuple[type, ...] = (np.ndarray,)) -> None:
+                 array_types: tuple[type, ...] = (np.ndarray,),
+                 is_local: Callable[[int], bool] | None = None) -> None:
     """Raise ValueError/TypeError naming the device unless ``shards`` fit the plan's source.
 
-    ``array_types``: what counts as an array (the CUDA backend adds ``cupy.ndarray``)."""
+    ``array_types``: what counts as an array (the CUDA backend adds ``cupy.ndarray``);
+    ``is_local``: the source devices this process must hold (all of them by default)."""
     if not isinstance(shards, Mapping):
         raise TypeError(f"shards: expected a mapping device -> ndarray, got "
                         f"{type(shards).__name__}")
@@ -60,6 +62,12 @@ def check_shards(plan: ReshardPlan, shards: Mapping[int, np.ndarray],
     if extra:
         raise ValueError(f"shards: devices {extra} are not in the plan's source mesh "
                          f"(devices {sorted(want)})")
+    if is_local is not None:
+        remote = [d for d in sorted(shards) if not is_local(d)]
+        if remote:
+            raise ValueError(f"shards: devices {remote} belong to other processes; pass only "
+                             "this process's source shards")
+        want = {d: r for d, r in want.items() if is_local(d)}
     missing = sorted(set(want) - set(shards))
     if missing:
         raise ValueError(f"shards: no shard for source devices {missing}")
@@ -84,37 +92,47 @@ def launch_reshard(
     *,
     stream: str = "comm",
     tag: str = "",
+    tag_base: int = 0,
 ) -> list[CpuEvent]:
-    """Launch every transfer of ``plan`` (non-blocking); returns events to await.
+    """Launch this process's part of every transfer of ``plan`` (non-blocking); returns events
+    to await.
 
     ``outs[d]`` is device d's destination buffer (its destination region's shape); it is
-    written as transfers land. The events complete when every participating stream is done.
+    written as transfers land. The events complete when every participating local stream is
+    done. Transfer ``i`` is named ``tag_base + i`` across processes (every process must pass
+    the same base). An ``after`` between transfers whose senders live in different processes
+    is not enforced: it only orders NIC use, never data (a sender's own data dependencies are
+    its stream's FIFO order).
     """
     src = plan.src.device_regions(plan.shape)
     dst = plan.dst.device_regions(plan.shape)
     backend.declare_group(stream, (*src, *dst))
     dtype = np.dtype(plan.dtype)
-    done: list[CpuEvent] = []
+    done: list[CpuEvent | None] = []
     touched: set[int] = set()
     for i, t in enumerate(plan.transfers):
         desc = f"{tag}#{i}" if tag else f"#{i}"
         for d in t.devices:
+            if not backend.is_local(d):
+                continue
             s = backend.stream(d, stream)
             touched.add(d)
             if d == t.sender:
                 for j in t.after:
-                    s.wait_event(done[j])
+                    if done[j] is not None:
+                        s.wait_event(done[j])
             s.launch(f"reshard {desc} on device {d}", transfer_op(
                 backend, t.region, t.sender, t.receivers, d, src, dst, shards, outs, dtype, desc,
-                stream,
+                stream, tag_base + i,
             ), category="comm", meta=(0, 0, "fwd", f"reshard {desc}"))
-        done.append(backend.stream(t.sender, stream).record(f"reshard {desc} sent"))
+        done.append(backend.stream(t.sender, stream).record(f"reshard {desc} sent")
+                    if backend.is_local(t.sender) else None)
     return [backend.stream(d, stream).record(f"reshard {tag} done on device {d}")
             for d in sorted(touched)]
 
 
 def transfer_op(backend, region, sender, receivers, device, src, dst, shards, outs, dtype,
-                desc, namespace):
+                desc, namespace, tag=None):
     """Device ``device``'s part of one transfer, as a callable for its stream."""
     shape = region_shape(region)
 
@@ -142,13 +160,13 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
     def op() -> None:
         if device == sender:
             buf = xp.ascontiguousarray(holding(device))  # pack (free when contiguous)
-            backend.broadcast(group, device, sender, buf, desc, namespace)
+            backend.broadcast(group, device, sender, buf, desc, namespace, tag)
             return
         view = outs[device][_local(dst[device], region)]
         if view.flags.c_contiguous:
-            backend.broadcast(group, device, sender, view, desc, namespace)  # in place
+            backend.broadcast(group, device, sender, view, desc, namespace, tag)  # in place
         else:
             buf = xp.empty(shape, dtype)
-            backend.broadcast(group, device, sender, buf, desc, namespace)
+            backend.broadcast(group, device, sender, buf, desc, namespace, tag)
             view[...] = buf  # unpack
     return op

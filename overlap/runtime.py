@@ -10,6 +10,8 @@ afterwards.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,11 +22,13 @@ from scheduler import Boundary, Cluster, CostModel, ReshardPlan, Sharding, Span,
 
 from .backends import make_backend
 from .backends.cpu import CpuBackend
-from .errors import CollectiveAborted, CollectiveTimeout, OverlapRuntimeError
+from .errors import CollectiveAborted, CollectiveTimeout, OverlapRuntimeError, RankFailed
 from .pipeline import Stage, check_pipeline, launch_step, make_programs
 from .reshard import BufferTable, check_shards, launch_reshard, region_shape
+from .world import Placement, World, detect_world
 
 T = TypeVar("T")
+log = logging.getLogger("overlap")
 _PROGRAM_CACHE = 16  # lowered step programs kept per runtime (least recently used dropped)
 
 
@@ -51,14 +55,47 @@ class Runtime:
             emulation, for the same purpose; the user function still runs for real).
         timeout: seconds a collective or wait may block before it raises, naming who is
             missing.
+        world: this process's place in a multi-process job; by default what the launcher
+            says (``overlap.world.detect_world``: one process unless started by ``mpiexec``
+            or ``srun``).
+        placement: which rank drives which device (several processes only); by default equal
+            contiguous blocks of device ids (``Placement.blocks``).
+
+    In a multi-process job every process makes the same calls with the same arguments; each
+    runs only its own devices' parts (see README, "Running on several processes and hosts").
     """
 
     def __init__(self, cluster: Cluster, backend: str = "cpu", *,
                  emulate_links: bool | str = False,
                  compute_time: Callable[[int, str], float] | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, world: World | None = None,
+                 placement: Placement | None = None) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
+        if world is not None and not isinstance(world, World):
+            raise TypeError(f"world: expected an overlap.world.World, got "
+                            f"{type(world).__name__}")
+        if placement is not None and not isinstance(placement, Placement):
+            raise TypeError(f"placement: expected an overlap.world.Placement, got "
+                            f"{type(placement).__name__}")
+        world = detect_world() if world is None else world
+        if world.distributed:
+            if world.source == "env":
+                raise RuntimeError(
+                    f"world: {world.size} processes described by torchrun-style variables "
+                    "(RANK, WORLD_SIZE), but overlap's data plane between processes is MPI, "
+                    "which needs its launcher: start the job with `mpiexec -n N` or `srun "
+                    "--mpi=pmix` (README: Running on several processes and hosts)")
+            if emulate_links:
+                raise ValueError("emulate_links: link emulation plays a cluster inside one "
+                                 "process; it is not available in a multi-process job")
+            placement = placement or Placement.blocks(cluster.num_devices, world.size)
+            if len(placement.owners) != cluster.num_devices:
+                raise ValueError(f"placement: covers {len(placement.owners)} devices, the "
+                                 f"cluster has {cluster.num_devices}")
+        elif placement is not None and set(placement.owners) != {0}:
+            raise ValueError("placement: a one-process world owns every device")
+        self.world = world
         self.cluster = cluster
         if compute_time is not None and not callable(compute_time):
             raise TypeError("compute_time: expected a callable (stage, kind) -> seconds")
@@ -77,7 +114,14 @@ class Runtime:
                 return tc.fixed_s + nbytes / tc.alone_bw
 
         self.backend: CpuBackend = make_backend(backend, cluster.num_devices, timeout=timeout,
-                                                link_time=link_time)
+                                                link_time=link_time, world=world,
+                                                placement=placement)
+        self.local_devices: tuple[int, ...] = tuple(
+            d for d in range(cluster.num_devices) if self.backend.is_local(d))
+        self._reshards = 0  # standalone reshardings so far: names their messages across ranks
+        self._agreed: dict[Any, None] = {}  # what every rank already agreed on (bounded)
+        if world.distributed:
+            log.info("%s", self.backend.describe())
         self._closed = False
         self._programs: dict[Any, Any] = {}
         self._last_trace: tuple[list[Any], Any] | None = None
@@ -103,15 +147,20 @@ class Runtime:
         if top >= self.cluster.num_devices:
             raise ValueError(f"plan: device {top} is outside the runtime's cluster "
                              f"(devices 0..{self.cluster.num_devices - 1})")
-        check_shards(plan, shards, self._array_types())
+        check_shards(plan, shards, self._array_types(),
+                     self.backend.is_local if self.world.distributed else None)
         dtype = np.dtype(plan.dtype)
         regions = plan.dst.device_regions(plan.shape)
         xp = self.backend.xp
+        if self.world.distributed:
+            await self._agree(("plan", plan), plan.to_json, "reshard: the plan")
+        base, self._reshards = self._reshards * len(plan.transfers), self._reshards + 1
         # Each destination buffer is made on first use, by its device's stream (its memory).
         outs = BufferTable(lambda d: xp.empty(region_shape(regions[d]), dtype))
-        events = launch_reshard(self.backend, plan, shards, outs, stream=stream)
+        events = launch_reshard(self.backend, plan, shards, outs, stream=stream, tag_base=base)
         await self._gather(events, what="reshard")
-        return {d: outs[d] for d in regions}  # devices that got nothing: empty regions
+        # Devices that got nothing: empty regions. In a multi-process job, this process's.
+        return {d: outs[d] for d in regions if self.backend.is_local(d)}
 
     def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray]
                      ) -> dict[int, np.ndarray]:
@@ -147,6 +196,8 @@ class Runtime:
         if programs is None:
             programs = make_programs(stages, boundaries, schedule, len(microbatches),
                                      self.cluster, strategy=strategy, balance=balance)
+            if self.world.distributed:
+                await self._agree(("programs", key), programs.to_json, "train_step: the programs")
         self._programs[key] = programs  # most recently used last
         while len(self._programs) > _PROGRAM_CACHE:
             self._programs.pop(next(iter(self._programs)))
@@ -158,11 +209,21 @@ class Runtime:
         finally:
             self._last_trace = (self.backend.trace, programs)
             self.backend.trace = None
-        return [float(state.losses[i]) for i in range(len(microbatches))]
+        if not self.world.distributed:
+            return [float(state.losses[i]) for i in range(len(microbatches))]
+        # The last stage's first device computed the losses; every process returns them.
+        first = stages[-1].mesh.device_ids[0]
+        owner = self.backend.placement.owners[first]
+        mine = np.array([float(state.losses[i]) for i in range(len(microbatches))]
+                        if owner == self.world.rank else np.zeros(len(microbatches)))
+        shared = await self._collective(self.backend.share(mine, owner, "train_step: losses"),
+                                        "train_step")
+        return [float(v) for v in shared]
 
     def timeline(self) -> Timeline:
         """What the last :meth:`train_step` ran where and when (measured), as a Timeline —
-        the simulator's type, so measured and simulated steps share metrics and traces."""
+        the simulator's type, so measured and simulated steps share metrics and traces. In a
+        multi-process job: this process's devices (each process writes its own trace)."""
         if self._last_trace is None:
             raise OverlapRuntimeError("timeline: no train_step has run yet")
         records, programs = self._last_trace
@@ -172,7 +233,8 @@ class Runtime:
              for d, stream, _, start, end, (stage, mb, kind, name) in records),
             key=lambda s: (s.device, s.start),
         ))
-        stage_of = {d: p.stage for d, p in programs.devices.items()}
+        # A process of a multi-process job measured its own devices only.
+        stage_of = {d: p.stage for d, p in programs.devices.items() if self.backend.is_local(d)}
         return Timeline(spans, programs.schedule.num_stages, tuple(sorted(stage_of)), stage_of)
 
     def write_trace(self, path: str | Path) -> Path:
@@ -185,12 +247,45 @@ class Runtime:
 
     # ---- internals -----------------------------------------------------------------------
 
+    async def _agree(self, key: Any, text: Callable[[], str], what: str) -> None:
+        """Every process must have built the same ``key`` (its digest is compared once)."""
+        if key in self._agreed:
+            return
+        digest = hashlib.sha256(text().encode()).digest()
+        await self._collective(self.backend.agree(digest, what), what)
+        self._agreed[key] = None
+        while len(self._agreed) > 4 * _PROGRAM_CACHE:
+            self._agreed.pop(next(iter(self._agreed)))
+
+    async def _collective(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        """One of the runtime's own cross-process messages; failures end the job's work."""
+        try:
+            return await coro
+        except BaseException as exc:
+            root = self._root_cause(exc)
+            self._fail_distributed(what, root)
+            if root is not exc:
+                raise root from root.__cause__
+            raise
+
+    def _fail_distributed(self, what: str, root: BaseException) -> None:
+        if getattr(self.backend, "broken", None) is None and not isinstance(root, RankFailed):
+            self.backend.announce_failure(what, root)
+        self.backend.abort(f"{what} failed: {root}")
+
     async def _gather(self, events, *, what: str) -> None:
         try:
             for ev in events:
                 await ev.wait()
         except BaseException as exc:
             root = self._root_cause(exc)
+            if self.world.distributed:
+                # Tell the other processes, stop local work; the job cannot continue.
+                self._fail_distributed(what, root)
+                await asyncio.to_thread(self.backend.quiesce, 2.0)
+                if root is not exc:
+                    raise root from root.__cause__
+                raise
             await self._recover(f"{what} failed: {root}" if isinstance(exc, Exception)
                                 else f"{what} cancelled")
             if root is not exc:
@@ -199,6 +294,8 @@ class Runtime:
 
     def _root_cause(self, exc: BaseException) -> BaseException:
         """The first failure that is not just a consequence of another one (an abort)."""
+        if isinstance(exc, RankFailed):
+            return exc
         for f in self.backend.failures:
             if not isinstance(f, (CollectiveAborted, CollectiveTimeout)):
                 return f
@@ -221,6 +318,12 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise OverlapRuntimeError("runtime is closed")
+        broken = getattr(self.backend, "broken", None)
+        if broken is not None:
+            if isinstance(broken, RankFailed):
+                raise broken
+            raise OverlapRuntimeError(f"this process's runtime failed earlier ({broken}); a "
+                                      "multi-process job cannot continue after a failure")
 
     # ---- lifecycle -----------------------------------------------------------------------
 

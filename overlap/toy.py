@@ -20,6 +20,7 @@ of its weights and accumulates its own gradients, as a real trainer's optimizer 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,10 +128,13 @@ class ToyMLP:
             self.weights[key] -= lr * g
 
     def check_against(self, ref_weights: list[np.ndarray], ref_grads: list[np.ndarray],
-                      atol: float = 1e-10) -> float:
-        """Largest difference between every device's weights/gradients and the reference."""
+                      atol: float = 1e-10, devices: Sequence[int] | None = None) -> float:
+        """Largest difference between every device's weights/gradients and the reference
+        (of ``devices`` only: a process of a multi-process job has its own devices' only)."""
         worst = 0.0
         for (s, d), w in self.weights.items():
+            if devices is not None and d not in devices:
+                continue
             worst = max(worst, float(np.max(np.abs(w - self._shard(s, d, ref_weights[s])))))
             worst = max(worst, float(np.max(np.abs(self.grads[(s, d)]
                                                    - self._shard(s, d, ref_grads[s])))))

@@ -270,6 +270,9 @@ class Communicator:
         self._lock = threading.Condition()
         self._next: dict[int, int] = dict.fromkeys(devices, 0)
         self._slots: dict[int, _Rendezvous] = {}
+        # The launch position whose ``combine`` is running (read by combines that need it:
+        # the same op has the same position on every process, so it can name the op there).
+        self.position = -1
 
     def run(self, device: int, desc: str, contribution: Any,
             combine: Callable[[dict[int, Any]], Any]) -> Any:
@@ -298,6 +301,7 @@ class Communicator:
                     )
                 else:
                     try:
+                        self.position = seq
                         out = combine({d: a[1] for d, a in rv.arrived.items()})
                         rv.deadline_after, rv.result = out if isinstance(out, tuple) else (out,
                                                                                           None)
@@ -350,6 +354,14 @@ class CpuBackend:
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         """Every device that collectives of ``namespace`` (a channel) may involve. The CPU
         backend needs nothing; the CUDA backend builds one NCCL communicator per group."""
+
+    def declare_subgroups(self, namespace: str, groups: Sequence[Sequence[int]]) -> None:
+        """Device groups that stage collectives of ``namespace`` may use (the multi-process
+        backend numbers them to name their messages; one process needs nothing)."""
+
+    def is_local(self, device: int) -> bool:
+        """Whether this process drives ``device`` (always, in a one-process run)."""
+        return 0 <= device < self.num_devices
 
     def start_trace(self) -> None:
         """Record every op launched with metadata from now on (see ``trace``)."""
@@ -418,8 +430,12 @@ class CpuBackend:
             return self._comms[(namespace, group)]
 
     def broadcast(self, devices: Sequence[int], device: int, root: int,
-                  buffer: np.ndarray, desc: str, namespace: str = "") -> None:
-        """The root's ``buffer`` is copied into every other participant's ``buffer``."""
+                  buffer: np.ndarray, desc: str, namespace: str = "",
+                  tag: int | None = None) -> None:
+        """The root's ``buffer`` is copied into every other participant's ``buffer``.
+
+        ``tag`` names the collective across processes (the multi-process backend's match key);
+        one process matches by launch position and ignores it."""
         group = tuple(sorted(set(devices)))
 
         def combine(bufs: dict[int, np.ndarray]) -> float:
@@ -441,7 +457,7 @@ class CpuBackend:
 
     def all_reduce(self, devices: Sequence[int], device: int, buffer: np.ndarray,
                    desc: str, op: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
-                   namespace: str = "") -> None:
+                   namespace: str = "", tag: int | None = None) -> None:
         """Every participant's ``buffer`` becomes the reduction of all of them (in place)."""
         group = tuple(sorted(set(devices)))
 
@@ -456,7 +472,8 @@ class CpuBackend:
         self.communicator(group, namespace).run(device, f"all_reduce[{desc}]", buffer, combine)
 
     def all_gather(self, devices: Sequence[int], device: int, buffer: np.ndarray,
-                   out: np.ndarray, desc: str, namespace: str = "") -> None:
+                   out: np.ndarray, desc: str, namespace: str = "",
+                   tag: int | None = None) -> None:
         """``out`` (on every participant) = the participants' buffers stacked in group order."""
         group = tuple(sorted(set(devices)))
 

@@ -256,7 +256,7 @@ class CudaBackend(CpuBackend):
         return len({self.physical(d) for d in group}) == len(group) and len(group) > 1
 
     def broadcast(self, devices: Sequence[int], device: int, root: int, buffer: Any,
-                  desc: str, namespace: str = "") -> None:
+                  desc: str, namespace: str = "", tag: int | None = None) -> None:
         group = tuple(sorted(set(devices)))
         if self._distinct_gpus(group):
             self._nccl_broadcast(group, device, root, buffer, desc, namespace)
@@ -284,7 +284,8 @@ class CudaBackend(CpuBackend):
         self._finish(done)
 
     def all_reduce(self, devices: Sequence[int], device: int, buffer: Any, desc: str,
-                   op: Callable[[Any, Any], Any] = np.add, namespace: str = "") -> None:
+                   op: Callable[[Any, Any], Any] = np.add, namespace: str = "",
+                   tag: int | None = None) -> None:
         group = tuple(sorted(set(devices)))
         if self._distinct_gpus(group):
             self._nccl_all_reduce(group, device, buffer, desc, namespace)
@@ -305,7 +306,7 @@ class CudaBackend(CpuBackend):
         self._finish(done)
 
     def all_gather(self, devices: Sequence[int], device: int, buffer: Any, out: Any,
-                   desc: str, namespace: str = "") -> None:
+                   desc: str, namespace: str = "", tag: int | None = None) -> None:
         group = tuple(sorted(set(devices)))
 
         def combine(arrivals: dict[int, tuple[Any, Any]]) -> tuple[float, Any]:

@@ -1,0 +1,550 @@
+"""The CPU backend across processes: each MPI rank drives its own devices; collectives that
+span ranks move bytes with nonblocking MPI point-to-point operations.
+
+Every process lowers the same programs and launches only its own devices' streams (the
+runtime checks that the programs agree — see ``Runtime``). Inside a process nothing changes:
+a stream is a thread, a collective first rendezvouses the process's own participants by launch
+position (as on the one-process backend), and the last of them to arrive does the process's
+part of the inter-process work, then copies to the other local participants.
+
+**Communicators — a bounded number.** One per channel namespace (``declare_group``: each
+pipeline boundary in each direction, each stream name a standalone resharding uses), one for
+stage collectives, one for the runtime's own small messages and one for failure notices; all
+are duplicates of ``COMM_WORLD`` created on the main thread in the same order on every rank.
+A pipeline of p stages uses 2 (p − 1) + 3 of them whatever its plans' device sets.
+
+**Matching by tag, not by order.** Within a channel every transfer has a global index (the
+resharding's id × transfers per plan + its index in the plan); it is the MPI tag of its
+messages. Threads of one rank reach different transfers of a channel in different orders than
+the threads of another rank (they are different devices), and tags make that harmless: a
+receive matches exactly its transfer's messages whatever was posted before — no launch order
+across ranks to agree on, so ranks cannot deadlock on ordering. Stage collectives use
+(group id, launch position) as the tag; group ids come from the stage meshes, which every rank
+registers in the same order.
+
+**Data movement.** A broadcast runs as a pipelined chain over the ranks it spans, in the plan's
+receiver order (the chain the cost model prices): 1 MiB pieces, each forwarded as soon as it
+lands. All-reduce and all-gather exchange every rank's contributions and reduce them in device
+order on every rank, so results are bit-for-bit those of the one-process backend.
+
+**Progress.** The waiting stream thread polls its requests (``Test``) with exponential backoff
+(20 µs doubling to 200 µs); the asyncio loop never calls a blocking MPI function. Blocking MPI
+calls busy-poll inside the library, which on a machine with fewer cores than ranks starves
+the very processes that must make progress; ``benchmarks/mpi_reshard.py`` measures this
+choice against spinning and against a fixed sleep.
+
+**Failures.** A rank whose step fails tells every other rank (``RankFailed`` there, naming it
+and its error); a control thread per process listens for that. After a failure across
+processes the job cannot continue (MPI cannot take back messages in flight): the runtime stays
+failed, and at exit a failed process waits briefly for its peers to report, then calls
+``MPI_Abort`` so the launcher ends every rank and returns non-zero. An exception that escapes
+the user's script on one rank does the same. A stuck transfer raises ``CollectiveTimeout``
+naming the operation and the rank that never sent (or received) it. A rank killed by a signal
+is the launcher's to report: ``mpiexec`` ends the whole job at once and prints the dead pid,
+which the runtime's log line ``rank r/N (pid P on host): devices ...`` ties to its rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    CollectiveAborted,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    OverlapRuntimeError,
+    RankFailed,
+)
+from ..world import Placement, World, describe, mpi_world_comm
+from .cpu import Communicator, CpuBackend
+
+log = logging.getLogger("overlap")
+
+GROUP_TAG_BITS = 16  # stage collectives: tag = group id << 16 | launch position (mod 2**16)
+_FAILED, _EXITING = 1, 2  # control message tags
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How a waiting thread polls MPI requests: ``spin`` tests without sleeping, then sleeps
+    from ``start`` doubling up to ``cap`` seconds."""
+
+    spin: int = 0
+    start: float = 20e-6
+    cap: float = 200e-6
+
+    def __post_init__(self) -> None:
+        if self.spin < 0 or not 0 <= self.start <= self.cap:
+            raise ValueError(f"poll: need spin >= 0 and 0 <= start <= cap, got {self}")
+
+    def pause(self, attempt: int) -> None:
+        if attempt < self.spin:
+            return
+        delay = min(self.cap, self.start * 2.0 ** min(attempt - self.spin, 30))
+        time.sleep(delay)
+
+    async def apause(self, attempt: int) -> None:
+        await asyncio.sleep(0 if attempt < self.spin
+                            else min(self.cap, self.start * 2.0 ** min(attempt - self.spin, 30)))
+
+
+_LIVE: weakref.WeakSet[MpiBackend] = weakref.WeakSet()
+
+
+class MpiBackend(CpuBackend):
+    """Virtual devices of one rank of an MPI job (see module doc)."""
+
+    name = "cpu"
+
+    def __init__(self, num_devices: int, *, world: World, placement: Placement,
+                 timeout: float = 30.0, poll: Backoff | None = None,
+                 chunk_bytes: int = 1 << 20, grace: float = 3.0) -> None:
+        super().__init__(num_devices, timeout=timeout)
+        if len(placement.owners) != num_devices:
+            raise ValueError(f"placement: covers {len(placement.owners)} devices, the cluster "
+                             f"has {num_devices}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: expected an int >= 1, got {chunk_bytes!r}")
+        self.MPI = _mpi()
+        comm = mpi_world_comm("a multi-process world")
+        if comm.Get_size() != world.size or comm.Get_rank() != world.rank:
+            raise ValueError(f"world: rank {world.rank} of {world.size} does not match "
+                             f"MPI.COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()})")
+        self.world = world
+        self.placement = placement
+        self.rank = world.rank
+        self.local_devices = placement.devices_of(world.rank)
+        self._local_set = frozenset(self.local_devices)
+        self.poll = poll or Backoff()
+        self.chunk_bytes = chunk_bytes
+        self.grace = grace
+        self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))
+        # Collective over every rank, in the same order everywhere (main thread).
+        self._channels: dict[str, Any] = {"compute": comm.Dup(), "\0runtime": comm.Dup()}
+        self._group_ids: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._local_comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
+        self.broken: BaseException | None = None
+        self.control = _Control(self, comm.Dup())
+        _LIVE.add(self)
+        _install_exit_guards()
+
+    # ---- ownership -----------------------------------------------------------------------
+
+    def is_local(self, device: int) -> bool:
+        return device in self._local_set
+
+    def stream(self, device: int, name: str = "compute"):
+        if 0 <= device < self.num_devices and not self.is_local(device):
+            raise ValueError(f"device: {device} is owned by rank {self.placement.owners[device]}"
+                             f", not by this process (rank {self.rank})")
+        return super().stream(device, name)
+
+    # ---- communicators -------------------------------------------------------------------
+
+    def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
+        """A channel: its communicator is made the first time (every rank, same order)."""
+        if namespace not in self._channels:
+            self._channels[namespace] = self._channels["\0runtime"].Dup()
+
+    def declare_subgroups(self, namespace: str, groups: Sequence[Sequence[int]]) -> None:
+        """Give each device group of stage collectives an id (every rank, same order)."""
+        limit = (self.tag_ub >> GROUP_TAG_BITS) + 1
+        for g in groups:
+            key = (namespace, tuple(sorted(set(g))))
+            if key not in self._group_ids:
+                if len(self._group_ids) >= limit:
+                    raise OverlapRuntimeError(f"more than {limit} collective groups: MPI's tag "
+                                              f"range ({self.tag_ub}) has no room for more")
+                self._group_ids[key] = len(self._group_ids)
+
+    def _comm(self, namespace: str, desc: str) -> Any:
+        try:
+            return self._channels[namespace]
+        except KeyError:
+            raise OverlapRuntimeError(f"{desc}: namespace {namespace!r} spans processes but was "
+                                      "never declared (declare_group) on this rank") from None
+
+    def _local_part(self, namespace: str, group: tuple[int, ...]) -> Communicator:
+        """The rendezvous of this rank's participants in collectives of ``group``."""
+        key = (namespace, group)
+        with self._lock:
+            c = self._local_comms.get(key)
+            if c is None:
+                c = self._local_comms[key] = Communicator(
+                    self, tuple(d for d in group if self.is_local(d)))
+            return c
+
+    def _tag(self, tag: int) -> int:
+        return tag % (self.tag_ub + 1)
+
+    # ---- collectives ---------------------------------------------------------------------
+
+    def broadcast(self, devices: Sequence[int], device: int, root: int, buffer: np.ndarray,
+                  desc: str, namespace: str = "", tag: int | None = None) -> None:
+        order = tuple(dict.fromkeys((root, *devices)))
+        chain = self.placement.ranks_of(order)
+        if chain == (self.rank,):
+            return super().broadcast(devices, device, root, buffer, desc, namespace)
+        what = f"broadcast[{desc}] root {root}"
+        if tag is None:
+            raise OverlapRuntimeError(f"{what}: spans ranks {list(chain)} and needs a tag")
+        comm = self._comm(namespace, what)
+        group = tuple(sorted(order))
+        local = self._local_part(namespace, group)
+        me = chain.index(self.rank)
+
+        def combine(bufs: dict[int, np.ndarray]) -> float:
+            first = root if root in bufs else next(d for d in order if d in bufs)
+            src = bufs[first]
+            for d, b in bufs.items():
+                if b.shape != src.shape or b.dtype != src.dtype:
+                    raise CollectiveMismatch(f"{what}: device {d} buffer {b.shape} {b.dtype} != "
+                                             f"device {first} buffer {src.shape} {src.dtype}")
+            if not src.flags.c_contiguous:
+                raise OverlapRuntimeError(f"{what}: device {first}'s buffer is not contiguous")
+            self._chain(comm, src.reshape(-1).view(np.uint8),
+                        chain[me - 1] if me else None,
+                        chain[me + 1] if me + 1 < len(chain) else None,
+                        self._tag(tag), what)
+            for b in bufs.values():
+                if b is not src:
+                    np.copyto(b, src)
+            return 0.0
+
+        local.run(device, what, buffer, combine)
+        return None
+
+    def all_reduce(self, devices: Sequence[int], device: int, buffer: np.ndarray, desc: str,
+                   op: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+                   namespace: str = "", tag: int | None = None) -> None:
+        group = tuple(sorted(set(devices)))
+        if self.placement.ranks_of(group) == (self.rank,):
+            return super().all_reduce(devices, device, buffer, desc, op, namespace)
+        what = f"all_reduce[{desc}]"
+
+        def combine(bufs: dict[int, np.ndarray]) -> float:
+            parts = self._exchange(namespace, group, bufs, tag, what)
+            total = parts[group[0]].copy()  # device order: the one-process result, bit for bit
+            for d in group[1:]:
+                total = op(total, parts[d])
+            for b in bufs.values():
+                np.copyto(b, total)
+            return 0.0
+
+        self._local_part(namespace, group).run(device, what, buffer, combine)
+        return None
+
+    def all_gather(self, devices: Sequence[int], device: int, buffer: np.ndarray,
+                   out: np.ndarray, desc: str, namespace: str = "",
+                   tag: int | None = None) -> None:
+        group = tuple(sorted(set(devices)))
+        if self.placement.ranks_of(group) == (self.rank,):
+            return super().all_gather(devices, device, buffer, out, desc, namespace)
+        what = f"all_gather[{desc}]"
+
+        def combine(pairs: dict[int, tuple[np.ndarray, np.ndarray]]) -> float:
+            parts = self._exchange(namespace, group, {d: p[0] for d, p in pairs.items()}, tag,
+                                   what)
+            stacked = np.stack([parts[d] for d in group])
+            for _, o in pairs.values():
+                np.copyto(o, stacked)
+            return 0.0
+
+        self._local_part(namespace, group).run(device, what, (buffer, out), combine)
+        return None
+
+    # ---- MPI point-to-point, polled ------------------------------------------------------
+
+    def _chain(self, comm: Any, data: np.ndarray, prev: int | None, nxt: int | None, tag: int,
+               what: str) -> None:
+        """Receive ``data`` from ``prev`` (unless this rank is the root) and pass it on to
+        ``nxt``, piece by piece, each piece forwarded as soon as it has landed."""
+        MPI = self.MPI
+        n = data.nbytes
+        step = self.chunk_bytes
+        pieces = [data[i:i + step] for i in range(0, n, step)] or [data[:0]]
+        recvs = [comm.Irecv(p, prev, tag) for p in pieces] if prev is not None else []
+        sends = ([comm.Isend(p, nxt, tag) for p in pieces]
+                 if prev is None and nxt is not None else [])
+        landed = 0
+        status = MPI.Status()
+        started = time.perf_counter()
+        attempt = 0
+        try:
+            while True:
+                moved = False
+                while landed < len(recvs) and recvs[landed].Test(status):
+                    got = status.Get_count(MPI.BYTE)
+                    if got != pieces[landed].nbytes:
+                        raise CollectiveMismatch(
+                            f"{what}: rank {self.rank} received {got} bytes from rank {prev} "
+                            f"where {pieces[landed].nbytes} were expected (different plans?)")
+                    if nxt is not None:
+                        sends.append(comm.Isend(pieces[landed], nxt, tag))
+                    landed += 1
+                    moved = True
+                if landed == len(recvs) and MPI.Request.Testall(sends):
+                    return
+                if moved:
+                    attempt = 0
+                    continue
+                who = (f"rank {prev} never sent it" if landed < len(recvs)
+                       else f"rank {nxt} never received it")
+                self._check(what, started, who, prev if landed < len(recvs) else nxt)
+                self.poll.pause(attempt)
+                attempt += 1
+        except BaseException:
+            _cancel(recvs[landed:])
+            raise
+
+    def _exchange(self, namespace: str, group: tuple[int, ...], bufs: dict[int, np.ndarray],
+                  tag: int | None, what: str) -> dict[int, np.ndarray]:
+        """Every participant's buffer, on every rank of ``group``."""
+        comm = self._comm(namespace, what)
+        if tag is None:
+            gid = self._group_ids.get((namespace, group))
+            if gid is None:
+                raise OverlapRuntimeError(f"{what}: group {list(group)} spans ranks but was not "
+                                          "declared (declare_subgroups) on this rank")
+            pos = self._local_part(namespace, group).position
+            tag = gid << GROUP_TAG_BITS | (pos & ((1 << GROUP_TAG_BITS) - 1))
+        tag = self._tag(tag)
+        mine = [d for d in group if d in bufs]
+        shape, dtype = bufs[mine[0]].shape, bufs[mine[0]].dtype
+        for d in mine:
+            if bufs[d].shape != shape or bufs[d].dtype != dtype:
+                raise CollectiveMismatch(f"{what}: device {d} buffer {bufs[d].shape} "
+                                         f"{bufs[d].dtype} != device {mine[0]} buffer {shape} "
+                                         f"{dtype}")
+        packed = np.ascontiguousarray(np.stack([bufs[d] for d in mine]))
+        by_rank: dict[int, list[int]] = {}
+        for d in group:
+            by_rank.setdefault(self.placement.owners[d], []).append(d)
+        others = [r for r in by_rank if r != self.rank]
+        inbox = {r: np.empty((len(by_rank[r]), *shape), dtype) for r in others}
+        MPI = self.MPI
+        recvs = [comm.Irecv(inbox[r], r, tag) for r in others]
+        sends = [comm.Isend(packed, r, tag) for r in others]
+        statuses = [MPI.Status() for _ in others]
+        done = [False] * len(others)
+        started = time.perf_counter()
+        attempt = 0
+        try:
+            while True:
+                for i, req in enumerate(recvs):
+                    if not done[i] and req.Test(statuses[i]):
+                        done[i] = True
+                        if statuses[i].Get_count(MPI.BYTE) != inbox[others[i]].nbytes:
+                            raise CollectiveMismatch(
+                                f"{what}: rank {others[i]} sent "
+                                f"{statuses[i].Get_count(MPI.BYTE)} bytes, expected "
+                                f"{inbox[others[i]].nbytes} (buffers of different shapes?)")
+                if all(done) and MPI.Request.Testall(sends):
+                    break
+                waiting = [others[i] for i in range(len(others)) if not done[i]]
+                self._check(what, started,
+                            f"ranks {waiting} never sent their part" if waiting
+                            else "a peer never received this rank's part",
+                            waiting[0] if waiting else None)
+                self.poll.pause(attempt)
+                attempt += 1
+        except BaseException:
+            _cancel([r for r, ok in zip(recvs, done) if not ok])
+            raise
+        parts = {d: bufs[d] for d in mine}
+        for r in others:
+            for i, d in enumerate(by_rank[r]):
+                parts[d] = inbox[r][i]
+        return parts
+
+    def _check(self, what: str, started: float, who: str, peer: int | None) -> None:
+        reason = self._abort_reason
+        if reason is not None:
+            raise CollectiveAborted(f"{what} on rank {self.rank}: aborted ({reason})")
+        if time.perf_counter() - started > self.timeout:
+            missing = () if peer is None else tuple(self.placement.devices_of(peer))
+            raise CollectiveTimeout(
+                f"{what}: rank {self.rank} waited {self.timeout:g} s; {who} "
+                "(a failed or stuck peer, or programs that differ between ranks)",
+                op=what, devices=(), missing=missing)
+
+    # ---- the runtime's own messages (main thread / event loop) ---------------------------
+
+    async def agree(self, digest: bytes, what: str) -> None:
+        """Raise unless every rank passes the same ``digest`` (same programs, same plan)."""
+        comm = self._channels["\0runtime"]
+        mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
+        every = np.empty((self.world.size, 32), np.uint8)
+        await self._await(comm.Iallgather(mine, every), what)
+        differ = [r for r in range(self.world.size) if not np.array_equal(every[r], mine)]
+        if differ:
+            raise OverlapRuntimeError(
+                f"{what}: ranks {differ} built something different from rank {self.rank} "
+                "(every process must make the same calls with the same arguments; a planner "
+                "option that depends on the process, such as an unseeded random balance?)")
+
+    async def share(self, values: np.ndarray, root_rank: int, what: str) -> np.ndarray:
+        """``values`` of ``root_rank`` on every rank (an ``Ibcast``)."""
+        buf = np.ascontiguousarray(values, dtype=np.float64).copy()
+        await self._await(self._channels["\0runtime"].Ibcast(buf, root=root_rank), what)
+        return buf
+
+    async def _await(self, req: Any, what: str) -> None:
+        started = time.perf_counter()
+        attempt = 0
+        try:
+            while not req.Test():
+                self._check(what, started, "some ranks never joined it", None)
+                await self.poll.apause(attempt)
+                attempt += 1
+        except BaseException:
+            _cancel([req])
+            raise
+
+    # ---- failures across processes -------------------------------------------------------
+
+    def announce_failure(self, during: str, error: BaseException) -> None:
+        """Tell every other rank that this one failed (best effort, bounded)."""
+        if self.broken is None:
+            self.broken = error
+        text = f"{type(error).__name__}: {error}"
+        self.control.tell_all(_FAILED, {"rank": self.rank, "during": during, "error": text})
+
+    def _remote_failure(self, msg: dict[str, Any]) -> None:
+        err = RankFailed(
+            f"rank {msg['rank']} failed during {msg['during']}: {msg['error']} "
+            f"(rank {self.rank} stopped its work)",
+            rank=int(msg["rank"]), error=str(msg["error"]))
+        if self.broken is None:
+            self.broken = err
+        self._note_failure(err)
+        self.abort(f"rank {msg['rank']} failed")
+
+    def reset(self) -> None:
+        if self.broken is not None:
+            raise OverlapRuntimeError("a multi-process runtime cannot continue after a failure "
+                                      f"({self.broken})")
+        super().reset()
+
+    def close(self) -> None:
+        super().close()
+        if self.broken is None:
+            self.control.stop()
+
+    def describe(self) -> str:
+        return describe(self.world, self.local_devices)
+
+
+def _cancel(reqs: Sequence[Any]) -> None:
+    """Take back receives still pending (MPI can cancel receives, not sends)."""
+    for r in reqs:
+        with contextlib.suppress(Exception):
+            r.Cancel()
+            r.Wait()
+
+
+class _Control:
+    """A thread listening for failure and exit notices from other ranks."""
+
+    def __init__(self, backend: MpiBackend, comm: Any) -> None:
+        self.backend = weakref.proxy(backend)
+        self.comm = comm
+        self.rank = backend.rank
+        self.size = backend.world.size
+        self.MPI = backend.MPI
+        self.exiting: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="overlap-mpi-control",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        MPI = self.MPI
+        status = MPI.Status()
+        while not self._stop.is_set():
+            if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                self._stop.wait(0.002)
+                continue
+            msg = self.comm.recv(source=status.Get_source(), tag=status.Get_tag())
+            if status.Get_tag() == _EXITING:
+                self.exiting.add(status.Get_source())
+            elif status.Get_tag() == _FAILED:
+                with contextlib.suppress(ReferenceError):
+                    self.backend._remote_failure(msg)
+
+    def tell_all(self, tag: int, msg: dict[str, Any], wait: float = 1.0) -> None:
+        reqs = [self.comm.isend(msg, dest=r, tag=tag) for r in range(self.size)
+                if r != self.rank]
+        deadline = time.perf_counter() + wait
+        while reqs and time.perf_counter() < deadline:
+            reqs = [r for r in reqs if not r.Test()]
+            time.sleep(0.001)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+# ---- process exit: a failed job must end, on every rank, with a non-zero status ------------
+
+_GUARDS = False
+
+
+def _install_exit_guards() -> None:
+    global _GUARDS
+    if _GUARDS:
+        return
+    _GUARDS = True
+    previous = sys.excepthook
+
+    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(tp, value, tb)
+        for b in list(_LIVE):
+            if b.broken is None and not isinstance(value, RankFailed):
+                b.announce_failure("the script (an uncaught exception)", value)
+            b.broken = b.broken or value
+            break
+
+    sys.excepthook = excepthook
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    broken = [b for b in list(_LIVE) if b.broken is not None]
+    if not broken:
+        for b in list(_LIVE):
+            b.control.stop()
+        return
+    b = broken[0]
+    # Let the peers print their own errors before the launcher takes the job down.
+    b.control.tell_all(_EXITING, {"rank": b.rank})
+    deadline = time.perf_counter() + b.grace
+    others = set(range(b.world.size)) - {b.rank}
+    while not others <= b.control.exiting and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    b.MPI.COMM_WORLD.Abort(1)
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+__all__ = ["Backoff", "MpiBackend"]

@@ -1,0 +1,203 @@
+"""Who runs which devices: the process world (rank, size) and the device → rank placement.
+
+The same script runs as one process (today's default: every device is local) or as N
+processes under an MPI launcher — ``mpiexec -n N``, ``mpirun``, Slurm's ``srun --mpi=pmix``
+(or ``pmi2``). :func:`detect_world` reads where it was started:
+
+1. **MPI**: a launcher variable is set (``PMI_RANK``/``PMI_SIZE`` — MPICH's hydra, Intel MPI,
+   ``srun --mpi=pmi2``; ``PMIX_RANK`` — PMIx launchers, Open MPI 5, ``srun --mpi=pmix``;
+   ``OMPI_COMM_WORLD_RANK`` — Open MPI; ``MV2_COMM_WORLD_RANK`` — MVAPICH). Rank and size
+   come from ``MPI.COMM_WORLD`` (mpi4py); the local rank from a shared-memory split of it.
+2. **torchrun-style variables** when no MPI launcher variable is set: ``RANK``,
+   ``WORLD_SIZE``, ``LOCAL_RANK`` (``LOCAL_WORLD_SIZE``). They name the process; the data plane
+   between processes is still MPI's, so a world of more than one process described only by
+   these variables is refused with an error saying how to launch it (see README).
+3. Otherwise a world of one process.
+
+``OVERLAP_WORLD=single`` forces a one-process world (e.g. a helper script started by an MPI
+job that must not join it).
+
+Placement: by default each rank owns an equal contiguous block of the cluster's devices —
+one device per process when the job has as many processes as devices, or a host's GPUs per
+process when it has one process per host (device ids are host-major). ``Placement.explicit``
+takes any map.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MPI_LAUNCHER_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job. ``source``: "single", "mpi" or "env"."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    source: str = "single"
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "size", "local_rank", "local_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {v!r}")
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank/size: need 0 <= rank < size, got rank {self.rank} of "
+                             f"{self.size}")
+        if self.local_size < 1 or not 0 <= self.local_rank < self.local_size:
+            raise ValueError(f"local_rank/local_size: need 0 <= local_rank < local_size, got "
+                             f"{self.local_rank} of {self.local_size}")
+        if self.source not in ("single", "mpi", "env"):
+            raise ValueError(f"source: expected 'single', 'mpi' or 'env', got {self.source!r}")
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: expected an integer, got {raw!r}") \
+            from None
+
+
+def detect_world(env: Mapping[str, str] | None = None) -> World:
+    """The world this process was started in (see module doc). Imports mpi4py (and so
+    initializes MPI) only when an MPI launcher started the process."""
+    env = os.environ if env is None else env
+    forced = env.get("OVERLAP_WORLD", "")
+    if forced not in ("", "single", "auto"):
+        raise ValueError(f"environment variable OVERLAP_WORLD: expected 'single' or 'auto', "
+                         f"got {forced!r}")
+    if forced == "single":
+        return World()
+    launcher = [v for v in MPI_LAUNCHER_VARS if v in env]
+    if launcher:
+        comm = mpi_world_comm(f"the process was started by an MPI launcher ({launcher[0]} "
+                              "is set)")
+        local = comm.Split_type(_mpi().COMM_TYPE_SHARED)
+        try:
+            return World(comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(),
+                         "mpi")
+        finally:
+            local.Free()
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+        raise RuntimeError(
+            "srun started this process without an MPI plugin (SLURM_PROCID is set, no PMI "
+            "variable): launch with `srun --mpi=pmix ...` (or --mpi=pmi2)")
+    if "WORLD_SIZE" in env or "RANK" in env:
+        missing = [v for v in ("RANK", "WORLD_SIZE") if v not in env]
+        if missing:
+            raise ValueError(f"environment: {missing[0]} is not set but "
+                             f"{'RANK' if missing[0] == 'WORLD_SIZE' else 'WORLD_SIZE'} is; "
+                             "set both (torchrun-style) or neither")
+        size = _env_int(env, "WORLD_SIZE")
+        rank = _env_int(env, "RANK")
+        local_rank = _env_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+        local_size = (_env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env
+                      else max(local_rank + 1, 1))
+        return World(rank, size, local_rank, local_size, "env")
+    return World()
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+def mpi_world_comm(why: str) -> Any:
+    """``MPI.COMM_WORLD`` (initialized with MPI_THREAD_MULTIPLE: stream threads call MPI)."""
+    try:
+        import mpi4py
+    except ImportError:
+        raise RuntimeError(f"{why}, but mpi4py is not installed: pip install 'overlap[mpi]' "
+                           "(mpi4py and the mpich wheel)") from None
+    mpi4py.rc.thread_level = "multiple"
+    MPI = _mpi()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError("MPI was initialized without MPI_THREAD_MULTIPLE (before overlap "
+                           "imported mpi4py?); overlap's streams call MPI from several threads")
+    return MPI.COMM_WORLD
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Device → owning rank, for every device of the cluster."""
+
+    owners: tuple[int, ...]
+
+    @classmethod
+    def blocks(cls, num_devices: int, size: int) -> Placement:
+        """Equal contiguous blocks: rank r owns devices [r·k, (r+1)·k), k = devices / size."""
+        if size > num_devices:
+            raise ValueError(f"world: {size} processes for a cluster of {num_devices} devices; "
+                             "at most one process per device")
+        if num_devices % size:
+            raise ValueError(
+                f"world: {num_devices} devices do not split evenly over {size} processes; "
+                "launch a divisor of the device count (e.g. one process per device or per "
+                "host) or pass placement=Placement.explicit(...)")
+        k = num_devices // size
+        return cls(tuple(d // k for d in range(num_devices)))
+
+    @classmethod
+    def explicit(cls, owners: Mapping[int, int] | Sequence[int], num_devices: int,
+                 size: int) -> Placement:
+        """From ``owners[device] = rank`` (a mapping or a sequence) for every device."""
+        table = dict(owners) if isinstance(owners, Mapping) else dict(enumerate(owners))
+        missing = sorted(set(range(num_devices)) - set(table))
+        if missing:
+            raise ValueError(f"placement: devices {missing[:8]} have no rank")
+        extra = sorted(set(table) - set(range(num_devices)))
+        if extra:
+            raise ValueError(f"placement: devices {extra[:8]} are not in the cluster "
+                             f"(0..{num_devices - 1})")
+        bad = {d: r for d, r in table.items()
+               if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size}
+        if bad:
+            d, r = min(bad.items())
+            raise ValueError(f"placement: device {d} -> {r!r} is not a rank in 0..{size - 1}")
+        idle = sorted(set(range(size)) - set(table.values()))
+        if idle:
+            raise ValueError(f"placement: ranks {idle[:8]} own no device")
+        return cls(tuple(table[d] for d in range(num_devices)))
+
+    def devices_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(d for d, r in enumerate(self.owners) if r == rank)
+
+    def ranks_of(self, devices: Sequence[int]) -> tuple[int, ...]:
+        """The distinct owners of ``devices``, in the order they first appear."""
+        return tuple(dict.fromkeys(self.owners[d] for d in devices))
+
+
+def describe(world: World, devices: Sequence[int]) -> str:
+    """One line naming this process: rank, pid, host, devices (for logs and errors)."""
+    span = _ranges(devices)
+    return (f"rank {world.rank}/{world.size} (pid {os.getpid()} on {socket.gethostname()}): "
+            f"devices {span}")
+
+
+def _ranges(devices: Sequence[int]) -> str:
+    ds = sorted(devices)
+    out: list[str] = []
+    i = 0
+    while i < len(ds):
+        j = i
+        while j + 1 < len(ds) and ds[j + 1] == ds[j] + 1:
+            j += 1
+        out.append(str(ds[i]) if i == j else f"{ds[i]}-{ds[j]}")
+        i = j + 1
+    return ",".join(out) or "none"
