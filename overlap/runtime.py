@@ -119,7 +119,8 @@ class Runtime:
         self.local_devices: tuple[int, ...] = tuple(
             d for d in range(cluster.num_devices) if self.backend.is_local(d))
         self._reshards = 0  # standalone reshardings so far: names their messages across ranks
-        self._agreed: dict[Any, None] = {}  # what every rank already agreed on (bounded)
+        self._agreed: dict[Any, bytes] = {}  # digests of plans and programs (bounded)
+        self._calls = 0  # runtime calls so far; every process must make the same ones
         if world.distributed:
             log.info("%s", self.backend.describe())
         self._closed = False
@@ -196,11 +197,11 @@ class Runtime:
         if programs is None:
             programs = make_programs(stages, boundaries, schedule, len(microbatches),
                                      self.cluster, strategy=strategy, balance=balance)
-            if self.world.distributed:
-                await self._agree(("programs", key), programs.to_json, "train_step: the programs")
         self._programs[key] = programs  # most recently used last
         while len(self._programs) > _PROGRAM_CACHE:
             self._programs.pop(next(iter(self._programs)))
+        if self.world.distributed:
+            await self._agree(("programs", key), programs.to_json, "train_step: the programs")
         self.backend.start_trace()
         state, ends = launch_step(self.backend, programs, stages, boundaries, input_sharding,
                                   microbatches, self.compute_time)
@@ -248,14 +249,19 @@ class Runtime:
     # ---- internals -----------------------------------------------------------------------
 
     async def _agree(self, key: Any, text: Callable[[], str], what: str) -> None:
-        """Every process must have built the same ``key`` (its digest is compared once)."""
-        if key in self._agreed:
-            return
-        digest = hashlib.sha256(text().encode()).digest()
-        await self._collective(self.backend.agree(digest, what), what)
-        self._agreed[key] = None
+        """Every process must make this call now, with the same ``key`` (same plan or same
+        programs): compared on every call, with a call counter, so a process that skipped or
+        added a call is named instead of silently matching another call's messages."""
+        digest = self._agreed.pop(key, None)
+        if digest is None:
+            digest = hashlib.sha256(text().encode()).digest()
+        self._agreed[key] = digest  # most recently used last
         while len(self._agreed) > 4 * _PROGRAM_CACHE:
             self._agreed.pop(next(iter(self._agreed)))
+        self._calls += 1
+        self.backend.calls = self._calls
+        call = hashlib.sha256(digest + self._calls.to_bytes(8, "little")).digest()
+        await self._collective(self.backend.agree(call, f"{what} (call {self._calls})"), what)
 
     async def _collective(self, coro: Coroutine[Any, Any, T], what: str) -> T:
         """One of the runtime's own cross-process messages; failures end the job's work."""

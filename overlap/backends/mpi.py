@@ -73,7 +73,7 @@ from .cpu import Communicator, CpuBackend
 log = logging.getLogger("overlap")
 
 GROUP_TAG_BITS = 16  # stage collectives: tag = group id << 16 | launch position (mod 2**16)
-_FAILED, _EXITING = 1, 2  # control message tags
+_FAILED, _EXITING, _QUERY, _REPLY = 1, 2, 3, 4  # control message tags
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,7 @@ class MpiBackend(CpuBackend):
         self._group_ids: dict[tuple[str, tuple[int, ...]], int] = {}
         self._local_comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
         self.broken: BaseException | None = None
+        self.calls = 0  # the runtime's call counter (the control thread reports it to peers)
         self.control = _Control(self, comm.Dup())
         _LIVE.add(self)
         _install_exit_guards()
@@ -370,6 +371,7 @@ class MpiBackend(CpuBackend):
         return parts
 
     def _check(self, what: str, started: float, who: str, peer: int | None) -> None:
+        """Raise if the run was aborted, or (naming ``who``) if ``what`` has waited too long."""
         reason = self._abort_reason
         if reason is not None:
             raise CollectiveAborted(f"{what} on rank {self.rank}: aborted ({reason})")
@@ -391,9 +393,10 @@ class MpiBackend(CpuBackend):
         differ = [r for r in range(self.world.size) if not np.array_equal(every[r], mine)]
         if differ:
             raise OverlapRuntimeError(
-                f"{what}: ranks {differ} built something different from rank {self.rank} "
-                "(every process must make the same calls with the same arguments; a planner "
-                "option that depends on the process, such as an unseeded random balance?)")
+                f"{what}: ranks {differ} made a different call than rank {self.rank} (every "
+                "process must make the same runtime calls, in the same order, with the same "
+                "plans and pipelines; a skipped call, or a planner option that depends on the "
+                "process?)")
 
     async def share(self, values: np.ndarray, root_rank: int, what: str) -> np.ndarray:
         """``values`` of ``root_rank`` on every rank (an ``Ibcast``)."""
@@ -406,7 +409,10 @@ class MpiBackend(CpuBackend):
         attempt = 0
         try:
             while not req.Test():
-                self._check(what, started, "some ranks never joined it", None)
+                if time.perf_counter() - started > self.timeout:
+                    behind = await asyncio.to_thread(self.control.behind, self.calls)
+                    self._check(what, started, behind, None)
+                self._check(what, started, "", None)
                 await self.poll.apause(attempt)
                 attempt += 1
         except BaseException:
@@ -465,6 +471,7 @@ class _Control:
         self.size = backend.world.size
         self.MPI = backend.MPI
         self.exiting: set[int] = set()
+        self.replies: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="overlap-mpi-control",
                                         daemon=True)
@@ -477,9 +484,15 @@ class _Control:
             if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 self._stop.wait(0.002)
                 continue
-            msg = self.comm.recv(source=status.Get_source(), tag=status.Get_tag())
-            if status.Get_tag() == _EXITING:
-                self.exiting.add(status.Get_source())
+            source, tag = status.Get_source(), status.Get_tag()
+            msg = self.comm.recv(source=source, tag=tag)
+            if tag == _EXITING:
+                self.exiting.add(source)
+            elif tag == _QUERY:
+                with contextlib.suppress(ReferenceError):
+                    self.comm.isend({"calls": self.backend.calls}, dest=source, tag=_REPLY)
+            elif tag == _REPLY:
+                self.replies[source] = int(msg["calls"])
             elif status.Get_tag() == _FAILED:
                 with contextlib.suppress(ReferenceError):
                     self.backend._remote_failure(msg)
@@ -491,6 +504,25 @@ class _Control:
         while reqs and time.perf_counter() < deadline:
             reqs = [r for r in reqs if not r.Test()]
             time.sleep(0.001)
+
+    def behind(self, calls: int, wait: float = 1.0) -> str:
+        """Ask every rank how many runtime calls it has made; name those behind ``calls``
+        (they never joined this one) and those that did not answer."""
+        self.replies.clear()
+        self.tell_all(_QUERY, {}, wait)
+        others = [r for r in range(self.size) if r != self.rank]
+        deadline = time.perf_counter() + wait
+        while len(self.replies) < len(others) and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        late = [r for r in others if r in self.replies and self.replies[r] < calls]
+        mute = [r for r in others if r not in self.replies]
+        parts = []
+        if late:
+            parts.append(f"ranks {late} never made this call (they are at calls "
+                         f"{[self.replies[r] for r in late]}, this rank at {calls})")
+        if mute:
+            parts.append(f"ranks {mute} do not answer (exited, dead, or blocked in MPI)")
+        return "; ".join(parts) or "every rank made this call (a stuck peer?)"
 
     def stop(self) -> None:
         self._stop.set()

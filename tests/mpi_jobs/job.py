@@ -1,0 +1,145 @@
+"""A job the MPI tests start with ``mpiexec -n N python tests/mpi_jobs/job.py MODE OUT [ARGS]``.
+
+Every rank runs this same script (as a user's would). Modes:
+
+- ``toy OUT``: the toy pipeline (overlap.toy), two SGD steps per schedule; each rank saves the
+  losses it got and its own devices' gradients and weights to ``OUT/rank<r>.npz``.
+- ``reshard OUT CASES``: every plan in the JSON file CASES, on shards made from the tensor
+  ``arange``; each rank saves its destination shards.
+- ``raise OUT RANK``: as ``toy``, but rank RANK's stage 2/3 backward raises in step 1.
+- ``kill OUT RANK``: as ``toy``, but rank RANK kills itself (SIGKILL) in a stage function.
+- ``outside OUT RANK``: rank RANK raises in the script itself between two steps.
+- ``stuck OUT RANK``: rank RANK is stuck in its own code (a minute) instead of making a
+  resharding call the others make (their timeout: 2 s).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np
+
+from overlap import Runtime
+from overlap.toy import ToyMLP
+from scheduler import Cluster, ReshardPlan
+
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+
+
+def toy_inputs(step: int, batch: int = 8, hidden: int = 8, m: int = 4) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    return [rng.standard_normal((batch, hidden)) for _ in range(m)]
+
+
+def run_toy(rt: Runtime, schedule: str, steps: int = 2, fault=None) -> dict[str, np.ndarray]:
+    model = ToyMLP.build(rt.cluster, hidden=8, batch=8, seed=0)
+    out: dict[str, np.ndarray] = {}
+    for step in range(steps):
+        model.zero_grad()
+        stages = model.stages()
+        if fault is not None:
+            stages = fault(stages, step)
+        losses = rt.train_step_sync(stages, model.boundaries(), toy_inputs(step),
+                                    input_sharding=model.input_sharding(), schedule=schedule)
+        out[f"{schedule}/losses{step}"] = np.array(losses)
+        for (s, d), g in model.grads.items():
+            out[f"{schedule}/grad{step}/{s}/{d}"] = g
+        model.sgd(0.01)
+    for (s, d), w in model.weights.items():
+        if d in rt.local_devices:
+            out[f"{schedule}/weight/{s}/{d}"] = w
+    return out
+
+
+def failing(rank_to_fail: int, rt: Runtime, how: str):
+    """Stage functions where a stage backward on ``rank_to_fail``'s devices fails in step 1
+    (microbatch 1)."""
+    import dataclasses
+
+    def wrap(stages, step):
+        if step != 1 or rt.world.rank != rank_to_fail:
+            return stages
+        s = max(i for i, st in enumerate(stages)
+                if set(st.mesh.device_ids) & set(rt.local_devices))
+        inner = stages[s].backward
+
+        def backward(ctx, dy):
+            if ctx.microbatch == 1:
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise ValueError(f"injected failure on device {ctx.device}")
+            return inner(ctx, dy)
+
+        return [*stages[:s], dataclasses.replace(stages[s], backward=backward), *stages[s + 1:]]
+
+    return wrap
+
+
+def main() -> int:
+    mode, out_dir = sys.argv[1], Path(sys.argv[2])
+    cluster = Cluster.preset("p3.8xlarge", num_hosts=4)
+    if mode == "reshard":
+        cases = json.loads(Path(sys.argv[3]).read_text())
+        cluster = Cluster.preset("p3.8xlarge", num_hosts=cases["hosts"])
+    timeout = 2.0 if mode == "stuck" else 30.0
+    with Runtime(cluster, timeout=timeout) as rt:
+        rank = rt.world.rank
+        saved: dict[str, np.ndarray] = {}
+        if mode == "toy":
+            for schedule in ("gpipe", "1f1b", "eager-1f1b"):
+                saved.update(run_toy(rt, schedule))
+        elif mode in ("raise", "kill"):
+            run_toy(rt, "eager-1f1b", fault=failing(int(sys.argv[3]), rt, mode))
+        elif mode == "outside":
+            model = ToyMLP.build(cluster, hidden=8, batch=8)
+            for step in range(3):
+                if step == 1 and rank == int(sys.argv[3]):
+                    raise RuntimeError(f"rank {rank}: the script failed between steps")
+                rt.train_step_sync(model.stages(), model.boundaries(), toy_inputs(step),
+                                   input_sharding=model.input_sharding())
+        elif mode == "stuck":
+            plan, shards = small_plan(cluster, rt)
+            rt.reshard_sync(plan, shards)
+            if rank != int(sys.argv[3]):
+                rt.reshard_sync(plan, shards)
+            else:
+                time.sleep(60)  # stuck elsewhere: the others must not wait for this
+
+        elif mode == "reshard":
+            for i, text in enumerate(cases["plans"]):
+                plan = ReshardPlan.from_json(text)
+                full = np.arange(int(np.prod(plan.shape)), dtype=plan.dtype).reshape(plan.shape)
+                shards = {d: full[tuple(slice(a, b) for a, b in r)].copy()
+                          for d, r in plan.src.device_regions(plan.shape).items()
+                          if d in rt.local_devices}
+                for d, a in rt.reshard_sync(plan, shards).items():
+                    saved[f"{i}/{d}"] = a
+        else:
+            raise SystemExit(f"mode: unknown {mode!r}")
+        np.savez(out_dir / f"rank{rank}.npz", **saved)
+    return 0
+
+
+def small_plan(cluster: Cluster, rt: Runtime):
+    from scheduler import P, Sharding, plan_resharding
+
+    src = Sharding(cluster.mesh([0]), P("host"))
+    dst = Sharding(cluster.mesh([1, 2, 3]), P())
+    plan = plan_resharding((64, 8), "float32", src, dst, cluster)
+    full = np.ones((64, 8), np.float32)
+    shards = {d: full[tuple(slice(a, b) for a, b in r)]
+              for d, r in src.device_regions((64, 8)).items() if d in rt.local_devices}
+    return plan, shards
+
+
+if __name__ == "__main__":
+    sys.exit(main())
