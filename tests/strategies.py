@@ -59,8 +59,9 @@ def _spec(draw, mesh: DeviceMesh, rank: int) -> ShardingSpec:
 
 
 @st.composite
-def problems(draw):
-    cluster = draw(clusters())
+def problems(draw, cluster: Cluster | None = None):
+    """(shape, dtype, src, dst, cluster); on ``cluster`` when given, else on a drawn one."""
+    cluster = draw(clusters()) if cluster is None else cluster
     shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
     dtype = draw(st.sampled_from(DTYPES))
     src_mesh = _mesh(draw, cluster, ("a", "b", "c"))

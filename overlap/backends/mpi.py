@@ -555,6 +555,9 @@ def _install_exit_guards() -> None:
 
 
 def _at_exit() -> None:
+    for b in list(_LIVE):
+        if b.broken is None and b.failures:  # failed work nobody raised: still a failure
+            b.announce_failure("work that failed before exit", b.failures[0])
     broken = [b for b in list(_LIVE) if b.broken is not None]
     if not broken:
         for b in list(_LIVE):

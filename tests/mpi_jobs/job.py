@@ -9,6 +9,9 @@ Every rank runs this same script (as a user's would). Modes:
 - ``raise OUT RANK``: as ``toy``, but rank RANK's stage 2/3 backward raises in step 1.
 - ``kill OUT RANK``: as ``toy``, but rank RANK kills itself (SIGKILL) in a stage function.
 - ``outside OUT RANK``: rank RANK raises in the script itself between two steps.
+- ``differ OUT RANK``: rank RANK runs another schedule than the others.
+- ``silent OUT``: rank 1 waits on a broadcast rooted on rank 0, which never sends (backend
+  level, timeout 2 s).
 - ``stuck OUT RANK``: rank RANK is stuck in its own code (a minute) instead of making a
   resharding call the others make (their timeout: 2 s).
 """
@@ -89,8 +92,8 @@ def main() -> int:
     cluster = Cluster.preset("p3.8xlarge", num_hosts=4)
     if mode == "reshard":
         cases = json.loads(Path(sys.argv[3]).read_text())
-        cluster = Cluster.preset("p3.8xlarge", num_hosts=cases["hosts"])
-    timeout = 2.0 if mode == "stuck" else 30.0
+        cluster = Cluster(cases["hosts"], cases["gpus"], nic_gbps=cases["nic_gbps"])
+    timeout = 2.0 if mode in ("stuck", "silent") else 30.0
     with Runtime(cluster, timeout=timeout) as rt:
         rank = rt.world.rank
         saved: dict[str, np.ndarray] = {}
@@ -99,6 +102,19 @@ def main() -> int:
                 saved.update(run_toy(rt, schedule))
         elif mode in ("raise", "kill"):
             run_toy(rt, "eager-1f1b", fault=failing(int(sys.argv[3]), rt, mode))
+        elif mode == "differ":
+            run_toy(rt, "1f1b" if rank == int(sys.argv[3]) else "eager-1f1b", steps=1)
+        elif mode == "silent":
+            if rank == 1:
+                buf = np.zeros(4)
+                rt.backend.declare_group("silent", (0, 4))
+                ev = rt.backend.stream(4, "silent")
+                ev.launch("wait for rank 0", lambda: rt.backend.broadcast(
+                    (0, 4), 4, 0, buf, "silent", "silent", tag=7))
+                rt.backend.quiesce(10.0)
+                raise rt.backend.failures[0]
+            rt.backend.declare_group("silent", (0, 4))
+            time.sleep(60)
         elif mode == "outside":
             model = ToyMLP.build(cluster, hidden=8, batch=8)
             for step in range(3):

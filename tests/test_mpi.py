@@ -1,0 +1,173 @@
+"""Multi-process runs under ``mpiexec`` (the ``mpi`` extra: mpi4py and the mpich wheel).
+
+Each test starts ``tests/mpi_jobs/job.py`` on several processes, exactly as a user would start
+a script, and checks what the processes wrote or printed: results equal to the one-process
+run bit for bit (float64 and the tensors' own dtypes), and every failure ending the whole job
+with a non-zero status and the failed rank named. ``JOB_BOUND_S`` bounds each job: a job that
+runs past it has hung, and the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import problems
+
+pytest.importorskip("mpi4py", reason="the mpi extra is not installed: pip install -e '.[mpi]'")
+
+from overlap import Runtime  # noqa: E402
+from scheduler import Cluster, plan_resharding  # noqa: E402
+
+JOB = Path(__file__).parent / "mpi_jobs" / "job.py"
+MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+JOB_BOUND_S = 60.0  # startup of 4 interpreters on 2 cores included; failures end within ~6 s
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+
+sys.path.insert(0, str(JOB.parent))
+import job as toy_job  # noqa: E402
+
+
+def mpiexec(n: int, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    start = time.perf_counter()
+    done = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(JOB), *args], env=env,
+                          capture_output=True, text=True, timeout=JOB_BOUND_S)
+    return done, time.perf_counter() - start
+
+
+def outputs(out: Path, n: int) -> list[dict[str, np.ndarray]]:
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(n)]
+
+
+def assert_same_as_single(ranks: list[dict[str, np.ndarray]], single: dict[str, np.ndarray],
+                          replicated: tuple[str, ...] = ()) -> None:
+    """Every rank's arrays equal the one-process run's, bit for bit; every per-device array
+    comes from exactly one rank, and together they cover the one-process run."""
+    seen: dict[str, int] = {}
+    for r, arrays in enumerate(ranks):
+        for key, a in arrays.items():
+            assert key in single, f"rank {r} wrote {key}, the one-process run did not"
+            b = single[key]
+            assert a.dtype == b.dtype and a.shape == b.shape, key
+            assert a.tobytes() == b.tobytes(), f"rank {r}: {key} differs from one process"
+            if not any(s in key for s in replicated):
+                assert key not in seen, f"{key} from ranks {seen[key]} and {r}"
+                seen[key] = r
+    missing = [k for k in single if k not in seen and not any(s in k for s in replicated)]
+    assert not missing, f"no rank produced {missing[:5]}"
+
+
+# ---- results equal the one-process run -------------------------------------------------------
+
+@pytest.mark.parametrize("n", [4, 2])
+def test_toy_pipeline_equals_one_process_bit_for_bit(tmp_path, n):
+    done, _ = mpiexec(n, "toy", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with Runtime(Cluster.preset("p3.8xlarge", num_hosts=4)) as rt:
+        single: dict[str, np.ndarray] = {}
+        for schedule in ("gpipe", "1f1b", "eager-1f1b"):
+            single.update(toy_job.run_toy(rt, schedule))
+    ranks = outputs(tmp_path, n)
+    assert_same_as_single(ranks, single, replicated=("/losses",))
+    for arrays in ranks:  # every process got every loss
+        assert sum("/losses" in k for k in arrays) == sum("/losses" in k for k in single)
+    # One line per rank ties rank, pid and devices together (the launcher reports pids).
+    assert len(re.findall(r"overlap: rank \d/%d \(pid \d+" % n, done.stderr)) == n
+
+
+CLUSTER4 = Cluster(2, 2, nic_gbps=100.0)  # 4 devices: one per process with -n 4, two per process with -n 2
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(problems(cluster=CLUSTER4), min_size=3, max_size=3))
+def test_hypothesis_reshardings_equal_one_process_bit_for_bit(tmp_path_factory, cases):
+    plans = [plan_resharding(shape, dtype, src, dst, CLUSTER4, strategy=strategy)
+             for shape, dtype, src, dst, _ in cases
+             for strategy in ("send_recv", "broadcast", "local_allgather")]
+    out = tmp_path_factory.mktemp("reshard")
+    spec = out / "cases.json"
+    spec.write_text(json.dumps({"hosts": 2, "gpus": 2, "nic_gbps": 100.0, "plans": [p.to_json() for p in plans]}))
+    single: dict[str, np.ndarray] = {}
+    with Runtime(CLUSTER4) as rt:
+        for i, plan in enumerate(plans):
+            full = np.arange(int(np.prod(plan.shape)), dtype=plan.dtype).reshape(plan.shape)
+            shards = {d: full[tuple(slice(a, b) for a, b in r)].copy()
+                      for d, r in plan.src.device_regions(plan.shape).items()}
+            for d, a in rt.reshard_sync(plan, shards).items():
+                single[f"{i}/{d}"] = a
+    for n in (4, 2):
+        done, _ = mpiexec(n, "reshard", str(out), str(spec))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert_same_as_single(outputs(out, n), single)
+
+
+# ---- failures end the whole job, naming the failed rank --------------------------------------
+
+def assert_failed_job(done: subprocess.CompletedProcess[str], failed: int, n: int = 4) -> str:
+    text = done.stdout + done.stderr
+    assert done.returncode != 0, text[-3000:]
+    return text
+
+
+def test_a_rank_that_raises_mid_step_ends_the_job_naming_it(tmp_path):
+    done, seconds = mpiexec(4, "raise", str(tmp_path), "2")
+    text = assert_failed_job(done, 2)
+    assert "injected failure on device 1" in text  # rank 2's own error (devices 8-11)
+    # Every other rank stopped with an error naming rank 2 and what it was doing.
+    for r in (0, 1, 3):
+        assert re.search(r"RankFailed: rank 2 failed during train_step: StreamError: device "
+                         rf"\d+ stream 'compute': B s2 mb1 .*\(rank {r} stopped its work\)",
+                         text), text[-3000:]
+    assert not list(tmp_path.glob("rank*.npz"))  # nobody went on as if nothing happened
+
+
+def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
+    done, _ = mpiexec(4, "kill", str(tmp_path), "1")
+    text = assert_failed_job(done, 1)
+    pid = re.search(r"overlap: rank 1/4 \(pid (\d+)", text).group(1)
+    # The launcher names the dead process by pid; the runtime's log line ties it to rank 1.
+    assert re.search(rf"PID {pid}\b", text), text[-3000:]
+
+
+def test_an_exception_outside_the_runtime_ends_the_job(tmp_path):
+    done, _ = mpiexec(4, "outside", str(tmp_path), "1")
+    text = assert_failed_job(done, 1)
+    for r in (0, 2, 3):
+        assert (f"RankFailed: rank 1 failed during the script (an uncaught exception): "
+                f"RuntimeError: rank 1: the script failed between steps (rank {r} stopped"
+                ) in text, text[-3000:]
+
+
+def test_a_rank_stuck_elsewhere_times_the_call_out_naming_it(tmp_path):
+    done, _ = mpiexec(4, "stuck", str(tmp_path), "1")
+    text = assert_failed_job(done, 1)
+    assert re.search(r"CollectiveTimeout: reshard: the plan \(call 2\): rank \d waited 2 s; "
+                     r"ranks \[1\] never made this call", text), text[-3000:]
+
+
+def test_a_transfer_whose_sender_never_sends_times_out_naming_it(tmp_path):
+    done, _ = mpiexec(4, "silent", str(tmp_path))
+    text = assert_failed_job(done, 0)
+    assert ("CollectiveTimeout: broadcast[silent] root 0: rank 1 waited 2 s; rank 0 never "
+            "sent it") in text, text[-3000:]
+
+
+def test_ranks_that_lower_different_programs_are_named(tmp_path):
+    done, _ = mpiexec(4, "differ", str(tmp_path), "3")
+    text = assert_failed_job(done, 3)
+    assert "ranks [3] made a different call than rank 0" in text
+    assert "ranks [0, 1, 2] made a different call than rank 3" in text

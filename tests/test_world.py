@@ -1,0 +1,123 @@
+"""The process world and device placement: what the launcher says, and the errors for what
+cannot run (no MPI needed: these never start a multi-process backend)."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap import Runtime
+from overlap.backends.mpi import Backoff
+from overlap.pipeline import mesh_groups
+from overlap.world import Placement, World, _ranges, detect_world
+from scheduler import Cluster, DeviceMesh
+
+CLUSTER = Cluster(2, 2, nic_gbps=100.0)
+
+
+def test_no_launcher_is_a_one_process_world():
+    assert detect_world({}) == World()
+    assert not World().distributed
+
+
+def test_torchrun_variables_name_the_process():
+    w = detect_world({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                      "LOCAL_WORLD_SIZE": "2"})
+    assert (w.rank, w.size, w.local_rank, w.local_size, w.source) == (3, 4, 1, 2, "env")
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"RANK": "0"}, "WORLD_SIZE is not set"),
+    ({"WORLD_SIZE": "2"}, "RANK is not set"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK: expected an integer, got 'x'"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "need 0 <= rank < size"),
+    ({"OVERLAP_WORLD": "many"}, "OVERLAP_WORLD: expected 'single' or 'auto'"),
+])
+def test_bad_launch_variables_are_named(env, match):
+    with pytest.raises(ValueError, match=match):
+        detect_world(env)
+
+
+def test_srun_without_an_mpi_plugin_says_how_to_launch():
+    with pytest.raises(RuntimeError, match="srun --mpi=pmix"):
+        detect_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
+
+
+def test_overlap_world_single_wins_over_a_launcher():
+    assert detect_world({"OVERLAP_WORLD": "single", "PMI_RANK": "1", "PMI_SIZE": "2"}) == World()
+
+
+def test_a_multi_process_torchrun_world_is_refused_with_the_launch_to_use():
+    with pytest.raises(RuntimeError, match="mpiexec -n N"):
+        Runtime(CLUSTER, world=World(0, 2, source="env"))
+
+
+def test_link_emulation_is_refused_across_processes():
+    with pytest.raises(ValueError, match="emulate_links: .* not available in a multi-process"):
+        Runtime(CLUSTER, emulate_links=True, world=World(0, 2, source="mpi"))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"world": (0, 2)}, TypeError, "world: expected an overlap.world.World"),
+    ({"placement": [0, 0]}, TypeError, "placement: expected an overlap.world.Placement"),
+    ({"placement": Placement((0, 1, 0, 1))}, ValueError, "placement: a one-process world"),
+])
+def test_runtime_world_arguments_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Runtime(CLUSTER, **kwargs)
+
+
+def test_default_placement_is_contiguous_blocks():
+    assert Placement.blocks(4, 4).owners == (0, 1, 2, 3)   # one process per device
+    assert Placement.blocks(4, 2).owners == (0, 0, 1, 1)   # one per host (host-major ids)
+    p = Placement.blocks(16, 4)
+    assert p.devices_of(2) == (8, 9, 10, 11)
+    assert p.ranks_of((12, 0, 13, 4)) == (3, 0, 1)         # first appearance order
+
+
+@pytest.mark.parametrize("num, size, match", [
+    (4, 8, "8 processes for a cluster of 4 devices"),
+    (6, 4, "6 devices do not split evenly over 4 processes"),
+])
+def test_block_placement_errors_name_the_counts(num, size, match):
+    with pytest.raises(ValueError, match=match):
+        Placement.blocks(num, size)
+
+
+def test_explicit_placement_and_its_errors():
+    assert Placement.explicit({0: 1, 1: 0, 2: 1, 3: 0}, 4, 2).owners == (1, 0, 1, 0)
+    assert Placement.explicit([0, 0, 0, 1], 4, 2).devices_of(1) == (3,)
+    with pytest.raises(ValueError, match=r"devices \[3\] have no rank"):
+        Placement.explicit([0, 0, 1], 4, 2)
+    with pytest.raises(ValueError, match=r"devices \[4\] are not in the cluster"):
+        Placement.explicit([0, 0, 1, 1, 1], 4, 2)
+    with pytest.raises(ValueError, match="device 2 -> 5 is not a rank in 0..1"):
+        Placement.explicit([0, 1, 5, 1], 4, 2)
+    with pytest.raises(ValueError, match=r"ranks \[2\] own no device"):
+        Placement.explicit([0, 1, 0, 1], 4, 3)
+
+
+def test_world_values_are_checked():
+    with pytest.raises(TypeError, match="rank: expected an int"):
+        World(rank="0")
+    with pytest.raises(ValueError, match="local_rank/local_size"):
+        World(local_rank=1, local_size=1)
+    with pytest.raises(ValueError, match="source: expected"):
+        World(source="slurm")
+
+
+def test_backoff_bad_values_are_named():
+    with pytest.raises(ValueError, match="poll: need spin >= 0"):
+        Backoff(start=1e-3, cap=1e-4)
+    with pytest.raises(ValueError, match="poll: need spin >= 0"):
+        Backoff(spin=-1)
+
+
+def test_mesh_groups_are_the_mesh_and_every_axis_line():
+    mesh = DeviceMesh([[8, 9], [10, 11]], ("a", "b"))
+    assert mesh_groups(mesh) == [(8, 9), (8, 9, 10, 11), (8, 10), (9, 11), (10, 11)]
+    assert mesh_groups(DeviceMesh([[0]], ("h", "g"))) == [(0,)]
+
+
+def test_device_ranges_read_compactly():
+    assert _ranges([4, 5, 6, 7, 9, 12, 13]) == "4-7,9,12-13"
+    assert _ranges([]) == "none"
