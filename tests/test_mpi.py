@@ -26,8 +26,8 @@ from strategies import problems
 
 pytest.importorskip("mpi4py", reason="the mpi extra is not installed: pip install -e '.[mpi]'")
 
-from overlap import Runtime  # noqa: E402
-from scheduler import Cluster, plan_resharding  # noqa: E402
+from overlap import Runtime
+from scheduler import Cluster, plan_resharding
 
 JOB = Path(__file__).parent / "mpi_jobs" / "job.py"
 MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
@@ -86,10 +86,11 @@ def test_toy_pipeline_equals_one_process_bit_for_bit(tmp_path, n):
     for arrays in ranks:  # every process got every loss
         assert sum("/losses" in k for k in arrays) == sum("/losses" in k for k in single)
     # One line per rank ties rank, pid and devices together (the launcher reports pids).
-    assert len(re.findall(r"overlap: rank \d/%d \(pid \d+" % n, done.stderr)) == n
+    assert len(re.findall(rf"overlap: rank \d/{n} \(pid \d+", done.stderr)) == n
 
 
-CLUSTER4 = Cluster(2, 2, nic_gbps=100.0)  # 4 devices: one per process with -n 4, two per process with -n 2
+# 4 devices: one per process with -n 4, two per process with -n 2.
+CLUSTER4 = Cluster(2, 2, nic_gbps=100.0)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -100,7 +101,8 @@ def test_hypothesis_reshardings_equal_one_process_bit_for_bit(tmp_path_factory, 
              for strategy in ("send_recv", "broadcast", "local_allgather")]
     out = tmp_path_factory.mktemp("reshard")
     spec = out / "cases.json"
-    spec.write_text(json.dumps({"hosts": 2, "gpus": 2, "nic_gbps": 100.0, "plans": [p.to_json() for p in plans]}))
+    spec.write_text(json.dumps({"hosts": 2, "gpus": 2, "nic_gbps": 100.0,
+                                "plans": [p.to_json() for p in plans]}))
     single: dict[str, np.ndarray] = {}
     with Runtime(CLUSTER4) as rt:
         for i, plan in enumerate(plans):
@@ -124,7 +126,7 @@ def assert_failed_job(done: subprocess.CompletedProcess[str], failed: int, n: in
 
 
 def test_a_rank_that_raises_mid_step_ends_the_job_naming_it(tmp_path):
-    done, seconds = mpiexec(4, "raise", str(tmp_path), "2")
+    done, _ = mpiexec(4, "raise", str(tmp_path), "2")
     text = assert_failed_job(done, 2)
     assert "injected failure on device 1" in text  # rank 2's own error (devices 8-11)
     # Every other rank stopped with an error naming rank 2 and what it was doing.

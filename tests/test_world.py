@@ -52,7 +52,7 @@ def test_a_multi_process_torchrun_world_is_refused_with_the_launch_to_use():
 
 
 def test_link_emulation_is_refused_across_processes():
-    with pytest.raises(ValueError, match="emulate_links: .* not available in a multi-process"):
+    with pytest.raises(ValueError, match=r"emulate_links: .* not available in a multi-process"):
         Runtime(CLUSTER, emulate_links=True, world=World(0, 2, source="mpi"))
 
 
@@ -75,7 +75,7 @@ def test_default_placement_is_contiguous_blocks():
 
 
 @pytest.mark.parametrize("num, size, match", [
-    (4, 8, "8 processes for a cluster of 4 devices"),
+    (4, 8, r"8 processes for a cluster of 4 devices"),
     (6, 4, "6 devices do not split evenly over 4 processes"),
 ])
 def test_block_placement_errors_name_the_counts(num, size, match):
@@ -90,7 +90,7 @@ def test_explicit_placement_and_its_errors():
         Placement.explicit([0, 0, 1], 4, 2)
     with pytest.raises(ValueError, match=r"devices \[4\] are not in the cluster"):
         Placement.explicit([0, 0, 1, 1, 1], 4, 2)
-    with pytest.raises(ValueError, match="device 2 -> 5 is not a rank in 0..1"):
+    with pytest.raises(ValueError, match=r"device 2 -> 5 is not a rank in 0\.\.1"):
         Placement.explicit([0, 1, 5, 1], 4, 2)
     with pytest.raises(ValueError, match=r"ranks \[2\] own no device"):
         Placement.explicit([0, 1, 0, 1], 4, 3)
@@ -106,9 +106,9 @@ def test_world_values_are_checked():
 
 
 def test_backoff_bad_values_are_named():
-    with pytest.raises(ValueError, match="poll: need spin >= 0"):
+    with pytest.raises(ValueError, match=r"poll: need spin >= 0"):
         Backoff(start=1e-3, cap=1e-4)
-    with pytest.raises(ValueError, match="poll: need spin >= 0"):
+    with pytest.raises(ValueError, match=r"poll: need spin >= 0"):
         Backoff(spin=-1)
 
 
