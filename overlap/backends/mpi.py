@@ -95,10 +95,6 @@ class Backoff:
         delay = min(self.cap, self.start * 2.0 ** min(attempt - self.spin, 30))
         time.sleep(delay)
 
-    async def apause(self, attempt: int) -> None:
-        await asyncio.sleep(0 if attempt < self.spin
-                            else min(self.cap, self.start * 2.0 ** min(attempt - self.spin, 30)))
-
 
 _LIVE: weakref.WeakSet[MpiBackend] = weakref.WeakSet()
 
@@ -218,7 +214,7 @@ class MpiBackend(CpuBackend):
             self._chain(comm, src.reshape(-1).view(np.uint8),
                         chain[me - 1] if me else None,
                         chain[me + 1] if me + 1 < len(chain) else None,
-                        self._tag(tag), what)
+                        self._tag(tag), what, len(chain))
             for b in bufs.values():
                 if b is not src:
                     np.copyto(b, src)
@@ -268,13 +264,18 @@ class MpiBackend(CpuBackend):
 
     # ---- MPI point-to-point, polled ------------------------------------------------------
 
+    def _forwarding(self, prev: int | None, nxt: int | None, chain_len: int) -> bool:
+        return chain_len > 2
+
     def _chain(self, comm: Any, data: np.ndarray, prev: int | None, nxt: int | None, tag: int,
-               what: str) -> None:
+               what: str, chain_len: int = 3) -> None:
         """Receive ``data`` from ``prev`` (unless this rank is the root) and pass it on to
         ``nxt``, piece by piece, each piece forwarded as soon as it has landed."""
         MPI = self.MPI
         n = data.nbytes
-        step = self.chunk_bytes
+        # Pieces only pay off when someone forwards them (a chain of 3 or more ranks); both
+        # ends of a hop know the chain, so they cut the same pieces.
+        step = self.chunk_bytes if self._forwarding(prev, nxt, chain_len) else max(n, 1)
         pieces = [data[i:i + step] for i in range(0, n, step)] or [data[:0]]
         recvs = [comm.Irecv(p, prev, tag) for p in pieces] if prev is not None else []
         sends = ([comm.Isend(p, nxt, tag) for p in pieces]
@@ -405,15 +406,19 @@ class MpiBackend(CpuBackend):
         return buf
 
     async def _await(self, req: Any, what: str) -> None:
+        """Wait for ``req`` off the event loop: a worker thread polls it with the backoff
+        (the loop's timers have millisecond resolution; MPI rounds take microseconds)."""
+        await asyncio.to_thread(self._wait_polled, req, what)
+
+    def _wait_polled(self, req: Any, what: str) -> None:
         started = time.perf_counter()
         attempt = 0
         try:
             while not req.Test():
                 if time.perf_counter() - started > self.timeout:
-                    behind = await asyncio.to_thread(self.control.behind, self.calls)
-                    self._check(what, started, behind, None)
+                    self._check(what, started, self.control.behind(self.calls), None)
                 self._check(what, started, "", None)
-                await self.poll.apause(attempt)
+                self.poll.pause(attempt)
                 attempt += 1
         except BaseException:
             _cancel([req])
