@@ -113,8 +113,8 @@ def main() -> int:
             sub = comm.Create_group(comm.Get_group().Incl(members)) if rank in members else None
             buf = np.empty(nbytes, np.uint8)
             if sub is not None:
-                raw = median_time(
-                    lambda c=sub, b=buf, r=members.index(root): c.Bcast(b, root=r), sub)
+                at = members.index(root)
+                raw = median_time(lambda c=sub, b=buf, r=at: c.Bcast(b, root=r), sub)
                 sub.Free()
             else:
                 raw = 0.0

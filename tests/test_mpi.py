@@ -173,3 +173,27 @@ def test_ranks_that_lower_different_programs_are_named(tmp_path):
     text = assert_failed_job(done, 3)
     assert "ranks [3] made a different call than rank 0" in text
     assert "ranks [0, 1, 2] made a different call than rank 3" in text
+
+
+def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):
+    """The NCCL bootstrap with a stand-in NCCL (there is no GPU here): every member of a
+    communicator gets the root's id and its own NCCL rank; non-members take no part."""
+    done, _ = mpiexec(4, "nccl", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = outputs(tmp_path, 4)
+    for name, members in (("all", [0, 1, 2, 3]), ("pair", [2, 1]), ("tail", [1, 3])):
+        ids = [ranks[r][f"{name}/id"] for r in members]
+        assert len(ids[0]) == 128 and all(np.array_equal(i, ids[0]) for i in ids)
+        assert [int(ranks[r][f"{name}/rank"]) for r in members] == list(range(len(members)))
+        assert all(int(ranks[r][f"{name}/n"]) == len(members) for r in members)
+        assert all(f"{name}/id" not in ranks[r] for r in range(4) if r not in members)
+    assert not np.array_equal(ranks[1]["pair/id"], ranks[1]["tail/id"])
+
+
+def test_nccl_bootstrap_refuses_a_rank_outside_its_members():
+    from overlap.backends.nccl_bootstrap import bootstrap_nccl
+
+    with pytest.raises(ValueError, match=r"members: rank 5 is not one of \[0, 1\]"):
+        bootstrap_nccl(None, [0, 1], 5, None)
+    with pytest.raises(ValueError, match="members: expected distinct ranks"):
+        bootstrap_nccl(None, [1, 1], 1, None)

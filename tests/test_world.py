@@ -121,3 +121,12 @@ def test_mesh_groups_are_the_mesh_and_every_axis_line():
 def test_device_ranges_read_compactly():
     assert _ranges([4, 5, 6, 7, 9, 12, 13]) == "4-7,9,12-13"
     assert _ranges([]) == "none"
+
+
+def test_cuda_across_processes_is_refused_plainly():
+    from overlap.backends import make_backend
+    from overlap.errors import OverlapRuntimeError
+
+    with pytest.raises(OverlapRuntimeError, match="backend 'cuda' in a multi-process job"):
+        make_backend("cuda", 4, world=World(0, 2, source="mpi"),
+                     placement=Placement.blocks(4, 2))

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import OverlapRuntimeError
 from .cpu import CpuBackend, CpuEvent, CpuStream
 
 BACKENDS = ("cpu", "cuda")
@@ -82,9 +83,12 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
         raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
     if world is not None and world.distributed:
         if name == "cuda":
-            from .cuda import CudaBackend
-
-            return CudaBackend(num_devices, timeout=timeout, world=world, placement=placement)
+            # NCCL communicators can be bootstrapped across processes (nccl_bootstrap.py,
+            # tested with a stand-in NCCL), but the CUDA backend's collectives do not yet
+            # route through them: refuse rather than run something never exercised.
+            raise OverlapRuntimeError(
+                "backend 'cuda' in a multi-process job is not available yet: run one process "
+                "with every GPU (backend='cuda'), or several processes with backend='cpu'")
         from .mpi import MpiBackend
 
         return MpiBackend(num_devices, world=world, placement=placement, timeout=timeout)

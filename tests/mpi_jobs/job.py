@@ -12,6 +12,8 @@ Every rank runs this same script (as a user's would). Modes:
 - ``differ OUT RANK``: rank RANK runs another schedule than the others.
 - ``silent OUT``: rank 1 waits on a broadcast rooted on rank 0, which never sends (backend
   level, timeout 2 s).
+- ``nccl OUT``: NCCL communicators bootstrapped over MPI with a stand-in NCCL (no GPU):
+  each rank saves the (size, id, rank) its communicators were made with.
 - ``stuck OUT RANK``: rank RANK is stuck in its own code (a minute) instead of making a
   resharding call the others make (their timeout: 2 s).
 """
@@ -115,6 +117,8 @@ def main() -> int:
                 raise rt.backend.failures[0]
             rt.backend.declare_group("silent", (0, 4))
             time.sleep(60)
+        elif mode == "nccl":
+            saved.update(nccl_bootstrap_check(rank))
         elif mode == "outside":
             model = ToyMLP.build(cluster, hidden=8, batch=8)
             for step in range(3):
@@ -143,6 +147,36 @@ def main() -> int:
             raise SystemExit(f"mode: unknown {mode!r}")
         np.savez(out_dir / f"rank{rank}.npz", **saved)
     return 0
+
+
+class FakeNccl:
+    """The two NCCL calls the bootstrap makes, recorded (ids differ per process and call)."""
+
+    NCCL_UNIQUE_ID_BYTES = 128
+
+    def get_unique_id(self):
+        return tuple(int(b) - 128 for b in os.urandom(128))
+
+    class NcclCommunicator:
+        def __init__(self, n, uid, rank):
+            self.args = (n, uid, rank)
+
+
+def nccl_bootstrap_check(rank: int) -> dict[str, np.ndarray]:
+    from mpi4py import MPI
+
+    from overlap.backends.nccl_bootstrap import bootstrap_nccl
+
+    comm = MPI.COMM_WORLD.Dup()
+    out = {}
+    for name, members in (("all", [0, 1, 2, 3]), ("pair", [2, 1]), ("tail", [1, 3])):
+        if rank in members:
+            c = bootstrap_nccl(comm, members, rank, FakeNccl(), timeout=10.0)
+            n, uid, r = c.args
+            out[f"{name}/n"], out[f"{name}/id"], out[f"{name}/rank"] = (
+                np.array(n), np.array(uid), np.array(r))
+    comm.Free()
+    return out
 
 
 def small_plan(cluster: Cluster, rt: Runtime):

@@ -1,0 +1,63 @@
+"""NCCL communicators across processes, bootstrapped over MPI.
+
+NCCL needs every member of a communicator to call ``ncclCommInitRank(n, id, rank)`` with the
+same 128-byte unique id, made by one member (``ncclGetUniqueId``). Between processes that id
+travels over MPI: the lowest member rank makes it and sends it to the other members
+(point-to-point, so only members take part), polled with the caller's backoff and bounded by
+its timeout. Every member must create its communicators in the same order (the runtime
+declares channels in program order on every rank), and each rank drives one GPU.
+
+``nccl`` is ``cupy.cuda.nccl`` (or a stand-in with the same two calls, in tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveTimeout
+
+ID_TAG = 0x4E43  # "NC": the tag of unique-id messages on the bootstrap communicator
+
+
+def bootstrap_nccl(comm: Any, members: Sequence[int], rank: int, nccl: Any, *,
+                   timeout: float = 30.0, pause: Callable[[int], None] | None = None) -> Any:
+    """This rank's NCCL communicator over ``members`` (MPI ranks of ``comm``, in NCCL rank
+    order). Raises ``ValueError`` if this rank is not a member, ``CollectiveTimeout`` naming
+    the root if its id never arrives."""
+    members = [int(m) for m in members]
+    if len(set(members)) != len(members) or not members:
+        raise ValueError(f"members: expected distinct ranks, got {members}")
+    if rank not in members:
+        raise ValueError(f"members: rank {rank} is not one of {members}")
+    pause = pause or (lambda attempt: time.sleep(min(2e-4, 2e-5 * 2 ** min(attempt, 10))))
+    root = members[0]
+    if rank == root:
+        uid = np.asarray(nccl.get_unique_id(), dtype=np.int64)
+        reqs = [comm.Isend(uid, dest=m, tag=ID_TAG) for m in members[1:]]
+    else:
+        uid = np.empty(_id_len(nccl), dtype=np.int64)
+        reqs = [comm.Irecv(uid, source=root, tag=ID_TAG)]
+    started = time.perf_counter()
+    attempt = 0
+    while not all(r.Test() for r in reqs):
+        if time.perf_counter() - started > timeout:
+            for r in reqs:
+                if rank != root:
+                    r.Cancel()
+            raise CollectiveTimeout(
+                f"NCCL bootstrap over ranks {members}: rank {rank} waited {timeout:g} s for the "
+                f"unique id from rank {root}" if rank != root else
+                f"NCCL bootstrap over ranks {members}: ranks {members[1:]} never took the id",
+                op="nccl bootstrap", devices=(), missing=())
+        pause(attempt)
+        attempt += 1
+    return nccl.NcclCommunicator(len(members), tuple(int(v) for v in uid), members.index(rank))
+
+
+def _id_len(nccl: Any) -> int:
+    """Bytes in an NCCL unique id (128 in every NCCL release)."""
+    return int(getattr(nccl, "NCCL_UNIQUE_ID_BYTES", 128))
