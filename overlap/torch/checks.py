@@ -90,10 +90,16 @@ def _check_same(ref: nn.Module, other: nn.Module, name: str, ref_name: str) -> N
                          f"{list(a)}; replicas of a stage must be copies")
     for key in a:
         x, y = a[key], b[key]
-        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.cpu(), y.cpu()):
+        if x.shape != y.shape or x.dtype != y.dtype or not _equal(x, y):
             raise ValueError(f"{name}: {key!r} differs from {ref_name}'s ({tuple(y.shape)} "
                              f"{y.dtype} vs {tuple(x.shape)} {x.dtype}, or other values); "
                              f"replicas of a stage must start identical (copy.deepcopy)")
+
+
+def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.is_meta or y.is_meta:  # no values to compare (placement is checked per step)
+        return True
+    return torch.equal(x.cpu(), y.cpu())
 
 
 def module_device_dtype(m: nn.Module, name: str) -> tuple[torch.device | None,
