@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         tl = rt.timeline()
         trace = rt.write_trace(Path(args.trace_dir) / f"torch-{args.schedule}.json")
 
-    for s, (m, r) in enumerate(zip(modules, reference)):
-        for (name, p), q in zip(m.named_parameters(), r.parameters()):
+    for m, r in zip(modules, reference):
+        for p, q in zip(m.parameters(), r.parameters()):
             worst = max(worst, float((p.detach() - q.detach()).abs().max()))
     if worst > TOL:
         print(f"FAILED: the pipeline differs from plain torch by {worst:.3g} > {TOL}")
