@@ -391,6 +391,10 @@ def _bad_step(what: str):
         mods[1] = [nn.Sequential(*m, TupleOut()) for m in mods[1]]
     elif what == "loss is not a scalar":
         loss = lambda out, tgt: (out - tgt) ** 2
+    elif what == "targets missing for a two-argument loss":
+        y = None
+    elif what == "inputs of the wrong width":
+        x = x[:, :5]
     elif what == "integer boundary":
         mods[0] = [nn.Sequential(*mods[0][0], _ToLong())]
     return TorchPipeline(mods, MESHES, loss), rt, x, y, kw
@@ -414,6 +418,8 @@ BAD_STEP = [
     ("stage returns a tuple", TypeError, r"modules\[1\].*tuple"),
     ("loss is not a scalar", ValueError, r"loss_fn"),
     ("integer boundary", ValueError, r"modules\[0\].*int64"),
+    ("targets missing for a two-argument loss", ValueError, r"loss_fn: .*without targets"),
+    ("inputs of the wrong width", ValueError, r"modules\[0\]: forward failed .*\(2, 5\)"),
 ]
 
 
@@ -463,3 +469,39 @@ def test_single_device_stages_from_a_bare_module_each():
         for p, w in zip(m.parameters(), r.parameters()):
             torch.testing.assert_close(p.grad, w.grad, rtol=0, atol=1e-12)
     assert isinstance(pipe.meshes[0], DeviceMesh)
+
+
+def test_boundary_probe_leaves_no_trace():
+    """Running statistics (BatchNorm) after a step are plain torch's after the same
+    microbatches: the shape probe must not have updated them."""
+    torch.manual_seed(0)
+    meshes = [CLUSTER.mesh([h], gpus=1) for h in range(2)]
+    mods = [nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU()).double(),
+            nn.Sequential(nn.Linear(6, 3), nn.BatchNorm1d(3)).double()]
+    ref = nn.Sequential(*(copy.deepcopy(m) for m in mods))
+    pipe = TorchPipeline(mods, meshes, nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        losses = pipe.train_step_sync(rt, x, y, num_microbatches=3, schedule="1f1b")
+    want = _reference(ref, x, y, 3)
+    np.testing.assert_allclose(losses, want, rtol=0, atol=1e-12)
+    for m, r in zip(mods, ref):
+        for (name, b), rb in zip(m.named_buffers(), r.buffers()):
+            torch.testing.assert_close(b, rb, rtol=0, atol=1e-12, msg=name)
+
+
+def test_boundary_probe_draws_nothing_from_the_rng():
+    """A dropout stage: finding the boundaries leaves torch's global generator untouched."""
+    torch.manual_seed(0)
+    meshes = [CLUSTER.mesh([h], gpus=1) for h in range(2)]
+    mods = [nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5)), nn.Linear(6, 3)]
+    pipe = TorchPipeline(mods, meshes, nn.functional.mse_loss)
+    x, y = torch.randn(4, 4), torch.randn(4, 3)
+    torch.manual_seed(3)
+    bounds = pipe.boundaries(x, y)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(4))
+    assert [b.shape for b in bounds] == [(4, 6)] and bounds[0].dtype == "float32"

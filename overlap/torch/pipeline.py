@@ -11,6 +11,7 @@ optimizer and ``zero_grad`` work unchanged.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -165,6 +166,19 @@ class TorchPipeline:
                                      f"runtime's {rt.backend.name} backend is {want}")
 
     def _probe(self, x: torch.Tensor, target: torch.Tensor | None) -> tuple[Boundary, ...]:
+        # The probe must leave no trace: buffers (BatchNorm's running statistics) and the
+        # global RNG (dropout) are put back as they were.
+        buffers = [(b, b.detach().clone()) for reps in self.modules for b in reps[0].buffers()]
+        rng = torch.get_rng_state()
+        try:
+            return self._run_probe(x, target)
+        finally:
+            torch.set_rng_state(rng)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+    def _run_probe(self, x: torch.Tensor, target: torch.Tensor | None) -> tuple[Boundary, ...]:
         p = len(self.modules)
         out: list[Boundary] = []
         _, dt0 = self._device_dtype[0][0]
@@ -173,8 +187,12 @@ class TorchPipeline:
         with torch.no_grad():
             for s, reps in enumerate(self.modules):
                 dev, _ = self._device_dtype[s][0]
-                y = reps[0](x if dev is None else x.to(dev))
                 name = f"modules[{s}]"
+                try:
+                    y = reps[0](x if dev is None else x.to(dev))
+                except Exception as exc:
+                    raise ValueError(f"{name}: forward failed on a microbatch of shape "
+                                     f"{tuple(x.shape)} {x.dtype}: {exc}") from exc
                 if not isinstance(y, torch.Tensor):
                     raise TypeError(f"{name}: forward returned {type(y).__name__}; a stage must "
                                     f"return one tensor")
@@ -196,7 +214,13 @@ class TorchPipeline:
         return tuple(out)
 
     def _probe_loss(self, y: torch.Tensor, target: torch.Tensor | None) -> None:
-        loss = self._loss(y, target)
+        try:
+            loss = self._loss(y, target)
+        except Exception as exc:
+            given = "without targets" if target is None else \
+                f"and target {tuple(target.shape)} {target.dtype}"
+            raise ValueError(f"loss_fn: failed on the last stage's output {tuple(y.shape)} "
+                             f"{given}: {exc}") from exc
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             what = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn: returned {what}; it must return a scalar tensor (the "
@@ -245,8 +269,6 @@ class TorchPipeline:
 
 def replicate(module: nn.Module, n: int) -> list[nn.Module]:
     """``module`` and ``n - 1`` deep copies: the modules of a replicated stage."""
-    import copy
-
     check_count(n, "n")
     return [module, *(copy.deepcopy(module) for _ in range(n - 1))]
 
