@@ -505,3 +505,29 @@ def test_boundary_probe_draws_nothing_from_the_rng():
     torch.manual_seed(3)
     assert torch.equal(after, torch.rand(4))
     assert [b.shape for b in bounds] == [(4, 6)] and bounds[0].dtype == "float32"
+
+
+def _cuda_ready() -> bool:
+    from overlap.backends.cuda import gpu_count
+
+    return bool(torch.cuda.is_available()) and gpu_count() > 0
+
+
+@pytest.mark.skipif(not _cuda_ready(), reason="no CUDA device with CUDA torch and CuPy: the "
+                    "adapter's CUDA path (DLPack on the op's stream) has not run yet")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_backend_matches_plain_torch(schedule):
+    pipe_cpu, ref = _pipe(torch.float32, seed=4)
+    x, y = _batch(8, torch.float32)
+    with Runtime(CLUSTER, backend="cuda", timeout=60) as rt:
+        modules = [[m.to(f"cuda:{rt.backend.physical(d)}") for m, d in zip(reps, mesh.device_ids)]
+                   for reps, mesh in zip(pipe_cpu.modules, MESHES)]
+        pipe = TorchPipeline(modules, MESHES, nn.functional.mse_loss)
+        losses = pipe.train_step_sync(rt, x.cuda(), y.cuda(), num_microbatches=4,
+                                      schedule=schedule)
+        torch.cuda.synchronize()
+    np.testing.assert_allclose(losses, _reference(ref, x, y, 4), rtol=1e-4, atol=1e-5)
+    for s, reps in enumerate(pipe.modules):
+        for m in reps:
+            for p, w in zip(m.parameters(), ref[s].parameters()):
+                torch.testing.assert_close(p.grad.cpu(), w.grad, rtol=1e-4, atol=1e-5)
