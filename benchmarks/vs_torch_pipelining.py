@@ -1,0 +1,252 @@
+"""overlap vs torch.distributed.pipelining on one CPU machine (a benchmark, not a test).
+
+The same model, batch and microbatches on both sides: 4 stages of ``Linear(W, W) -> ReLU ->
+Linear(W, W)`` (float32, W = 1024), batch 256 in 8 microbatches, MSE loss, ``torch.optim.SGD``
+step included in every measured step.
+
+- torch: ``PipelineStage`` per stage on 4 gloo processes (``torch.multiprocessing.spawn``,
+  127.0.0.1), ``Schedule1F1B`` and ``ScheduleGPipe`` (``scale_grads=False``: gradients are sums
+  over microbatches, as on our side). A step is timed on rank 0 between two barriers.
+- overlap: ``TorchPipeline`` on ``Runtime(cluster)`` with the CPU backend — 4 virtual devices,
+  one per stage, each a thread of this one process — schedules 1f1b and eager-1f1b.
+
+Both sides get the same core budget (the whole machine) and the same torch intra-op threads
+per stage (``--threads``, default 1: 4 stage workers on 2 cores are already oversubscribed).
+Each row is the median ms/step over ``--steps`` steps after ``--warmup`` steps, in each of
+``--rounds`` rounds (rows interleaved per round against drift on a shared machine); the ratio
+is ours / theirs per matching schedule (target <= 1.0). Step 0's losses are compared between
+the two sides (they must agree: same seeds, same model).
+
+    python benchmarks/vs_torch_pipelining.py [--threads 1] [--steps 10] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from scheduler import Cluster
+from scheduler.cli import machine_line
+
+STAGES = 4
+CORES = os.cpu_count() or 1
+
+
+def make_stages(width: int) -> list[nn.Module]:
+    torch.manual_seed(0)  # both sides build the same 4 stages
+    return [nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+            for _ in range(STAGES)]
+
+
+def make_batches(n: int, batch: int, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
+            for _ in range(n)]
+
+
+# ---- torch.distributed.pipelining ----------------------------------------------------------
+
+
+def _torch_worker(rank: int, cfg: dict, out_path: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", rank=rank, world_size=STAGES)
+    try:
+        module = make_stages(cfg["width"])[rank]
+        stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[cfg["schedule"]]
+        sched = cls(stage, n_microbatches=cfg["microbatches"], loss_fn=nn.functional.mse_loss,
+                    scale_grads=False)
+        opt = torch.optim.SGD(module.parameters(), lr=cfg["lr"])
+        batches = make_batches(cfg["warmup"] + cfg["steps"], cfg["batch"], cfg["width"])
+        times, cpu, first_losses = [], [], []
+        for k, (x, y) in enumerate(batches):
+            losses: list[torch.Tensor] = []
+            opt.zero_grad()
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if rank == 0:
+                sched.step(x)
+            elif rank == STAGES - 1:
+                sched.step(target=y, losses=losses)
+            else:
+                sched.step()
+            opt.step()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            if k == 0 and rank == STAGES - 1:
+                first_losses = [float(v.detach()) for v in losses]
+        Path(f"{out_path}.cpu{rank}").write_text(json.dumps(cpu[cfg["warmup"]:]))
+        if rank == STAGES - 1:
+            Path(out_path + ".losses").write_text(json.dumps(first_losses))
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(times[cfg["warmup"]:]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torch(schedule: str, cfg: dict) -> tuple[list[float], list[float], list[float]]:
+    """(seconds per step, CPU seconds per step summed over the 4 processes, step-0 losses)"""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.json")
+        mp.spawn(_torch_worker, args=({**cfg, "schedule": schedule}, out), nprocs=STAGES,
+                 join=True)
+        cpu = [sum(c) for c in zip(*(json.loads(Path(f"{out}.cpu{r}").read_text())
+                                      for r in range(STAGES)))]
+        return (json.loads(Path(out).read_text()), cpu,
+                json.loads(Path(out + ".losses").read_text()))
+
+
+# ---- overlap --------------------------------------------------------------------------------
+
+
+def run_overlap(schedule: str, cfg: dict) -> tuple[list[float], list[float], list[float]]:
+    import overlap
+    from overlap.torch import TorchPipeline
+
+    torch.set_num_threads(cfg["threads"])
+    cluster = Cluster.preset("p3.8xlarge", num_hosts=STAGES)
+    meshes = [cluster.mesh([h], gpus=1) for h in range(STAGES)]
+    pipe = TorchPipeline(make_stages(cfg["width"]), meshes, nn.functional.mse_loss)
+    opt = torch.optim.SGD(pipe.parameters(), lr=cfg["lr"])
+    times, cpu, first_losses = [], [], []
+    with overlap.Runtime(cluster) as rt:
+        for k, (x, y) in enumerate(make_batches(cfg["warmup"] + cfg["steps"], cfg["batch"],
+                                                cfg["width"])):
+            opt.zero_grad()
+            t0, c0 = time.perf_counter(), time.process_time()
+            losses = pipe.train_step_sync(rt, x, y, num_microbatches=cfg["microbatches"],
+                                          schedule=schedule)
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)  # every thread of the process
+            if k == 0:
+                first_losses = losses
+    return times[cfg["warmup"]:], cpu[cfg["warmup"]:], first_losses
+
+
+def run_single(cfg: dict, threads: int) -> list[float]:
+    """Yardstick, not a contender: the 4 stages as one model in one process (no pipeline),
+    ``threads`` intra-op threads, microbatches one after another. With one thread it is the
+    step's compute work on one core."""
+    torch.set_num_threads(threads)
+    model = nn.Sequential(*make_stages(cfg["width"]))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    times = []
+    try:
+        for x, y in make_batches(cfg["warmup"] + cfg["steps"], cfg["batch"], cfg["width"]):
+            opt.zero_grad()
+            t0 = time.perf_counter()
+            for xm, ym in zip(x.chunk(cfg["microbatches"]), y.chunk(cfg["microbatches"])):
+                nn.functional.mse_loss(model(xm), ym).backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(cfg["threads"])
+    return times[cfg["warmup"]:]
+
+
+def _mem_gib() -> int:
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return round(kb / 2**20)
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+ROWS = (("torch Schedule1F1B", "torch", "1f1b"), ("torch ScheduleGPipe", "torch", "gpipe"),
+        ("overlap 1f1b", "overlap", "1f1b"), ("overlap eager-1f1b", "overlap", "eager-1f1b"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads per stage worker (both sides)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    cfg = {"width": args.width, "batch": args.batch, "microbatches": args.microbatches,
+           "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "lr": 0.01}
+    samples: dict[str, list[float]] = {label: [] for label, _, _ in ROWS}
+    cpus: dict[str, list[float]] = {label: [] for label, _, _ in ROWS}
+    first: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for label, side, schedule in ROWS:
+            run = run_torch if side == "torch" else run_overlap
+            times, cpu, losses = run(schedule, cfg)
+            samples[label].extend(times)
+            cpus[label].extend(cpu)
+            first[label] = losses
+        for threads in sorted({1, CORES}):
+            samples.setdefault(f"single {threads}", []).extend(run_single(cfg, threads))
+    med = {label: statistics.median(v) * 1e3 for label, v in samples.items()}
+    worst = max(abs(a - b) for label in first for a, b in zip(first[label],
+                                                             first["torch Schedule1F1B"]))
+    print(f"== overlap vs torch.distributed.pipelining: {STAGES} stages of Linear({args.width}, "
+          f"{args.width}) -> ReLU -> Linear, batch {args.batch} in {args.microbatches} "
+          f"microbatches, float32, MSE + SGD ==")
+    print(f"{machine_line()}, {_mem_gib()} GiB, no GPU (shared, noisy); torch "
+          f"{torch.__version__}")
+    print(f"torch: {STAGES} gloo processes x {args.threads} intra-op thread(s); overlap: 1 "
+          f"process, {STAGES} device compute threads x {args.threads} intra-op thread(s) "
+          f"(+ comm stream threads); same cores for both")
+    print(f"median ms/step over {args.rounds} rounds x {args.steps} steps after {args.warmup} "
+          f"warm-up steps; step-0 losses agree across all rows to {worst:.2g}")
+    print(f"{'row':<22} {'ms/step':>9} {'min':>8} {'max':>8} {'CPU ms':>8} {'cores busy':>10}"
+          f"   ratio ours/theirs")
+    theirs = {"1f1b": med["torch Schedule1F1B"], "eager-1f1b": med["torch Schedule1F1B"]}
+    for label, side, schedule in ROWS:
+        v = samples[label]
+        ratio = ""
+        if side == "overlap":
+            ratio = (f"{med[label] / theirs[schedule]:.3f} vs Schedule1F1B, "
+                     f"{med[label] / med['torch ScheduleGPipe']:.3f} vs ScheduleGPipe")
+        c = statistics.median(cpus[label]) * 1e3
+        print(f"{label:<22} {med[label]:>9.1f} {min(v) * 1e3:>8.1f} {max(v) * 1e3:>8.1f} "
+              f"{c:>8.1f} {c / med[label]:>10.2f}   {ratio}")
+    for threads in sorted({1, CORES}):
+        label = f"(no pipeline, {threads} thr)"
+        print(f"{label:<22} {med[f'single {threads}']:>9.1f}   yardstick: the 4 stages as "
+              f"one model in one process, {threads} intra-op thread(s), microbatches in turn")
+    print(f"ideal on {CORES} cores: (no pipeline, 1 thr) / {CORES} = "
+          f"{med['single 1'] / CORES:.1f} ms/step")
+    best = min(med["overlap 1f1b"], med["overlap eager-1f1b"])
+    best_theirs = min(med["torch Schedule1F1B"], med["torch ScheduleGPipe"])
+    print(f"target ours/theirs <= 1.0 (best of ours vs best of theirs): {best / best_theirs:.3f}"
+          f" -> {'met' if best <= best_theirs else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Use overlap from a PyTorch trainer: ``nn.Module`` stages, autograd backward, zero-copy.
+
+    from overlap.torch import TorchPipeline
+    pipe = TorchPipeline([m0, m1, m2, m3], meshes, loss_fn=torch.nn.functional.mse_loss)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    with overlap.Runtime(cluster) as rt:
+        opt.zero_grad()
+        losses = pipe.train_step_sync(rt, x, y, num_microbatches=8, schedule="eager-1f1b")
+        opt.step()
+
+Needs PyTorch (``pip install 'overlap[torch]'``); ``import overlap`` alone never imports it.
+See :class:`TorchPipeline` for what runs where and :mod:`overlap.torch.tensors` for the
+zero-copy crossings (CPU: shared numpy memory; CUDA: DLPack on the op's stream — not yet run
+on a GPU).
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _torch  # noqa: F401  (fail here, with the fix, not deep inside)
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "overlap.torch needs PyTorch: pip install 'overlap[torch]' (CPU wheel: "
+        "pip install torch==2.13.0)"
+    ) from exc
+
+from .pipeline import LossFn, TorchPipeline, replicate
+
+__all__ = ["LossFn", "TorchPipeline", "replicate"]

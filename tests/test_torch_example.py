@@ -1,0 +1,56 @@
+"""examples/torch_pipeline.py checks itself against plain torch and fails loudly otherwise."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 (the "
+                                    "'torch' extra) to run the torch example")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_pipeline.py"
+SMALL = ["--steps", "2", "--width", "32", "--batch", "16", "--microbatches", "4"]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("torch_pipeline_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def example(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave the suite's alone
+    return _load()
+
+
+def test_example_matches_plain_torch(example, tmp_path, capsys):
+    assert example.main([*SMALL, "--trace-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "match plain torch" in out and "overlap report" in out
+    assert (tmp_path / "torch-eager-1f1b.json").stat().st_size > 0
+
+
+def test_example_exits_nonzero_when_the_check_fails(example, tmp_path, monkeypatch, capsys):
+    # A pipeline whose gradients are off by a tiny amount must fail the 1e-5 check.
+    real = example.TorchPipeline
+
+    class Off(real):
+        def _backward(self, s):
+            inner = super()._backward(s)
+
+            def backward(ctx, dy):
+                dx = inner(ctx, dy)
+                for p in self.modules[s][0].parameters():
+                    p.grad.add_(1e-3)
+                return dx
+            return backward
+
+    monkeypatch.setattr(example, "TorchPipeline", Off)
+    assert example.main([*SMALL, "--trace-dir", str(tmp_path)]) == 1
+    assert "FAILED" in capsys.readouterr().out
