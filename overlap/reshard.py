@@ -84,6 +84,41 @@ def check_shards(plan: ReshardPlan, shards: Mapping[int, np.ndarray],
             )
 
 
+def check_outs(plan: ReshardPlan, out: Mapping[int, np.ndarray],
+               shards: Mapping[int, np.ndarray], array_types: tuple[type, ...],
+               is_local: Callable[[int], bool], xp=np) -> None:
+    """Raise naming the device unless ``out`` holds a writable array of the right shape and
+    dtype for every destination device this process drives, none overlapping a shard."""
+    if not isinstance(out, Mapping):
+        raise TypeError(f"out: expected a mapping device -> ndarray, got {type(out).__name__}")
+    want = {d: r for d, r in plan.dst.device_regions(plan.shape).items() if is_local(d)}
+    extra = sorted(set(out) - set(want))
+    if extra:
+        raise ValueError(f"out: devices {extra} are not destination devices of this process "
+                         f"(devices {sorted(want)})")
+    missing = sorted(set(want) - set(out))
+    if missing:
+        raise ValueError(f"out: no array for destination devices {missing}")
+    dtype = np.dtype(plan.dtype)
+    overlap = getattr(xp, "may_share_memory", np.may_share_memory)
+    for d, region in want.items():
+        a = out[d]
+        if not isinstance(a, array_types):
+            raise TypeError(f"out[{d}]: expected an array, got {type(a).__name__}")
+        if a.shape != region_shape(region) or a.dtype != dtype:
+            raise ValueError(f"out[{d}]: got {a.shape} {a.dtype}, the plan's destination "
+                             f"region {list(region)} needs {region_shape(region)} {dtype}")
+        if not a.flags.writeable:
+            raise ValueError(f"out[{d}]: the array is read-only")
+        for e, s in shards.items():
+            if overlap(a, s):
+                raise ValueError(f"out[{d}]: overlaps shards[{e}] (a transfer would read what "
+                                 "another writes)")
+        for e, b in out.items():
+            if e < d and overlap(a, b):
+                raise ValueError(f"out[{d}]: overlaps out[{e}]")
+
+
 def launch_reshard(
     backend: CpuBackend,
     plan: ReshardPlan,

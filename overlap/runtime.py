@@ -24,7 +24,7 @@ from .backends import make_backend
 from .backends.cpu import CpuBackend
 from .errors import CollectiveAborted, CollectiveTimeout, OverlapRuntimeError, RankFailed
 from .pipeline import Stage, check_pipeline, launch_step, make_programs
-from .reshard import BufferTable, check_shards, launch_reshard, region_shape
+from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
 from .world import Placement, World, detect_world
 
 T = TypeVar("T")
@@ -134,12 +134,15 @@ class Runtime:
     # ---- resharding ----------------------------------------------------------------------
 
     async def reshard(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray], *,
+                      out: Mapping[int, np.ndarray] | None = None,
                       stream: str = "comm") -> dict[int, np.ndarray]:
         """Move a tensor from ``plan.src`` to ``plan.dst`` layout.
 
         ``shards[d]`` is source device d's region of the tensor (every source device, its
         exact region shape, the plan's dtype — checked before anything starts). Returns
-        destination device -> its region.
+        destination device -> its region: new arrays, or the arrays of ``out`` (destination
+        device -> an array of its region's shape and the plan's dtype, not overlapping any
+        shard), which a loop that reshards every step passes to skip allocating them.
         """
         self._check_open()
         if not isinstance(plan, ReshardPlan):
@@ -153,20 +156,24 @@ class Runtime:
         dtype = np.dtype(plan.dtype)
         regions = plan.dst.device_regions(plan.shape)
         xp = self.backend.xp
-        if self.world.distributed:
-            await self._agree(("plan", plan), plan.to_json, "reshard: the plan")
+        if out is not None:
+            check_outs(plan, out, shards, self._array_types(), self.backend.is_local, xp)
+        check = (self._agree(("plan", plan), plan.to_json, "reshard: the plan")
+                 if self.world.distributed else None)
         base, self._reshards = self._reshards * len(plan.transfers), self._reshards + 1
         # Each destination buffer is made on first use, by its device's stream (its memory).
         outs = BufferTable(lambda d: xp.empty(region_shape(regions[d]), dtype))
+        if out is not None:
+            outs.update(out)
         events = launch_reshard(self.backend, plan, shards, outs, stream=stream, tag_base=base)
-        await self._gather(events, what="reshard")
+        await self._gather(events, what="reshard", check=check)
         # Devices that got nothing: empty regions. In a multi-process job, this process's.
         return {d: outs[d] for d in regions if self.backend.is_local(d)}
 
-    def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray]
-                     ) -> dict[int, np.ndarray]:
+    def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray], *,
+                     out: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
         """:meth:`reshard` for synchronous callers (not from inside a running event loop)."""
-        return run(self.reshard(plan, shards))
+        return run(self.reshard(plan, shards, out=out))
 
     # ---- pipeline training ---------------------------------------------------------------
 
@@ -200,13 +207,13 @@ class Runtime:
         self._programs[key] = programs  # most recently used last
         while len(self._programs) > _PROGRAM_CACHE:
             self._programs.pop(next(iter(self._programs)))
-        if self.world.distributed:
-            await self._agree(("programs", key), programs.to_json, "train_step: the programs")
+        check = (self._agree(("programs", key), programs.to_json, "train_step: the programs")
+                 if self.world.distributed else None)
         self.backend.start_trace()
         state, ends = launch_step(self.backend, programs, stages, boundaries, input_sharding,
                                   microbatches, self.compute_time)
         try:
-            await self._gather(ends, what="train_step")
+            await self._gather(ends, what="train_step", check=check)
         finally:
             self._last_trace = (self.backend.trace, programs)
             self.backend.trace = None
@@ -248,10 +255,14 @@ class Runtime:
 
     # ---- internals -----------------------------------------------------------------------
 
-    async def _agree(self, key: Any, text: Callable[[], str], what: str) -> None:
-        """Every process must make this call now, with the same ``key`` (same plan or same
-        programs): compared on every call, with a call counter, so a process that skipped or
-        added a call is named instead of silently matching another call's messages."""
+    def _agree(self, key: Any, text: Callable[[], str], what: str) -> asyncio.Future[None]:
+        """Check that every process makes this call now, with the same ``key`` (same plan or
+        same programs): compared on every call, with a call counter, so a process that skipped
+        or added a call is named instead of silently matching another call's messages.
+
+        Returns the running check: the caller launches its work meanwhile (the check costs a
+        round of messages, not a wait) and passes it to :meth:`_gather`; a mismatch stops the
+        work at once."""
         digest = self._agreed.pop(key, None)
         if digest is None:
             digest = hashlib.sha256(text().encode()).digest()
@@ -261,7 +272,7 @@ class Runtime:
         self._calls += 1
         self.backend.calls = self._calls
         call = hashlib.sha256(digest + self._calls.to_bytes(8, "little")).digest()
-        await self._collective(self.backend.agree(call, f"{what} (call {self._calls})"), what)
+        return asyncio.ensure_future(self.backend.agree(call, f"{what} (call {self._calls})"))
 
     async def _collective(self, coro: Coroutine[Any, Any, T], what: str) -> T:
         """One of the runtime's own cross-process messages; failures end the job's work."""
@@ -279,10 +290,19 @@ class Runtime:
             self.backend.announce_failure(what, root)
         self.backend.abort(f"{what} failed: {root}")
 
-    async def _gather(self, events, *, what: str) -> None:
+    async def _gather(self, events, *, what: str,
+                      check: asyncio.Future[None] | None = None) -> None:
+        """Wait for ``events`` (and the call's agreement ``check``); on failure, recover."""
         try:
-            for ev in events:
-                await ev.wait()
+            try:
+                for ev in events:
+                    await ev.wait()
+            finally:
+                if check is not None and not check.done():
+                    # Failed work aborted the backend, which ends the check's wait too.
+                    await asyncio.wait([check])
+            if check is not None:
+                check.result()
         except BaseException as exc:
             root = self._root_cause(exc)
             if self.world.distributed:

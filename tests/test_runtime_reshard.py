@@ -342,3 +342,61 @@ async def test_async_reshard_after_aclose_is_an_error():
     await rt.aclose()
     with pytest.raises(OverlapRuntimeError, match="closed"):
         await rt.reshard(fixed_plan(), _good_shards())
+
+
+# ---- destination buffers supplied by the caller ----------------------------------------------
+
+def test_reshard_into_supplied_buffers_fills_and_returns_them():
+    plan = fixed_plan()
+    regions = DST.device_regions(SHAPE)
+    with Runtime(CLUSTER, timeout=SETTLE_S) as rt:
+        out = {d: np.full([b - a for a, b in r], -1.0) for d, r in regions.items()}
+        for k in range(2):  # the same buffers, reused: every element rewritten each time
+            glob = global_array(SHAPE, offset=100.0 * k)
+            got = rt.reshard_sync(plan, cut_shards(glob, SRC), out=out)
+            assert all(got[d] is out[d] for d in regions)
+            assert_delivered(got, glob, DST, f"round {k}")
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda out, shards: out.pop(2), ValueError, r"out: no array for destination devices \[2\]"),
+    (lambda out, shards: out.update({0: np.zeros(3)}), ValueError,
+     r"out: devices \[0\] are not destination devices"),
+    (lambda out, shards: out.update({3: np.zeros((6, 4), np.float32)}), ValueError,
+     r"out\[3\]: got \(6, 4\) float32"),
+    (lambda out, shards: out.update({3: [[0.0] * 4] * 6}), TypeError,
+     r"out\[3\]: expected an array, got list"),
+    (lambda out, shards: out[2].setflags(write=False), ValueError,
+     r"out\[2\]: the array is read-only"),
+    (lambda out, shards: out.update({1: shards[1]}), ValueError,
+     r"out\[1\]: got \(3, 4\)"),
+    (lambda out, shards: out.update({3: out[2]}), ValueError, r"out\[3\]: overlaps out\[2\]"),
+])
+def test_bad_out_buffers_are_named_before_any_work(change, error, match):
+    plan = fixed_plan()
+    glob = global_array(SHAPE)
+    shards = cut_shards(glob, SRC)
+    regions = DST.device_regions(SHAPE)
+    out = {d: np.full([b - a for a, b in r], -7.0) for d, r in regions.items()}
+    change(out, shards)
+    before = {d: np.array(a, copy=True) for d, a in out.items() if isinstance(a, np.ndarray)}
+    with Runtime(CLUSTER, timeout=SETTLE_S) as rt:
+        with pytest.raises(error, match=match):
+            rt.reshard_sync(plan, shards, out=out)
+        assert rt.backend.streams() == []  # nothing was launched
+    for d, a in before.items():  # nothing was written
+        np.testing.assert_array_equal(out[d], a)
+
+
+def test_an_out_buffer_overlapping_a_shard_is_refused():
+    plan = fixed_plan()
+    glob = global_array(SHAPE)
+    shards = cut_shards(glob, SRC)
+    regions = DST.device_regions(SHAPE)
+    out = {d: np.zeros([b - a for a, b in r]) for d, r in regions.items()}
+    backing = np.zeros((12, 4))
+    shards[1] = backing[:3]
+    out[1] = backing[:6]  # device 1's destination region is the whole tensor
+    with Runtime(CLUSTER, timeout=SETTLE_S) as rt, pytest.raises(
+            ValueError, match=r"out\[1\]: overlaps shards\[1\]"):
+        rt.reshard_sync(plan, shards, out=out)

@@ -133,6 +133,7 @@ class MpiBackend(CpuBackend):
         self._local_comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
         self.broken: BaseException | None = None
         self.calls = 0  # the runtime's call counter (the control thread reports it to peers)
+
         self.control = _Control(self, comm.Dup())
         _LIVE.add(self)
         _install_exit_guards()
@@ -386,18 +387,24 @@ class MpiBackend(CpuBackend):
     # ---- the runtime's own messages (main thread / event loop) ---------------------------
 
     async def agree(self, digest: bytes, what: str) -> None:
-        """Raise unless every rank passes the same ``digest`` (same programs, same plan)."""
+        """Raise unless every rank passes the same ``digest`` (same programs, same plan).
+
+        A mismatch is also recorded as this backend's failure, so work launched meanwhile (the
+        runtime overlaps the check with the call's transfers) stops at once, with it as the
+        root cause."""
         comm = self._channels["\0runtime"]
         mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
         every = np.empty((self.world.size, 32), np.uint8)
         await self._await(comm.Iallgather(mine, every), what)
         differ = [r for r in range(self.world.size) if not np.array_equal(every[r], mine)]
         if differ:
-            raise OverlapRuntimeError(
+            err = OverlapRuntimeError(
                 f"{what}: ranks {differ} made a different call than rank {self.rank} (every "
                 "process must make the same runtime calls, in the same order, with the same "
                 "plans and pipelines; a skipped call, or a planner option that depends on the "
                 "process?)")
+            self._note_failure(err)
+            raise err
 
     async def share(self, values: np.ndarray, root_rank: int, what: str) -> np.ndarray:
         """``values`` of ``root_rank`` on every rank (an ``Ibcast``)."""
@@ -467,7 +474,8 @@ def _cancel(reqs: Sequence[Any]) -> None:
 
 
 class _Control:
-    """A thread listening for failure and exit notices from other ranks."""
+    """A thread per process listening for failure and exit notices from other ranks, and
+    answering "how many calls have you made?" queries."""
 
     def __init__(self, backend: MpiBackend, comm: Any) -> None:
         self.backend = weakref.proxy(backend)
@@ -498,7 +506,7 @@ class _Control:
                     self.comm.isend({"calls": self.backend.calls}, dest=source, tag=_REPLY)
             elif tag == _REPLY:
                 self.replies[source] = int(msg["calls"])
-            elif status.Get_tag() == _FAILED:
+            elif tag == _FAILED:
                 with contextlib.suppress(ReferenceError):
                     self.backend._remote_failure(msg)
 
