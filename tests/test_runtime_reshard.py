@@ -400,3 +400,33 @@ def test_an_out_buffer_overlapping_a_shard_is_refused():
     with Runtime(CLUSTER, timeout=SETTLE_S) as rt, pytest.raises(
             ValueError, match=r"out\[1\]: overlaps shards\[1\]"):
         rt.reshard_sync(plan, shards, out=out)
+
+
+# ---- the synchronous API's event loop -------------------------------------------------------
+
+async def test_a_sync_method_inside_a_running_loop_names_the_async_one():
+    plan = fixed_plan()
+    glob = global_array(SHAPE)
+    async with Runtime(CLUSTER, timeout=SETTLE_S) as rt:
+        with pytest.raises(RuntimeError, match="reshard_sync: called from inside a running "
+                                               "event loop; await the async method instead"):
+            rt.reshard_sync(plan, cut_shards(glob, SRC))
+        assert rt.backend.streams() == []  # refused before any work
+
+
+def test_sync_calls_share_one_loop_that_close_shuts():
+    plan = fixed_plan()
+    glob = global_array(SHAPE)
+    rt = Runtime(CLUSTER, timeout=SETTLE_S)
+    try:
+        rt.reshard_sync(plan, cut_shards(glob, SRC))
+        loop = rt._sync._loop
+        out = rt.reshard_sync(plan, cut_shards(glob, SRC))
+        assert rt._sync._loop is loop and not loop.is_closed()
+        assert_delivered(out, glob, DST, "second call")
+    finally:
+        rt.close()
+    assert loop.is_closed() and rt._sync._loop is None
+    with pytest.raises(OverlapRuntimeError, match="runtime is closed"):
+        rt.reshard_sync(plan, cut_shards(glob, SRC))
+    assert rt._sync._loop is None  # no loop made for a refused call
