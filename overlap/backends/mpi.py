@@ -68,7 +68,7 @@ from ..errors import (
     RankFailed,
 )
 from ..world import Placement, World, describe, mpi_world_comm
-from .cpu import Communicator, CpuBackend
+from .cpu import _POLL_S, Communicator, CpuBackend
 
 log = logging.getLogger("overlap")
 
@@ -200,28 +200,40 @@ class MpiBackend(CpuBackend):
             raise OverlapRuntimeError(f"{what}: spans ranks {list(chain)} and needs a tag")
         comm = self._comm(namespace, what)
         group = tuple(sorted(order))
-        local = self._local_part(namespace, group)
         me = chain.index(self.rank)
+        # Pieces when someone forwards them (a chain of 3+ ranks) or copies them on to other
+        # devices of its rank as they land; every rank computes the same answer from the group.
+        per_rank = [sum(1 for d in group if self.placement.owners[d] == r) for r in chain]
+        pieces = len(chain) > 2 or any(k > 1 for k in per_rank[1:])
 
-        def combine(bufs: dict[int, np.ndarray]) -> float:
-            first = root if root in bufs else next(d for d in order if d in bufs)
-            src = bufs[first]
+        def combine(bufs: dict[int, np.ndarray]) -> tuple[float, _Relay]:
+            leader = root if root in bufs else next(d for d in order if d in bufs)
+            src = bufs[leader]
             for d, b in bufs.items():
                 if b.shape != src.shape or b.dtype != src.dtype:
                     raise CollectiveMismatch(f"{what}: device {d} buffer {b.shape} {b.dtype} != "
-                                             f"device {first} buffer {src.shape} {src.dtype}")
-            if not src.flags.c_contiguous:
-                raise OverlapRuntimeError(f"{what}: device {first}'s buffer is not contiguous")
-            self._chain(comm, src.reshape(-1).view(np.uint8),
-                        chain[me - 1] if me else None,
-                        chain[me + 1] if me + 1 < len(chain) else None,
-                        self._tag(tag), what, len(chain))
-            for b in bufs.values():
-                if b is not src:
-                    np.copyto(b, src)
-            return 0.0
+                                             f"device {leader} buffer {src.shape} {src.dtype}")
+                if not b.flags.c_contiguous:
+                    raise OverlapRuntimeError(f"{what}: device {d}'s buffer is not contiguous")
+            return 0.0, _Relay(bufs, leader)
 
-        local.run(device, what, buffer, combine)
+        # The rendezvous of this rank's participants only picks the leader and shares buffers;
+        # the leader then moves the bytes while the others copy each piece as it lands.
+        relay: _Relay = self._local_part(namespace, group).run(device, what, buffer, combine)
+        if device != relay.leader:
+            relay.follow(device, self, what)
+            return None
+        data = relay.bufs[device].reshape(-1).view(np.uint8)
+        try:
+            if me == 0:
+                relay.publish(data.nbytes)  # the root holds it all already
+            self._chain(comm, data, chain[me - 1] if me else None,
+                        chain[me + 1] if me + 1 < len(chain) else None, self._tag(tag), what,
+                        self.chunk_bytes if pieces else max(data.nbytes, 1), relay.publish)
+        except BaseException as exc:
+            relay.fail(exc)
+            raise
+        relay.wait_followers(self, what)
         return None
 
     def all_reduce(self, devices: Sequence[int], device: int, buffer: np.ndarray, desc: str,
@@ -265,18 +277,13 @@ class MpiBackend(CpuBackend):
 
     # ---- MPI point-to-point, polled ------------------------------------------------------
 
-    def _forwarding(self, prev: int | None, nxt: int | None, chain_len: int) -> bool:
-        return chain_len > 2
-
     def _chain(self, comm: Any, data: np.ndarray, prev: int | None, nxt: int | None, tag: int,
-               what: str, chain_len: int = 3) -> None:
+               what: str, step: int, landed_to: Callable[[int], None]) -> None:
         """Receive ``data`` from ``prev`` (unless this rank is the root) and pass it on to
-        ``nxt``, piece by piece, each piece forwarded as soon as it has landed."""
+        ``nxt``, in pieces of ``step`` bytes (both ends of a hop cut the same), each forwarded
+        as soon as it has landed; ``landed_to(k)``: the first k bytes are here."""
         MPI = self.MPI
         n = data.nbytes
-        # Pieces only pay off when someone forwards them (a chain of 3 or more ranks); both
-        # ends of a hop know the chain, so they cut the same pieces.
-        step = self.chunk_bytes if self._forwarding(prev, nxt, chain_len) else max(n, 1)
         pieces = [data[i:i + step] for i in range(0, n, step)] or [data[:0]]
         recvs = [comm.Irecv(p, prev, tag) for p in pieces] if prev is not None else []
         sends = ([comm.Isend(p, nxt, tag) for p in pieces]
@@ -297,6 +304,7 @@ class MpiBackend(CpuBackend):
                     if nxt is not None:
                         sends.append(comm.Isend(pieces[landed], nxt, tag))
                     landed += 1
+                    landed_to(min(n, landed * step))
                     moved = True
                 if landed == len(recvs) and MPI.Request.Testall(sends):
                     return
@@ -463,6 +471,59 @@ class MpiBackend(CpuBackend):
 
     def describe(self) -> str:
         return describe(self.world, self.local_devices)
+
+
+class _Relay:
+    """One rank's share of a broadcast: the leader's buffer fills piece by piece (from MPI, or
+    all at once on the root's rank) and every other local participant copies each piece into
+    its own buffer as it lands — the copies overlap the transfer."""
+
+    def __init__(self, bufs: dict[int, np.ndarray], leader: int) -> None:
+        self.bufs = bufs
+        self.leader = leader
+        self.size = bufs[leader].nbytes
+        self._cv = threading.Condition()
+        self._landed = 0
+        self._error: BaseException | None = None
+        self._copied = 0  # followers done
+
+    def publish(self, upto: int) -> None:
+        with self._cv:
+            self._landed = upto
+            self._cv.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = exc
+            self._cv.notify_all()
+
+    def follow(self, device: int, backend: MpiBackend, what: str) -> None:
+        src = self.bufs[self.leader].reshape(-1).view(np.uint8)
+        dst = self.bufs[device].reshape(-1).view(np.uint8)
+        done = 0
+        try:
+            while done < self.size:
+                with self._cv:
+                    while self._landed == done and self._error is None:
+                        self._cv.wait(_POLL_S)
+                        backend._check(what, time.perf_counter(), "", None)
+                    if self._error is not None:
+                        raise CollectiveAborted(f"{what} on device {device}: the transfer failed "
+                                                f"({self._error})")
+                    upto = self._landed
+                dst[done:upto] = src[done:upto]
+                done = upto
+        finally:
+            with self._cv:
+                self._copied += 1
+                self._cv.notify_all()
+
+    def wait_followers(self, backend: MpiBackend, what: str) -> None:
+        """The leader returns (and its buffer may be reused) only after every copy."""
+        with self._cv:
+            while self._copied < len(self.bufs) - 1:
+                self._cv.wait(_POLL_S)
+                backend._check(what, time.perf_counter(), "", None)
 
 
 def _cancel(reqs: Sequence[Any]) -> None:
