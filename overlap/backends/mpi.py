@@ -46,60 +46,22 @@ which the runtime's log line ``rank r/N (pid P on host): devices ...`` ties to i
 
 from __future__ import annotations
 
-import asyncio
-import atexit
-import contextlib
-import logging
-import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import (
-    CollectiveAborted,
-    CollectiveMismatch,
-    CollectiveTimeout,
-    OverlapRuntimeError,
-    RankFailed,
-)
-from ..world import Placement, World, describe, mpi_world_comm
+from ..errors import CollectiveAborted, CollectiveMismatch, OverlapRuntimeError
+from ..world import Placement, World
 from .cpu import _POLL_S, Communicator, CpuBackend
-
-log = logging.getLogger("overlap")
+from .distributed import Backoff, Distributed, _cancel
 
 GROUP_TAG_BITS = 16  # stage collectives: tag = group id << 16 | launch position (mod 2**16)
-_FAILED, _EXITING, _QUERY, _REPLY = 1, 2, 3, 4  # control message tags
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """How a waiting thread polls MPI requests: ``spin`` tests without sleeping, then sleeps
-    from ``start`` doubling up to ``cap`` seconds."""
-
-    spin: int = 0
-    start: float = 20e-6
-    cap: float = 200e-6
-
-    def __post_init__(self) -> None:
-        if self.spin < 0 or not 0 <= self.start <= self.cap:
-            raise ValueError(f"poll: need spin >= 0 and 0 <= start <= cap, got {self}")
-
-    def pause(self, attempt: int) -> None:
-        if attempt < self.spin:
-            return
-        delay = min(self.cap, self.start * 2.0 ** min(attempt - self.spin, 30))
-        time.sleep(delay)
-
-
-_LIVE: weakref.WeakSet[MpiBackend] = weakref.WeakSet()
-
-
-class MpiBackend(CpuBackend):
+class MpiBackend(Distributed, CpuBackend):
     """Virtual devices of one rank of an MPI job (see module doc)."""
 
     name = "cpu"
@@ -107,54 +69,23 @@ class MpiBackend(CpuBackend):
     def __init__(self, num_devices: int, *, world: World, placement: Placement,
                  timeout: float = 30.0, poll: Backoff | None = None,
                  chunk_bytes: int = 1 << 20, grace: float = 3.0) -> None:
-        super().__init__(num_devices, timeout=timeout)
-        if len(placement.owners) != num_devices:
-            raise ValueError(f"placement: covers {len(placement.owners)} devices, the cluster "
-                             f"has {num_devices}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes: expected an int >= 1, got {chunk_bytes!r}")
-        self.MPI = _mpi()
-        comm = mpi_world_comm("a multi-process world")
-        if comm.Get_size() != world.size or comm.Get_rank() != world.rank:
-            raise ValueError(f"world: rank {world.rank} of {world.size} does not match "
-                             f"MPI.COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()})")
-        self.world = world
-        self.placement = placement
-        self.rank = world.rank
-        self.local_devices = placement.devices_of(world.rank)
-        self._local_set = frozenset(self.local_devices)
-        self.poll = poll or Backoff()
+        super().__init__(num_devices, timeout=timeout)
+        comm = self._init_distributed(world, placement, poll=poll, grace=grace)
         self.chunk_bytes = chunk_bytes
-        self.grace = grace
         self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))
         # Collective over every rank, in the same order everywhere (main thread).
-        self._channels: dict[str, Any] = {"compute": comm.Dup(), "\0runtime": comm.Dup()}
+        self._channels: dict[str, Any] = {"compute": comm.Dup()}
         self._group_ids: dict[tuple[str, tuple[int, ...]], int] = {}
         self._local_comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
-        self.broken: BaseException | None = None
-        self.calls = 0  # the runtime's call counter (the control thread reports it to peers)
-
-        self.control = _Control(self, comm.Dup())
-        _LIVE.add(self)
-        _install_exit_guards()
-
-    # ---- ownership -----------------------------------------------------------------------
-
-    def is_local(self, device: int) -> bool:
-        return device in self._local_set
-
-    def stream(self, device: int, name: str = "compute"):
-        if 0 <= device < self.num_devices and not self.is_local(device):
-            raise ValueError(f"device: {device} is owned by rank {self.placement.owners[device]}"
-                             f", not by this process (rank {self.rank})")
-        return super().stream(device, name)
 
     # ---- communicators -------------------------------------------------------------------
 
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         """A channel: its communicator is made the first time (every rank, same order)."""
         if namespace not in self._channels:
-            self._channels[namespace] = self._channels["\0runtime"].Dup()
+            self._channels[namespace] = self._runtime_comm.Dup()
 
     def declare_subgroups(self, namespace: str, groups: Sequence[Sequence[int]]) -> None:
         """Give each device group of stage collectives an id (every rank, same order)."""
@@ -380,99 +311,6 @@ class MpiBackend(CpuBackend):
                 parts[d] = inbox[r][i]
         return parts
 
-    def _check(self, what: str, started: float, who: str, peer: int | None) -> None:
-        """Raise if the run was aborted, or (naming ``who``) if ``what`` has waited too long."""
-        reason = self._abort_reason
-        if reason is not None:
-            raise CollectiveAborted(f"{what} on rank {self.rank}: aborted ({reason})")
-        if time.perf_counter() - started > self.timeout:
-            missing = () if peer is None else tuple(self.placement.devices_of(peer))
-            raise CollectiveTimeout(
-                f"{what}: rank {self.rank} waited {self.timeout:g} s; {who} "
-                "(a failed or stuck peer, or programs that differ between ranks)",
-                op=what, devices=(), missing=missing)
-
-    # ---- the runtime's own messages (main thread / event loop) ---------------------------
-
-    async def agree(self, digest: bytes, what: str) -> None:
-        """Raise unless every rank passes the same ``digest`` (same programs, same plan).
-
-        A mismatch is also recorded as this backend's failure, so work launched meanwhile (the
-        runtime overlaps the check with the call's transfers) stops at once, with it as the
-        root cause."""
-        comm = self._channels["\0runtime"]
-        mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
-        every = np.empty((self.world.size, 32), np.uint8)
-        await self._await(comm.Iallgather(mine, every), what)
-        differ = [r for r in range(self.world.size) if not np.array_equal(every[r], mine)]
-        if differ:
-            err = OverlapRuntimeError(
-                f"{what}: ranks {differ} made a different call than rank {self.rank} (every "
-                "process must make the same runtime calls, in the same order, with the same "
-                "plans and pipelines; a skipped call, or a planner option that depends on the "
-                "process?)")
-            self._note_failure(err)
-            raise err
-
-    async def share(self, values: np.ndarray, root_rank: int, what: str) -> np.ndarray:
-        """``values`` of ``root_rank`` on every rank (an ``Ibcast``)."""
-        buf = np.ascontiguousarray(values, dtype=np.float64).copy()
-        await self._await(self._channels["\0runtime"].Ibcast(buf, root=root_rank), what)
-        return buf
-
-    async def _await(self, req: Any, what: str) -> None:
-        """Wait for ``req`` off the event loop: a worker thread polls it with the backoff
-        (the loop's timers have millisecond resolution; MPI rounds take microseconds)."""
-        await asyncio.to_thread(self._wait_polled, req, what)
-
-    def _wait_polled(self, req: Any, what: str) -> None:
-        started = time.perf_counter()
-        attempt = 0
-        try:
-            while not req.Test():
-                if time.perf_counter() - started > self.timeout:
-                    self._check(what, started, self.control.behind(self.calls), None)
-                self._check(what, started, "", None)
-                self.poll.pause(attempt)
-                attempt += 1
-        except BaseException:
-            _cancel([req])
-            raise
-
-    # ---- failures across processes -------------------------------------------------------
-
-    def announce_failure(self, during: str, error: BaseException) -> None:
-        """Tell every other rank that this one failed (best effort, bounded)."""
-        if self.broken is None:
-            self.broken = error
-        text = f"{type(error).__name__}: {error}"
-        self.control.tell_all(_FAILED, {"rank": self.rank, "during": during, "error": text})
-
-    def _remote_failure(self, msg: dict[str, Any]) -> None:
-        err = RankFailed(
-            f"rank {msg['rank']} failed during {msg['during']}: {msg['error']} "
-            f"(rank {self.rank} stopped its work)",
-            rank=int(msg["rank"]), error=str(msg["error"]))
-        if self.broken is None:
-            self.broken = err
-        self._note_failure(err)
-        self.abort(f"rank {msg['rank']} failed")
-
-    def reset(self) -> None:
-        if self.broken is not None:
-            raise OverlapRuntimeError("a multi-process runtime cannot continue after a failure "
-                                      f"({self.broken})")
-        super().reset()
-
-    def close(self) -> None:
-        super().close()
-        if self.broken is None:
-            self.control.stop()
-
-    def describe(self) -> str:
-        return describe(self.world, self.local_devices)
-
-
 class _Relay:
     """One rank's share of a broadcast: the leader's buffer fills piece by piece (from MPI, or
     all at once on the root's rank) and every other local participant copies each piece into
@@ -524,136 +362,6 @@ class _Relay:
             while self._copied < len(self.bufs) - 1:
                 self._cv.wait(_POLL_S)
                 backend._check(what, time.perf_counter(), "", None)
-
-
-def _cancel(reqs: Sequence[Any]) -> None:
-    """Take back receives still pending (MPI can cancel receives, not sends)."""
-    for r in reqs:
-        with contextlib.suppress(Exception):
-            r.Cancel()
-            r.Wait()
-
-
-class _Control:
-    """A thread per process listening for failure and exit notices from other ranks, and
-    answering "how many calls have you made?" queries."""
-
-    def __init__(self, backend: MpiBackend, comm: Any) -> None:
-        self.backend = weakref.proxy(backend)
-        self.comm = comm
-        self.rank = backend.rank
-        self.size = backend.world.size
-        self.MPI = backend.MPI
-        self.exiting: set[int] = set()
-        self.replies: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="overlap-mpi-control",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        MPI = self.MPI
-        status = MPI.Status()
-        while not self._stop.is_set():
-            if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                self._stop.wait(0.002)
-                continue
-            source, tag = status.Get_source(), status.Get_tag()
-            msg = self.comm.recv(source=source, tag=tag)
-            if tag == _EXITING:
-                self.exiting.add(source)
-            elif tag == _QUERY:
-                with contextlib.suppress(ReferenceError):
-                    self.comm.isend({"calls": self.backend.calls}, dest=source, tag=_REPLY)
-            elif tag == _REPLY:
-                self.replies[source] = int(msg["calls"])
-            elif tag == _FAILED:
-                with contextlib.suppress(ReferenceError):
-                    self.backend._remote_failure(msg)
-
-    def tell_all(self, tag: int, msg: dict[str, Any], wait: float = 1.0) -> None:
-        reqs = [self.comm.isend(msg, dest=r, tag=tag) for r in range(self.size)
-                if r != self.rank]
-        deadline = time.perf_counter() + wait
-        while reqs and time.perf_counter() < deadline:
-            reqs = [r for r in reqs if not r.Test()]
-            time.sleep(0.001)
-
-    def behind(self, calls: int, wait: float = 1.0) -> str:
-        """Ask every rank how many runtime calls it has made; name those behind ``calls``
-        (they never joined this one) and those that did not answer."""
-        self.replies.clear()
-        self.tell_all(_QUERY, {}, wait)
-        others = [r for r in range(self.size) if r != self.rank]
-        deadline = time.perf_counter() + wait
-        while len(self.replies) < len(others) and time.perf_counter() < deadline:
-            time.sleep(0.005)
-        late = [r for r in others if r in self.replies and self.replies[r] < calls]
-        mute = [r for r in others if r not in self.replies]
-        parts = []
-        if late:
-            parts.append(f"ranks {late} never made this call (they are at calls "
-                         f"{[self.replies[r] for r in late]}, this rank at {calls})")
-        if mute:
-            parts.append(f"ranks {mute} do not answer (exited, dead, or blocked in MPI)")
-        return "; ".join(parts) or "every rank made this call (a stuck peer?)"
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
-
-
-# ---- process exit: a failed job must end, on every rank, with a non-zero status ------------
-
-_GUARDS = False
-
-
-def _install_exit_guards() -> None:
-    global _GUARDS
-    if _GUARDS:
-        return
-    _GUARDS = True
-    previous = sys.excepthook
-
-    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous(tp, value, tb)
-        for b in list(_LIVE):
-            if b.broken is None and not isinstance(value, RankFailed):
-                b.announce_failure("the script (an uncaught exception)", value)
-            b.broken = b.broken or value
-            break
-
-    sys.excepthook = excepthook
-    atexit.register(_at_exit)
-
-
-def _at_exit() -> None:
-    for b in list(_LIVE):
-        if b.broken is None and b.failures:  # failed work nobody raised: still a failure
-            b.announce_failure("work that failed before exit", b.failures[0])
-    broken = [b for b in list(_LIVE) if b.broken is not None]
-    if not broken:
-        for b in list(_LIVE):
-            b.control.stop()
-        return
-    b = broken[0]
-    # Let the peers print their own errors before the launcher takes the job down.
-    b.control.tell_all(_EXITING, {"rank": b.rank})
-    deadline = time.perf_counter() + b.grace
-    others = set(range(b.world.size)) - {b.rank}
-    while not others <= b.control.exiting and time.perf_counter() < deadline:
-        time.sleep(0.01)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    b.MPI.COMM_WORLD.Abort(1)
-
-
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
 
 
 __all__ = ["Backoff", "MpiBackend"]
