@@ -123,10 +123,9 @@ def test_device_ranges_read_compactly():
     assert _ranges([]) == "none"
 
 
-def test_cuda_across_processes_is_refused_plainly():
-    from overlap.backends import make_backend
-    from overlap.errors import OverlapRuntimeError
+def test_cuda_across_processes_runs_one_device_per_process():
+    from overlap.backends.cuda_mpi import CudaMpiBackend
 
-    with pytest.raises(OverlapRuntimeError, match="backend 'cuda' in a multi-process job"):
-        make_backend("cuda", 4, world=World(0, 2, source="mpi"),
-                     placement=Placement.blocks(4, 2))
+    with pytest.raises(ValueError, match=r"placement: backend 'cuda' across processes runs "
+                                         r"one device per process .* rank 0 owns 2 devices"):
+        CudaMpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2))

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import OverlapRuntimeError
 from .cpu import CpuBackend, CpuEvent, CpuStream
 
 BACKENDS = ("cpu", "cuda")
@@ -83,12 +82,10 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
         raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
     if world is not None and world.distributed:
         if name == "cuda":
-            # NCCL communicators can be bootstrapped across processes (nccl_bootstrap.py,
-            # tested with a stand-in NCCL), but the CUDA backend's collectives do not yet
-            # route through them: refuse rather than run something never exercised.
-            raise OverlapRuntimeError(
-                "backend 'cuda' in a multi-process job is not available yet: run one process "
-                "with every GPU (backend='cuda'), or several processes with backend='cpu'")
+            from .cuda_mpi import CudaMpiBackend
+
+            return CudaMpiBackend(num_devices, world=world, placement=placement,
+                                  timeout=timeout)
         from .mpi import MpiBackend
 
         return MpiBackend(num_devices, world=world, placement=placement, timeout=timeout)

@@ -1,5 +1,7 @@
 """The CPU backend across processes: each MPI rank drives its own devices; collectives that
-span ranks move bytes with nonblocking MPI point-to-point operations.
+span ranks move bytes with nonblocking MPI point-to-point operations. (What every
+multi-process backend shares — ownership, per-call agreement, failure notices, exit — is in
+``distributed.py``; the GPU flavour is ``cuda_mpi.py``.)
 
 Every process lowers the same programs and launches only its own devices' streams (the
 runtime checks that the programs agree — see ``Runtime``). Inside a process nothing changes:

@@ -4,8 +4,11 @@ Every rank runs this same script (as a user's would). Modes:
 
 - ``toy OUT``: the toy pipeline (overlap.toy), two SGD steps per schedule; each rank saves the
   losses it got and its own devices' gradients and weights to ``OUT/rank<r>.npz``.
-- ``reshard OUT CASES``: every plan in the JSON file CASES, on shards made from the tensor
-  ``arange``; each rank saves its destination shards.
+- ``reshard OUT CASES [cuda]``: every plan in the JSON file CASES, on shards made from the
+  tensor ``arange``; each rank saves its destination shards. With ``cuda``: on the CUDA
+  backend across processes (one device per rank), run on the numpy stand-in for CuPy with
+  links that move NCCL's bytes over MPI (``HostMpiLinks``), plus a 2-stage pipeline whose
+  last stage all-reduces across ranks (saved as ``pipe/...``).
 - ``raise OUT RANK``: as ``toy``, but rank RANK's stage 2/3 backward raises in step 1.
 - ``kill OUT RANK``: as ``toy``, but rank RANK kills itself (SIGKILL) in a stage function.
 - ``outside OUT RANK``: rank RANK raises in the script itself between two steps.
@@ -96,7 +99,11 @@ def main() -> int:
         cases = json.loads(Path(sys.argv[3]).read_text())
         cluster = Cluster(cases["hosts"], cases["gpus"], nic_gbps=cases["nic_gbps"])
     timeout = 2.0 if mode in ("stuck", "silent") else 30.0
-    with Runtime(cluster, timeout=timeout) as rt:
+    backend = "cpu"
+    if mode == "reshard" and sys.argv[4:] == ["cuda"]:
+        backend = "cuda"
+        use_fake_gpu()
+    with Runtime(cluster, backend, timeout=timeout) as rt:
         rank = rt.world.rank
         saved: dict[str, np.ndarray] = {}
         if mode == "toy":
@@ -142,11 +149,99 @@ def main() -> int:
                           for d, r in plan.src.device_regions(plan.shape).items()
                           if d in rt.local_devices}
                 for d, a in rt.reshard_sync(plan, shards).items():
-                    saved[f"{i}/{d}"] = a
+                    saved[f"{i}/{d}"] = np.asarray(a)
+            if backend == "cuda":
+                saved.update(small_pipeline(rt))
         else:
             raise SystemExit(f"mode: unknown {mode!r}")
         np.savez(out_dir / f"rank{rank}.npz", **saved)
     return 0
+
+
+def use_fake_gpu() -> None:
+    """The numpy stand-in for CuPy, and NCCL's operations done over MPI on host arrays."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fake_cupy
+
+    sys.modules["cupy"] = fake_cupy
+    from overlap.backends import cuda_mpi
+
+    cuda_mpi.NcclLinks = HostMpiLinks
+
+
+class HostMpiLinks:
+    """``NcclLinks`` with MPI underneath (same matching: by order per communicator)."""
+
+    def __init__(self, comm, rank, *, timeout, poll):
+        self.world, self.rank, self.comms = comm, rank, {}
+
+    def open(self, key, members):
+        old = self.comms.pop(key, None)
+        if old is not None:
+            old.Free()
+        group = self.world.Get_group().Incl(list(members))
+        self.comms[key] = self.world.Create_group(group)
+
+    def send_many(self, key, buf, peers, stream):
+        for p in peers:
+            self.comms[key].Send(np.ascontiguousarray(buf), dest=p)
+
+    def recv(self, key, buf, peer, stream):
+        self.comms[key].Recv(buf, source=peer)
+
+    def all_reduce(self, key, buf, stream):
+        from mpi4py import MPI
+
+        self.comms[key].Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def all_gather(self, key, buf, out, stream):
+        self.comms[key].Allgather(np.ascontiguousarray(buf), out)
+
+    def close(self):
+        for c in self.comms.values():
+            c.Free()
+        self.comms = {}
+
+
+def small_pipeline(rt: Runtime) -> dict[str, np.ndarray]:
+    """2 stages on a 2 × 2 cluster: device 0 → devices (2, 3), which all-reduce a gradient
+    and all-gather their outputs across processes. Losses and gradients are saved."""
+    from overlap import Stage
+    from scheduler import Boundary, DeviceMesh, P, Sharding
+
+    w = [np.random.default_rng(7 + s).standard_normal((6, 6)) for s in range(2)]
+    grads: dict[tuple[int, int], np.ndarray] = {}
+    m0, m1 = DeviceMesh([[0]], ("h", "g")), DeviceMesh([[2, 3]], ("h", "g"))
+
+    def forward(s):
+        def f(ctx, x):
+            y = np.tanh(np.asarray(x) @ w[s])
+            ctx.saved["x"], ctx.saved["y"] = np.asarray(x), y
+            if s == 1:
+                both = np.asarray(ctx.all_gather(y))  # every device's (equal) output
+                return 0.5 * float(np.sum(both * both)) / len(both)
+            return y
+        return f
+
+    def backward(s):
+        def b(ctx, dy):
+            x, y = ctx.saved["x"], ctx.saved["y"]
+            dz = (y if dy is None else np.asarray(dy)) * (1 - y * y)
+            g = x.T @ dz
+            if s == 1:
+                g = np.asarray(ctx.all_reduce(g)) / 2  # data-parallel style average
+            grads[(s, ctx.device)] = grads.get((s, ctx.device), 0) + g
+            return dz @ w[s].T
+        return b
+
+    stages = [Stage(m, forward(s), backward(s)) for s, m in enumerate((m0, m1))]
+    boundary = Boundary((4, 6), "float64", Sharding(m0, P()), Sharding(m1, P()))
+    mbs = [np.random.default_rng(20 + i).standard_normal((4, 6)) for i in range(3)]
+    losses = rt.train_step_sync(stages, [boundary], mbs, input_sharding=Sharding(m0, P()))
+    out = {"pipe/losses": np.array(losses)}
+    for (s, d), g in grads.items():
+        out[f"pipe/grad/{s}/{d}"] = g
+    return out
 
 
 class FakeNccl:
