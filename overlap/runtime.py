@@ -336,6 +336,9 @@ class Runtime:
             self._agreed.pop(next(iter(self._agreed)))
         self._calls += 1
         self.backend.calls = self._calls
+        from .guard import report  # (imported here: ``python -m overlap.guard`` runs it)
+
+        report(f"{what} (call {self._calls})")
         call = hashlib.sha256(digest + self._calls.to_bytes(8, "little")).digest()
         return asyncio.ensure_future(self.backend.agree(call, f"{what} (call {self._calls})"))
 

@@ -39,14 +39,15 @@ sys.path.insert(0, str(JOB.parent))
 import job as toy_job  # noqa: E402
 
 
-def mpiexec(n: int, *args: str, flags: tuple[str, ...] = ()
+def mpiexec(n: int, *args: str, flags: tuple[str, ...] = (), guard: bool = False
             ) -> tuple[subprocess.CompletedProcess[str], float]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
     env["OPENBLAS_NUM_THREADS"] = "1"
     start = time.perf_counter()
-    done = subprocess.run([MPIEXEC, *flags, "-n", str(n), sys.executable, str(JOB), *args],
-                          env=env,
+    wrap = ["-m", "overlap.guard"] if guard else []
+    done = subprocess.run([MPIEXEC, *flags, "-n", str(n), sys.executable, *wrap, str(JOB),
+                           *args], env=env, cwd=Path(__file__).parents[1],
                           capture_output=True, text=True, timeout=JOB_BOUND_S)
     return done, time.perf_counter() - start
 
@@ -181,6 +182,23 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     pids = dict(re.findall(r"overlap: rank (\d)/4 \(pid (\d+)", text))
     reported = re.search(r"PID (\d+) RUNNING AT", text).group(1)
     assert reported in pids.values(), (reported, pids)
+
+
+def test_a_killed_rank_is_named_with_what_it_was_doing_under_the_guard(tmp_path):
+    """``python -m overlap.guard`` wraps each rank: the killed one is named, with its signal and
+    the runtime call it was in, and the job exits non-zero."""
+    done, _ = mpiexec(4, "kill", str(tmp_path), "1", guard=True)
+    text = assert_failed_job(done, 1)
+    pid = re.search(r"overlap: rank 1/4 \(pid (\d+)", text).group(1)
+    assert re.search(rf"overlap: rank 1 \(pid {pid} on [^)]+\) was killed by SIGKILL during "
+                     r"train_step: the programs \(call 2\)", text), text[-3000:]
+
+
+def test_the_guard_passes_a_clean_run_through(tmp_path):
+    done, _ = mpiexec(2, "toy", str(tmp_path), guard=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list(tmp_path.glob("rank*.npz"))) == 2
+    assert "was killed" not in done.stderr
 
 
 def test_an_exception_outside_the_runtime_ends_the_job(tmp_path):
