@@ -198,7 +198,7 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
             backend.broadcast(group, device, sender, buf, desc, namespace, tag)
             return
         view = outs[device][_local(dst[device], region)]
-        if view.flags.c_contiguous:
+        if view.flags.c_contiguous or backend.strided_receive:
             backend.broadcast(group, device, sender, view, desc, namespace, tag)  # in place
         else:
             buf = xp.empty(shape, dtype)

@@ -120,15 +120,17 @@ def test_hypothesis_reshardings_equal_one_process_bit_for_bit(tmp_path_factory, 
         assert_same_as_single(outputs(out, n), single)
 
 
-def test_cuda_backend_across_processes_on_a_stand_in_gpu(tmp_path):
-    """The CUDA backend with one process per device, on the numpy stand-in for CuPy and with
-    NCCL's operations done over MPI: the backend's own logic (communicators per channel and
-    group, who sends and who receives, stage collectives) against the one-process CPU run."""
+def fixed_plans() -> list:
+    """Transfers whose regions are strided views of the destination buffers (columns of a
+    row block), on ranks with one and with two destination devices."""
     cases = [(SHAPE_A, "float32", SRC_A, DST_A), (SHAPE_A, "int64", DST_A, SRC_A)]
-    plans = [plan_resharding(shape, dtype, src, dst, CLUSTER4, strategy=strategy)
-             for shape, dtype, src, dst in cases
-             for strategy in ("send_recv", "broadcast", "local_allgather")]
-    spec = tmp_path / "cases.json"
+    return [plan_resharding(shape, dtype, src, dst, CLUSTER4, strategy=strategy)
+            for shape, dtype, src, dst in cases
+            for strategy in ("send_recv", "broadcast", "local_allgather")]
+
+
+def one_process(plans: list, spec: Path) -> dict[str, np.ndarray]:
+    """Write the job's case file; return the one-process run's destination shards."""
     spec.write_text(json.dumps({"hosts": 2, "gpus": 2, "nic_gbps": 100.0,
                                 "plans": [p.to_json() for p in plans]}))
     single: dict[str, np.ndarray] = {}
@@ -139,8 +141,25 @@ def test_cuda_backend_across_processes_on_a_stand_in_gpu(tmp_path):
                       for d, r in plan.src.device_regions(plan.shape).items()}
             for d, a in rt.reshard_sync(plan, shards).items():
                 single[f"{i}/{d}"] = a
+    return single
+
+
+@pytest.mark.parametrize("n", [4, 2])
+def test_strided_destinations_across_processes(tmp_path, n):
+    single = one_process(fixed_plans(), tmp_path / "cases.json")
+    done, _ = mpiexec(n, "reshard", str(tmp_path), str(tmp_path / "cases.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_as_single(outputs(tmp_path, n), single)
+
+
+def test_cuda_backend_across_processes_on_a_stand_in_gpu(tmp_path):
+    """The CUDA backend with one process per device, on the numpy stand-in for CuPy and with
+    NCCL's operations done over MPI: the backend's own logic (communicators per channel and
+    group, who sends and who receives, stage collectives) against the one-process CPU run."""
+    single = one_process(fixed_plans(), tmp_path / "cases.json")
+    with Runtime(CLUSTER4) as rt:
         single.update(toy_job.small_pipeline(rt))
-    done, _ = mpiexec(4, "reshard", str(tmp_path), str(spec), "cuda")
+    done, _ = mpiexec(4, "reshard", str(tmp_path), str(tmp_path / "cases.json"), "cuda")
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = outputs(tmp_path, 4)
     assert_same_as_single(ranks, single, replicated=("pipe/losses",))

@@ -341,6 +341,10 @@ class CpuBackend:
     name = "cpu"
     xp = np  # the array module stage functions and transfers use
     stream_class: type[CpuStream] = CpuStream
+    # A broadcast may receive into a strided view of the destination (one copy lands the
+    # data in place); backends whose transport needs contiguous memory (NCCL) say False and
+    # receivers stage and unpack.
+    strided_receive = True
 
     def current_stream(self) -> Any:
         """The native stream of the calling op (None: CPU streams are threads)."""

@@ -149,6 +149,7 @@ class CudaBackend(CpuBackend):
 
     name = "cuda"
     stream_class = CudaStream
+    strided_receive = False  # NCCL sends and receives contiguous buffers
 
     def __init__(self, num_devices: int, *, timeout: float = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None,

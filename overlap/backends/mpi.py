@@ -146,8 +146,8 @@ class MpiBackend(Distributed, CpuBackend):
                 if b.shape != src.shape or b.dtype != src.dtype:
                     raise CollectiveMismatch(f"{what}: device {d} buffer {b.shape} {b.dtype} != "
                                              f"device {leader} buffer {src.shape} {src.dtype}")
-                if not b.flags.c_contiguous:
-                    raise OverlapRuntimeError(f"{what}: device {d}'s buffer is not contiguous")
+            if leader == root and not src.flags.c_contiguous:
+                raise OverlapRuntimeError(f"{what}: the root's buffer is not contiguous")
             return 0.0, _Relay(bufs, leader)
 
         # The rendezvous of this rank's participants only picks the leader and shares buffers;
@@ -156,7 +156,7 @@ class MpiBackend(Distributed, CpuBackend):
         if device != relay.leader:
             relay.follow(device, self, what)
             return None
-        data = relay.bufs[device].reshape(-1).view(np.uint8)
+        data = relay.source.reshape(-1).view(np.uint8)
         try:
             if me == 0:
                 relay.publish(data.nbytes)  # the root holds it all already
@@ -166,6 +166,8 @@ class MpiBackend(Distributed, CpuBackend):
         except BaseException as exc:
             relay.fail(exc)
             raise
+        if relay.source is not relay.bufs[device]:
+            np.copyto(relay.bufs[device], relay.source)  # the leader's strided destination
         relay.wait_followers(self, what)
         return None
 
@@ -321,7 +323,11 @@ class _Relay:
     def __init__(self, bufs: dict[int, np.ndarray], leader: int) -> None:
         self.bufs = bufs
         self.leader = leader
-        self.size = bufs[leader].nbytes
+        mine = bufs[leader]
+        # Where the bytes land: the leader's buffer, or a staging copy when that buffer is a
+        # strided view (the leader then copies it in place, like every strided follower).
+        self.source = mine if mine.flags.c_contiguous else np.empty(mine.shape, mine.dtype)
+        self.size = mine.nbytes
         self._cv = threading.Condition()
         self._landed = 0
         self._error: BaseException | None = None
@@ -338,20 +344,28 @@ class _Relay:
             self._cv.notify_all()
 
     def follow(self, device: int, backend: MpiBackend, what: str) -> None:
-        src = self.bufs[self.leader].reshape(-1).view(np.uint8)
-        dst = self.bufs[device].reshape(-1).view(np.uint8)
+        """Copy the bytes into this device's buffer: piece by piece as they land when it is
+        contiguous, in one strided copy once all have landed when it is a view."""
+        mine = self.bufs[device]
+        flat = mine.flags.c_contiguous
+        src = self.source.reshape(-1).view(np.uint8)
+        dst = mine.reshape(-1).view(np.uint8) if flat else None
         done = 0
         try:
             while done < self.size:
                 with self._cv:
-                    while self._landed == done and self._error is None:
+                    while (self._landed == done or (not flat and self._landed < self.size)) \
+                            and self._error is None:
                         self._cv.wait(_POLL_S)
                         backend._check(what, time.perf_counter(), "", None)
                     if self._error is not None:
                         raise CollectiveAborted(f"{what} on device {device}: the transfer failed "
                                                 f"({self._error})")
                     upto = self._landed
-                dst[done:upto] = src[done:upto]
+                if flat:
+                    dst[done:upto] = src[done:upto]
+                else:
+                    np.copyto(mine, self.source)
                 done = upto
         finally:
             with self._cv:
