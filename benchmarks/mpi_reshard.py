@@ -5,9 +5,10 @@
 1. **Throughput**: the paper suite's layouts (scheduler/suites.py, 5 × p3.8xlarge), every dim
    scaled so a tensor is about 64 MiB, planned with broadcast + auto. Host h's devices belong
    to rank h mod 4 (so hosts 0 and 4 share rank 0). For each case: GB/s of ``Runtime.reshard``
-   (tensor bytes / wall time, median of 5 after a warm-up) next to a raw ``MPI_Bcast`` of the
+   (tensor bytes / wall time, median of 7 after a warm-up) next to a raw ``MPI_Bcast`` of the
    same bytes from the source's first rank to every rank holding destination devices (on a
-   communicator of those ranks), measured in the same run; ratio = ours / raw.
+   communicator of those ranks), measured in the same run, in turns (one of each variant per
+   round, so load drift on the shared machine hits all alike); ratio = ours / raw.
    Destination buffers are made once and passed as ``out=`` (the raw broadcast reuses its
    buffer too); the "fresh" column lets every call allocate its destination arrays. A
    resharding writes every destination device's region into that device's own buffer, which
@@ -44,7 +45,7 @@ from scheduler.cli import machine_line
 from scheduler.suites import paper_suite
 
 TARGET_BYTES = 64 << 20
-REPS = 5
+REPS = 7
 POLLS = {"spin": Backoff(spin=1 << 30), "sleep 50us": Backoff(start=50e-6, cap=50e-6),
          "spin 64 tests, then backoff": Backoff(spin=64), "backoff (default)": Backoff()}
 
@@ -64,6 +65,25 @@ def barrier(comm) -> None:
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(50e-6)
+
+
+def interleaved(variants: dict, comm) -> dict[str, float]:
+    """Median seconds of each variant (slowest rank), measured in turns — one of each per
+    round — so the shared machine's load drifts over all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        fn()  # warm-up (and first-use allocations)
+    for _ in range(REPS):
+        for name, fn in variants.items():
+            barrier(comm)
+            t = time.perf_counter()
+            fn()
+            barrier(comm)
+            times[name].append(time.perf_counter() - t)
+    from mpi4py import MPI
+
+    return {name: comm.allreduce(statistics.median(ts), op=MPI.MAX)
+            for name, ts in times.items()}
 
 
 def median_time(fn, comm) -> float:
@@ -112,19 +132,12 @@ def main() -> int:
             # Destination buffers made once and reused (``out=``), as the raw broadcast reuses
             # its buffer; "fresh" lets every call allocate (page faults on first touch).
             out = rt.reshard_sync(plan, shards)
-            ours = {}
-            for name, poll in POLLS.items():
-                rt.backend.poll = poll
-                ours[name] = median_time(
-                    lambda p=plan, s=shards, o=out: rt.reshard_sync(p, s, out=o), comm)
-            rt.backend.poll = Backoff()
-            ours["fresh"] = median_time(lambda p=plan, s=shards: rt.reshard_sync(p, s), comm)
-            del out
             # Raw: broadcast the same bytes from the source's first rank to the ranks that
             # hold destination devices.
             root = placement.owners[case.src.mesh.device_ids[0]]
             members = sorted({root, *placement.ranks_of(case.dst.mesh.device_ids)})
             sub = comm.Create_group(comm.Get_group().Incl(members)) if rank in members else None
+            at = members.index(root)
             buf = np.empty(shape, case.dtype)
             # What a hand-written MPI program does to give each destination device its region:
             # the broadcast, then a copy of each local device's region into its own buffer.
@@ -137,20 +150,35 @@ def main() -> int:
                     break
             mine = {d: np.empty([b - a for a, b in r], case.dtype) for d, r in regions.items()}
 
-            def bcast_and_copy(c, b, r, regions=regions, mine=mine):
-                c.Bcast(b, root=r)
-                for d, reg in regions.items():
-                    np.copyto(mine[d], b[tuple(slice(x, y) for x, y in reg)])
+            def raw_bcast(c=sub, b=buf, r=at) -> None:
+                if c is not None:
+                    c.Bcast(b, root=r)
 
-            raw = raw_copy = 0.0
+            def bcast_and_copy(c=sub, b=buf, r=at, regions=regions, mine=mine) -> None:
+                if c is not None:
+                    c.Bcast(b, root=r)
+                    for d, reg in regions.items():
+                        np.copyto(mine[d], b[tuple(slice(x, y) for x, y in reg)])
+
+            def ours_with(poll, p=plan, s=shards, o=out):
+                def call() -> None:
+                    rt.backend.poll = poll
+                    rt.reshard_sync(p, s, out=o)
+                return call
+
+            def fresh(p=plan, s=shards) -> None:
+                rt.backend.poll = Backoff()
+                rt.reshard_sync(p, s)
+
+            variants = {name: ours_with(poll) for name, poll in POLLS.items()}
+            variants.update(fresh=fresh, raw=raw_bcast, raw_copy=bcast_and_copy)
+            times = interleaved(variants, comm)
             if sub is not None:
-                at = members.index(root)
-                raw = median_time(lambda c=sub, b=buf, r=at: c.Bcast(b, root=r), sub)
-                raw_copy = median_time(lambda c=sub, b=buf, r=at: bcast_and_copy(c, b, r), sub)
                 sub.Free()
-            raw = comm.allreduce(raw, op=MPI.MAX)
-            raw_copy = comm.allreduce(raw_copy, op=MPI.MAX)
-            del mine, buf
+            rt.backend.poll = Backoff()
+            del mine, buf, out
+            raw, raw_copy = times.pop("raw"), times.pop("raw_copy")
+            ours = times
             rows.append((case.name, shape, nbytes, len(members), len(case.dst.mesh.device_ids),
                          ours, raw, raw_copy))
         # Host overhead: one tiny transfer per call, and many tiny transfers in one call.
