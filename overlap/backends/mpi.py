@@ -4,16 +4,16 @@ multi-process backend shares — ownership, per-call agreement, failure notices,
 ``distributed.py``; the GPU flavour is ``cuda_mpi.py``.)
 
 Every process lowers the same programs and launches only its own devices' streams (the
-runtime checks that the programs agree — see ``Runtime``). Inside a process nothing changes:
-a stream is a thread, a collective first rendezvouses the process's own participants by launch
-position (as on the one-process backend), and the last of them to arrive does the process's
-part of the inter-process work, then copies to the other local participants.
+runtime checks every call against the other ranks — see ``Runtime``). Inside a process
+nothing changes: a stream is a thread, and a collective first rendezvouses the process's own
+participants by launch position (as on the one-process backend).
 
 **Communicators — a bounded number.** One per channel namespace (``declare_group``: each
 pipeline boundary in each direction, each stream name a standalone resharding uses), one for
 stage collectives, one for the runtime's own small messages and one for failure notices; all
 are duplicates of ``COMM_WORLD`` created on the main thread in the same order on every rank.
-A pipeline of p stages uses 2 (p − 1) + 3 of them whatever its plans' device sets.
+A pipeline of p stages uses 2 (p − 1) + 3 of them whatever its plans' device sets (plus one
+for the NCCL bootstrap on the GPU flavour).
 
 **Matching by tag, not by order.** Within a channel every transfer has a global index (the
 resharding's id × transfers per plan + its index in the plan); it is the MPI tag of its
@@ -24,10 +24,14 @@ across ranks to agree on, so ranks cannot deadlock on ordering. Stage collective
 (group id, launch position) as the tag; group ids come from the stage meshes, which every rank
 registers in the same order.
 
-**Data movement.** A broadcast runs as a pipelined chain over the ranks it spans, in the plan's
-receiver order (the chain the cost model prices): 1 MiB pieces, each forwarded as soon as it
-lands. All-reduce and all-gather exchange every rank's contributions and reduce them in device
-order on every rank, so results are bit-for-bit those of the one-process backend.
+**Data movement.** A broadcast runs as a chain over the ranks it spans, in the plan's receiver
+order (the chain the cost model prices). The local rendezvous only picks a leader (the root,
+else the first local receiver) and shares the buffers: the leader moves the bytes — in 1 MiB
+pieces, each forwarded as soon as it lands, when the chain has three ranks or more or a rank
+fans out locally; else one message per hop — while each other local participant copies every
+piece into its own buffer as it lands (a strided destination view: one copy once all landed).
+All-reduce and all-gather exchange every rank's contributions and reduce them in device order
+on every rank, so results are bit-for-bit those of the one-process backend.
 
 **Progress.** The waiting stream thread polls its requests (``Test``) with exponential backoff
 (20 µs doubling to 200 µs); the asyncio loop never calls a blocking MPI function. Blocking MPI
@@ -42,8 +46,9 @@ failed, and at exit a failed process waits briefly for its peers to report, then
 ``MPI_Abort`` so the launcher ends every rank and returns non-zero. An exception that escapes
 the user's script on one rank does the same. A stuck transfer raises ``CollectiveTimeout``
 naming the operation and the rank that never sent (or received) it. A rank killed by a signal
-is the launcher's to report: ``mpiexec`` ends the whole job at once and prints the dead pid,
-which the runtime's log line ``rank r/N (pid P on host): devices ...`` ties to its rank.
+cannot report and MPICH ends the others within a second: ``python -m overlap.guard`` names it
+(see ``overlap/guard.py``); without it ``mpiexec`` prints a pid, which the runtime's log line
+``rank r/N (pid P on host): devices ...`` ties to a rank.
 """
 
 from __future__ import annotations
