@@ -366,9 +366,12 @@ class Runtime:
                 for ev in events:
                     await ev.wait()
             finally:
-                if check is not None and not check.done():
-                    # Failed work aborted the backend, which ends the check's wait too.
-                    await asyncio.wait([check])
+                if check is not None:
+                    if not check.done():
+                        # Failed work aborted the backend, which ends the check's wait too.
+                        await asyncio.wait([check])
+                    if not check.cancelled():
+                        check.exception()  # retrieved here even when the work failed first
             if check is not None:
                 check.result()
         except BaseException as exc:
