@@ -34,12 +34,12 @@ _PROGRAM_CACHE = 16  # lowered step programs kept per runtime (least recently us
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine on a new event loop — uvloop's when it is installed."""
+    """Run a coroutine on a new event loop — uvloop's when it is installed — then close it."""
+    loop = _SyncLoop()
     try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return loop.run(coro, "overlap.run")
+    finally:
+        loop.close()
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -48,6 +48,15 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     except ImportError:
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
+
+
+def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left on ``loop`` and let it finish, so nothing runs on later."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
 
 class _SyncLoop:
@@ -75,11 +84,7 @@ class _SyncLoop:
             return loop.run_until_complete(task)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: nothing of this call may run on during a later one.
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for t in pending:
-                t.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            _cancel_pending(loop)
             raise
 
     def close(self) -> None:
@@ -88,6 +93,7 @@ class _SyncLoop:
             return
 
         def shut() -> None:
+            _cancel_pending(loop)
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
@@ -236,8 +242,17 @@ class Runtime:
     def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray], *,
                      out: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
         """:meth:`reshard` for synchronous callers (not from inside a running event loop)."""
-        self._check_open()
-        return self._sync.run(self.reshard(plan, shards, out=out), "reshard_sync")
+        return self.run_sync(self.reshard(plan, shards, out=out), "reshard_sync")
+
+    def run_sync(self, coro: Coroutine[Any, Any, T], what: str = "run_sync") -> T:
+        """Run ``coro`` (a call of this runtime's async API, or code awaiting one) on the event
+        loop the ``*_sync`` methods keep between calls; ``what`` names the caller in errors."""
+        try:
+            self._check_open()  # before a loop is made for a call that cannot run
+        except BaseException:
+            coro.close()
+            raise
+        return self._sync.run(coro, what)
 
     # ---- pipeline training ---------------------------------------------------------------
 
@@ -315,8 +330,7 @@ class Runtime:
 
     def train_step_sync(self, *args: Any, **kwargs: Any) -> list[float]:
         """:meth:`train_step` for synchronous callers."""
-        self._check_open()
-        return self._sync.run(self.train_step(*args, **kwargs), "train_step_sync")
+        return self.run_sync(self.train_step(*args, **kwargs), "train_step_sync")
 
     # ---- internals -----------------------------------------------------------------------
 

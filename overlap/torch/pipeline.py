@@ -22,11 +22,16 @@ from torch import nn
 from scheduler import Boundary, DeviceMesh, P, Sharding
 
 from ..pipeline import Stage, StageContext
-from ..runtime import Runtime, run
+from ..runtime import Runtime
 from .checks import check_count, check_meshes, check_modules, module_device_dtype
 from .tensors import from_torch, numpy_dtype, op_stream, to_torch
 
 LossFn = Callable[..., torch.Tensor]
+
+
+def _check_runtime(rt: Any) -> None:
+    if not isinstance(rt, Runtime):
+        raise TypeError(f"rt: expected an overlap.Runtime, got {type(rt).__name__}")
 
 
 class TorchPipeline:
@@ -104,8 +109,10 @@ class TorchPipeline:
 
     def train_step_sync(self, rt: Runtime, inputs: torch.Tensor,
                         targets: torch.Tensor | None = None, **kwargs: Any) -> list[float]:
-        """:meth:`train_step` for synchronous callers."""
-        return run(self.train_step(rt, inputs, targets, **kwargs))
+        """:meth:`train_step` for synchronous callers (on the runtime's kept event loop)."""
+        _check_runtime(rt)
+        return rt.run_sync(self.train_step(rt, inputs, targets, **kwargs),
+                           "TorchPipeline.train_step_sync")
 
     # ---- checks and boundaries ------------------------------------------------------------
 
@@ -113,8 +120,7 @@ class TorchPipeline:
                 num_microbatches: int) -> tuple[list[Any], list[Any] | None, list[Boundary]]:
         """Check a step's arguments and make its microbatches (views, no copies) and
         boundaries; raises before anything is launched."""
-        if not isinstance(rt, Runtime):
-            raise TypeError(f"rt: expected an overlap.Runtime, got {type(rt).__name__}")
+        _check_runtime(rt)
         m = check_count(num_microbatches, "num_microbatches")
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(f"inputs: expected a torch.Tensor, got {type(inputs).__name__}")
