@@ -104,16 +104,7 @@ def test_hypothesis_reshardings_equal_one_process_bit_for_bit(tmp_path_factory, 
              for strategy in ("send_recv", "broadcast", "local_allgather")]
     out = tmp_path_factory.mktemp("reshard")
     spec = out / "cases.json"
-    spec.write_text(json.dumps({"hosts": 2, "gpus": 2, "nic_gbps": 100.0,
-                                "plans": [p.to_json() for p in plans]}))
-    single: dict[str, np.ndarray] = {}
-    with Runtime(CLUSTER4) as rt:
-        for i, plan in enumerate(plans):
-            full = np.arange(int(np.prod(plan.shape)), dtype=plan.dtype).reshape(plan.shape)
-            shards = {d: full[tuple(slice(a, b) for a, b in r)].copy()
-                      for d, r in plan.src.device_regions(plan.shape).items()}
-            for d, a in rt.reshard_sync(plan, shards).items():
-                single[f"{i}/{d}"] = a
+    single = one_process(plans, spec)
     for n in (4, 2):
         done, _ = mpiexec(n, "reshard", str(out), str(spec))
         assert done.returncode == 0, done.stderr[-3000:]
@@ -136,10 +127,7 @@ def one_process(plans: list, spec: Path) -> dict[str, np.ndarray]:
     single: dict[str, np.ndarray] = {}
     with Runtime(CLUSTER4) as rt:
         for i, plan in enumerate(plans):
-            full = np.arange(int(np.prod(plan.shape)), dtype=plan.dtype).reshape(plan.shape)
-            shards = {d: full[tuple(slice(a, b) for a, b in r)].copy()
-                      for d, r in plan.src.device_regions(plan.shape).items()}
-            for d, a in rt.reshard_sync(plan, shards).items():
+            for d, a in rt.reshard_sync(plan, toy_job.arange_shards(plan)).items():
                 single[f"{i}/{d}"] = a
     return single
 

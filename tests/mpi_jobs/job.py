@@ -68,6 +68,15 @@ def run_toy(rt: Runtime, schedule: str, steps: int = 2, fault=None) -> dict[str,
     return out
 
 
+def arange_shards(plan: ReshardPlan, devices=None) -> dict[int, np.ndarray]:
+    """Each source device's region (of ``devices``, default all) of ``arange`` in the plan's
+    shape and dtype: the same input on every process and in the one-process run."""
+    full = np.arange(int(np.prod(plan.shape)), dtype=plan.dtype).reshape(plan.shape)
+    return {d: full[tuple(slice(a, b) for a, b in r)].copy()
+            for d, r in plan.src.device_regions(plan.shape).items()
+            if devices is None or d in devices}
+
+
 def failing(rank_to_fail: int, rt: Runtime, how: str):
     """Stage functions where a stage backward on ``rank_to_fail``'s devices fails in step 1
     (microbatch 1)."""
@@ -144,10 +153,7 @@ def main() -> int:
         elif mode == "reshard":
             for i, text in enumerate(cases["plans"]):
                 plan = ReshardPlan.from_json(text)
-                full = np.arange(int(np.prod(plan.shape)), dtype=plan.dtype).reshape(plan.shape)
-                shards = {d: full[tuple(slice(a, b) for a, b in r)].copy()
-                          for d, r in plan.src.device_regions(plan.shape).items()
-                          if d in rt.local_devices}
+                shards = arange_shards(plan, rt.local_devices)
                 for d, a in rt.reshard_sync(plan, shards).items():
                     saved[f"{i}/{d}"] = np.asarray(a)
             if backend == "cuda":
