@@ -157,10 +157,8 @@ class Runtime:
             if emulate_links:
                 raise ValueError("emulate_links: link emulation plays a cluster inside one "
                                  "process; it is not available in a multi-process job")
+            # (the backend checks that it covers the cluster, before any work)
             placement = placement or Placement.blocks(cluster.num_devices, world.size)
-            if len(placement.owners) != cluster.num_devices:
-                raise ValueError(f"placement: covers {len(placement.owners)} devices, the "
-                                 f"cluster has {cluster.num_devices}")
         elif placement is not None and set(placement.owners) != {0}:
             raise ValueError("placement: a one-process world owns every device")
         self.world = world

@@ -175,6 +175,12 @@ class Placement:
             raise ValueError(f"placement: ranks {idle[:8]} own no device")
         return cls(tuple(table[d] for d in range(num_devices)))
 
+    def check_covers(self, num_devices: int) -> None:
+        """Raise unless this placement maps exactly the cluster's ``num_devices`` devices."""
+        if len(self.owners) != num_devices:
+            raise ValueError(f"placement: covers {len(self.owners)} devices, the cluster has "
+                             f"{num_devices}")
+
     def devices_of(self, rank: int) -> tuple[int, ...]:
         return tuple(d for d, r in enumerate(self.owners) if r == rank)
 

@@ -129,3 +129,13 @@ def test_cuda_across_processes_runs_one_device_per_process():
     with pytest.raises(ValueError, match=r"placement: backend 'cuda' across processes runs "
                                          r"one device per process .* rank 0 owns 2 devices"):
         CudaMpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2))
+
+
+def test_a_placement_must_cover_the_cluster_exactly():
+    Placement.blocks(4, 2).check_covers(4)
+    with pytest.raises(ValueError, match="placement: covers 4 devices, the cluster has 6"):
+        Placement.blocks(4, 2).check_covers(6)
+    from overlap.backends.cuda_mpi import CudaMpiBackend
+
+    with pytest.raises(ValueError, match="placement: covers 2 devices, the cluster has 4"):
+        CudaMpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement((0, 1)))

@@ -96,6 +96,7 @@ class CudaMpiBackend(Distributed, CudaBackend):
     def __init__(self, num_devices: int, *, world: World, placement: Placement,
                  timeout: float = 30.0, poll: Backoff | None = None,
                  links: Callable[..., Any] | None = None) -> None:
+        placement.check_covers(num_devices)
         mine = placement.devices_of(world.rank)
         if len(mine) != 1:
             raise ValueError(

@@ -55,9 +55,7 @@ class Distributed:
     def _init_distributed(self, world: World, placement: Placement, *,
                           poll: Backoff | None = None, grace: float = 3.0) -> Any:
         """Set up ownership and the runtime's communicators; returns ``COMM_WORLD``."""
-        if len(placement.owners) != self.num_devices:
-            raise ValueError(f"placement: covers {len(placement.owners)} devices, the cluster "
-                             f"has {self.num_devices}")
+        placement.check_covers(self.num_devices)
         self.MPI = _mpi()
         comm = mpi_world_comm("a multi-process world")
         if comm.Get_size() != world.size or comm.Get_rank() != world.rank:
