@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveTimeout
+from .distributed import Backoff
 
 ID_TAG = 0x4E43  # "NC": the tag of unique-id messages on the bootstrap communicator
 
@@ -33,7 +34,7 @@ def bootstrap_nccl(comm: Any, members: Sequence[int], rank: int, nccl: Any, *,
         raise ValueError(f"members: expected distinct ranks, got {members}")
     if rank not in members:
         raise ValueError(f"members: rank {rank} is not one of {members}")
-    pause = pause or (lambda attempt: time.sleep(min(2e-4, 2e-5 * 2 ** min(attempt, 10))))
+    pause = pause or Backoff().pause
     root = members[0]
     if rank == root:
         uid = np.asarray(nccl.get_unique_id(), dtype=np.int64)
