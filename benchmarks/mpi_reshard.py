@@ -87,15 +87,8 @@ def interleaved(variants: dict, comm) -> dict[str, float]:
 
 
 def median_time(fn, comm) -> float:
-    fn()  # warm-up (and first-use allocations)
-    times = []
-    for _ in range(REPS):
-        barrier(comm)
-        t = time.perf_counter()
-        fn()
-        barrier(comm)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of ``fn`` (slowest rank of ``comm``)."""
+    return interleaved({"fn": fn}, comm)["fn"]
 
 
 def main() -> int:
