@@ -20,10 +20,12 @@ from scheduler import (
 )
 
 from .errors import (
+    CallMismatch,
     CollectiveAborted,
     CollectiveMismatch,
     CollectiveTimeout,
     OverlapRuntimeError,
+    RankFailed,
     StreamError,
 )
 from .pipeline import Stage, StageContext
@@ -32,12 +34,14 @@ from .runtime import Runtime, run
 __version__ = "0.1.0"
 
 __all__ = [
+    "CallMismatch",
     "Cluster",
     "CollectiveAborted",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "DeviceMesh",
     "OverlapRuntimeError",
+    "RankFailed",
     "ReshardPlan",
     "Runtime",
     "Sharding",

@@ -36,11 +36,25 @@ class CollectiveAborted(OverlapRuntimeError):
     """A collective was abandoned because a participant failed or the run was cancelled."""
 
 
+class CallMismatch(OverlapRuntimeError):
+    """The processes of a multi-process job made different runtime calls (other programs,
+    another plan, a skipped call). ``ranks`` are those whose call differs from this one's.
+
+    It explains every other failure of that call, so the runtime raises it in preference to
+    the failures it caused (and to other ranks' reports of theirs)."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class RankFailed(OverlapRuntimeError):
     """Another process of a multi-process job failed (or raised outside the runtime); this
-    process stopped its work. ``rank`` is the failed one, ``error`` what it reported."""
+    process stopped its work. ``rank`` is the failed one, ``error`` what it reported,
+    ``calls`` how many runtime calls it had made when it failed."""
 
-    def __init__(self, message: str, *, rank: int, error: str) -> None:
+    def __init__(self, message: str, *, rank: int, error: str, calls: int = 0) -> None:
         super().__init__(message)
         self.rank = rank
         self.error = error
+        self.calls = calls

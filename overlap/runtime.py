@@ -23,7 +23,13 @@ from scheduler import Boundary, Cluster, CostModel, ReshardPlan, Sharding, Span,
 
 from .backends import make_backend
 from .backends.cpu import CpuBackend
-from .errors import CollectiveAborted, CollectiveTimeout, OverlapRuntimeError, RankFailed
+from .errors import (
+    CallMismatch,
+    CollectiveAborted,
+    CollectiveTimeout,
+    OverlapRuntimeError,
+    RankFailed,
+)
 from .pipeline import Stage, check_pipeline, launch_step, make_programs
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
 from .world import Placement, World, detect_world
@@ -352,7 +358,8 @@ class Runtime:
 
         report(f"{what} (call {self._calls})")
         call = hashlib.sha256(digest + self._calls.to_bytes(8, "little")).digest()
-        return asyncio.ensure_future(self.backend.agree(call, f"{what} (call {self._calls})"))
+        return asyncio.ensure_future(
+            self.backend.agree(call, f"{what} (call {self._calls})", self._calls))
 
     async def _collective(self, coro: Coroutine[Any, Any, T], what: str) -> T:
         """One of the runtime's own cross-process messages; failures end the job's work."""
@@ -402,10 +409,16 @@ class Runtime:
             raise
 
     def _root_cause(self, exc: BaseException) -> BaseException:
-        """The first failure that is not just a consequence of another one (an abort)."""
+        """The failure that explains the others: processes that made different calls (which
+        makes work fail everywhere, in whatever order), else the first failure that is not
+        just a consequence of another one (an abort)."""
+        failures = self.backend.failures
+        for f in (exc, *failures):
+            if isinstance(f, CallMismatch):
+                return f
         if isinstance(exc, RankFailed):
             return exc
-        for f in self.backend.failures:
+        for f in failures:
             if not isinstance(f, (CollectiveAborted, CollectiveTimeout)):
                 return f
         return exc

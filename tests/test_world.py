@@ -139,3 +139,12 @@ def test_a_placement_must_cover_the_cluster_exactly():
 
     with pytest.raises(ValueError, match="placement: covers 2 devices, the cluster has 4"):
         CudaMpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement((0, 1)))
+
+
+@pytest.mark.parametrize("grace", [-1.0, "3", True, float("nan")])
+def test_a_bad_exit_grace_is_named_before_mpi_starts(grace):
+    from overlap.backends.mpi import MpiBackend
+
+    with pytest.raises(ValueError, match=r"grace: expected seconds >= 0"):
+        MpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2),
+                   grace=grace)

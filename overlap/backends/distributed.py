@@ -13,13 +13,19 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveAborted, CollectiveTimeout, OverlapRuntimeError, RankFailed
+from ..errors import (
+    CallMismatch,
+    CollectiveAborted,
+    CollectiveTimeout,
+    OverlapRuntimeError,
+    RankFailed,
+)
 from ..world import Placement, World, describe, mpi_world_comm
 
 _FAILED, _EXITING, _QUERY, _REPLY = 1, 2, 3, 4  # control message tags
@@ -53,8 +59,13 @@ class Distributed:
     the class bases). Call :meth:`_init_distributed` at the end of ``__init__``."""
 
     def _init_distributed(self, world: World, placement: Placement, *,
-                          poll: Backoff | None = None, grace: float = 3.0) -> Any:
-        """Set up ownership and the runtime's communicators; returns ``COMM_WORLD``."""
+                          poll: Backoff | None = None, grace: float = 10.0) -> Any:
+        """Set up ownership and the runtime's communicators; returns ``COMM_WORLD``.
+
+        ``grace``: how long a failed process waits at exit for its peers to report (and print
+        their errors) before ``MPI_Abort`` ends the job."""
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ValueError(f"grace: expected seconds >= 0, got {grace!r}")
         placement.check_covers(self.num_devices)
         self.MPI = _mpi()
         comm = mpi_world_comm("a multi-process world")
@@ -102,7 +113,7 @@ class Distributed:
 
     # ---- the runtime's own messages (main thread / event loop) ---------------------------
 
-    async def agree(self, digest: bytes, what: str) -> None:
+    async def agree(self, digest: bytes, what: str, call: int) -> None:
         """Raise unless every rank passes the same ``digest`` (same programs, same plan).
 
         A mismatch is also recorded as this backend's failure, so work launched meanwhile (the
@@ -111,14 +122,22 @@ class Distributed:
         comm = self._runtime_comm
         mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
         every = np.empty((self.world.size, 32), np.uint8)
-        await self._await(comm.Iallgather(mine, every), what)
-        differ = [r for r in range(self.world.size) if not np.array_equal(every[r], mine)]
+        # Programs that differ make the work fail too, here or on another rank, often before
+        # this round completes. Every rank that made call ``call`` posted its part of it, so
+        # the round still completes after an abort unless a failed rank never got this far:
+        # wait for it then (bounded), because a mismatch is the explanation the user needs,
+        # not the failures it caused.
+        def can_complete() -> bool:
+            return all(f.calls >= call for f in self.failures if isinstance(f, RankFailed))
+
+        await self._await(comm.Iallgather(mine, every), what, through_abort=can_complete)
+        differ = tuple(r for r in range(self.world.size) if not np.array_equal(every[r], mine))
         if differ:
-            err = OverlapRuntimeError(
-                f"{what}: ranks {differ} made a different call than rank {self.rank} (every "
-                "process must make the same runtime calls, in the same order, with the same "
-                "plans and pipelines; a skipped call, or a planner option that depends on the "
-                "process?)")
+            err = CallMismatch(
+                f"{what}: ranks {list(differ)} made a different call than rank {self.rank} "
+                "(every process must make the same runtime calls, in the same order, with the "
+                "same plans and pipelines; a skipped call, or a planner option that depends "
+                "on the process?)", ranks=differ)
             self._note_failure(err)
             raise err
 
@@ -128,19 +147,30 @@ class Distributed:
         await self._await(self._runtime_comm.Ibcast(buf, root=root_rank), what)
         return buf
 
-    async def _await(self, req: Any, what: str) -> None:
+    async def _await(self, req: Any, what: str,
+                     through_abort: Callable[[], bool] | None = None) -> None:
         """Wait for ``req`` off the event loop: a worker thread polls it with the backoff
-        (the loop's timers have millisecond resolution; MPI rounds take microseconds)."""
-        await asyncio.to_thread(self._wait_polled, req, what)
+        (the loop's timers have millisecond resolution; MPI rounds take microseconds).
+        Once the run is aborted, keep waiting only while ``through_abort`` says the request
+        can still complete, and at most half the ``grace`` (so this rank still reports to a
+        failed peer before that peer's wait at exit ends)."""
+        await asyncio.to_thread(self._wait_polled, req, what, through_abort)
 
-    def _wait_polled(self, req: Any, what: str) -> None:
+    def _wait_polled(self, req: Any, what: str,
+                     through_abort: Callable[[], bool] | None = None) -> None:
         started = time.perf_counter()
+        aborted_at: float | None = None
         attempt = 0
         try:
             while not req.Test():
-                if time.perf_counter() - started > self.timeout:
+                now = time.perf_counter()
+                if now - started > self.timeout:
                     self._check(what, started, self.control.behind(self.calls), None)
-                self._check(what, started, "", None)
+                if self._abort_reason is not None and aborted_at is None:
+                    aborted_at = now
+                if (aborted_at is None or through_abort is None or not through_abort()
+                        or now - aborted_at >= self.grace / 2):
+                    self._check(what, started, "", None)
                 self.poll.pause(attempt)
                 attempt += 1
         except BaseException:
@@ -154,13 +184,14 @@ class Distributed:
         if self.broken is None:
             self.broken = error
         text = f"{type(error).__name__}: {error}"
-        self.control.tell_all(_FAILED, {"rank": self.rank, "during": during, "error": text})
+        self.control.tell_all(_FAILED, {"rank": self.rank, "during": during, "error": text,
+                                        "calls": self.calls})
 
     def _remote_failure(self, msg: dict[str, Any]) -> None:
         err = RankFailed(
             f"rank {msg['rank']} failed during {msg['during']}: {msg['error']} "
             f"(rank {self.rank} stopped its work)",
-            rank=int(msg["rank"]), error=str(msg["error"]))
+            rank=int(msg["rank"]), error=str(msg["error"]), calls=int(msg["calls"]))
         if self.broken is None:
             self.broken = err
         self._note_failure(err)

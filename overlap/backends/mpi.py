@@ -75,7 +75,7 @@ class MpiBackend(Distributed, CpuBackend):
 
     def __init__(self, num_devices: int, *, world: World, placement: Placement,
                  timeout: float = 30.0, poll: Backoff | None = None,
-                 chunk_bytes: int = 1 << 20, grace: float = 3.0) -> None:
+                 chunk_bytes: int = 1 << 20, grace: float = 10.0) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes: expected an int >= 1, got {chunk_bytes!r}")
         super().__init__(num_devices, timeout=timeout)

@@ -12,7 +12,8 @@ Every rank runs this same script (as a user's would). Modes:
 - ``raise OUT RANK``: as ``toy``, but rank RANK's stage 2/3 backward raises in step 1.
 - ``kill OUT RANK``: as ``toy``, but rank RANK kills itself (SIGKILL) in a stage function.
 - ``outside OUT RANK``: rank RANK raises in the script itself between two steps.
-- ``differ OUT RANK``: rank RANK runs another schedule than the others.
+- ``differ OUT RANK [LATE]``: rank RANK runs another schedule than the others; rank LATE
+  makes the call a second late, when the others have already reported the mismatch.
 - ``silent OUT``: rank 1 waits on a broadcast rooted on rank 0, which never sends (backend
   level, timeout 2 s).
 - ``nccl OUT``: NCCL communicators bootstrapped over MPI with a stand-in NCCL (no GPU):
@@ -121,6 +122,8 @@ def main() -> int:
         elif mode in ("raise", "kill"):
             run_toy(rt, "eager-1f1b", fault=failing(int(sys.argv[3]), rt, mode))
         elif mode == "differ":
+            if sys.argv[4:] and rank == int(sys.argv[4]):
+                time.sleep(1.0)  # the others' reports of the mismatch arrive before this call
             run_toy(rt, "1f1b" if rank == int(sys.argv[3]) else "eager-1f1b", steps=1)
         elif mode == "silent":
             if rank == 1:
