@@ -40,9 +40,9 @@ import numpy as np
 from overlap import Runtime
 from overlap.backends.mpi import Backoff
 from overlap.world import Placement, detect_world
-from scheduler import DeviceMesh, Sharding, ShardingSpec, plan_resharding
+from scheduler import Cluster, DeviceMesh, Sharding, ShardingSpec, plan_resharding
 from scheduler.cli import machine_line
-from scheduler.suites import paper_suite
+from scheduler.suites import Case, paper_suite
 
 TARGET_BYTES = 64 << 20
 REPS = 7
@@ -91,6 +91,121 @@ def median_time(fn, comm) -> float:
     return interleaved({"fn": fn}, comm)["fn"]
 
 
+def measure(rt: Runtime, comm, case: Case, polls: dict[str, Backoff]) -> tuple:
+    """One case: ours with each progress variant in ``polls`` (reused ``out=`` buffers),
+    ours with fresh buffers, the raw broadcast and the raw broadcast plus copies, in turns."""
+    placement, rank = rt.backend.placement, comm.Get_rank()
+    cluster = rt.cluster
+    shape = scaled(case.shape, np.dtype(case.dtype).itemsize)
+    plan = plan_resharding(shape, case.dtype, case.src, case.dst, cluster)
+    full = np.arange(int(np.prod(shape)), dtype=case.dtype).reshape(shape)
+    shards = {d: full[tuple(slice(a, b) for a, b in r)].copy()
+              for d, r in case.src.device_regions(shape).items() if rt.backend.is_local(d)}
+    nbytes = full.nbytes
+    # Destination buffers made once and reused (``out=``), as the raw broadcast reuses
+    # its buffer; "fresh" lets every call allocate (page faults on first touch).
+    out = rt.reshard_sync(plan, shards)
+    # Raw: broadcast the same bytes from the source's first rank to the ranks that
+    # hold destination devices.
+    root = placement.owners[case.src.mesh.device_ids[0]]
+    members = sorted({root, *placement.ranks_of(case.dst.mesh.device_ids)})
+    sub = comm.Create_group(comm.Get_group().Incl(members)) if rank in members else None
+    at = members.index(root)
+    buf = np.empty(shape, case.dtype)
+    # What a hand-written MPI program does to give each destination device its region:
+    # the broadcast, then a copy of each local device's region into its own buffer.
+    regions = {d: r for d, r in case.dst.device_regions(shape).items()
+               if placement.owners[d] == rank}
+    whole = tuple((0, n) for n in shape)
+    for d, r in regions.items():  # one device holding it all receives in place
+        if tuple(r) == whole:
+            del regions[d]
+            break
+    mine = {d: np.empty([b - a for a, b in r], case.dtype) for d, r in regions.items()}
+
+    def raw_bcast(c=sub, b=buf, r=at) -> None:
+        if c is not None:
+            c.Bcast(b, root=r)
+
+    def bcast_and_copy(c=sub, b=buf, r=at, regions=regions, mine=mine) -> None:
+        if c is not None:
+            c.Bcast(b, root=r)
+            for d, reg in regions.items():
+                np.copyto(mine[d], b[tuple(slice(x, y) for x, y in reg)])
+
+    def ours_with(poll, p=plan, s=shards, o=out):
+        def call() -> None:
+            rt.backend.poll = poll
+            rt.reshard_sync(p, s, out=o)
+        return call
+
+    def fresh(p=plan, s=shards) -> None:
+        rt.backend.poll = Backoff()
+        rt.reshard_sync(p, s)
+
+    variants = {name: ours_with(poll) for name, poll in polls.items()}
+    variants.update(fresh=fresh, raw=raw_bcast, raw_copy=bcast_and_copy)
+    times = interleaved(variants, comm)
+    if sub is not None:
+        sub.Free()
+    rt.backend.poll = Backoff()
+    del mine, buf, out
+    raw, raw_copy = times.pop("raw"), times.pop("raw_copy")
+    return (case.name, shape, nbytes, len(members), len(case.dst.mesh.device_ids), times, raw,
+            raw_copy)
+
+
+def one_device_per_rank(size: int) -> list[Case]:
+    """The suite's kinds of layout change on ``size`` hosts of one device each, so every rank
+    holds one device (the default placement): no rank writes more than its own buffer, and the
+    raw broadcast does the same work as a resharding to replicated destinations."""
+    cluster = Cluster(size, 1, nic_gbps=100)
+    shape = (4096, 4096)  # float32: 64 MiB
+
+    def sh(hosts: range, *spec: object) -> Sharding:
+        return Sharding(cluster.mesh(hosts, gpus=1), ShardingSpec(*spec))
+
+    half = size // 2
+    a, b = range(half), range(half, size)
+    cases = [Case(f"1->{k} repl", shape, "float32", sh(range(1)), sh(range(1, 1 + k)), cluster)
+             for k in range(1, size)]
+    cases += [
+        Case(f"1->{size - 1} split", shape, "float32", sh(range(1)),
+             sh(range(1, size), "host", None), cluster),
+        Case(f"{half}->{half} rows", shape, "float32", sh(a, "host", None), sh(b, "host", None),
+             cluster),
+        Case(f"{half}->{half} repl->rows", shape, "float32", sh(a), sh(b, "host", None),
+             cluster),
+        Case(f"{half}->{half} cols->rows", shape, "float32", sh(a, None, "host"),
+             sh(b, "host", None), cluster),
+        Case(f"{half}->{half} rows->repl", shape, "float32", sh(a, "host", None), sh(b),
+             cluster),
+    ]
+    return cases
+
+
+def table(say, rows: list[tuple]) -> None:
+    """Print one throughput table and its geometric means."""
+    if not rows:
+        return
+    say(f"{'case':<16} {'shape':>13} {'MiB':>5} {'ranks':>5} {'dst dev':>7} "
+        f"{'ours GB/s':>9} {'raw GB/s':>8} {'ours/raw':>8} {'fresh/raw':>9} "
+        f"{'ours/(raw+copies)':>17}")
+    ratios, fresh, fair = [], [], []
+    for name, shape, nbytes, nranks, ndst, ours, raw, raw_copy in rows:
+        t = ours["backoff (default)"]
+        ratios.append(raw / t)
+        fresh.append(raw / ours["fresh"])
+        fair.append(raw_copy / t)
+        say(f"{name:<16} {'x'.join(map(str, shape)):>13} {nbytes >> 20:>5} {nranks:>5} "
+            f"{ndst:>7} {nbytes / t / 1e9:>9.2f} {nbytes / raw / 1e9:>8.2f} {raw / t:>8.2f} "
+            f"{fresh[-1]:>9.2f} {fair[-1]:>17.2f}")
+    say(f"ours/raw: geometric mean {statistics.geometric_mean(ratios):.2f}, worst "
+        f"{min(ratios):.2f} (target >= 0.8); fresh buffers: geometric mean "
+        f"{statistics.geometric_mean(fresh):.2f}; ours/(raw+copies): geometric mean "
+        f"{statistics.geometric_mean(fair):.2f}, worst {min(fair):.2f}")
+
+
 def main() -> int:
     world = detect_world()
     if not world.distributed:  # started plainly: start the 4-process job
@@ -105,7 +220,7 @@ def main() -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     only = sys.argv[1:]  # optional case names to run (e.g. "case 1" "1->(1,1)")
     suite = [c for c in paper_suite() if not only or c.name in only]
-    cluster = suite[0].cluster
+    cluster = paper_suite()[0].cluster
     g = cluster.gpus_per_host
     placement = Placement.explicit([(d // g) % size for d in range(cluster.num_devices)],
                                    cluster.num_devices, size)
@@ -116,64 +231,7 @@ def main() -> int:
     rows = []
     with Runtime(cluster, world=world, placement=placement) as rt:
         for case in suite:
-            shape = scaled(case.shape, np.dtype(case.dtype).itemsize)
-            plan = plan_resharding(shape, case.dtype, case.src, case.dst, cluster)
-            full = np.arange(int(np.prod(shape)), dtype=case.dtype).reshape(shape)
-            shards = {d: full[tuple(slice(a, b) for a, b in r)].copy()
-                      for d, r in case.src.device_regions(shape).items() if rt.backend.is_local(d)}
-            nbytes = full.nbytes
-            # Destination buffers made once and reused (``out=``), as the raw broadcast reuses
-            # its buffer; "fresh" lets every call allocate (page faults on first touch).
-            out = rt.reshard_sync(plan, shards)
-            # Raw: broadcast the same bytes from the source's first rank to the ranks that
-            # hold destination devices.
-            root = placement.owners[case.src.mesh.device_ids[0]]
-            members = sorted({root, *placement.ranks_of(case.dst.mesh.device_ids)})
-            sub = comm.Create_group(comm.Get_group().Incl(members)) if rank in members else None
-            at = members.index(root)
-            buf = np.empty(shape, case.dtype)
-            # What a hand-written MPI program does to give each destination device its region:
-            # the broadcast, then a copy of each local device's region into its own buffer.
-            regions = {d: r for d, r in case.dst.device_regions(shape).items()
-                       if placement.owners[d] == rank}
-            whole = tuple((0, n) for n in shape)
-            for d, r in regions.items():  # one device holding it all receives in place
-                if tuple(r) == whole:
-                    del regions[d]
-                    break
-            mine = {d: np.empty([b - a for a, b in r], case.dtype) for d, r in regions.items()}
-
-            def raw_bcast(c=sub, b=buf, r=at) -> None:
-                if c is not None:
-                    c.Bcast(b, root=r)
-
-            def bcast_and_copy(c=sub, b=buf, r=at, regions=regions, mine=mine) -> None:
-                if c is not None:
-                    c.Bcast(b, root=r)
-                    for d, reg in regions.items():
-                        np.copyto(mine[d], b[tuple(slice(x, y) for x, y in reg)])
-
-            def ours_with(poll, p=plan, s=shards, o=out):
-                def call() -> None:
-                    rt.backend.poll = poll
-                    rt.reshard_sync(p, s, out=o)
-                return call
-
-            def fresh(p=plan, s=shards) -> None:
-                rt.backend.poll = Backoff()
-                rt.reshard_sync(p, s)
-
-            variants = {name: ours_with(poll) for name, poll in POLLS.items()}
-            variants.update(fresh=fresh, raw=raw_bcast, raw_copy=bcast_and_copy)
-            times = interleaved(variants, comm)
-            if sub is not None:
-                sub.Free()
-            rt.backend.poll = Backoff()
-            del mine, buf, out
-            raw, raw_copy = times.pop("raw"), times.pop("raw_copy")
-            ours = times
-            rows.append((case.name, shape, nbytes, len(members), len(case.dst.mesh.device_ids),
-                         ours, raw, raw_copy))
+            rows.append(measure(rt, comm, case, POLLS))
         # Host overhead: one tiny transfer per call, and many tiny transfers in one call.
         a = Sharding(DeviceMesh([[0]], ("host", "gpu")), ShardingSpec())
         b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
@@ -201,25 +259,21 @@ def main() -> int:
                                    pair) / 50
             pair.Free()
         raw_tiny = comm.allreduce(raw_tiny, op=MPI.MAX)
+    # The same kinds of layout change with one device per rank (a second runtime, its own
+    # cluster): each rank writes only its own device's buffer, as the raw broadcast does.
+    cases = [c for c in one_device_per_rank(size) if not only or c.name in only]
+    single = []
+    if cases:
+        with Runtime(cases[0].cluster, world=world) as rt:
+            for case in cases:
+                single.append(measure(rt, comm, case, {"backoff (default)": Backoff()}))
 
-    say(f"\n{'case':<11} {'shape':>18} {'MiB':>5} {'ranks':>5} {'dst dev':>7} "
-        f"{'ours GB/s':>9} {'raw GB/s':>8} {'ours/raw':>8} {'fresh/raw':>9} "
-        f"{'ours/(raw+copies)':>17}")
-    ratios, fresh, fair = [], [], []
-    for name, shape, nbytes, nranks, ndst, ours, raw, raw_copy in rows:
-        t = ours["backoff (default)"]
-        ratios.append(raw / t)
-        fresh.append(raw / ours["fresh"])
-        fair.append(raw_copy / t)
-        say(f"{name:<11} {'x'.join(map(str, shape)):>18} {nbytes >> 20:>5} {nranks:>5} "
-            f"{ndst:>7} {nbytes / t / 1e9:>9.2f} {nbytes / raw / 1e9:>8.2f} {raw / t:>8.2f} "
-            f"{fresh[-1]:>9.2f} {fair[-1]:>17.2f}")
-    say(f"ours/raw: geometric mean {statistics.geometric_mean(ratios):.2f}, worst "
-        f"{min(ratios):.2f} (target >= 0.8); fresh buffers: geometric mean "
-        f"{statistics.geometric_mean(fresh):.2f}; ours/(raw+copies): geometric mean "
-        f"{statistics.geometric_mean(fair):.2f}, worst {min(fair):.2f}")
+    say("\n1. the paper suite's layouts (5 hosts x 4 devices on 4 ranks)")
+    table(say, rows)
+    say(f"\n   one device per rank ({size} hosts x 1 device, the default placement)")
+    table(say, single)
     say("\nprogress (wall time relative to the default backoff; geometric mean over cases)")
-    for name in POLLS:
+    for name in POLLS if rows else ():
         rel = statistics.geometric_mean(r[5][name] / r[5]["backoff (default)"] for r in rows)
         say(f"  {name:<18} {rel:.2f}")
     say("\nhost overhead")

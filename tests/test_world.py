@@ -148,3 +148,34 @@ def test_a_bad_exit_grace_is_named_before_mpi_starts(grace):
     with pytest.raises(ValueError, match=r"grace: expected seconds >= 0"):
         MpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2),
                    grace=grace)
+
+
+def test_broadcast_pieces_minimise_the_pipeline_model():
+    """The piece size the MPI backend picks is the best whole number of pieces under its own
+    model (k pieces through s stages: (k + s - 1) x (bytes / (k x bandwidth) + overhead))."""
+    from overlap.backends import mpi
+
+    def modeled(nbytes: int, stages: int, k: int) -> float:
+        return (k + stages - 1) * (nbytes / k / mpi.HOST_BYTES_PER_S + mpi.PIECE_OVERHEAD_S)
+
+    for nbytes in (1 << 20, 7 << 20, 64 << 20, 1 << 30):
+        for stages in (2, 3, 5, 9):
+            piece = mpi.piece_bytes(nbytes, stages)
+            assert piece >= mpi.MIN_PIECE_BYTES
+            k = -(-nbytes // piece)
+            best = min(modeled(nbytes, stages, j) for j in range(1, 2000))
+            assert modeled(nbytes, stages, k) <= best * 1.02, (nbytes, stages, k)
+    # One stage (one hop, nothing copied on): one message; small tensors: one piece.
+    assert mpi.piece_bytes(64 << 20, 1) == 64 << 20
+    assert mpi.piece_bytes(1000, 4) == 1000
+    assert mpi.piece_bytes(0, 1) == 1
+    # Longer pipelines cut finer.
+    assert mpi.piece_bytes(64 << 20, 9) < mpi.piece_bytes(64 << 20, 2)
+
+
+def test_a_bad_piece_size_is_named():
+    from overlap.backends.mpi import MpiBackend
+
+    with pytest.raises(ValueError, match=r"chunk_bytes: expected an int >= 1 or None"):
+        MpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2),
+                   chunk_bytes=0)

@@ -59,7 +59,7 @@ class Distributed:
     the class bases). Call :meth:`_init_distributed` at the end of ``__init__``."""
 
     def _init_distributed(self, world: World, placement: Placement, *,
-                          poll: Backoff | None = None, grace: float = 10.0) -> Any:
+                          poll: Backoff | None = None, grace: float = 5.0) -> Any:
         """Set up ownership and the runtime's communicators; returns ``COMM_WORLD``.
 
         ``grace``: how long a failed process waits at exit for its peers to report (and print

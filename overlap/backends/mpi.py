@@ -26,10 +26,13 @@ registers in the same order.
 
 **Data movement.** A broadcast runs as a chain over the ranks it spans, in the plan's receiver
 order (the chain the cost model prices). The local rendezvous only picks a leader (the root,
-else the first local receiver) and shares the buffers: the leader moves the bytes — in 1 MiB
-pieces, each forwarded as soon as it lands, when the chain has three ranks or more or a rank
-fans out locally; else one message per hop — while each other local participant copies every
-piece into its own buffer as it lands (a strided destination view: one copy once all landed).
+else the first local receiver) and shares the buffers: the leader moves the bytes — in pieces,
+each forwarded as soon as it lands, when the chain has three ranks or more or a rank fans out
+locally; else one message per hop — while each other local participant copies every piece
+into its own buffer as it lands (a strided destination view: one copy once all landed). How
+many pieces is a pipelining trade-off (:func:`piece_bytes`): each piece costs a fixed
+``piece_overhead`` (a poll's wake-up, a message's rendezvous), and more pieces shorten the
+pipeline's fill; the optimum is sqrt(bytes / bandwidth × (stages − 1) / overhead) pieces.
 All-reduce and all-gather exchange every rank's contributions and reduce them in device order
 on every rank, so results are bit-for-bit those of the one-process backend.
 
@@ -53,6 +56,7 @@ cannot report and MPICH ends the others within a second: ``python -m overlap.gua
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -75,9 +79,12 @@ class MpiBackend(Distributed, CpuBackend):
 
     def __init__(self, num_devices: int, *, world: World, placement: Placement,
                  timeout: float = 30.0, poll: Backoff | None = None,
-                 chunk_bytes: int = 1 << 20, grace: float = 10.0) -> None:
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes: expected an int >= 1, got {chunk_bytes!r}")
+                 chunk_bytes: int | None = None, grace: float = 5.0) -> None:
+        """``chunk_bytes``: the size of a broadcast's pieces; ``None`` (default) chooses it
+        per broadcast with :func:`piece_bytes`."""
+        if chunk_bytes is not None and (isinstance(chunk_bytes, bool)
+                                        or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
+            raise ValueError(f"chunk_bytes: expected an int >= 1 or None, got {chunk_bytes!r}")
         super().__init__(num_devices, timeout=timeout)
         comm = self._init_distributed(world, placement, poll=poll, grace=grace)
         self.chunk_bytes = chunk_bytes
@@ -142,7 +149,9 @@ class MpiBackend(Distributed, CpuBackend):
         # Pieces when someone forwards them (a chain of 3+ ranks) or copies them on to other
         # devices of its rank as they land; every rank computes the same answer from the group.
         per_rank = [sum(1 for d in group if self.placement.owners[d] == r) for r in chain]
-        pieces = len(chain) > 2 or any(k > 1 for k in per_rank[1:])
+        # Pipeline stages after the first hop: more hops, and the local copies on a rank
+        # that fans out (they follow the pieces landing there).
+        stages = len(chain) - 1 + (1 if any(k > 1 for k in per_rank[1:]) else 0)
 
         def combine(bufs: dict[int, np.ndarray]) -> tuple[float, _Relay]:
             leader = root if root in bufs else next(d for d in order if d in bufs)
@@ -167,7 +176,8 @@ class MpiBackend(Distributed, CpuBackend):
                 relay.publish(data.nbytes)  # the root holds it all already
             self._chain(comm, data, chain[me - 1] if me else None,
                         chain[me + 1] if me + 1 < len(chain) else None, self._tag(tag), what,
-                        self.chunk_bytes if pieces else max(data.nbytes, 1), relay.publish)
+                        self.chunk_bytes if self.chunk_bytes is not None and stages > 1
+                        else piece_bytes(data.nbytes, stages), relay.publish)
         except BaseException as exc:
             relay.fail(exc)
             raise
@@ -319,6 +329,27 @@ class MpiBackend(Distributed, CpuBackend):
             for i, d in enumerate(by_rank[r]):
                 parts[d] = inbox[r][i]
         return parts
+
+# The constants of the piece-size model, measured on the 2-core machine of
+# docs/benchmarks.md (4 ranks): shared-memory copies move ~10 GB/s, and a piece costs
+# ~0.2 ms of fixed time (the polling thread's wake-up and the message's rendezvous).
+HOST_BYTES_PER_S = 10e9
+PIECE_OVERHEAD_S = 2e-4
+MIN_PIECE_BYTES = 256 << 10
+
+
+def piece_bytes(nbytes: int, stages: int) -> int:
+    """Piece size for a broadcast of ``nbytes`` through ``stages`` pipeline stages (hops, plus
+    one for local copies). A pipeline of k pieces takes about (k + stages − 1) × (nbytes /
+    (k × bandwidth) + overhead), least at k = sqrt(nbytes / bandwidth × (stages − 1) /
+    overhead). One stage: one piece. Every rank computes the same size (both ends of a hop
+    must cut the same pieces)."""
+    if stages <= 1 or nbytes <= MIN_PIECE_BYTES:
+        return max(nbytes, 1)
+    k = math.sqrt(nbytes / HOST_BYTES_PER_S * (stages - 1) / PIECE_OVERHEAD_S)
+    k = max(1, round(k))
+    return max(MIN_PIECE_BYTES, -(-nbytes // k))
+
 
 class _Relay:
     """One rank's share of a broadcast: the leader's buffer fills piece by piece (from MPI, or

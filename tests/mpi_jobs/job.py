@@ -5,7 +5,8 @@ Every rank runs this same script (as a user's would). Modes:
 - ``toy OUT``: the toy pipeline (overlap.toy), two SGD steps per schedule; each rank saves the
   losses it got and its own devices' gradients and weights to ``OUT/rank<r>.npz``.
 - ``reshard OUT CASES [cuda]``: every plan in the JSON file CASES, on shards made from the
-  tensor ``arange``; each rank saves its destination shards. With ``cuda``: on the CUDA
+  tensor ``arange`` (broadcasts cut in ``chunk_bytes`` pieces when CASES sets it); each rank
+  saves its destination shards. With ``cuda``: on the CUDA
   backend across processes (one device per rank), run on the numpy stand-in for CuPy with
   links that move NCCL's bytes over MPI (``HostMpiLinks``), plus a 2-stage pipeline whose
   last stage all-reduces across ranks (saved as ``pipe/...``).
@@ -154,6 +155,8 @@ def main() -> int:
                 time.sleep(60)  # stuck elsewhere: the others must not wait for this
 
         elif mode == "reshard":
+            if cases.get("chunk_bytes") is not None:  # many pieces even for small tensors
+                rt.backend.chunk_bytes = int(cases["chunk_bytes"])
             for i, text in enumerate(cases["plans"]):
                 plan = ReshardPlan.from_json(text)
                 shards = arange_shards(plan, rt.local_devices)
