@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from .errors import (
 from .pipeline import Stage, check_pipeline, launch_step, make_programs
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
 from .world import Placement, World, detect_world
+
+if TYPE_CHECKING:
+    from .backends.distributed import Agreement
 
 T = TypeVar("T")
 log = logging.getLogger("overlap")
@@ -338,14 +341,14 @@ class Runtime:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _agree(self, key: Any, text: Callable[[], str], what: str) -> asyncio.Future[None]:
+    def _agree(self, key: Any, text: Callable[[], str], what: str) -> Agreement:
         """Check that every process makes this call now, with the same ``key`` (same plan or
         same programs): compared on every call, with a call counter, so a process that skipped
         or added a call is named instead of silently matching another call's messages.
 
-        Returns the running check: the caller launches its work meanwhile (the check costs a
-        round of messages, not a wait) and passes it to :meth:`_gather`; a mismatch stops the
-        work at once."""
+        Returns the check, already posted: the caller launches its work meanwhile (the check
+        costs a round of messages, not a wait) and passes it to :meth:`_gather`; a mismatch
+        stops the work at once."""
         digest = self._agreed.pop(key, None)
         if digest is None:
             digest = hashlib.sha256(text().encode()).digest()
@@ -358,8 +361,7 @@ class Runtime:
 
         report(f"{what} (call {self._calls})")
         call = hashlib.sha256(digest + self._calls.to_bytes(8, "little")).digest()
-        return asyncio.ensure_future(
-            self.backend.agree(call, f"{what} (call {self._calls})", self._calls))
+        return self.backend.agree(call, f"{what} (call {self._calls})", self._calls)
 
     async def _collective(self, coro: Coroutine[Any, Any, T], what: str) -> T:
         """One of the runtime's own cross-process messages; failures end the job's work."""
@@ -377,22 +379,24 @@ class Runtime:
             self.backend.announce_failure(what, root)
         self.backend.abort(f"{what} failed: {root}")
 
-    async def _gather(self, events, *, what: str,
-                      check: asyncio.Future[None] | None = None) -> None:
-        """Wait for ``events`` (and the call's agreement ``check``); on failure, recover."""
+    async def _gather(self, events, *, what: str, check: Agreement | None = None) -> None:
+        """Wait for ``events`` (and the call's agreement ``check``, which runs alongside
+        them); on failure, recover."""
+        verdict = asyncio.ensure_future(check.wait()) if check is not None else None
         try:
             try:
                 for ev in events:
                     await ev.wait()
             finally:
-                if check is not None:
-                    if not check.done():
+                if verdict is not None:
+                    check.hurry()
+                    if not verdict.done():
                         # Failed work aborted the backend, which ends the check's wait too.
-                        await asyncio.wait([check])
-                    if not check.cancelled():
-                        check.exception()  # retrieved here even when the work failed first
-            if check is not None:
-                check.result()
+                        await asyncio.wait([verdict])
+                    if not verdict.cancelled():
+                        verdict.exception()  # retrieved here even when the work failed first
+            if verdict is not None:
+                verdict.result()
         except BaseException as exc:
             root = self._root_cause(exc)
             if self.world.distributed:

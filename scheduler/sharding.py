@@ -222,10 +222,13 @@ def check_shape(shape: Iterable[Any], *, argument: str = "shape") -> tuple[int, 
     return tuple(out)
 
 
+_REGIONS_KEPT = 8  # shapes whose device regions a Sharding keeps
+
+
 class Sharding:
     """A tensor layout: ``spec`` applied to ``mesh`` (like ``jax.sharding.NamedSharding``)."""
 
-    __slots__ = ("_mesh", "_spec")
+    __slots__ = ("_mesh", "_regions", "_spec")
 
     def __init__(self, mesh: DeviceMesh, spec: ShardingSpec | Sequence[object]) -> None:
         if not isinstance(mesh, DeviceMesh):
@@ -242,6 +245,9 @@ class Sharding:
                 )
         self._mesh = mesh
         self._spec = spec
+        # device_regions per tensor shape, a few recent ones: a runtime asks for the same
+        # layout's regions several times per call (checks, launch), every call.
+        self._regions: dict[tuple[int, ...], dict[int, Region]] = {}
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -263,8 +269,17 @@ class Sharding:
         return tuple(out)
 
     def device_regions(self, shape: Sequence[int]) -> dict[int, Region]:
-        """Device id -> the half-open box of the global tensor that device holds."""
+        """Device id -> the half-open box of the global tensor that device holds (a new
+        dict each call; computed once per shape)."""
         shape = check_shape(shape)
+        cached = self._regions.get(shape)
+        if cached is None:
+            cached = self._regions[shape] = self._compute_regions(shape)
+            while len(self._regions) > _REGIONS_KEPT:
+                del self._regions[next(iter(self._regions))]
+        return dict(cached)
+
+    def _compute_regions(self, shape: tuple[int, ...]) -> dict[int, Region]:
         entries = self._spec.padded(len(shape))
         sizes = self._mesh.axis_sizes
         axis_pos = {a: i for i, a in enumerate(self._mesh.axis_names)}

@@ -19,6 +19,7 @@ from scheduler import (
     P,
     ReshardPlan,
     Sharding,
+    ShardingSpec,
     Transfer,
     lower_bound,
     paper_model_time,
@@ -398,3 +399,22 @@ def test_auto_no_worse_than_none_when_a_holder_is_busy_with_a_local_copy(shape):
         for b in BALANCES
     }
     assert est["auto"] <= est["none"] * (1 + 1e-9), est
+
+
+def test_device_regions_are_kept_per_shape_and_handed_out_as_copies():
+    """A Sharding keeps the regions of recent shapes (the runtime asks every call); what a
+    caller does to the returned dict never reaches the next caller, and every shape gets its
+    own regions even after older shapes were dropped."""
+    mesh = DeviceMesh(np.arange(4).reshape(2, 2), ("h", "g"))
+    s = Sharding(mesh, ShardingSpec("h", "g"))
+    first = s.device_regions((4, 6))
+    assert first[3] == ((2, 4), (3, 6))
+    first[3] = ((0, 0), (0, 0))
+    del first[0]
+    assert s.device_regions((4, 6))[3] == ((2, 4), (3, 6)) and 0 in s.device_regions((4, 6))
+    for n in range(2, 40):  # many shapes: the oldest are dropped, each answer stays right
+        assert s.device_regions((n, 2))[2] == (((n + 1) // 2, n), (0, 1))
+    assert s.device_regions([4, 6]) == {0: ((0, 2), (0, 3)), 1: ((0, 2), (3, 6)),
+                                        2: ((2, 4), (0, 3)), 3: ((2, 4), (3, 6))}
+    with pytest.raises(ValueError, match=r"shape\[0\] = -1"):
+        s.device_regions((-1, 2))

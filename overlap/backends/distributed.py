@@ -44,11 +44,23 @@ class Backoff:
         if self.spin < 0 or not 0 <= self.start <= self.cap:
             raise ValueError(f"poll: need spin >= 0 and 0 <= start <= cap, got {self}")
 
-    def pause(self, attempt: int) -> None:
+    def delay(self, attempt: int) -> float:
+        """Seconds to sleep before test number ``attempt + 1`` (0 while spinning)."""
         if attempt < self.spin:
-            return
-        delay = min(self.cap, self.start * 2.0 ** min(attempt - self.spin, 30))
-        time.sleep(delay)
+            return 0.0
+        return min(self.cap, self.start * 2.0 ** min(attempt - self.spin, 30))
+
+    def pause(self, attempt: int) -> None:
+        delay = self.delay(attempt)
+        if delay:
+            time.sleep(delay)
+
+
+# How a call's agreement round is polled while the call's work runs: rarely, because testing
+# it alongside a large transfer contends for MPI's lock (measured: a 64 MiB transfer took
+# +1.0-1.4 ms with the round tested every 20-200 µs beside it); MPI's progress is global, so the
+# work's own tests move the round along meanwhile. Once the work ends, at the normal backoff.
+QUIET = Backoff(start=1e-3, cap=16e-3)
 
 
 _LIVE: weakref.WeakSet[Distributed] = weakref.WeakSet()
@@ -113,33 +125,11 @@ class Distributed:
 
     # ---- the runtime's own messages (main thread / event loop) ---------------------------
 
-    async def agree(self, digest: bytes, what: str, call: int) -> None:
-        """Raise unless every rank passes the same ``digest`` (same programs, same plan).
-
-        A mismatch is also recorded as this backend's failure, so work launched meanwhile (the
-        runtime overlaps the check with the call's transfers) stops at once, with it as the
-        root cause."""
-        comm = self._runtime_comm
-        mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
-        every = np.empty((self.world.size, 32), np.uint8)
-        # Programs that differ make the work fail too, here or on another rank, often before
-        # this round completes. Every rank that made call ``call`` posted its part of it, so
-        # the round still completes after an abort unless a failed rank never got this far:
-        # wait for it then (bounded), because a mismatch is the explanation the user needs,
-        # not the failures it caused.
-        def can_complete() -> bool:
-            return all(f.calls >= call for f in self.failures if isinstance(f, RankFailed))
-
-        await self._await(comm.Iallgather(mine, every), what, through_abort=can_complete)
-        differ = tuple(r for r in range(self.world.size) if not np.array_equal(every[r], mine))
-        if differ:
-            err = CallMismatch(
-                f"{what}: ranks {list(differ)} made a different call than rank {self.rank} "
-                "(every process must make the same runtime calls, in the same order, with the "
-                "same plans and pipelines; a skipped call, or a planner option that depends "
-                "on the process?)", ranks=differ)
-            self._note_failure(err)
-            raise err
+    def agree(self, digest: bytes, what: str, call: int) -> Agreement:
+        """Start checking that every rank passes the same ``digest`` for call number
+        ``call`` (same programs, same plan): the round is posted now, before the call's work
+        is launched; await :meth:`Agreement.wait` for the verdict."""
+        return Agreement(self, digest, what, call)
 
     async def share(self, values: np.ndarray, root_rank: int, what: str) -> np.ndarray:
         """``values`` of ``root_rank`` on every rank (an ``Ibcast``)."""
@@ -157,7 +147,9 @@ class Distributed:
         await asyncio.to_thread(self._wait_polled, req, what, through_abort)
 
     def _wait_polled(self, req: Any, what: str,
-                     through_abort: Callable[[], bool] | None = None) -> None:
+                     through_abort: Callable[[], bool] | None = None,
+                     pause: Callable[[int], None] | None = None) -> None:
+        pause = pause or self.poll.pause
         started = time.perf_counter()
         aborted_at: float | None = None
         attempt = 0
@@ -171,7 +163,7 @@ class Distributed:
                 if (aborted_at is None or through_abort is None or not through_abort()
                         or now - aborted_at >= self.grace / 2):
                     self._check(what, started, "", None)
-                self.poll.pause(attempt)
+                pause(attempt)
                 attempt += 1
         except BaseException:
             _cancel([req])
@@ -210,6 +202,61 @@ class Distributed:
 
     def describe(self) -> str:
         return describe(self.world, self.local_devices)
+
+
+class Agreement:
+    """One runtime call's check that every rank made the same call: an ``Iallgather`` of
+    32-byte digests, posted when the call starts, so it runs alongside the call's work.
+
+    A mismatch is also recorded as the backend's failure, so work launched meanwhile stops at
+    once, with it as the root cause."""
+
+    def __init__(self, backend: Distributed, digest: bytes, what: str, call: int) -> None:
+        self.backend = backend
+        self.what = what
+        self.call = call
+        self._mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
+        self._every = np.empty((backend.world.size, 32), np.uint8)
+        self._req = backend._runtime_comm.Iallgather(self._mine, self._every)
+        self._hurry = threading.Event()
+        self._hurried_at = 0
+
+    def hurry(self) -> None:
+        """The call's work has ended (or failed): poll at the normal backoff from now on."""
+        self._hurry.set()
+
+    def _pause(self, attempt: int) -> None:
+        if not self._hurry.is_set():
+            self._hurried_at = attempt + 1
+            self._hurry.wait(QUIET.delay(attempt))
+        else:
+            self.backend.poll.pause(attempt - self._hurried_at)
+
+    def _can_complete(self) -> bool:
+        """Every rank that made this call posted its part of the round, so it completes even
+        after an abort, unless a failed rank never got this far."""
+        return all(f.calls >= self.call for f in self.backend.failures
+                   if isinstance(f, RankFailed))
+
+    async def wait(self) -> None:
+        """Raise :class:`CallMismatch` unless every rank made the same call.
+
+        Programs that differ make the work fail too, here or on another rank, often before
+        this round completes: it is still awaited then (bounded, while it can complete),
+        because a mismatch is the explanation the user needs, not the failures it caused."""
+        b = self.backend
+        await asyncio.to_thread(b._wait_polled, self._req, self.what, self._can_complete,
+                                self._pause)
+        differ = tuple(r for r in range(b.world.size)
+                       if not np.array_equal(self._every[r], self._mine))
+        if differ:
+            err = CallMismatch(
+                f"{self.what}: ranks {list(differ)} made a different call than rank {b.rank} "
+                "(every process must make the same runtime calls, in the same order, with the "
+                "same plans and pipelines; a skipped call, or a planner option that depends "
+                "on the process?)", ranks=differ)
+            b._note_failure(err)
+            raise err
 
 
 def _cancel(reqs: Sequence[Any]) -> None:
