@@ -382,7 +382,10 @@ class Runtime:
     async def _gather(self, events, *, what: str, check: Agreement | None = None) -> None:
         """Wait for ``events`` (and the call's agreement ``check``, which runs alongside
         them); on failure, recover."""
-        verdict = asyncio.ensure_future(check.wait()) if check is not None else None
+        verdict = None
+        if check is not None:
+            check.hurry_after(events)
+            verdict = asyncio.ensure_future(check.wait())
         try:
             try:
                 for ev in events:

@@ -225,6 +225,25 @@ class Agreement:
         """The call's work has ended (or failed): poll at the normal backoff from now on."""
         self._hurry.set()
 
+    def hurry_after(self, events: Sequence[Any]) -> None:
+        """:meth:`hurry` as soon as every one of ``events`` completes or fails, from the
+        thread that completes the last one (not by way of the event loop: one thread hop
+        fewer at the end of every call)."""
+        left = [len(events)]
+        lock = threading.Lock()
+
+        def one(_: Any) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.hurry()
+
+        if not events:
+            self.hurry()
+        for ev in events:
+            ev.add_done_callback(one)
+
     def _pause(self, attempt: int) -> None:
         if not self._hurry.is_set():
             self._hurried_at = attempt + 1
