@@ -15,6 +15,10 @@
    the raw broadcast does not: "raw+copies" adds to it the copies a hand-written MPI program
    would make to give each local destination device its region (one device whose region is
    the whole tensor receives in place).
+   The same kinds of layout change then run on 4 hosts of one device each (one device per
+   rank, the default placement: a rank writes only its own buffer, as the raw broadcast
+   does): one source to 1-3 replicated or split destinations, and 2 -> 2 devices rows ->
+   rows, replicated -> rows, columns -> rows, rows -> replicated; 4096 x 4096 float32.
 2. **Progress**: the same cases with the stream threads polling MPI requests four ways —
    spinning, a fixed 50 µs sleep, 64 tests before backing off, and the default exponential
    backoff (20 → 200 µs).
