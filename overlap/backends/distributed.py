@@ -359,6 +359,7 @@ class _Control:
 # ---- process exit: a failed job must end, on every rank, with a non-zero status ------------
 
 _GUARDS = False
+_LINGER_S = 0.5  # after every peer reported: time for the launcher to forward their output
 
 
 def _install_exit_guards() -> None:
@@ -390,15 +391,20 @@ def _at_exit() -> None:
             b.control.stop()
         return
     b = broken[0]
-    # Let the peers print their own errors before the launcher takes the job down.
+    # Let the peers print their own errors before the launcher takes the job down: every
+    # rank flushes what it printed, then says so, and the first MPI_Abort waits for all.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     b.control.tell_all(_EXITING, {"rank": b.rank})
     deadline = time.perf_counter() + b.grace
     others = set(range(b.world.size)) - {b.rank}
     while not others <= b.control.exiting and time.perf_counter() < deadline:
         time.sleep(0.01)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    # What a rank wrote sits in a pipe until the launcher forwards it, and the launcher drops
+    # what it has not read when MPI_Abort tears the job down (seen under load: a rank's
+    # error, and the aborting ranks' own "Abort(1)" lines, missing from the job's output).
+    time.sleep(min(_LINGER_S, b.grace))
     b.MPI.COMM_WORLD.Abort(1)
 
 
