@@ -3,6 +3,8 @@ cannot run (no MPI needed: these never start a multi-process backend)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from overlap import Runtime
@@ -179,3 +181,34 @@ def test_a_bad_piece_size_is_named():
     with pytest.raises(ValueError, match=r"chunk_bytes: expected an int >= 1 or None"):
         MpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2),
                    chunk_bytes=0)
+
+
+def test_a_rank_prints_its_traceback_in_one_write(monkeypatch):
+    """Python's own hook writes a traceback in pieces; under a launcher with unbuffered output
+    several ranks' pieces interleave mid-line. The exit guard writes it whole."""
+    import traceback
+
+    from overlap.backends.distributed import print_whole
+    from overlap.errors import CallMismatch
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    try:
+        raise CallMismatch("reshard: ranks [3] made a different call than rank 0", ranks=(3,))
+    except CallMismatch as exc:
+        err = exc
+    rec = Recorder()
+    monkeypatch.setattr(sys, "stderr", rec)
+    print_whole(type(err), err, err.__traceback__)
+    assert rec.writes == ["".join(traceback.format_exception(type(err), err, err.__traceback__))]
+    assert rec.writes[0].endswith("overlap.errors.CallMismatch: reshard: ranks [3] made a "
+                                  "different call than rank 0\n")

@@ -12,6 +12,7 @@ import contextlib
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -362,6 +363,17 @@ _GUARDS = False
 _LINGER_S = 0.5  # after every peer reported: time for the launcher to forward their output
 
 
+def print_whole(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+    """Print a traceback as Python does, but in one write: the default hook writes it in
+    pieces ("overlap.errors.", "CallMismatch", ": ", the message...), and with unbuffered
+    output (PYTHONUNBUFFERED) the launcher interleaves the pieces of several ranks' errors
+    mid-line (seen: "overlap.errors.    return self.run_sync(...)")."""
+    text = "".join(traceback.format_exception(tp, value, tb))
+    with contextlib.suppress(Exception):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 def _install_exit_guards() -> None:
     global _GUARDS
     if _GUARDS:
@@ -370,7 +382,10 @@ def _install_exit_guards() -> None:
     previous = sys.excepthook
 
     def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous(tp, value, tb)
+        if previous is sys.__excepthook__:
+            print_whole(tp, value, tb)
+        else:  # the user's own hook (IPython, rich, ...) prints it their way
+            previous(tp, value, tb)
         for b in list(_LIVE):
             if b.broken is None and not isinstance(value, RankFailed):
                 b.announce_failure("the script (an uncaught exception)", value)
