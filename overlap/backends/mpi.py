@@ -31,7 +31,7 @@ each forwarded as soon as it lands, when the chain has three ranks or more or a 
 locally; else one message per hop — while each other local participant copies every piece
 into its own buffer as it lands (a strided destination view: one copy once all landed). How
 many pieces is a pipelining trade-off (:func:`piece_bytes`): each piece costs a fixed
-``piece_overhead`` (a poll's wake-up, a message's rendezvous), and more pieces shorten the
+``PIECE_OVERHEAD_S`` (a poll's wake-up, a message's rendezvous), and more pieces shorten the
 pipeline's fill; the optimum is sqrt(bytes / bandwidth × (stages − 1) / overhead) pieces.
 All-reduce and all-gather exchange every rank's contributions and reduce them in device order
 on every rank, so results are bit-for-bit those of the one-process backend.
@@ -147,7 +147,7 @@ class MpiBackend(Distributed, CpuBackend):
         group = tuple(sorted(order))
         me = chain.index(self.rank)
         # Pieces when someone forwards them (a chain of 3+ ranks) or copies them on to other
-        # devices of its rank as they land; every rank computes the same answer from the group.
+        # devices of its rank as they land; every rank computes the same size from the group.
         per_rank = [sum(1 for d in group if self.placement.owners[d] == r) for r in chain]
         # Pipeline stages after the first hop: more hops, and the local copies on a rank
         # that fans out (they follow the pieces landing there).
