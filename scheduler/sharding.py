@@ -8,6 +8,7 @@ the last non-empty one, and shards past the end are empty. Shard ``i`` is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -222,13 +223,10 @@ def check_shape(shape: Iterable[Any], *, argument: str = "shape") -> tuple[int, 
     return tuple(out)
 
 
-_REGIONS_KEPT = 8  # shapes whose device regions a Sharding keeps
-
-
 class Sharding:
     """A tensor layout: ``spec`` applied to ``mesh`` (like ``jax.sharding.NamedSharding``)."""
 
-    __slots__ = ("_mesh", "_regions", "_spec")
+    __slots__ = ("_mesh", "_spec")
 
     def __init__(self, mesh: DeviceMesh, spec: ShardingSpec | Sequence[object]) -> None:
         if not isinstance(mesh, DeviceMesh):
@@ -245,9 +243,6 @@ class Sharding:
                 )
         self._mesh = mesh
         self._spec = spec
-        # device_regions per tensor shape, a few recent ones: a runtime asks for the same
-        # layout's regions several times per call (checks, launch), every call.
-        self._regions: dict[tuple[int, ...], dict[int, Region]] = {}
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -271,13 +266,7 @@ class Sharding:
     def device_regions(self, shape: Sequence[int]) -> dict[int, Region]:
         """Device id -> the half-open box of the global tensor that device holds (a new
         dict each call; computed once per shape)."""
-        shape = check_shape(shape)
-        cached = self._regions.get(shape)
-        if cached is None:
-            cached = self._regions[shape] = self._compute_regions(shape)
-            while len(self._regions) > _REGIONS_KEPT:
-                del self._regions[next(iter(self._regions))]
-        return dict(cached)
+        return dict(_regions(self, check_shape(shape)))
 
     def _compute_regions(self, shape: tuple[int, ...]) -> dict[int, Region]:
         entries = self._spec.padded(len(shape))
@@ -315,3 +304,10 @@ class Sharding:
 
 
 P = ShardingSpec
+
+
+# A runtime asks for the same layout's regions several times per call (checks, launch), every
+# call: kept for recent (sharding, shape) pairs. lru_cache is thread-safe; callers get copies.
+@functools.lru_cache(maxsize=256)
+def _regions(sharding: Sharding, shape: tuple[int, ...]) -> dict[int, Region]:
+    return sharding._compute_regions(shape)
