@@ -138,18 +138,18 @@ class Distributed:
         await self._await(self._runtime_comm.Ibcast(buf, root=root_rank), what)
         return buf
 
-    async def _await(self, req: Any, what: str,
-                     through_abort: Callable[[], bool] | None = None) -> None:
+    async def _await(self, req: Any, what: str) -> None:
         """Wait for ``req`` off the event loop: a worker thread polls it with the backoff
-        (the loop's timers have millisecond resolution; MPI rounds take microseconds).
-        Once the run is aborted, keep waiting only while ``through_abort`` says the request
-        can still complete, and at most half the ``grace`` (so this rank still reports to a
-        failed peer before that peer's wait at exit ends)."""
-        await asyncio.to_thread(self._wait_polled, req, what, through_abort)
+        (the loop's timers have millisecond resolution; MPI rounds take microseconds)."""
+        await asyncio.to_thread(self._wait_polled, req, what)
 
     def _wait_polled(self, req: Any, what: str,
                      through_abort: Callable[[], bool] | None = None,
                      pause: Callable[[int], None] | None = None) -> None:
+        """Poll ``req`` until it completes (``pause(attempt)`` between tests; default the
+        backoff). Once the run is aborted, keep waiting only while ``through_abort`` says the
+        request can still complete, and at most half the ``grace`` (so this rank still
+        reports to a failed peer before that peer's wait at exit ends)."""
         pause = pause or self.poll.pause
         started = time.perf_counter()
         aborted_at: float | None = None
