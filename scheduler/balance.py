@@ -522,6 +522,9 @@ def _host_groups(
     return out, origin
 
 
+_AUTO_CANDIDATES = 7  # per variant, at most (see builders in _auto)
+
+
 def _auto(
     sends: Sequence[Send],
     cluster: Cluster,
@@ -538,9 +541,11 @@ def _auto(
     hosts and, when a send reaches several hosts, for chains over halves, quarters and single
     hosts of its receiving hosts; each in list-schedule order, with
     exclusive NIC ports, and in the cost model's own list-schedule order. Costing a candidate
-    of k pieces spends ``k * k // 64 + k`` work units of ``budget`` (the fluid run is about
-    quadratic); when even the first cannot be afforded it is returned uncosted. Every
-    candidate is costed after the ``before`` local work, as the plan will run.
+    of k pieces spends ``k * k // 64 + k`` work units (the fluid run is about quadratic).
+    The ``budget`` is divided: each candidate gets an even part of what is left, to build it
+    (search nodes, shuffles, list-schedule tie rules) and to cost it; when even the first
+    cannot be costed it is returned uncosted. Every candidate is costed after the ``before``
+    local work, as the plan will run.
     """
     itemsize = [s.nbytes // max(1, volume(s.region)) for s in sends]
     variants = [("chain", list(sends), list(range(len(sends))))]
@@ -552,6 +557,7 @@ def _auto(
             variants.append((f"{k}-chains", *_host_groups(sends, cluster, k)))
 
     def builders(vsends: list[Send], origin: list[int]):
+        """(name, build(budget) -> pieces): each candidate builds within the budget given."""
         ports = _Ports(vsends, cluster, ready)
 
         def lift(assignment: Assignment) -> Pieces:
@@ -559,47 +565,53 @@ def _auto(
                     for i, piece, dev in assignment]
 
         base = _split_assignment(vsends, ports, passes=8, min_piece=0.02)
-        yield "split", lambda: lift(_list_schedule(base, vsends, ports, budget=budget))
+        yield "split", lambda b: lift(_list_schedule(base, vsends, ports, budget=b))
         # Finer pieces let the list schedule pack ports tightly (near-preemptive open shop);
         # each costs one more latency, so cap them at a fraction of the busiest port's work.
         cap = max(ports.fixed_load.values(), default=0) / 16
         if cap > 0:
-            yield "split-fine", lambda: lift(
-                _list_schedule(_cut_pieces(base, vsends, cap), vsends, ports, budget=budget))
-        yield "split-coarse", lambda: lift(_list_schedule(
+            yield "split-fine", lambda b: lift(
+                _list_schedule(_cut_pieces(base, vsends, cap), vsends, ports, budget=b))
+        yield "split-coarse", lambda b: lift(_list_schedule(
             _split_assignment(vsends, ports, passes=8, min_piece=0.15), vsends, ports,
-            budget=budget))
-        yield "search", lambda: lift(
-            _list_schedule(_search(vsends, ports, budget=budget)[0], vsends, ports, budget=budget))
-        yield "greedy", lambda: lift(_greedy_rounds(vsends, ports, seed=seed, budget=budget))
-        yield "size", lambda: lift(_by_size(vsends, ports))
-        yield "none", lambda: lift([(i, s.region, s.holders[0]) for i, s in enumerate(vsends)])
+            budget=b))
+        yield "search", lambda b: lift(
+            _list_schedule(_search(vsends, ports, budget=b)[0], vsends, ports, budget=b))
+        yield "greedy", lambda b: lift(_greedy_rounds(vsends, ports, seed=seed, budget=b))
+        yield "size", lambda b: lift(_by_size(vsends, ports))
+        yield "none", lambda b: lift([(i, s.region, s.holders[0]) for i, s in enumerate(vsends)])
 
+    # Built lazily (a variant's ports and split are work too), so counted from the most
+    # candidates a variant yields.
+    candidates = ((label, name, build, len(vsends)) for label, vsends, origin in variants
+                  for name, build in builders(vsends, origin))
+    most = _AUTO_CANDIDATES * len(variants)
+    # The budget is shared: costing a candidate draws its 3 replays of k pieces (3 (k^2 // 64
+    # + k) units) from what is left, and building it gets an even part of the rest.
     left = budget
     best: tuple[tuple[float, int], str, Pieces] | None = None
     first: Pieces | None = None
     estimates: dict[str, float] = {}
-    for label, vsends, origin in variants:
-        for name, build in builders(vsends, origin):
-            k = len(vsends)
-            unit = k * k // 64 + k
-            if first is not None and left < 3 * unit:
-                break
-            cand = build()
-            if first is None:
-                first = cand
-                if left < 3 * unit:
-                    return first, {"auto_choice": f"{label}/{name} (uncosted: over budget)"}
-            left -= 3 * unit
-            for suffix, ordered in (
-                ("", cand),
-                ("+exclusive", _nic_exclusive(cand, cluster, itemsize)),
-                ("+fluid", _fluid_order(cand, cluster, itemsize, ready)),
-            ):
-                t = _replay(ordered, cluster, itemsize, before)
-                estimates[f"{label}/{name}{suffix}"] = t
-                key = (t, len(ordered))
-                if best is None or key < best[0]:
-                    best = (key, f"{label}/{name}{suffix}", ordered)
+    for n, (label, name, build, k) in enumerate(candidates):
+        costing = 3 * (k * k // 64 + k)
+        if first is not None and left < costing:
+            break
+        building = max(1, (left - costing) // max(1, most - n))
+        cand = build(building)
+        left -= costing + building
+        if first is None:
+            first = cand
+            if left < 0:
+                return first, {"auto_choice": f"{label}/{name} (uncosted: over budget)"}
+        for suffix, ordered in (
+            ("", cand),
+            ("+exclusive", _nic_exclusive(cand, cluster, itemsize)),
+            ("+fluid", _fluid_order(cand, cluster, itemsize, ready)),
+        ):
+            t = _replay(ordered, cluster, itemsize, before)
+            estimates[f"{label}/{name}{suffix}"] = t
+            key = (t, len(ordered))
+            if best is None or key < best[0]:
+                best = (key, f"{label}/{name}{suffix}", ordered)
     assert best is not None
     return best[2], {"auto_choice": best[1], "auto_estimates": estimates}

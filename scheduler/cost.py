@@ -20,14 +20,14 @@ The same code costs a plan here and the comm streams in the pipeline simulator.
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .cluster import Cluster
+from .kernel import Kernel
 
 if TYPE_CHECKING:
     from .plan import ReshardPlan, Transfer
@@ -140,7 +140,11 @@ class CostModel:
         return c.nic_bytes_per_s if port[0] in (NIC_OUT, NIC_IN) else c.nvlink_bytes_per_s
 
     def alone_time(self, t: Transfer) -> float:
-        tc = self.transfer_cost(t)
+        return self.alone_seconds(t.sender, t.receivers, t.nbytes)
+
+    def alone_seconds(self, sender: int, receivers: Sequence[int], nbytes: int) -> float:
+        """Seconds a transfer takes when nothing else runs (what link emulation plays)."""
+        tc = self.cost_of(sender, receivers, nbytes)
         return tc.fixed_s + tc.nbytes / tc.alone_bw
 
     # ---- many transfers ------------------------------------------------------------------
@@ -156,7 +160,7 @@ class CostModel:
     def run_costs(
         self,
         costs: Sequence[TransferCost],
-        devices: Sequence[Sequence[int]],
+        devices: Sequence[Sequence[Any]],
         ready: Sequence[float] | None = None,
         after: Sequence[Sequence[int]] | None = None,
     ) -> list[TransferTiming]:
@@ -165,25 +169,39 @@ class CostModel:
         ``ready[i]`` is the earliest time transfer ``i`` may start (default 0);
         ``after[i]`` lists earlier transfers that must end before ``i`` starts.
         """
-        run = _FluidRun(self, costs, devices, ready, after)
-        queues: dict[int, deque[int]] = defaultdict(deque)
+        n = len(costs)
+        succ: list[list[int]] = [[] for _ in range(n)]
+        need = [0] * n
+        last: dict[Any, int] = {}
         for i, devs in enumerate(devices):
-            for d in devs:
-                queues[d].append(i)
+            for d in devs:  # FIFO: the previous transfer on each of its devices ends first
+                j = last.get(d)
+                if j is not None:
+                    succ[j].append(i)
+                    need[i] += 1
+                last[d] = i
+        for i, deps in enumerate(after or ()):
+            for j in deps:
+                if not 0 <= j < i:
+                    raise ValueError(f"after[{i}]: {j} is not an earlier transfer")
+                succ[j].append(i)
+                need[i] += 1
+        start, end = self.run_ops(costs, succ, need, ready)
+        return [TransferTiming(s, e) for s, e in zip(start, end)]
 
-        def startable(freed: Iterable[int]) -> list[int]:
-            heads = {queues[d][0] for d in freed if queues[d]}
-            out = []
-            for i in sorted(heads):
-                if run.can_start(i) and all(queues[d][0] == i for d in devices[i]):
-                    out.append(i)
-            return out
-
-        def started(i: int) -> None:
-            for d in devices[i]:
-                queues[d].popleft()
-
-        return run.run(startable, started)
+    def run_ops(
+        self,
+        costs: Sequence[TransferCost],
+        succ: Sequence[Sequence[int]],
+        need: Sequence[int],
+        ready: Sequence[float] | None = None,
+    ) -> tuple[list[float], list[float]]:
+        """Start and end times of ops that each start as soon as ``need[i]`` of the ops
+        naming it in their ``succ`` lists have ended (and not before ``ready[i]``): the one
+        engine behind plan costing and the pipeline simulator. An op without ports (a
+        compute, or a signal-mode transfer) lasts its ``fixed_s``. Raises RuntimeError if
+        some op can never start (a cycle)."""
+        return _DependentRun(self, costs, succ, need, ready).run()
 
     def list_schedule(
         self,
@@ -202,7 +220,7 @@ class CostModel:
         that the replay enforces and the schedule never idles a startable transfer.
         ``ready[i]`` is the earliest start of transfer ``i``.
         """
-        run = _FluidRun(self, costs, devices, ready, None)
+        run = _ListRun(self, costs, devices, ready)
         pending_on: dict[int, set[int]] = defaultdict(set)
         for i, devs in enumerate(devices):
             for d in devs:
@@ -215,22 +233,20 @@ class CostModel:
             chosen: list[int] = []
             taken: set[int] = set()
             for i in ranked:
-                if taken.isdisjoint(devices[i]):
+                if taken.isdisjoint(devices[i]):  # else re-ranked once its devices free up
                     chosen.append(i)
                     taken.update(devices[i])
                     if on_start is not None:
                         on_start(i)
-                else:
-                    # Re-ranked once the devices it waits for are free again.
-                    pass
+            for i in chosen:
+                order.append(i)
+                for d in devices[i]:
+                    pending_on[d].discard(i)
             return chosen
 
-        def started(i: int) -> None:
-            order.append(i)
-            for d in devices[i]:
-                pending_on[d].discard(i)
-
-        return order, run.run(startable, started)
+        run.startable = startable
+        start, end = run.run()
+        return order, [TransferTiming(s, e) for s, e in zip(start, end)]
 
     def plan_time(self, plan: ReshardPlan) -> float:
         if not plan.transfers:
@@ -244,188 +260,324 @@ class CostModel:
         )
 
 
-class _FluidRun:
-    """The event loop shared by in-order runs and list scheduling.
+# The fluid engine's events are ints, op * 4 + kind; at one instant they run in kind order:
+# flows that end, fixed parts that end, wake-ups; after the last of an instant, when needed,
+# the engine settles (rebalances, starts what the policy starts).
+_FLOW, _FIXED, _WAKE = 0, 1, 2
 
-    A transfer first pays its fixed time (latency, pipeline fill) holding no bandwidth, then
-    its bytes flow at a max-min fair rate over its ports, recomputed at every start and end.
-    ``startable(freed_devices)`` names the transfers to start now (their devices are free).
+
+class _FluidEngine:
+    """Ops through the cost model on the event kernel.
+
+    An op first pays its fixed time (latency, pipeline fill, or a compute's duration)
+    holding no bandwidth, then its bytes flow at a max-min fair rate over its ports. Rates
+    are recomputed — for the connected component of flows whose ports changed — once per
+    instant, after everything that happened at that instant (the settle); a flow whose rate
+    is unchanged keeps its predicted end. Ops that start flowing at the same instant over the
+    same ports with the same bytes are indistinguishable in a fluid model (same rate at every
+    moment, same end), so they flow as one group, weighted by its size: a pipeline boundary's
+    transfers between two hosts cost one flow, not one per GPU. Subclasses say what an op's
+    end releases (``on_end``) and, when ``settle_on_end``, which ops start at the settle
+    (``on_settle``).
     """
 
-    def __init__(self, model: CostModel, costs, devices, ready, after) -> None:
-        self.costs = costs
-        self.devices = devices
-        self.n = len(costs)
-        self.earliest = list(ready) if ready is not None else [0.0] * self.n
-        self.after = [tuple(a) for a in after] if after is not None else [()] * self.n
-        self.dependents: list[list[int]] = [[] for _ in range(self.n)]
-        for i, deps in enumerate(self.after):
-            for j in deps:
-                if not 0 <= j < i:
-                    raise ValueError(f"after[{i}]: {j} is not an earlier transfer")
-                self.dependents[j].append(i)
-        self.ended = [False] * self.n
+    settle_on_end = False
+
+    def __init__(self, model: CostModel, costs: Sequence[TransferCost],
+                 ready: Sequence[float] | None) -> None:
+        n = len(costs)
+        self.kernel = Kernel()
+        self.n = n
+        self.earliest = list(ready) if ready is not None else None
         port_ids: dict[tuple[str, int], int] = {}
         caps: list[float] = []
-        self.flow_ports: list[list[int]] = []
+        by_cost: dict[int, tuple[int, ...]] = {}  # ops often share one cost value
+        self.flow_ports: list[tuple[int, ...]] = []
         for tc in costs:
-            ids = []
-            for p in tc.ports:
-                if p not in port_ids:
-                    port_ids[p] = len(caps)
-                    caps.append(model.capacity(p))
-                ids.append(port_ids[p])
+            ids = by_cost.get(id(tc))
+            if ids is None:
+                for p in tc.ports:
+                    if p not in port_ids:
+                        port_ids[p] = len(caps)
+                        caps.append(model.capacity(p))
+                ids = by_cost[id(tc)] = tuple(port_ids[p] for p in tc.ports)
             self.flow_ports.append(ids)
         self.cap = caps
+        self.fixed = [tc.fixed_s for tc in costs]
+        self.start = [math.nan] * n
+        self.end = [math.nan] * n
+        # Flow state, updated lazily: bytes left at time `last`, draining at `rate`; the
+        # kernel count of the flow's latest predicted end (older predictions are stale).
+        self.left = [float(tc.nbytes) for tc in costs]
+        self.last = [0.0] * n
+        self.rate = [0.0] * n
+        self.flow_event = [-1] * n
+        # A flowing group: its first op stands for it; members[first] lists them all.
+        self.members: dict[int, list[int]] = {}
+        self.joining: dict[tuple[tuple[int, ...], float], int] = {}  # at this instant
+        self.port_flows: dict[int, set[int]] = defaultdict(set)
+        self.changed: set[int] = set()
+
+    # ---- what subclasses decide ----------------------------------------------------------
+
+    def first(self) -> None: ...  # start what starts at time 0
+    def on_end(self, i: int) -> None: ...
+    def on_wake(self, i: int) -> None: ...
+    def on_settle(self) -> None: ...
+
+    # ---- the engine ----------------------------------------------------------------------
+
+    def launch(self, i: int) -> None:
+        now = self.kernel.now
+        self.start[i] = now
+        self.kernel.schedule(now + self.fixed[i], i * 4 + _FIXED, _FIXED)
+
+    def run(self) -> tuple[list[float], list[float]]:
+        kernel = self.kernel
+        end, on_end = self.end, self.on_end
+        left, last, rate, flow_event = self.left, self.last, self.rate, self.flow_event
+        flow_ports, port_flows, changed = self.flow_ports, self.port_flows, self.changed
+        members, joining = self.members, self.joining
+        settle_on_end = self.settle_on_end
+        peek = kernel.peek
+
+        def handle(count: int, event: int) -> None:
+            i, kind = event >> 2, event & 3
+            if kind == _FIXED:
+                ports = flow_ports[i]
+                if ports and left[i] > 0:  # the bytes start to flow
+                    group = joining.get((ports, left[i]))
+                    if group is not None:
+                        members[group].append(i)
+                    else:
+                        joining[(ports, left[i])] = i
+                        members[i] = [i]
+                        last[i] = kernel.now
+                        rate[i] = 0.0
+                        for p in ports:
+                            port_flows[p].add(i)
+                    changed.update(ports)
+                else:
+                    end[i] = kernel.now
+                    on_end(i)
+                    if not settle_on_end and not changed:
+                        return
+            elif kind == _FLOW:
+                if flow_event[i] != count:  # superseded by a later prediction
+                    if not changed:
+                        return
+                else:
+                    self._flow_ends(i)
+            else:
+                self.on_wake(i)
+            head = peek()
+            if head is None or head[0] > kernel.now:  # the last event of this instant
+                self._settle()
+
+        self.first()
+        kernel.run(handle)
+        if any(e != e for e in end):  # NaN: never ended
+            raise RuntimeError(
+                "cost model: transfers can never start (a device order has a cycle?)")
+        return self.start, end
+
+    def _flow_ends(self, i: int) -> None:
+        self.flow_event[i] = -1
+        for p in self.flow_ports[i]:
+            self.port_flows[p].discard(i)
+        self.changed.update(self.flow_ports[i])
+        now = self.kernel.now
+        for j in self.members.pop(i):
+            self.end[j] = now
+            self.on_end(j)
+
+    def _settle(self) -> None:
+        kernel = self.kernel
+        now = kernel.now
+        # Flows predicted to end within rounding of now end now, together.
+        limit = now * (1 + 1e-12) + 1e-15
+        while (head := kernel.peek()) is not None and head[1] == _FLOW and head[0] <= limit:
+            _, _, count, event = kernel.pop()
+            kernel.now = now
+            if self.flow_event[event >> 2] == count:
+                self._flow_ends(event >> 2)
+        self.joining.clear()
+        if self.changed:
+            self._rebalance(now)
+        self.on_settle()
+
+    def _rebalance(self, now: float) -> None:
+        left, rate, last, flow_event = self.left, self.rate, self.last, self.flow_event
+        rates = _max_min_rates(self.changed, self.flow_ports, self.port_flows, self.members,
+                               self.cap)
+        self.changed.clear()
+        schedule = self.kernel.schedule
+        for i, r in rates.items():
+            if r == rate[i]:
+                continue  # its predicted end stands
+            left[i] -= rate[i] * (now - last[i])
+            last[i] = now
+            rate[i] = r
+            flow_event[i] = (schedule(now + max(left[i], 0.0) / r, i * 4 + _FLOW, _FLOW)
+                             if r > 0 else -1)
+
+
+class _DependentRun(_FluidEngine):
+    """Each op starts as soon as its predecessors have ended (``need[i]`` of them, each
+    naming it in its ``succ`` list), and not before ``ready[i]``."""
+
+    def __init__(self, model: CostModel, costs: Sequence[TransferCost],
+                 succ: Sequence[Sequence[int]], need: Sequence[int],
+                 ready: Sequence[float] | None) -> None:
+        super().__init__(model, costs, ready)
+        if len(succ) != self.n or len(need) != self.n:
+            raise ValueError(f"succ, need: expected {self.n} entries each, got {len(succ)} "
+                             f"and {len(need)}")
+        self.succ = succ
+        self.need = list(need)
+
+    def on_end(self, i: int) -> None:
+        need, earliest, kernel, fixed = self.need, self.earliest, self.kernel, self.fixed
+        now = kernel.now
+        for j in self.succ[i]:
+            need[j] -= 1
+            if need[j] == 0:
+                if earliest is not None and earliest[j] > now:
+                    kernel.schedule(earliest[j], j * 4 + _WAKE, _WAKE)
+                else:
+                    self.start[j] = now
+                    kernel.schedule(now + fixed[j], j * 4 + _FIXED, _FIXED)
+
+    def on_wake(self, i: int) -> None:
+        self.launch(i)
+
+    def first(self) -> None:
+        earliest = self.earliest
+        for i, k in enumerate(self.need):
+            if k == 0:
+                if earliest is not None and earliest[i] > 0:
+                    self.kernel.schedule(earliest[i], i * 4 + _WAKE, _WAKE)
+                else:
+                    self.launch(i)
+
+
+class _ListRun(_FluidEngine):
+    """Ops start when ``startable(freed devices)`` names them (a list scheduler's policy):
+    called at the settle of every instant where devices freed up; an op holds its devices
+    while it runs."""
+
+    settle_on_end = True
+
+    def __init__(self, model: CostModel, costs: Sequence[TransferCost],
+                 devices: Sequence[Sequence[int]], ready: Sequence[float] | None) -> None:
+        super().__init__(model, costs, ready)
+        self.devices = devices
         self.busy: set[int] = set()
-        self.now = 0.0
+        self.freed: set[int] = {d for devs in devices for d in devs}
+        self.startable: Callable[[set[int]], list[int]] = lambda freed: []
+        for t in sorted({t for t in (ready or ()) if t > 0}):
+            self.kernel.schedule(t, _WAKE, _WAKE)
 
     def can_start(self, i: int) -> bool:
-        if self.earliest[i] > self.now or not self.busy.isdisjoint(self.devices[i]):
-            return False
-        ended = self.ended
-        return all(ended[j] for j in self.after[i])
+        earliest = self.earliest
+        return ((earliest is None or earliest[i] <= self.kernel.now)
+                and self.busy.isdisjoint(self.devices[i]))
 
-    def run(self, startable, started) -> list[TransferTiming]:
-        n, costs = self.n, self.costs
-        start = [math.nan] * n
-        end = [math.nan] * n
-        # Flow state, updated lazily: bytes left at time `last`, draining at `rate`.
-        left = [float(tc.nbytes) for tc in costs]
-        last = [0.0] * n
-        rate = [0.0] * n
-        version = [0] * n
-        fixed_heap: list[tuple[float, int, int]] = []  # (time, seq, i): fixed part over
-        flow_heap: list[tuple[float, int, int]] = []  # (predicted end, version, i)
-        wake: list[float] = sorted({t for t in self.earliest if t > 0})
-        flowing: set[int] = set()
-        port_flows: dict[int, set[int]] = defaultdict(set)
-        seq = 0
-        done = 0
-        freed: set[int] = {d for devs in self.devices for d in devs}
-        while True:
-            if freed:
-                for i in startable(freed):
-                    start[i] = self.now
-                    self.busy.update(self.devices[i])
-                    started(i)
-                    heapq.heappush(fixed_heap, (self.now + costs[i].fixed_s, seq, i))
-                    seq += 1
-                freed = set()
-            if done == n:
-                break
-            while flow_heap and flow_heap[0][1] != version[flow_heap[0][2]]:
-                heapq.heappop(flow_heap)
-            t_flow = flow_heap[0][0] if flow_heap else math.inf
-            t_fix = fixed_heap[0][0] if fixed_heap else math.inf
-            t_wake = wake[0] if wake else math.inf
-            t_next = min(t_flow, t_fix, t_wake)
-            if t_next == math.inf:
-                raise RuntimeError(
-                    "cost model: transfers can never start (a device order has a cycle?)"
-                )
-            self.now = t_next
-            finished: list[int] = []
-            changed: set[int] = set()  # ports whose set of flows changed
-            # Flows ending now (ties within rounding end together).
-            while flow_heap:
-                t, ver, i = flow_heap[0]
-                if ver != version[i]:
-                    heapq.heappop(flow_heap)
-                    continue
-                if t > self.now * (1 + 1e-12) + 1e-15:
-                    break
-                heapq.heappop(flow_heap)
-                version[i] += 1
-                flowing.discard(i)
-                finished.append(i)
-                for p in self.flow_ports[i]:
-                    port_flows[p].discard(i)
-                    changed.add(p)
-            while fixed_heap and fixed_heap[0][0] <= self.now:
-                _, _, i = heapq.heappop(fixed_heap)
-                if left[i] <= 0 or not self.flow_ports[i]:
-                    finished.append(i)
-                else:
-                    flowing.add(i)
-                    last[i] = self.now
-                    rate[i] = 0.0
-                    for p in self.flow_ports[i]:
-                        port_flows[p].add(i)
-                        changed.add(p)
-            while wake and wake[0] <= self.now:
-                wake.pop(0)
-                freed = {d for devs in self.devices for d in devs} - self.busy
-            for i in finished:
-                end[i] = self.now
-                done += 1
-                self.ended[i] = True
-                self.busy.difference_update(self.devices[i])
-                freed.update(self.devices[i])
-                for j in self.dependents[i]:
-                    freed.update(self.devices[j])
-            if changed:
-                comp = _component(changed, self.flow_ports, port_flows)
-                for i, r in _max_min_rates(comp, self.flow_ports, port_flows, self.cap).items():
-                    left[i] -= rate[i] * (self.now - last[i])
-                    last[i] = self.now
-                    rate[i] = r
-                    version[i] += 1
-                    if r > 0:
-                        heapq.heappush(
-                            flow_heap, (self.now + max(left[i], 0.0) / r, version[i], i)
-                        )
-        return [TransferTiming(s, e) for s, e in zip(start, end)]
+    def on_end(self, i: int) -> None:
+        self.busy.difference_update(self.devices[i])
+        self.freed.update(self.devices[i])
+
+    def on_wake(self, i: int) -> None:
+        self.freed = {d for devs in self.devices for d in devs} - self.busy
+
+    def first(self) -> None:
+        self.on_settle()
+
+    def on_settle(self) -> None:
+        if self.freed:
+            freed, self.freed = self.freed, set()
+            for i in self.startable(freed):
+                self.busy.update(self.devices[i])
+                self.launch(i)
 
 
 def _max_min_rates(
-    flows: Sequence[int],
+    changed: Iterable[int],
     flow_ports: Sequence[Sequence[int]],
     port_flows: Mapping[int, set[int]],
+    members: Mapping[int, list[int]],
     cap: Sequence[float],
 ) -> dict[int, float]:
-    """Max-min fair rates of ``flows`` by progressive filling.
-
-    ``flows`` must be closed under sharing a port (a connected component, or a union of them):
-    then the rates elsewhere do not change, and only this component is recomputed.
-    """
-    rem: dict[int, float] = {}
-    count: dict[int, int] = {}
-    for i in flows:
-        for p in flow_ports[i]:
-            if p not in rem:
-                rem[p] = cap[p]
-                count[p] = 0
-            count[p] += 1
+    """Max-min fair rates, by progressive filling, of the flows connected (through shared
+    ports) to the ``changed`` ports: only their rates can change. A flow counts as its
+    ``members``; flows over the same ports fill as one class."""
+    stack = list(changed)
+    rem = {p: cap[p] for p in stack}
+    classes: dict[Sequence[int], list[int]] = {}
     rates: dict[int, float] = {}
-    active = set(flows)
-    while active:
-        p_min = min((p for p in count if count[p] > 0), key=lambda p: rem[p] / count[p])
-        share = rem[p_min] / count[p_min]
-        for i in [i for i in port_flows[p_min] if i in active]:
-            rates[i] = share
-            active.discard(i)
-            for p in flow_ports[i]:
-                rem[p] = max(0.0, rem[p] - share)
-                count[p] -= 1
+    while stack:  # the connected component: its ports (rem) and flows, by port set
+        for i in port_flows.get(stack.pop(), ()):
+            if i not in rates:
+                rates[i] = -1.0
+                ports = flow_ports[i]
+                if ports in classes:
+                    classes[ports].append(i)
+                    continue
+                classes[ports] = [i]
+                for q in ports:
+                    if q not in rem:
+                        rem[q] = cap[q]
+                        stack.append(q)
+    if len(classes) <= 1:  # nothing flows, or one class alone: its narrowest port decides
+        for ports, flows in classes.items():
+            share = min(cap[p] for p in ports) / sum(len(members[i]) for i in flows)
+            return dict.fromkeys(flows, share)
+        return rates
+    count = dict.fromkeys(rem, 0)
+    users: dict[int, list[Sequence[int]]] = {p: [] for p in rem}
+    weight: dict[Sequence[int], int] = {}
+    for ports, flows in classes.items():
+        w = weight[ports] = sum(len(members[i]) for i in flows)
+        for p in ports:
+            count[p] += w
+            users[p].append(ports)
+    while classes:
+        share, bottleneck = math.inf, -1
+        for p, c in count.items():  # the port whose fair share is least
+            if c and rem[p] / c < share:
+                share, bottleneck = rem[p] / c, p
+        for ports in users[bottleneck]:
+            flows = classes.pop(ports, None)
+            if flows is None:
+                continue
+            for i in flows:
+                rates[i] = share
+            w = weight[ports]
+            for p in ports:
+                left = rem[p] - share * w
+                rem[p] = left if left > 0.0 else 0.0
+                count[p] -= w
     return rates
 
 
-def _component(start_ports: set[int], flow_ports, port_flows) -> list[int]:
-    """Flowing transfers connected to ``start_ports`` through shared ports."""
-    seen_ports = set(start_ports)
-    stack = list(start_ports)
-    flows: set[int] = set()
-    while stack:
-        p = stack.pop()
-        for i in port_flows.get(p, ()):
-            if i not in flows:
-                flows.add(i)
-                for q in flow_ports[i]:
-                    if q not in seen_ports:
-                        seen_ports.add(q)
-                        stack.append(q)
-    return list(flows)
+def estimate(plan: ReshardPlan, cluster: Cluster) -> float:
+    """Seconds ``plan`` takes on ``cluster`` under the cost model."""
+    return CostModel(cluster).plan_time(plan)
+
+
+def plan_report(plan: ReshardPlan, cluster: Cluster) -> str:
+    """The plan's summary, with its network bytes, estimate, lower bound and their ratio."""
+    from .plan import fmt_bytes
+
+    model = CostModel(cluster)
+    est = model.plan_time(plan)
+    lb = lower_bound_for(plan.shape, plan.dtype, plan.src, plan.dst, cluster)
+    ratio = est / lb if lb > 0 else float("nan")
+    return "\n".join([
+        plan.summary(),
+        f"  network bytes: {fmt_bytes(model.network_bytes(plan))}",
+        f"  estimate {est * 1e3:.2f} ms, lower bound {lb * 1e3:.2f} ms, ratio {ratio:.3f}",
+    ])
 
 
 # ---- the paper's simple model ----------------------------------------------------------------

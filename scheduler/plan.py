@@ -7,16 +7,13 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .errors import PlanError
 from .regions import Region, contains, fmt_region, volume
 from .sharding import Sharding
-
-if TYPE_CHECKING:
-    from .cluster import Cluster
 
 
 @dataclass(frozen=True)
@@ -101,18 +98,6 @@ class ReshardPlan:
         """Bytes moved, counting each receiver of a broadcast once (local copies included)."""
         return sum(t.nbytes * len(t.receivers) for t in self.transfers)
 
-    def estimate(self, cluster: Cluster) -> float:
-        """Seconds to run the plan on ``cluster`` under the project's cost model."""
-        from .cost import CostModel
-
-        return CostModel(cluster).plan_time(self)
-
-    def network_bytes(self, cluster: Cluster) -> int:
-        """Bytes crossing NICs (each chain hop between hosts counts once)."""
-        from .cost import CostModel
-
-        return CostModel(cluster).network_bytes(self)
-
     # ---- invariants ----------------------------------------------------------------------
 
     def check(self) -> None:
@@ -191,31 +176,20 @@ class ReshardPlan:
 
     # ---- reporting -----------------------------------------------------------------------
 
-    def summary(self, cluster: Cluster | None = None) -> str:
+    def summary(self) -> str:
+        """What the plan moves, and how (costs: :func:`scheduler.cost.plan_report`)."""
         kinds = Counter(
             "local copy" if t.is_local_copy else ("send/recv" if len(t.receivers) == 1
                                                  else "broadcast")
             for t in self.transfers
         )
-        lines = [
+        return "\n".join([
             f"ReshardPlan {self.shape} {self.dtype}: {self.src.spec!r} on {self.src.mesh!r}",
             f"  -> {self.dst.spec!r} on {self.dst.mesh!r}",
             f"  strategy={self.strategy} balance={self.balance}: {len(self.transfers)} transfers ("
             + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")",
-            f"  bytes delivered: {_fmt_bytes(self.nbytes)}",
-        ]
-        if cluster is not None:
-            from .cost import CostModel, lower_bound_for
-
-            model = CostModel(cluster)
-            est = model.plan_time(self)
-            lb = lower_bound_for(self.shape, self.dtype, self.src, self.dst, cluster)
-            lines.append(f"  network bytes: {_fmt_bytes(model.network_bytes(self))}")
-            ratio = est / lb if lb > 0 else float("nan")
-            lines.append(
-                f"  estimate {est * 1e3:.2f} ms, lower bound {lb * 1e3:.2f} ms, ratio {ratio:.3f}"
-            )
-        return "\n".join(lines)
+            f"  bytes delivered: {fmt_bytes(self.nbytes)}",
+        ])
 
     def to_json(self) -> str:
         return json.dumps(
@@ -247,7 +221,7 @@ class ReshardPlan:
         return self.summary()
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,42 +36,55 @@ class _Decomposed:
     after: list[tuple[int, Region, tuple[int, ...]]]  # (send index, piece, local receivers)
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan a resharding: one value where four arguments used to travel.
+
+    Attributes:
+        strategy: ``"send_recv"``, ``"local_allgather"`` or ``"broadcast"`` (see module doc).
+        balance: ``"none"``, ``"size"``, ``"greedy"``, ``"search"`` or ``"auto"``
+            (see :mod:`scheduler.balance`).
+        seed: seeds the randomized balancers; same inputs, same plan.
+        budget: work units (search nodes, candidate evaluations) the balancer may spend in
+            all; never wall-clock time, so a plan does not depend on machine load.
+    """
+
+    strategy: str = "broadcast"
+    balance: str = "auto"
+    seed: int = 0
+    budget: int = 200_000
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: unknown {self.strategy!r}; choose one of {STRATEGIES}")
+        if self.balance not in BALANCES:
+            raise ValueError(f"balance: unknown {self.balance!r}; choose one of {BALANCES}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed: expected an int, got {self.seed!r}")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+            raise ValueError(f"budget: expected an int >= 1, got {self.budget!r}")
+
+    def __str__(self) -> str:
+        return f"{self.strategy}/{self.balance} (seed {self.seed}, budget {self.budget})"
+
+
 def plan_resharding(
     shape: Sequence[int],
     dtype: object,
     src: Sharding,
     dst: Sharding,
     cluster: Cluster,
-    *,
-    strategy: str = "broadcast",
-    balance: str = "auto",
-    seed: int = 0,
-    budget: int = 200_000,
+    options: PlanOptions | None = None,
 ) -> ReshardPlan:
-    """Plan moving a ``shape``/``dtype`` tensor from layout ``src`` to layout ``dst``.
-
-    Args:
-        strategy: ``"send_recv"``, ``"local_allgather"`` or ``"broadcast"`` (see module doc).
-        balance: ``"none"``, ``"size"``, ``"greedy"``, ``"search"`` or ``"auto"``
-            (see :mod:`scheduler.balance`).
-        seed: seeds the randomized balancers; same inputs, same plan.
-        budget: work units (search nodes, candidate evaluations) the balancers may spend;
-            never wall-clock time, so a plan does not depend on machine load.
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy: unknown {strategy!r}; choose one of {STRATEGIES}")
-    if balance not in BALANCES:
-        raise ValueError(f"balance: unknown {balance!r}; choose one of {BALANCES}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed: expected an int, got {seed!r}")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget: expected an int >= 1, got {budget!r}")
+    """Plan moving a ``shape``/``dtype`` tensor from layout ``src`` to layout ``dst``
+    (``options``: strategy, balance, seed and budget; :class:`PlanOptions` by default)."""
+    options = _check_options(options)
+    strategy = options.strategy
     dt = check_dtype(dtype)
     tasks = unit_tasks(shape, dt, src, dst, cluster)
     parts = _decompose(tasks, dt.itemsize, cluster, strategy)
-    ordered, stats = balance_sends(
-        parts.sends, cluster, balance, seed=seed, budget=budget, before=parts.before
-    )
+    ordered, stats = balance_sends(parts.sends, cluster, options.balance, seed=options.seed,
+                                   budget=options.budget, before=parts.before)
     transfers = list(parts.before)
     offset = len(transfers)
     for _, region, sender, receivers, after in ordered:
@@ -88,9 +103,52 @@ def plan_resharding(
         dst=dst,
         transfers=tuple(transfers),
         strategy=strategy,
-        balance=balance,
+        balance=options.balance,
         stats=stats,
     )
+
+
+def _check_options(options: object) -> PlanOptions:
+    if options is None:
+        return PlanOptions()
+    if not isinstance(options, PlanOptions):
+        raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
+    return options
+
+
+class PlanCache:
+    """Plans by (shape, dtype, source layout, destination layout, options) on one cluster,
+    the ``size`` most recently used kept. Thread-safe: the runtime plans in worker threads
+    (two threads asking for the same missing plan may both plan it; the plans are equal)."""
+
+    def __init__(self, cluster: Cluster, size: int = 64) -> None:
+        if not isinstance(cluster, Cluster):
+            raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size: expected an int >= 1, got {size!r}")
+        self.cluster = cluster
+        self.size = size
+        self._plans: OrderedDict[tuple, ReshardPlan] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def plan(self, shape: Sequence[int], dtype: object, src: Sharding, dst: Sharding,
+             options: PlanOptions | None = None) -> ReshardPlan:
+        options = _check_options(options)
+        key = (tuple(shape), str(dtype), src, dst, options)
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        plan = plan_resharding(shape, dtype, src, dst, self.cluster, options)
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
 
 
 def _decompose(

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from scheduler import Cluster, DeviceMesh, P, Sharding, Transfer, plan_resharding
+from scheduler import Cluster, DeviceMesh, P, Sharding, Transfer, estimate, plan_resharding
 from scheduler.cost import (
     GPU_IN,
     GPU_MEM,
@@ -415,7 +415,6 @@ def test_network_bytes_counts_each_network_hop():
 
     def nb(transfers) -> int:
         p = dataclasses.replace(plan, transfers=tuple(transfers))
-        assert p.network_bytes(c) == model.network_bytes(p)
         return model.network_bytes(p)
 
     assert nb([tr(0, [2, 4], b)]) == 2 * b
@@ -444,7 +443,7 @@ def test_lower_bound_replicated_to_two_hosts():
     assert lb == approx(expected)
     plan = plan_resharding(shape, "int32", src, dst, c)
     plan.check()
-    assert plan.estimate(c) >= lb
+    assert estimate(plan, c) >= lb
 
 
 def test_lower_bound_source_egress_dominates():
@@ -457,7 +456,7 @@ def test_lower_bound_source_egress_dominates():
     assert lb == approx(nbytes / NIC + 10e-6)
     plan = plan_resharding(shape, "int32", src, dst, c)
     plan.check()
-    assert plan.estimate(c) >= lb
+    assert estimate(plan, c) >= lb
 
 
 def test_lower_bound_inside_one_host_uses_gpu_ingress_and_nvlink_latency():
@@ -469,7 +468,7 @@ def test_lower_bound_inside_one_host_uses_gpu_ingress_and_nvlink_latency():
     lb = lower_bound_for((nbytes,), "int8", src, dst, c)
     assert lb == approx(nbytes / (NVL + NIC) + 3e-6)
     plan = plan_resharding((nbytes,), "int8", src, dst, c)
-    assert plan.estimate(c) >= lb
+    assert estimate(plan, c) >= lb
 
 
 def test_lower_bound_zero_when_nothing_moves():

@@ -14,11 +14,13 @@ from scheduler import (
     DeviceMesh,
     P,
     PlanError,
+    PlanOptions,
     ReshardPlan,
     Sharding,
     ShardingError,
     ShardingSpec,
     Transfer,
+    estimate,
     lower_bound,
     plan_resharding,
 )
@@ -32,10 +34,14 @@ DST = Sharding(H1, P("gpu"))
 
 
 def _plan(**kw):
+    """plan_resharding with defaults; strategy/balance/seed/budget go into PlanOptions
+    (which is where a bad one is caught, naming it)."""
     args = dict(shape=(8, 4), dtype="int32", src=SRC, dst=DST, cluster=C2)
     args.update(kw)
+    options = {k: args.pop(k) for k in ("strategy", "balance", "seed", "budget") if k in args}
     return plan_resharding(args.pop("shape"), args.pop("dtype"), args.pop("src"),
-                           args.pop("dst"), args.pop("cluster"), **args)
+                           args.pop("dst"), args.pop("cluster"),
+                           PlanOptions(**options) if options else None)
 
 
 def test_error_hierarchy():
@@ -314,4 +320,4 @@ def test_cost_model_rejects_bad_after(plan):
     ts = list(plan.transfers)
     ts[1] = dataclasses.replace(ts[1], after=(1,))
     with pytest.raises(ValueError, match="after"):
-        _with(plan, ts).estimate(C2)
+        estimate(_with(plan, ts), C2)

@@ -22,9 +22,11 @@ from scheduler import (
     STRATEGIES,
     Cluster,
     DeviceMesh,
+    PlanOptions,
     ReshardPlan,
     Sharding,
     ShardingSpec,
+    estimate,
     lower_bound,
     plan_resharding,
 )
@@ -115,13 +117,13 @@ def test_every_plan_is_correct_and_above_lower_bound(problem):
     for strategy in STRATEGIES:
         for balance in BALANCES:
             plan = plan_resharding(shape, dtype, src, dst, cluster,
-                                   strategy=strategy, balance=balance)
+                                   PlanOptions(strategy=strategy, balance=balance))
             assert (plan.strategy, plan.balance) == (strategy, balance)
             plan.check()
             paint(plan, shape, src, dst)
             if strategy == "send_recv":
                 assert all(len(t.receivers) == 1 for t in plan.transfers)
-            est = plan.estimate(cluster)
+            est = estimate(plan, cluster)
             assert est >= lb - 1e-12, (strategy, balance, est, lb)
             if math.prod(shape) == 0:
                 assert plan.transfers == () and est == 0.0
@@ -131,11 +133,12 @@ def test_every_plan_is_correct_and_above_lower_bound(problem):
 @given(problems())
 def test_json_round_trip_preserves_plan(problem):
     shape, dtype, src, dst, cluster = problem
-    plan = plan_resharding(shape, dtype, src, dst, cluster, strategy="broadcast", balance="auto")
+    plan = plan_resharding(shape, dtype, src, dst, cluster,
+                           PlanOptions(strategy="broadcast", balance="auto"))
     back = ReshardPlan.from_json(plan.to_json())
     assert back == plan
     assert back.transfers == plan.transfers
-    assert back.estimate(cluster) == plan.estimate(cluster)
+    assert estimate(back, cluster) == estimate(plan, cluster)
 
 
 # Known hard inputs, always tried: a holder that also needs the tensor is busy with its local
@@ -161,8 +164,9 @@ _BUSY_HOLDER_TINY = (
 def test_broadcast_auto_no_worse_than_other_balances(problem):
     shape, dtype, src, dst, cluster = problem
     est = {
-        balance: plan_resharding(shape, dtype, src, dst, cluster,
-                                 strategy="broadcast", balance=balance).estimate(cluster)
+        balance: estimate(plan_resharding(shape, dtype, src, dst, cluster,
+                                          PlanOptions(strategy="broadcast", balance=balance)),
+                          cluster)
         for balance in BALANCES
     }
     others = min(v for k, v in est.items() if k != "auto")
@@ -173,8 +177,10 @@ def test_broadcast_auto_no_worse_than_other_balances(problem):
 @given(problems(), st.sampled_from(STRATEGIES), st.sampled_from(["greedy", "auto"]))
 def test_same_inputs_same_plan(problem, strategy, balance):
     shape, dtype, src, dst, cluster = problem
-    a = plan_resharding(shape, dtype, src, dst, cluster, strategy=strategy, balance=balance)
-    b = plan_resharding(shape, dtype, src, dst, cluster, strategy=strategy, balance=balance)
+    a = plan_resharding(shape, dtype, src, dst, cluster,
+                        PlanOptions(strategy=strategy, balance=balance))
+    b = plan_resharding(shape, dtype, src, dst, cluster,
+                        PlanOptions(strategy=strategy, balance=balance))
     assert a.transfers == b.transfers
 
 
@@ -186,8 +192,8 @@ def test_paint_rejects_broken_plans():
     src = Sharding(DeviceMesh([0, 1], "a"), ShardingSpec("a"))
     dst = Sharding(DeviceMesh([2, 3], "a"), ShardingSpec(None, "a"))
     shape = (4, 6)
-    plan = plan_resharding(shape, "int32", src, dst, cluster, strategy="send_recv",
-                           balance="none")
+    plan = plan_resharding(shape, "int32", src, dst, cluster,
+                           PlanOptions(strategy="send_recv", balance="none"))
     paint(plan, shape, src, dst)
     ts = list(plan.transfers)
     assert len(ts) >= 2
