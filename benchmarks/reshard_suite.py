@@ -3,7 +3,7 @@
 Every number is a ratio to the physical lower bound, computed in this run, so the table means
 the same on any machine; planning times are wall-clock on this machine (stated on top).
 
-    python benchmarks/reshard_suite.py [--random N] [--seed S] [--skip-scale]
+    python benchmarks/reshard_suite.py [--suite paper|scale|random|all] [--random N] [--seed S]
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scheduler import lower_bound, paper_model_time, plan_resharding
-from scheduler.cli import machine_line
-from scheduler.suite_report import (
-    AUTO,
-    format_ratio_summary,
-    format_table,
-    run_case,
-)
-from scheduler.suites import paper_suite, random_suite, scale_case
+from suite_report import AUTO, CaseResult, format_ratio_summary, format_table, run_case
+from suites import paper_suite, random_suite, scale_case
+
+from scheduler import PlanOptions, estimate, lower_bound, paper_model_time, plan_resharding
+from scheduler.cli_common import machine_line
 
 
 def scale_row() -> str:
@@ -36,9 +33,9 @@ def scale_row() -> str:
                               ("broadcast", "auto")):
         t0 = time.perf_counter()
         plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                               strategy=strategy, balance=balance)
+                               PlanOptions(strategy=strategy, balance=balance))
         secs = time.perf_counter() - t0
-        est = plan.estimate(case.cluster)
+        est = estimate(plan, case.cluster)
         lines.append(
             f"  {strategy}/{balance:<5} plan {secs:6.3f} s  {len(plan.transfers):5d} transfers  "
             f"estimate {est * 1e3:8.3f} ms  bound {lb * 1e3:8.3f} ms  ratio {est / lb:.3f}  "
@@ -47,15 +44,7 @@ def scale_row() -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--random", type=int, default=48, help="random cases")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-scale", action="store_true")
-    args = ap.parse_args()
-    print(machine_line())
-    print("estimates in ms under the project cost model; ratios to the lower bound\n")
-    t0 = time.perf_counter()
+def paper_table() -> list[CaseResult]:
     paper = [run_case(c) for c in paper_suite()]
     print("== paper suite (5 x p3.8xlarge, int32) ==")
     print(format_table(paper))
@@ -64,11 +53,12 @@ def main() -> int:
     worst = max(max(r.ratio(AUTO), r.ratio(AUTO, paper=True)) for r in paper)
     print(f"target broadcast+auto <= 1.05 x bound on every paper case, both models: "
           f"worst {worst:.3f} -> {'met' if worst <= 1.05 else 'NOT met'}")
-    if not args.skip_scale:
-        print("\n== scale row ==")
-        print(scale_row())
-    print(f"\n== random suite ({args.random} cases, seed {args.seed}) ==")
-    rand = [run_case(c) for c in random_suite(args.random, args.seed)]
+    return paper
+
+
+def random_table(num_cases: int, seed: int) -> list[CaseResult]:
+    print(f"== random suite ({num_cases} cases, seed {seed}) ==")
+    rand = [run_case(c) for c in random_suite(num_cases, seed)]
     print(format_table(rand))
     print()
     print(format_ratio_summary(rand))
@@ -77,7 +67,28 @@ def main() -> int:
     ok = mean <= 1.02 and worst <= 1.10
     print(f"target auto mean <= 1.02, worst <= 1.10: mean {mean:.3f}, worst {worst:.3f} -> "
           f"{'met' if ok else 'NOT met'}")
-    beaten = [r.case for r in rand + paper
+    return rand
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", choices=("paper", "scale", "random", "all"), default="all")
+    ap.add_argument("--random", type=int, default=48, help="random cases")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(machine_line())
+    print("estimates in ms under the project cost model; ratios to the lower bound\n")
+    t0 = time.perf_counter()
+    results: list[CaseResult] = []
+    if args.suite in ("paper", "all"):
+        results += paper_table()
+    if args.suite in ("scale", "all"):
+        print("\n== scale row ==")
+        print(scale_row())
+    if args.suite in ("random", "all"):
+        print()
+        results += random_table(args.random, args.seed)
+    beaten = [r.case for r in results
               if r.estimates[AUTO] > min(r.estimates.values()) * (1 + 1e-9)]
     print(f"cases where another variant beats auto: {beaten or 'none'}")
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")

@@ -1,35 +1,28 @@
 """scheduler — the pure planner/compiler of ``overlap``: no GPU, no asyncio, no I/O.
 
 Cluster, meshes and shardings; the cross-mesh resharding planner; the cost model and the
-physical lower bound; pipeline schedules, their lowering to per-device stream programs, the
-validator and the discrete-event simulator. See DESIGN.md and docs/architecture.md.
+physical lower bound; pipeline schedules, their lowering to the step graph (typed ops on
+device streams with explicit dependencies), the validator, the event kernel, the simulator
+and timelines. See DESIGN.md and docs/architecture.md.
 """
 
 from __future__ import annotations
 
 from .balance import BALANCES
 from .cluster import Cluster
-from .cost import CostModel, lower_bound_for, paper_model_time
+from .cost import CostModel, estimate, lower_bound_for, paper_model_time, plan_report
 from .errors import ClusterError, PlanError, ShardingError
+from .graph import COMPUTE, Channel, Compute, Dep, Lane, Op, StepGraph, TransferOp, reshard_graph
+from .lowering import Boundary, lower
 from .mesh import DeviceMesh
 from .plan import ReshardPlan, Transfer
-from .planner import STRATEGIES, plan_resharding
-from .programs import (
-    Boundary,
-    Compute,
-    DeviceProgram,
-    ProgramError,
-    Programs,
-    Record,
-    Reshard,
-    Wait,
-    lower,
-    validate,
-)
+from .planner import STRATEGIES, PlanCache, PlanOptions, plan_resharding
 from .regions import Region
 from .schedules import SCHEDULES, Action, Schedule, make_schedule
 from .sharding import P, Replicate, Shard, Sharding, ShardingSpec
-from .simulator import Span, Timeline, simulate
+from .simulator import simulate
+from .timeline import Span, Timeline
+from .validate import ProgramError, validate
 
 
 def lower_bound(shape, dtype, src: Sharding, dst: Sharding, cluster: Cluster) -> float:
@@ -39,24 +32,27 @@ def lower_bound(shape, dtype, src: Sharding, dst: Sharding, cluster: Cluster) ->
 
 __all__ = [
     "BALANCES",
+    "COMPUTE",
     "SCHEDULES",
     "STRATEGIES",
     "Action",
     "Boundary",
+    "Channel",
     "Cluster",
     "ClusterError",
     "Compute",
     "CostModel",
+    "Dep",
     "DeviceMesh",
-    "DeviceProgram",
+    "Lane",
+    "Op",
     "P",
+    "PlanCache",
     "PlanError",
+    "PlanOptions",
     "ProgramError",
-    "Programs",
-    "Record",
     "Region",
     "Replicate",
-    "Reshard",
     "ReshardPlan",
     "Schedule",
     "Shard",
@@ -64,14 +60,18 @@ __all__ = [
     "ShardingError",
     "ShardingSpec",
     "Span",
+    "StepGraph",
     "Timeline",
     "Transfer",
-    "Wait",
+    "TransferOp",
+    "estimate",
     "lower",
     "lower_bound",
     "make_schedule",
     "paper_model_time",
+    "plan_report",
     "plan_resharding",
+    "reshard_graph",
     "simulate",
     "validate",
 ]

@@ -5,7 +5,8 @@ Examples::
     overlap plan --cluster p3.8xlarge --hosts 5 --shape 1024,1024,512 --dtype int32 \\
         --src-mesh 0:2 --src-spec=host,-,- --dst-mesh 2:4 --dst-spec=host,-,-
     overlap plan --case case.json --strategy send_recv --show-transfers
-    overlap plan --suite paper
+
+(The paper's suite of cases: ``python benchmarks/reshard_suite.py``.)
 
 Meshes on the command line are whole hosts ``FIRST:STOP`` (axes "host", "gpu"), optionally
 ``FIRST:STOPxGPUS`` for the first GPUS GPUs of each host. A spec is comma-separated entries:
@@ -20,78 +21,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .balance import BALANCES
+from .cli_common import (
+    Case,
+    add_plan_options,
+    case_from_json,
+    parse_mesh,
+    parse_spec,
+    plan_options,
+)
 from .cluster import Cluster
-from .cost import lower_bound_for, paper_model_time
-from .mesh import DeviceMesh
+from .cost import lower_bound_for, paper_model_time, plan_report
 from .plan import transfers_text
-from .planner import STRATEGIES, plan_resharding
-from .sharding import Sharding, ShardingSpec
-from .suites import Case, paper_suite, random_suite, scale_case
-
-
-def parse_spec(text: str) -> ShardingSpec:
-    entries: list[object] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if item in ("", "-", "None", "none"):
-            entries.append(None)
-        elif "+" in item:
-            entries.append(tuple(part.strip() for part in item.split("+")))
-        else:
-            entries.append(item)
-    return ShardingSpec(*entries)
-
-
-def parse_mesh(text: str, cluster: Cluster, *, argument: str) -> DeviceMesh:
-    try:
-        hosts_part, _, gpus_part = text.partition("x")
-        first, _, stop = hosts_part.partition(":")
-        lo = int(first)
-        hi = int(stop) if stop else lo + 1
-        gpus = int(gpus_part) if gpus_part else cluster.gpus_per_host
-    except ValueError:
-        raise ValueError(
-            f"{argument}: expected FIRST:STOP[xGPUS] (hosts FIRST..STOP-1), got {text!r}"
-        ) from None
-    if not 0 <= lo < hi <= cluster.num_hosts:
-        raise ValueError(f"{argument}: hosts {lo}:{hi} are not within 0:{cluster.num_hosts}")
-    if not 1 <= gpus <= cluster.gpus_per_host:
-        raise ValueError(f"{argument}: {gpus} GPUs per host; the cluster has "
-                         f"{cluster.gpus_per_host}")
-    return cluster.mesh(range(lo, hi), gpus=gpus)
-
-
-def case_from_json(data: dict) -> Case:
-    missing = {"cluster", "shape", "src", "dst"} - set(data)
-    if missing:
-        raise ValueError(f"case file: missing keys {sorted(missing)}")
-    return Case(
-        name=str(data.get("name", "case")),
-        shape=tuple(data["shape"]),
-        dtype=str(data.get("dtype", "float32")),
-        src=Sharding.from_json(data["src"]),
-        dst=Sharding.from_json(data["dst"]),
-        cluster=Cluster.from_dict(data["cluster"]),
-    )
-
-
-def machine_line() -> str:
-    import os
-
-    return (f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
-            f"Python {platform.python_version()}")
+from .planner import plan_resharding
+from .sharding import Sharding
 
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="overlap plan", description="Plan a cross-mesh resharding.")
-    p.add_argument("--suite", choices=("paper", "random", "scale"),
-                   help="plan a whole benchmark suite and print one table")
     p.add_argument("--case", type=Path, help="JSON case file (see module doc)")
     p.add_argument("--cluster", default="p3.8xlarge", help="cluster preset")
     p.add_argument("--hosts", type=int, default=4, help="number of hosts of the preset")
@@ -101,10 +51,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dst-mesh", help="FIRST:STOP[xGPUS] hosts of the destination mesh")
     p.add_argument("--src-spec", default="", help="e.g. host,-,- or host+gpu,-")
     p.add_argument("--dst-spec", default="", help="e.g. -,host,-")
-    p.add_argument("--strategy", default="broadcast", choices=STRATEGIES)
-    p.add_argument("--balance", default="auto", choices=BALANCES)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget", type=int, default=200_000)
+    add_plan_options(p)
     p.add_argument("--show-transfers", action="store_true", help="list every transfer")
     p.add_argument("--json", type=Path, help="write the plan as JSON to this file")
     return p
@@ -115,7 +62,7 @@ def _case_from_args(args: argparse.Namespace) -> Case:
         return case_from_json(json.loads(args.case.read_text()))
     for name in ("shape", "src_mesh", "dst_mesh"):
         if getattr(args, name) is None:
-            raise ValueError(f"--{name.replace('_', '-')} is required without --case/--suite")
+            raise ValueError(f"--{name.replace('_', '-')} is required without --case")
     cluster = Cluster.preset(args.cluster, args.hosts)
     try:
         shape = tuple(int(x) for x in args.shape.split(","))
@@ -140,27 +87,13 @@ def _sharding(mesh_text: str, spec_text: str, cluster: Cluster, rank: int, *,
 def plan_main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        if args.suite:
-            from .suite_report import format_ratio_summary, format_table, run_case
-
-            cases = {"paper": paper_suite, "random": random_suite,
-                     "scale": lambda: [scale_case()]}[args.suite]()
-            results = [run_case(c) for c in cases]
-            print(f"suite {args.suite}: estimates in ms under the project cost model; "
-                  "ratios are to the lower bound")
-            print(machine_line())
-            print(format_table(results))
-            print()
-            print(format_ratio_summary(results))
-            return 0
         case = _case_from_args(args)
         plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                               strategy=args.strategy, balance=args.balance,
-                               seed=args.seed, budget=args.budget)
+                               plan_options(args))
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(plan.summary(case.cluster))
+    print(plan_report(plan, case.cluster))
     lb = lower_bound_for(case.shape, case.dtype, case.src, case.dst, case.cluster)
     paper = paper_model_time(plan, case.cluster)
     print(f"  paper's simple model: {paper * 1e3:.2f} ms "
@@ -174,14 +107,14 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 
 COMMANDS = {
-    "plan": "plan a cross-mesh resharding (or --suite paper) and cost it",
+    "plan": "plan a cross-mesh resharding and cost it",
     "simulate": "compare gpipe / 1f1b / eager-1f1b / signal on a pipeline",
     "trace": "trace report FILE: busy, bubble, communication and how much of it was hidden",
 }
 
 
 def trace_main(argv: Sequence[str]) -> int:
-    from .simulator import Timeline
+    from .timeline import Timeline
 
     p = argparse.ArgumentParser(prog="overlap trace", description="Summarize a trace file.")
     p.add_argument("action", choices=("report",))

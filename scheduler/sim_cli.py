@@ -23,14 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .balance import BALANCES
+from .cli_common import add_plan_options, parse_spec, plan_options
 from .cluster import Cluster
+from .lowering import Boundary, lower
 from .mesh import DeviceMesh
-from .planner import STRATEGIES
-from .programs import Boundary, lower
+from .planner import PlanCache, PlanOptions
 from .schedules import SCHEDULES, make_schedule
 from .sharding import Sharding, ShardingSpec
-from .simulator import Timeline, simulate
+from .simulator import simulate
+from .timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -48,17 +49,19 @@ class Row:
     timeline: Timeline
 
 
-def run_rows(case: PipelineCase, *, strategy: str = "broadcast", balance: str = "auto",
+def run_rows(case: PipelineCase, options: PlanOptions | None = None, *,
              schedules: Sequence[str] = SCHEDULES, signal_schedule: str = "eager-1f1b",
              trace_dir: Path | None = None) -> list[Row]:
-    """Simulate each schedule, plus ``signal`` (``signal_schedule`` with latency-only comm)."""
+    """Simulate each schedule, plus ``signal`` (``signal_schedule`` with latency-only comm);
+    each boundary is planned once for all rows."""
     rows = []
+    cache = PlanCache(case.cluster)
     runs = [(name, name, False) for name in schedules] + [("signal", signal_schedule, True)]
     for label, name, signal in runs:
         schedule = make_schedule(name, len(case.stages), case.microbatches)
-        programs = lower(case.stages, case.boundaries, schedule, case.cluster,
-                         strategy=strategy, balance=balance)
-        tl = simulate(programs, case.cluster, case.compute, signal=signal)
+        graph = lower(case.stages, case.boundaries, schedule, case.cluster, options,
+                      cache=cache)
+        tl = simulate(graph, case.cluster, case.compute, signal=signal)
         if trace_dir is not None:
             tl.to_chrome_trace(Path(trace_dir) / f"sim-{label}.json")
         rows.append(Row(label, tl))
@@ -114,8 +117,6 @@ def _compute_table(spec: Any, num_stages: int) -> dict[tuple[int, str], float]:
 
 
 def _case_from_args(args: argparse.Namespace) -> PipelineCase:
-    from .cli import parse_spec
-
     if args.case is not None:
         return case_from_json(json.loads(args.case.read_text()))
     if args.shape is None:
@@ -168,8 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dst-spec", default="", help="consumer layout, e.g. gpu,-")
     p.add_argument("--fwd-ms", type=float, default=10.0, help="forward per microbatch")
     p.add_argument("--bwd-ms", type=float, default=20.0, help="backward per microbatch")
-    p.add_argument("--strategy", default="broadcast", choices=STRATEGIES)
-    p.add_argument("--balance", default="auto", choices=BALANCES)
+    add_plan_options(p)
     p.add_argument("--trace-dir", type=Path, help="write a Perfetto trace per row here")
     return p
 
@@ -178,8 +178,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         case = _case_from_args(args)
-        rows = run_rows(case, strategy=args.strategy, balance=args.balance,
-                        trace_dir=args.trace_dir)
+        rows = run_rows(case, plan_options(args), trace_dir=args.trace_dir)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

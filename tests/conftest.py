@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -22,6 +24,13 @@ try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
     uvloop = None
+
+# The benchmark suites (benchmarks/suites.py) and the toy model (examples/toy.py) are shared
+# with the tests; they live beside the packages, not in them.
+_ROOT = Path(__file__).resolve().parents[1]
+for _dir in ("benchmarks", "examples"):
+    if str(_ROOT / _dir) not in sys.path:
+        sys.path.insert(0, str(_ROOT / _dir))
 
 _ASYNCIO_POLICY = asyncio.DefaultEventLoopPolicy()
 _LOOP_POLICIES = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,8 +13,14 @@ import pytest
 
 import overlap.cli
 import scheduler.cli
-from scheduler import Cluster, DeviceMesh, P, ReshardPlan, Sharding, plan_resharding
-from scheduler.cli import case_from_json, parse_mesh, parse_spec
+from scheduler import Cluster, DeviceMesh, P, PlanOptions, ReshardPlan, Sharding, plan_resharding
+from scheduler.cli_common import (
+    add_plan_options,
+    case_from_json,
+    parse_mesh,
+    parse_spec,
+    plan_options,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,11 +32,11 @@ SMALL = [
 ]
 
 
-def small_plan() -> ReshardPlan:
+def small_plan(options: PlanOptions | None = None) -> ReshardPlan:
     cluster = Cluster.preset("p3.8xlarge", 2)
     src = Sharding(DeviceMesh([[0, 1, 2, 3]], ("host", "gpu")), P("gpu", None))
     dst = Sharding(DeviceMesh([[4, 5, 6, 7]], ("host", "gpu")), P(None, "gpu"))
-    return plan_resharding((8, 4), "float32", src, dst, cluster)
+    return plan_resharding((8, 4), "float32", src, dst, cluster, options)
 
 
 def mesh_json(devices) -> dict:
@@ -291,20 +298,37 @@ def test_no_subcommand_is_an_error_but_help_is_not(capsys, main):
 # ---- python -m scheduler ------------------------------------------------------------------
 
 
-def test_module_entry_point_paper_suite():
+def test_module_entry_point_plans():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "scheduler", "plan", "--suite", "paper"],
+        [sys.executable, "-m", "scheduler", "plan", *SMALL],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    header = next(ln for ln in lines if ln.split()[:1] == ["case"])
-    assert "bc/auto" in header.split()
-    rows = [ln.split() for ln in lines]
-    assert any(r[:2] == ["case", "1"] for r in rows)
-    assert any(r[:2] == ["case", "9"] for r in rows)
-    assert any(r[:1] == ["bc/auto"] for r in rows)  # the ratio summary
+    assert "ReshardPlan (8, 4) float32" in proc.stdout
+    assert "estimate" in proc.stdout
+
+
+def test_seed_and_budget_flags_reach_the_planner(tmp_path, capsys):
+    # greedy with a budget of one shuffle and seed 3 is the plan PlanOptions(...) gives.
+    path = tmp_path / "plan.json"
+    argv = ["plan", *SMALL, "--balance", "greedy", "--seed", "3", "--budget", "1",
+            "--json", str(path)]
+    assert overlap.cli.main(argv) == 0
+    capsys.readouterr()
+    plan = small_plan(PlanOptions(balance="greedy", seed=3, budget=1))
+    assert ReshardPlan.from_json(path.read_text()).transfers == plan.transfers
+    parser = argparse.ArgumentParser()
+    add_plan_options(parser)
+    args = parser.parse_args(["--balance", "greedy", "--seed", "3", "--budget", "1"])
+    assert plan_options(args) == PlanOptions("broadcast", "greedy", 3, 1)
+    assert plan_options(parser.parse_args([])) == PlanOptions()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--budget", "0"), ("--budget", "-5")])
+def test_bad_plan_option_names_the_flag(flag, value, capsys):
+    assert overlap.cli.main(["plan", *SMALL, flag, value]) == 2
+    assert "--budget" in capsys.readouterr().err

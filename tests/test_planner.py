@@ -10,22 +10,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from suites import paper_suite, random_suite
 
 from scheduler import (
     BALANCES,
     STRATEGIES,
     Cluster,
+    CostModel,
     DeviceMesh,
     P,
+    PlanOptions,
     ReshardPlan,
     Sharding,
     ShardingSpec,
     Transfer,
+    estimate,
     lower_bound,
     paper_model_time,
+    plan_report,
     plan_resharding,
 )
-from scheduler.suites import paper_suite, random_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +54,7 @@ def _covered(regions, shape):
 
 def test_broadcast_auto_one_to_four_is_one_broadcast():
     plan = plan_resharding((64, 32), "float32", ONE_GPU, HOST1_REPLICATED, P3,
-                           strategy="broadcast", balance="auto")
+                           PlanOptions(strategy="broadcast", balance="auto"))
     plan.check()
     assert len(plan.transfers) == 1
     (t,) = plan.transfers
@@ -60,7 +64,7 @@ def test_broadcast_auto_one_to_four_is_one_broadcast():
     assert t.nbytes == 64 * 32 * 4
     assert plan.nbytes == 4 * t.nbytes
     # A chain crosses the network once, then stays on host 1.
-    assert plan.network_bytes(P3) == t.nbytes
+    assert CostModel(P3).network_bytes(plan) == t.nbytes
 
 
 def test_broadcast_estimate_matches_alpha_beta_formula():
@@ -68,49 +72,50 @@ def test_broadcast_estimate_matches_alpha_beta_formula():
     # 10 Gbps NIC + pipeline fill of one 512 KiB chunk over three NVLink hops.
     shape = (1 << 20,)
     plan = plan_resharding(shape, "float32", Sharding(DeviceMesh([[0]], ("host", "gpu")), P()),
-                           HOST1_REPLICATED, P3, strategy="broadcast", balance="auto")
+                           HOST1_REPLICATED, P3, PlanOptions(strategy="broadcast", balance="auto"))
     (t,) = plan.transfers
     nbytes = 4 << 20
     chunk = 512 << 10
     expect = (40e-6 + 3 * 5e-6 + nbytes / (10e9 / 8) + 3 * chunk / (640e9 / 8))
     assert t.nbytes == nbytes
-    assert plan.estimate(P3) == pytest.approx(expect, rel=1e-9)
+    assert estimate(plan, P3) == pytest.approx(expect, rel=1e-9)
     assert paper_model_time(plan, P3) == pytest.approx(nbytes / (10e9 / 8), rel=1e-12)
 
 
 def test_point_to_point_estimate():
     src = Sharding(DeviceMesh([0], "x"), P())
     dst = Sharding(DeviceMesh([5], "x"), P())
-    plan = plan_resharding((1000,), "int64", src, dst, P3, strategy="send_recv", balance="none")
+    plan = plan_resharding((1000,), "int64", src, dst, P3,
+                           PlanOptions(strategy="send_recv", balance="none"))
     assert [(t.sender, t.receivers) for t in plan.transfers] == [(0, (5,))]
-    assert plan.estimate(P3) == pytest.approx(40e-6 + 8000 / 1.25e9, rel=1e-12)
+    assert estimate(plan, P3) == pytest.approx(40e-6 + 8000 / 1.25e9, rel=1e-12)
 
 
 @pytest.mark.parametrize("balance", BALANCES)
 @pytest.mark.parametrize("case", PAPER[:8], ids=PAPER_IDS[:8])
 def test_send_recv_only_point_to_point(case, balance):
     plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                           strategy="send_recv", balance=balance)
+                           PlanOptions(strategy="send_recv", balance=balance))
     assert plan.transfers
     assert all(len(t.receivers) == 1 for t in plan.transfers)
 
 
 def test_send_recv_one_to_four():
     plan = plan_resharding((64, 32), "float32", ONE_GPU, HOST1_REPLICATED, P3,
-                           strategy="send_recv", balance="auto")
+                           PlanOptions(strategy="send_recv", balance="auto"))
     plan.check()
     assert sorted((t.sender, t.receivers) for t in plan.transfers) == [
         (0, (4,)), (0, (5,)), (0, (6,)), (0, (7,))
     ]
     assert all(t.region == ((0, 64), (0, 32)) for t in plan.transfers)
-    assert plan.network_bytes(P3) == 4 * 64 * 32 * 4
+    assert CostModel(P3).network_bytes(plan) == 4 * 64 * 32 * 4
 
 
 @pytest.mark.parametrize("balance", BALANCES)
 def test_local_allgather_slices_then_gathers(balance):
     shape = (64, 32)
     plan = plan_resharding(shape, "float32", ONE_GPU, HOST1_REPLICATED, P3,
-                           strategy="local_allgather", balance=balance)
+                           PlanOptions(strategy="local_allgather", balance=balance))
     plan.check()
     dst_host = set(P3.devices_of_host(1))
     network = [t for t in plan.transfers if P3.host_of(t.sender) == 0]
@@ -133,13 +138,13 @@ def test_local_allgather_slices_then_gathers(balance):
             i for i, n in enumerate(plan.transfers) if n in network and n.region == t.region
         )
     # Only the slices cross the network: each byte once.
-    assert plan.network_bytes(P3) == 64 * 32 * 4
+    assert CostModel(P3).network_bytes(plan) == 64 * 32 * 4
 
 
 def test_local_allgather_single_receiver_per_host_sends_whole_region():
     src = Sharding(DeviceMesh([0], "x"), P())
     dst = Sharding(DeviceMesh([4], "x"), P())
-    plan = plan_resharding((8, 4), "int32", src, dst, P3, strategy="local_allgather")
+    plan = plan_resharding((8, 4), "int32", src, dst, P3, PlanOptions(strategy="local_allgather"))
     plan.check()
     assert [(t.region, t.sender, t.receivers) for t in plan.transfers] == [
         (((0, 8), (0, 4)), 0, (4,))
@@ -150,13 +155,13 @@ def test_local_allgather_single_receiver_per_host_sends_whole_region():
 def test_same_layout_is_all_local_copies(strategy):
     mesh = P3.mesh([0, 1])
     sh = Sharding(mesh, P("gpu", "host"))
-    plan = plan_resharding((8, 6), "float16", sh, sh, P3, strategy=strategy)
+    plan = plan_resharding((8, 6), "float16", sh, sh, P3, PlanOptions(strategy=strategy))
     plan.check()
     regions = sh.device_regions((8, 6))
     assert len(plan.transfers) == 8
     assert all(t.is_local_copy for t in plan.transfers)
     assert {t.sender: t.region for t in plan.transfers} == regions
-    assert plan.network_bytes(P3) == 0
+    assert CostModel(P3).network_bytes(plan) == 0
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -165,13 +170,13 @@ def test_overlapping_meshes_make_local_copies(strategy):
     mesh = DeviceMesh([0, 1, 2, 3], "x")
     src = Sharding(mesh, P("x"))
     dst = Sharding(mesh, P())
-    plan = plan_resharding((8, 2), "int32", src, dst, P3, strategy=strategy)
+    plan = plan_resharding((8, 2), "int32", src, dst, P3, PlanOptions(strategy=strategy))
     plan.check()
     copies = [t for t in plan.transfers if t.is_local_copy]
     assert {t.sender: t.region for t in copies} == src.device_regions((8, 2))
     assert all(t.receivers == (t.sender,) for t in copies)
     # Everything else stays on host 0, over NVLink.
-    assert plan.network_bytes(P3) == 0
+    assert CostModel(P3).network_bytes(plan) == 0
     others = [t for t in plan.transfers if not t.is_local_copy]
     assert others and all(d in range(4) for t in others for d in t.devices)
 
@@ -198,9 +203,10 @@ def test_partially_overlapping_meshes():
 def test_zero_size_tensor_empty_plan(strategy, balance, shape):
     src = Sharding(P3.mesh([0]), P("gpu"))
     dst = Sharding(P3.mesh([1]), P(None, "gpu") if len(shape) > 1 else P())
-    plan = plan_resharding(shape, "float32", src, dst, P3, strategy=strategy, balance=balance)
+    plan = plan_resharding(shape, "float32", src, dst, P3,
+                           PlanOptions(strategy=strategy, balance=balance))
     assert plan.transfers == ()
-    assert plan.estimate(P3) == 0.0
+    assert estimate(plan, P3) == 0.0
     assert plan.nbytes == 0
     assert paper_model_time(plan, P3) == 0.0
     assert lower_bound(shape, "float32", src, dst, P3) == 0.0
@@ -209,7 +215,7 @@ def test_zero_size_tensor_empty_plan(strategy, balance, shape):
 
 def test_plan_records_inputs():
     plan = plan_resharding([4, 4], np.float16, ONE_GPU, HOST1_REPLICATED, P3,
-                           strategy="send_recv", balance="size")
+                           PlanOptions(strategy="send_recv", balance="size"))
     assert plan.shape == (4, 4)
     assert plan.dtype == "float16"
     assert plan.itemsize == 2
@@ -227,22 +233,24 @@ DET_CASES = [PAPER[3], PAPER[5], *random_suite(2, seed=1)]
 def test_deterministic(case, balance):
     def make():
         return plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                               strategy="broadcast", balance=balance, seed=3)
+                               PlanOptions(strategy="broadcast", balance=balance, seed=3))
 
     a, b = make(), make()
     assert a.transfers == b.transfers
     assert a == b
 
 
-_DETERMINISM_SCRIPT = """
+_DETERMINISM_SCRIPT = f"""
 import sys
-from scheduler import plan_resharding
-from scheduler.suites import paper_suite
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+from scheduler import PlanOptions, plan_resharding
+from suites import paper_suite
 out = []
 for c in [paper_suite()[i] for i in (2, 3, 5, 7)]:
     for b in ("greedy", "auto"):
         for s in ("broadcast", "local_allgather"):
-            p = plan_resharding(c.shape, c.dtype, c.src, c.dst, c.cluster, strategy=s, balance=b)
+            p = plan_resharding(c.shape, c.dtype, c.src, c.dst, c.cluster,
+                                PlanOptions(strategy=s, balance=b))
             out.append(p.to_json())
 sys.stdout.write("\\n".join(out))
 """
@@ -264,14 +272,14 @@ def test_deterministic_across_processes_and_hash_seeds():
 def test_json_round_trip(strategy):
     case = PAPER[3]
     plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                           strategy=strategy, balance="auto")
+                           PlanOptions(strategy=strategy, balance="auto"))
     text = plan.to_json()
     json.loads(text)  # valid JSON
     back = ReshardPlan.from_json(text)
     assert back.transfers == plan.transfers
     assert all(isinstance(t, Transfer) for t in back.transfers)
     assert back == plan
-    assert back.estimate(case.cluster) == plan.estimate(case.cluster)
+    assert estimate(back, case.cluster) == estimate(plan, case.cluster)
     back.check()
     assert ReshardPlan.from_json(text.encode()).transfers == plan.transfers
 
@@ -287,8 +295,8 @@ def test_transfer_json_round_trip():
 def test_summary_mentions_estimate_and_lower_bound():
     case = PAPER[2]
     plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster)
-    text = plan.summary(case.cluster)
-    est = plan.estimate(case.cluster)
+    text = plan_report(plan, case.cluster)
+    est = estimate(plan, case.cluster)
     lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
     assert "estimate" in text and "lower bound" in text
     assert f"estimate {est * 1e3:.2f} ms" in text
@@ -296,7 +304,7 @@ def test_summary_mentions_estimate_and_lower_bound():
     assert f"ratio {est / lb:.3f}" in text
     assert "strategy=broadcast" in text and "balance=auto" in text
     assert f"{len(plan.transfers)} transfers" in text
-    # Without a cluster there is nothing to estimate.
+    # The plan alone knows no cluster: nothing to estimate.
     assert "estimate" not in plan.summary()
     assert str(plan) == plan.summary()
 
@@ -311,25 +319,25 @@ def test_estimate_at_least_lower_bound_paper_suite(case):
     for strategy in STRATEGIES:
         for balance in BALANCES:
             plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                                   strategy=strategy, balance=balance)
-            est = plan.estimate(case.cluster)
+                                   PlanOptions(strategy=strategy, balance=balance))
+            est = estimate(plan, case.cluster)
             assert est >= lb * (1 - 1e-12), (strategy, balance, est, lb)
 
 
 @pytest.mark.parametrize("case", PAPER, ids=PAPER_IDS)
 def test_broadcast_auto_near_lower_bound_cost_model(case):
     plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                           strategy="broadcast", balance="auto")
+                           PlanOptions(strategy="broadcast", balance="auto"))
     plan.check()
     lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
-    est = plan.estimate(case.cluster)
+    est = estimate(plan, case.cluster)
     assert est <= 1.05 * lb, f"{case.name}: estimate {est:.6f}s > 1.05 × lower bound {lb:.6f}s"
 
 
 @pytest.mark.parametrize("case", PAPER, ids=PAPER_IDS)
 def test_broadcast_auto_near_lower_bound_paper_model(case):
     plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                           strategy="broadcast", balance="auto")
+                           PlanOptions(strategy="broadcast", balance="auto"))
     lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
     t = paper_model_time(plan, case.cluster)
     assert t <= 1.05 * lb, (
@@ -356,16 +364,17 @@ def test_after_serializes_transfers_in_cost_model():
     c = Cluster(4, 1, nic_gbps=8, nic_latency_us=0)
     src = Sharding(DeviceMesh([0, 1], "x"), P("x"))
     dst = Sharding(DeviceMesh([2, 3], "x"), P("x"))
-    plan = plan_resharding((2000,), "int8", src, dst, c, strategy="send_recv", balance="none")
+    plan = plan_resharding((2000,), "int8", src, dst, c,
+                           PlanOptions(strategy="send_recv", balance="none"))
     assert len(plan.transfers) == 2 and not any(t.after for t in plan.transfers)
     one = 1000 / 1e9
-    assert plan.estimate(c) == pytest.approx(one, rel=1e-9)
+    assert estimate(plan, c) == pytest.approx(one, rel=1e-9)
     t0, t1 = plan.transfers
     chained = ReshardPlan(plan.shape, plan.dtype, plan.src, plan.dst,
                           (t0, Transfer(t1.region, t1.sender, t1.receivers, t1.nbytes, (0,))),
                           plan.strategy, plan.balance)
     chained.check()
-    assert chained.estimate(c) == pytest.approx(2 * one, rel=1e-9)
+    assert estimate(chained, c) == pytest.approx(2 * one, rel=1e-9)
     assert paper_model_time(chained, c) == pytest.approx(2 * one, rel=1e-9)
 
 
@@ -377,9 +386,9 @@ def test_auto_plan_after_indices_are_earlier_and_survive_json():
         assert all(0 <= j < i for j in t.after)
     back = ReshardPlan.from_json(plan.to_json())
     assert [t.after for t in back.transfers] == [t.after for t in plan.transfers]
-    assert back.estimate(case.cluster) == pytest.approx(plan.estimate(case.cluster), rel=1e-12)
+    assert estimate(back, case.cluster) == pytest.approx(estimate(plan, case.cluster), rel=1e-12)
     lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
-    assert plan.estimate(case.cluster) >= lb
+    assert estimate(plan, case.cluster) >= lb
 
 
 # ---- auto against the other balancers -------------------------------------------------------
@@ -394,8 +403,8 @@ def test_auto_no_worse_than_none_when_a_holder_is_busy_with_a_local_copy(shape):
     src = Sharding(DeviceMesh([4, 0], "x"), P())
     dst = Sharding(DeviceMesh([0, 8], "x"), P())
     est = {
-        b: plan_resharding(shape, "float32", src, dst, c, strategy="broadcast",
-                           balance=b).estimate(c)
+        b: estimate(plan_resharding(shape, "float32", src, dst, c,
+                                    PlanOptions(strategy="broadcast", balance=b)), c)
         for b in BALANCES
     }
     assert est["auto"] <= est["none"] * (1 + 1e-9), est

@@ -1,6 +1,7 @@
 """The pipeline simulator (scheduler/simulator.py) against hand-worked timelines.
 
-Semantics used for the expected values (module docs of simulator.py, programs.py, cost.py):
+Semantics used for the expected values (module docs of simulator.py, graph.py, lowering.py,
+cost.py):
 every device runs a compute stream and one comm stream per channel (``fwd<s>``: activations
 from stage s to s + 1, ``bwd<s>``: gradients back), all FIFO; a resharding follows the global
 launch order (a dependency order of the schedule) on its channel's streams and its sender
@@ -23,10 +24,25 @@ import math
 import numpy as np
 import pytest
 
-from scheduler import Cluster, DeviceMesh, P, Sharding
-from scheduler.programs import Boundary, Reshard, lower, validate
+from scheduler import (
+    Channel,
+    Cluster,
+    DeviceMesh,
+    P,
+    PlanOptions,
+    ProgramError,
+    Sharding,
+    Span,
+    Timeline,
+    estimate,
+    lower,
+    plan_resharding,
+    reshard_graph,
+    simulate,
+    validate,
+)
+from scheduler.lowering import Boundary
 from scheduler.schedules import SCHEDULES, Schedule, make_schedule
-from scheduler.simulator import Span, Timeline, simulate
 
 F_COST, B_COST = 1.0, 2.0
 T_COST = 0.5  # seconds per activation / gradient transfer
@@ -52,10 +68,14 @@ def chain_pipeline(num_stages: int, nbytes: int = NBYTES, latency_us: float = 0.
 def run_chain(name: str, m: int, *, signal: bool = False, latency_us: float = 0.0,
               costs=None, num_stages: int = 2) -> Timeline:
     cluster, meshes, boundaries = chain_pipeline(num_stages, latency_us=latency_us)
-    programs = lower(meshes, boundaries, make_schedule(name, num_stages, m), cluster)
+    graph = lower(meshes, boundaries, make_schedule(name, num_stages, m), cluster)
     if costs is None:
         costs = {"F": F_COST, "B": B_COST}
-    return simulate(programs, cluster, costs, signal=signal)
+    return simulate(graph, cluster, costs, signal=signal)
+
+
+def receivers(graph, channel: Channel) -> set[int]:
+    return {r for t in graph.plans[channel].transfers for r in t.receivers}
 
 
 def span_table(tl: Timeline) -> dict[tuple[int, str, int], tuple[float, float]]:
@@ -263,8 +283,8 @@ def test_span_names_and_stages():
     names = {(s.device, s.stream, s.kind, s.microbatch): (s.name, s.stage) for s in tl.spans}
     assert names[(1, "compute", "F", 1)] == ("F s1 mb1", 1)
     assert names[(0, "compute", "B", 0)] == ("B s0 mb0", 0)
-    assert names[(0, "fwd0", "fwd", 1)] == ("reshard s0→s1 mb1", 0)
-    assert names[(1, "bwd0", "bwd", 0)] == ("grad s1→s0 mb0", 1)
+    assert names[(0, "fwd0", "fwd", 1)] == ("reshard s0→s1 mb1 #0", 0)
+    assert names[(1, "bwd0", "bwd", 0)] == ("grad s1→s0 mb0 #0", 1)
     assert tl.devices == (0, 1)
     assert dict(tl.stage_of) == {0: 0, 1: 1}
     assert tl.num_stages == 2
@@ -279,8 +299,8 @@ def test_channels_run_concurrently():
     # bwd1 [9.5, 11], [11.5, 13]; stage 1 B [11, 13], [13, 15]; bwd0 [13, 14.5], [15, 16.5];
     # stage 0 B [14.5, 16.5], [16.5, 18.5].
     cluster, meshes, boundaries = chain_pipeline(3, nbytes=1_500_000_000)
-    programs = lower(meshes, boundaries, make_schedule("gpipe", 3, 2), cluster)
-    tl = simulate(programs, cluster, {"F": F_COST, "B": B_COST})
+    graph = lower(meshes, boundaries, make_schedule("gpipe", 3, 2), cluster)
+    tl = simulate(graph, cluster, {"F": F_COST, "B": B_COST})
     comm = {(s.device, s.stream, s.microbatch): (s.start, s.end)
             for s in tl.spans if s.stream != "compute"}
     comp = {(s.device, s.kind, s.microbatch): (s.start, s.end)
@@ -301,7 +321,7 @@ def test_channels_run_concurrently():
     assert tl.streams(1) == ("compute", "bwd0", "bwd1", "fwd0", "fwd1")
     # Signal: the compute chain only: F [0,1],[1,2] / [1,2],[2,3] / [2,3],[3,4]; B on stage 2
     # [4,6],[6,8], stage 1 [6,8],[8,10], stage 0 [8,10],[10,12].
-    assert simulate(programs, cluster, {"F": F_COST, "B": B_COST},
+    assert simulate(graph, cluster, {"F": F_COST, "B": B_COST},
                     signal=True).iteration_time == approx(12.0)
 
 
@@ -312,8 +332,8 @@ def test_custom_schedule_timeline():
     # B0 [4.5,6.5], B1 [6.5,8.5]; bwd mb0 [6.5,7], mb1 [8.5,9]; d0 B1 [9,11], B0 [11,13].
     cluster, meshes, boundaries = chain_pipeline(2)
     sched = Schedule.from_text("s0: F0 F1 B1 B0\ns1: F1 F0 B0 B1")
-    programs = lower(meshes, boundaries, sched, cluster)
-    tl = simulate(programs, cluster, {"F": F_COST, "B": B_COST})
+    graph = lower(meshes, boundaries, sched, cluster)
+    tl = simulate(graph, cluster, {"F": F_COST, "B": B_COST})
     table = span_table(tl)
     assert table[(1, "F", 1)] == (approx(2.5), approx(3.5))
     assert table[(1, "F", 0)] == (approx(3.5), approx(4.5))
@@ -347,10 +367,10 @@ def test_concurrent_transfers_share_the_nic():
     # both take 0.5 s. gpipe m=1: F [0,1] on 0,1; fwd [1,1.5]; F [1.5,2.5], B [2.5,4.5] on 2,3;
     # bwd [4.5,5]; B [5,7] on 0,1.
     cluster, meshes, boundaries = two_by_two(NBYTES // 2)
-    programs = lower(meshes, boundaries, make_schedule("gpipe", 2, 1), cluster)
-    assert [(t.sender, t.receivers) for t in programs.plans["fwd0"].transfers] == [
+    graph = lower(meshes, boundaries, make_schedule("gpipe", 2, 1), cluster)
+    assert [(t.sender, t.receivers) for t in graph.plans[Channel("fwd", 0)].transfers] == [
         (0, (2,)), (1, (3,))]
-    tl = simulate(programs, cluster, {"F": F_COST, "B": B_COST})
+    tl = simulate(graph, cluster, {"F": F_COST, "B": B_COST})
     table = span_table(tl)
     for d in (0, 1):
         assert table[(d, "fwd", 0)] == (approx(1.0), approx(1.5))
@@ -360,7 +380,7 @@ def test_concurrent_transfers_share_the_nic():
         assert table[(d, "F", 0)] == (approx(1.5), approx(2.5))
     assert tl.iteration_time == approx(7.0)
     # Signal mode: no bandwidth, no sharing: 1 + 1 + 2 + 2.
-    assert simulate(programs, cluster, {"F": F_COST, "B": B_COST},
+    assert simulate(graph, cluster, {"F": F_COST, "B": B_COST},
                     signal=True).iteration_time == approx(6.0)
 
 
@@ -370,44 +390,45 @@ def test_plan_after_dependencies_are_honoured():
     # after the other at full rate: 0 -> 2 [1, 1.25], 1 -> 3 [1.25, 1.5]; so GPU 2 computes
     # F [1.25, 2.25] and GPU 3 F [1.5, 2.5].
     cluster, meshes, boundaries = two_by_two(NBYTES // 2)
-    programs = lower(meshes, boundaries, make_schedule("gpipe", 2, 1), cluster)
-    plan = programs.plans["fwd0"]
+    graph = lower(meshes, boundaries, make_schedule("gpipe", 2, 1), cluster)
+    plan = graph.plans[Channel("fwd", 0)]
     first, second = plan.transfers
     serial = dataclasses.replace(plan, transfers=(first, dataclasses.replace(second, after=(0,))))
     serial.check()
-    assert serial.estimate(cluster) == approx(0.5)
-    programs = dataclasses.replace(programs, plans={**programs.plans, "fwd0": serial})
-    tl = simulate(programs, cluster, {"F": F_COST, "B": B_COST})
+    assert estimate(serial, cluster) == approx(0.5)
+    graph = lower(meshes, boundaries, make_schedule("gpipe", 2, 1), cluster,
+                  plans={Channel("fwd", 0): serial})
+    tl = simulate(graph, cluster, {"F": F_COST, "B": B_COST})
     table = span_table(tl)
     assert table[(2, "fwd", 0)] == (approx(1.0), approx(1.25))
     assert table[(3, "fwd", 0)] == (approx(1.25), approx(1.5))
     assert table[(2, "F", 0)] == (approx(1.25), approx(2.25))
     assert table[(3, "F", 0)] == (approx(1.5), approx(2.5))
+    # The spans of transfer 1 carry its op, which waits for transfer 0's op on device 1.
+    ops = {s.op: graph.ops[s.op] for s in tl.spans if s.stream == "fwd0"}
+    (t0,) = (op for op in ops.values() if op.body.index == 0)
+    (t1,) = (op for op in ops.values() if op.body.index == 1)
+    assert (t0.id, 0, 1) in t1.waits
     # The dry run also runs transfer 1 of the resharding only after transfer 0.
-    rid = programs.find("fwd", 0, 0).id
-    steps = [(st.device, st.transfer) for st in validate(programs)
-             if st.stream == "fwd0" and programs.devices[st.device].streams["fwd0"][st.index]
-             == Reshard(rid)]
-    assert sorted(steps) == [(0, 0), (1, 1), (2, 0), (3, 1)]
-    assert max(steps.index((0, 0)), steps.index((2, 0))) < min(steps.index((1, 1)),
-                                                                steps.index((3, 1)))
+    step_of = {i: k for k, step in enumerate(validate(graph)) for i in step}
+    assert step_of[t0.id] < step_of[t1.id]
 
 
 def test_timeline_peak_with_zero_cost_computes():
     # The stream runs F0 B0 F1 B1 F2 B2 in order: never more than one live activation, even
     # when every compute takes no time (all start at t = 0).
     cluster = Cluster(1, 1, nic_gbps=8.0)
-    programs = lower([DeviceMesh([0], ("gpu",))], [], make_schedule("1f1b", 1, 3), cluster)
-    tl = simulate(programs, cluster, {"F": 0.0, "B": 0.0})
+    graph = lower([DeviceMesh([0], ("gpu",))], [], make_schedule("1f1b", 1, 3), cluster)
+    tl = simulate(graph, cluster, {"F": 0.0, "B": 0.0})
     assert tl.iteration_time == 0.0
-    assert programs.schedule.peak_activations(0) == 1
+    assert graph.schedule.peak_activations(0) == 1
     assert tl.peak_activations(0) == 1
 
 
 def test_single_stage_timeline():
     cluster = Cluster(1, 2, nic_gbps=8.0)
-    programs = lower([DeviceMesh([0, 1], ("gpu",))], [], make_schedule("gpipe", 1, 3), cluster)
-    tl = simulate(programs, cluster, {"F": 1.0, "B": 2.0})
+    graph = lower([DeviceMesh([0, 1], ("gpu",))], [], make_schedule("gpipe", 1, 3), cluster)
+    tl = simulate(graph, cluster, {"F": 1.0, "B": 2.0})
     assert tl.iteration_time == approx(9.0)
     assert tl.bubble_fraction == approx(0.0)
     assert tl.peak_activations(0) == 3
@@ -421,12 +442,12 @@ def test_single_stage_timeline():
 
 def test_compute_cost_forms_agree():
     cluster, meshes, boundaries = chain_pipeline(2)
-    programs = lower(meshes, boundaries, make_schedule("eager-1f1b", 2, 3), cluster)
+    graph = lower(meshes, boundaries, make_schedule("eager-1f1b", 2, 3), cluster)
     by_stage = {(s, k): (F_COST if k == "F" else B_COST) for s in range(2) for k in "FB"}
     by_kind = {"F": F_COST, "B": B_COST}
-    a = simulate(programs, cluster, by_stage)
-    b = simulate(programs, cluster, by_kind)
-    c = simulate(programs, cluster, lambda stage, kind: F_COST if kind == "F" else B_COST)
+    a = simulate(graph, cluster, by_stage)
+    b = simulate(graph, cluster, by_kind)
+    c = simulate(graph, cluster, lambda stage, kind: F_COST if kind == "F" else B_COST)
     assert a.spans == b.spans == c.spans
     assert a.iteration_time == approx(13.0)
 
@@ -450,27 +471,27 @@ def test_callable_costs_per_stage():
 )
 def test_bad_compute_costs(costs):
     cluster, meshes, boundaries = chain_pipeline(2)
-    programs = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
+    graph = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
     with pytest.raises(ValueError, match="compute_costs"):
-        simulate(programs, cluster, costs)
+        simulate(graph, cluster, costs)
 
 
 def test_infinite_compute_cost_is_rejected():
     # A duration must be a finite number of seconds; inf is a bad argument, not a deadlock.
     cluster, meshes, boundaries = chain_pipeline(2)
-    programs = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
+    graph = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
     with pytest.raises(ValueError, match="compute_costs"):
-        simulate(programs, cluster, {"F": math.inf, "B": 1.0})
+        simulate(graph, cluster, {"F": math.inf, "B": 1.0})
 
 
 def test_compute_cost_of_wrong_type():
     # Durations are numbers: a value of another type is a TypeError naming compute_costs, as
     # for every other argument of the project (Cluster, Action, make_schedule).
     cluster, meshes, boundaries = chain_pipeline(2)
-    programs = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
+    graph = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
     for value in ("1.0", None, True):
         with pytest.raises(TypeError, match="compute_costs"):
-            simulate(programs, cluster, {"F": 1.0, "B": value})
+            simulate(graph, cluster, {"F": 1.0, "B": value})
 
 
 def test_integer_and_numpy_compute_costs():
@@ -489,15 +510,15 @@ def test_zero_compute_costs_allowed():
 
 def test_wrong_types():
     cluster, meshes, boundaries = chain_pipeline(2)
-    programs = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
+    graph = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
     with pytest.raises(TypeError, match="compute_costs"):
-        simulate(programs, cluster, 1.0)
+        simulate(graph, cluster, 1.0)
     with pytest.raises(TypeError, match="compute_costs"):
-        simulate(programs, cluster, [1.0, 2.0])
-    with pytest.raises(TypeError, match="programs"):
-        simulate(programs.to_json(), cluster, {"F": 1.0, "B": 1.0})
+        simulate(graph, cluster, [1.0, 2.0])
+    with pytest.raises(TypeError, match="graph"):
+        simulate(graph.to_json(), cluster, {"F": 1.0, "B": 1.0})
     with pytest.raises(TypeError, match="cluster"):
-        simulate(programs, "p3.8xlarge", {"F": 1.0, "B": 1.0})
+        simulate(graph, "p3.8xlarge", {"F": 1.0, "B": 1.0})
 
 
 # ---- larger configurations: invariants ------------------------------------------------------
@@ -530,10 +551,11 @@ def big(request):
         Boundary(shape, dtype, Sharding(meshes[s], src), Sharding(meshes[s + 1], dst))
         for s in range(3)
     ]
-    programs = lower(meshes, boundaries, make_schedule(name, 4, m), cluster, strategy=strategy)
-    plain = simulate(programs, cluster, STAGE_COSTS)
-    signal = simulate(programs, cluster, STAGE_COSTS, signal=True)
-    return programs, plain, signal
+    graph = lower(meshes, boundaries, make_schedule(name, 4, m), cluster,
+                  PlanOptions(strategy=strategy))
+    plain = simulate(graph, cluster, STAGE_COSTS)
+    signal = simulate(graph, cluster, STAGE_COSTS, signal=True)
+    return graph, plain, signal
 
 
 def test_signal_is_a_lower_bound(big):
@@ -547,14 +569,14 @@ def test_signal_is_a_lower_bound(big):
 
 
 def test_timeline_peaks_busy_and_bubbles(big):
-    programs, plain, signal = big
-    sched = programs.schedule
+    graph, plain, signal = big
+    sched = graph.schedule
     m = sched.num_microbatches
     for tl in (plain, signal):
         for s in range(4):
             assert tl.peak_activations(s) == sched.peak_activations(s)
-        for d, prog in programs.devices.items():
-            s = prog.stage
+        for d in graph.devices:
+            s = graph.stage_of(d)
             want = m * (STAGE_COSTS[(s, "F")] + STAGE_COSTS[(s, "B")])
             assert tl.busy(d) == approx(want)
             assert 0.0 <= tl.busy_fraction(d) <= 1.0
@@ -564,8 +586,8 @@ def test_timeline_peaks_busy_and_bubbles(big):
 
 
 def test_timeline_respects_streams_and_dependencies(big):
-    programs, plain, signal = big
-    p = programs.schedule.num_stages
+    graph, plain, signal = big
+    p = graph.schedule.num_stages
     for tl in (plain, signal):
         by_dev_stream: dict[tuple[int, str], list] = {}
         for s in tl.spans:
@@ -588,19 +610,19 @@ def test_timeline_respects_streams_and_dependencies(big):
                     key = (d, x.kind, x.stage, x.microbatch)
                     comm_end[key] = max(comm_end.get(key, 0.0), x.end)
                     comm_start[key] = min(comm_start.get(key, math.inf), x.start)
-        for d, prog in programs.devices.items():
-            s = prog.stage
+        for d in graph.devices:
+            s = graph.stage_of(d)
             # The compute stream runs the schedule's order.
             comp = sorted((x for x in by_dev_stream[(d, "compute")]), key=lambda x: x.start)
             assert [(x.kind, x.microbatch) for x in comp] == [
-                (a.kind, a.microbatch) for a in programs.schedule.actions[s]
+                (a.kind, a.microbatch) for a in graph.schedule.actions[s]
             ]
-            for a in programs.schedule.actions[s]:
+            for a in graph.schedule.actions[s]:
                 i = a.microbatch
                 # Input arrived before the compute that needs it.
-                if a.kind == "F" and s > 0 and d in programs.receivers(f"fwd{s - 1}"):
+                if a.kind == "F" and s > 0 and d in receivers(graph, Channel("fwd", s - 1)):
                     assert comp_start[(d, "F", i)] >= comm_end[(d, "fwd", s - 1, i)] - 1e-12
-                if a.kind == "B" and s < p - 1 and d in programs.receivers(f"bwd{s}"):
+                if a.kind == "B" and s < p - 1 and d in receivers(graph, Channel("bwd", s)):
                     assert comp_start[(d, "B", i)] >= comm_end[(d, "bwd", s + 1, i)] - 1e-12
                 # Output leaves only after the compute producing it.
                 out = ("fwd", s) if a.kind == "F" else ("bwd", s)
@@ -657,3 +679,52 @@ def test_plot(tmp_path):
     tl = run_chain("eager-1f1b", 3)
     path = tl.plot(tmp_path / "gantt.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- one graph, one engine --------------------------------------------------------------------
+
+
+def test_simulating_a_resharding_is_the_plans_estimate():
+    # The graph of a standalone resharding through the simulator costs what the planner's
+    # estimate says: one engine for both.
+    cluster = Cluster.preset("p3.8xlarge", 3)
+    src = Sharding(cluster.mesh([0]), P("gpu"))
+    dst = Sharding(cluster.mesh([1, 2]), P(None, ("host", "gpu")))
+    for options in (PlanOptions(), PlanOptions(strategy="send_recv", balance="size")):
+        plan = plan_resharding((512, 256), "float32", src, dst, cluster, options)
+        tl = simulate(reshard_graph(plan), cluster, {})
+        assert tl.iteration_time == approx(estimate(plan, cluster))
+        assert {s.op for s in tl.spans} == set(range(len(plan.transfers)))
+        assert all(s.stream == "comm" and s.kind == "comm" for s in tl.spans)
+
+
+def test_spans_carry_op_ids_and_exposed_comm_follows_edges():
+    cluster, meshes, boundaries = chain_pipeline(2)
+    graph = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
+    tl = simulate(graph, cluster, {"F": F_COST, "B": B_COST})
+    for s in tl.spans:
+        op = graph.ops[s.op]
+        assert s.device in op.devices and s.stream == op.stream
+        assert s.name == str(op.body)
+    assert tl.inputs == graph.data_inputs
+    # Without the edges nothing counts as exposed: the metric reads edges, not names.
+    bare = Timeline(tuple(tl.spans), tl.num_stages, tl.devices, tl.stage_of)
+    assert tl.exposed_comm(1) > 0 and bare.exposed_comm(1) == 0.0
+
+
+def test_a_deadlocking_graph_is_reported_by_the_validator():
+    cluster, meshes, boundaries = chain_pipeline(2)
+    graph = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
+    text = graph.to_text().replace("1F0<fwd0:0#0", "1F0<fwd0:0#0,bwd0:1#0")
+    with pytest.raises(ProgramError, match="deadlock"):
+        simulate(graph.with_text(text), cluster, {"F": F_COST, "B": B_COST})
+
+
+def test_timeline_trace_round_trip_keeps_ops_and_edges(tmp_path):
+    tl = run_chain("eager-1f1b", 3)
+    back = Timeline.from_chrome_trace(tl.to_chrome_trace(tmp_path / "t.json"))
+    assert sorted(s.op for s in back.spans) == sorted(s.op for s in tl.spans)
+    assert dict(back.inputs) == {k: tuple(v) for k, v in tl.inputs.items()}
+    for d in tl.devices:
+        assert back.exposed_comm(d) == approx(tl.exposed_comm(d))
+        assert back.busy(d) == approx(tl.busy(d))

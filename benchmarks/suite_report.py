@@ -7,9 +7,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cost import lower_bound_for, paper_model_time
-from .planner import plan_resharding
-from .suites import Case
+from scheduler import PlanOptions, estimate, plan_resharding
+from scheduler.cli_common import Case
+from scheduler.cost import lower_bound_for, paper_model_time
 
 # The columns: (label, strategy, balance).
 VARIANTS: tuple[tuple[str, str, str], ...] = (
@@ -44,9 +44,9 @@ def run_case(case: Case, variants: Sequence[tuple[str, str, str]] = VARIANTS) ->
     for label, strategy, balance in variants:
         t0 = time.perf_counter()
         plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
-                               strategy=strategy, balance=balance)
+                               PlanOptions(strategy=strategy, balance=balance))
         secs[label] = time.perf_counter() - t0
-        est[label] = plan.estimate(case.cluster)
+        est[label] = estimate(plan, case.cluster)
         paper[label] = paper_model_time(plan, case.cluster)
         count[label] = len(plan.transfers)
     return CaseResult(case.name, lb, est, paper, secs, count)

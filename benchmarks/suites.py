@@ -1,26 +1,15 @@
 """Benchmark cases: the paper's microbenchmark suite and a seeded random suite.
 
-A case is a plain value (shape, dtype, two shardings, a cluster) so the CLI, the benchmark
-and the tests share one definition.
+A case is :class:`scheduler.cli_common.Case` (shape, dtype, two shardings, a cluster: what
+``overlap plan --case FILE`` reads too); the benchmarks and the tests share these lists.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
-from .cluster import Cluster
-from .sharding import Sharding, ShardingSpec
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    src: Sharding
-    dst: Sharding
-    cluster: Cluster
+from scheduler import Cluster, Sharding, ShardingSpec
+from scheduler.cli_common import Case
 
 
 def paper_suite() -> list[Case]:

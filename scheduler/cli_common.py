@@ -1,0 +1,99 @@
+"""What both command lines (``overlap plan``, ``overlap simulate``) parse the same way:
+sharding specs and meshes, planner options, resharding case files, the machine line the
+benchmarks print."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+from dataclasses import dataclass
+
+from .balance import BALANCES
+from .cluster import Cluster
+from .mesh import DeviceMesh
+from .planner import STRATEGIES, PlanOptions
+from .sharding import Sharding, ShardingSpec
+
+
+@dataclass(frozen=True)
+class Case:
+    """A resharding problem: a ``shape``/``dtype`` tensor from ``src`` to ``dst`` on
+    ``cluster`` (what a case file holds; the benchmark suites are lists of these)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    src: Sharding
+    dst: Sharding
+    cluster: Cluster
+
+
+def add_plan_options(p: argparse.ArgumentParser) -> None:
+    """The planner's flags: --strategy, --balance, --seed, --budget."""
+    defaults = PlanOptions()
+    p.add_argument("--strategy", default=defaults.strategy, choices=STRATEGIES)
+    p.add_argument("--balance", default=defaults.balance, choices=BALANCES)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--budget", type=int, default=defaults.budget,
+                   help="work units the balancer may spend (never seconds)")
+
+
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The :class:`PlanOptions` of parsed :func:`add_plan_options` flags (ValueError naming
+    the flag for a bad value)."""
+    try:
+        return PlanOptions(args.strategy, args.balance, args.seed, args.budget)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--{exc}") from None
+
+
+def parse_spec(text: str) -> ShardingSpec:
+    entries: list[object] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if item in ("", "-", "None", "none"):
+            entries.append(None)
+        elif "+" in item:
+            entries.append(tuple(part.strip() for part in item.split("+")))
+        else:
+            entries.append(item)
+    return ShardingSpec(*entries)
+
+
+def parse_mesh(text: str, cluster: Cluster, *, argument: str) -> DeviceMesh:
+    try:
+        hosts_part, _, gpus_part = text.partition("x")
+        first, _, stop = hosts_part.partition(":")
+        lo = int(first)
+        hi = int(stop) if stop else lo + 1
+        gpus = int(gpus_part) if gpus_part else cluster.gpus_per_host
+    except ValueError:
+        raise ValueError(
+            f"{argument}: expected FIRST:STOP[xGPUS] (hosts FIRST..STOP-1), got {text!r}"
+        ) from None
+    if not 0 <= lo < hi <= cluster.num_hosts:
+        raise ValueError(f"{argument}: hosts {lo}:{hi} are not within 0:{cluster.num_hosts}")
+    if not 1 <= gpus <= cluster.gpus_per_host:
+        raise ValueError(f"{argument}: {gpus} GPUs per host; the cluster has "
+                         f"{cluster.gpus_per_host}")
+    return cluster.mesh(range(lo, hi), gpus=gpus)
+
+
+def case_from_json(data: dict) -> Case:
+    missing = {"cluster", "shape", "src", "dst"} - set(data)
+    if missing:
+        raise ValueError(f"case file: missing keys {sorted(missing)}")
+    return Case(
+        name=str(data.get("name", "case")),
+        shape=tuple(data["shape"]),
+        dtype=str(data.get("dtype", "float32")),
+        src=Sharding.from_json(data["src"]),
+        dst=Sharding.from_json(data["dst"]),
+        cluster=Cluster.from_dict(data["cluster"]),
+    )
+
+
+def machine_line() -> str:
+    return (f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}")

@@ -1,0 +1,433 @@
+"""The step graph: one training step (or one resharding) as typed ops on device streams.
+
+Every device runs streams, as on a GPU: one **compute** stream, and one comm stream per
+**channel** it takes part in. A :class:`Channel` is a stage boundary in one direction:
+``Channel("fwd", s)`` carries activations from stage ``s`` to ``s + 1``, ``Channel("bwd", s)``
+their gradients back; its stream is named ``str(channel)`` (``"fwd0"``), here and nowhere
+else. A (device, stream) pair is a :class:`Lane`.
+
+An :class:`Op` is either a :class:`Compute` — stage ``s``'s F or B of a microbatch on one
+device — or a :class:`TransferOp` — one transfer of a resharding plan, a collective of its
+devices, on their lanes of the channel's stream. Dependencies are explicit:
+
+- **stream order**: ``StepGraph.lanes[lane]`` lists the ops of each lane in FIFO order; an op
+  with several lanes (a transfer) starts once it heads all of them;
+- **events**: ``op.waits`` — :class:`Dep` ``(op, src, dst)``: this op's lane on device
+  ``dst`` waits for the end of ``op`` recorded on its lane on device ``src``. A data
+  dependency is an event on one device (a compute waits for the transfers that deliver its
+  input there; a transfer's sender waits for the compute that produced what it sends);
+  a plan's ``Transfer.after`` is one between the two transfers' senders.
+
+Op ids are positions in ``ops``; the lowering numbers ops in one global launch order (a
+dependency order), so they are stable for the same inputs and name the same op in the
+simulator's timeline, the runtime's measured trace and across processes. The validator, the
+simulator and every runtime backend execute this one value.
+
+**Text form** (a view; :meth:`StepGraph.to_text`, :meth:`StepGraph.with_text`): one line per
+lane, its ops in order; a compute is ``1F0`` (stage 1, F, microbatch 0, as torch's pipelining
+actions), a transfer ``fwd0:3#2`` (channel fwd0, microbatch 3, transfer 2 of the plan; ``#2``
+alone in a standalone resharding); an op's waits on that lane follow ``<``, comma-separated,
+``@d`` marking one recorded on another device::
+
+    d0 compute: 0F0 0F1 0B0<bwd0:0#0 0B1<bwd0:1#0
+    d0 fwd0: fwd0:0#0<0F0 fwd0:1#0<0F1
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal, NamedTuple
+
+from .mesh import DeviceMesh
+from .plan import ReshardPlan, Transfer
+from .schedules import Schedule
+
+COMPUTE = "compute"  # the compute stream's name on every device
+
+
+@dataclass(frozen=True, order=True)
+class Channel:
+    """A stage boundary in one direction: ``fwd`` carries activations from stage ``boundary``
+    to ``boundary + 1``, ``bwd`` their gradients back. Its stream is named ``str(self)``."""
+
+    direction: Literal["fwd", "bwd"]
+    boundary: int
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("fwd", "bwd"):
+            raise ValueError(f"direction: expected 'fwd' or 'bwd', got {self.direction!r}")
+        if isinstance(self.boundary, bool) or not isinstance(self.boundary, int) \
+                or self.boundary < 0:
+            raise ValueError(f"boundary: expected an int >= 0, got {self.boundary!r}")
+
+    @property
+    def src_stage(self) -> int:
+        return self.boundary if self.direction == "fwd" else self.boundary + 1
+
+    @property
+    def dst_stage(self) -> int:
+        return self.boundary + 1 if self.direction == "fwd" else self.boundary
+
+    @property
+    def kind(self) -> Literal["F", "B"]:
+        """The compute that produces what the channel carries, and consumes it."""
+        return "F" if self.direction == "fwd" else "B"
+
+    def __str__(self) -> str:
+        return f"{self.direction}{self.boundary}"
+
+    @classmethod
+    def parse(cls, text: str) -> Channel:
+        m = re.fullmatch(r"(fwd|bwd)(\d+)", text.strip())
+        if m is None:
+            raise ValueError(f"channel: expected fwd<s> or bwd<s>, got {text!r}")
+        return cls(m.group(1), int(m.group(2)))  # type: ignore[arg-type]
+
+
+class Lane(NamedTuple):
+    """A stream of a device: ``"compute"`` or a comm stream (a channel's, or a resharding's)."""
+
+    device: int
+    stream: str
+
+    def __str__(self) -> str:
+        return f"d{self.device} {self.stream}"
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """Stage ``stage``'s forward (F) or backward (B) of ``microbatch``, on one device."""
+
+    stage: int
+    microbatch: int
+    kind: Literal["F", "B"]
+
+    @property
+    def token(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    def __str__(self) -> str:
+        return f"{self.kind} s{self.stage} mb{self.microbatch}"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOp:
+    """Transfer ``index`` of a plan — region, sender, receivers, bytes: ``transfer`` — for
+    ``microbatch`` on ``channel`` (None: a standalone resharding)."""
+
+    channel: Channel | None
+    microbatch: int
+    index: int
+    transfer: Transfer
+
+    @property
+    def token(self) -> str:
+        if self.channel is None:
+            return f"#{self.index}"
+        return f"{self.channel}:{self.microbatch}#{self.index}"
+
+    def __str__(self) -> str:
+        ch = self.channel
+        if ch is None:
+            return f"reshard #{self.index}"
+        what = "reshard" if ch.direction == "fwd" else "grad"
+        return f"{what} s{ch.src_stage}→s{ch.dst_stage} mb{self.microbatch} #{self.index}"
+
+
+class Dep(NamedTuple):
+    """This op's lane on device ``dst`` waits for the end of op ``op``, recorded on that op's
+    lane on device ``src`` (the same device for a data dependency: events are per device)."""
+
+    op: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One operation: ``body`` on the ``stream`` of each of ``devices``, after ``waits``."""
+
+    id: int
+    body: Compute | TransferOp
+    stream: str
+    devices: tuple[int, ...]
+    waits: tuple[Dep, ...] = ()
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        return tuple(Lane(d, self.stream) for d in self.devices)
+
+    @property
+    def key(self) -> str:
+        """The op's name in the text form: its token, ``@device`` for a compute."""
+        b = self.body
+        return f"{b.token}@{self.devices[0]}" if isinstance(b, Compute) else b.token
+
+    def __str__(self) -> str:
+        return str(self.body)
+
+
+PlanKey = Channel | None  # a pipeline channel's plan, or a standalone resharding's
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """Typed ops on lanes with explicit dependencies (see module doc).
+
+    ``stages`` are the pipeline's stage meshes (empty for a standalone resharding),
+    ``schedule`` the schedule it was lowered from (None for a resharding), ``plans`` the
+    resharding plan of each channel (key None: the standalone resharding's)."""
+
+    ops: tuple[Op, ...]
+    lanes: Mapping[Lane, tuple[int, ...]]
+    stages: tuple[DeviceMesh, ...] = ()
+    schedule: Schedule | None = None
+    plans: Mapping[PlanKey, ReshardPlan] = field(default_factory=dict)
+
+    # ---- derived tables -------------------------------------------------------------------
+
+    successors: tuple[tuple[list[int], ...], list[int]] = field(
+        init=False, repr=False, compare=False)
+    """``(succ, need)``: the ops each op's end releases — its next op on each of its lanes and
+    the ops that wait for it — and how many releases each op needs before it starts. Every
+    consumer's dependency counting starts from these (built with the graph; read-only)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.ops)
+        succ: tuple[list[int], ...] = tuple([] for _ in range(n))
+        need = [0] * n
+        for ids in self.lanes.values():
+            for a, b in itertools.pairwise(ids):
+                if 0 <= a < n and 0 <= b < n:  # (the validator names bad ids)
+                    succ[a].append(b)
+                    need[b] += 1
+        for k, op in enumerate(self.ops):
+            for dep in op.waits:
+                if 0 <= dep.op < n:
+                    succ[dep.op].append(k)
+                    need[k] += 1
+        object.__setattr__(self, "successors", (succ, need))
+
+    @cached_property
+    def recorded(self) -> frozenset[tuple[int, int]]:
+        """(op, device) pairs whose end another lane waits for: where events are recorded."""
+        return frozenset((dep.op, dep.src) for op in self.ops for dep in op.waits)
+
+    @cached_property
+    def by_key(self) -> dict[str, int]:
+        """Op id by :attr:`Op.key`."""
+        return {op.key: op.id for op in self.ops}
+
+    @cached_property
+    def data_inputs(self) -> dict[int, tuple[int, ...]]:
+        """Compute op -> the transfer ops it waits for (what brings its input)."""
+        return {op.id: tuple(d.op for d in op.waits) for op in self.ops
+                if isinstance(op.body, Compute) and op.waits}
+
+    def stage_of(self, device: int) -> int:
+        """The (first) stage whose mesh holds ``device``; -1 outside every stage."""
+        table = self._stage_table
+        return table.get(device, -1)
+
+    @cached_property
+    def _stage_table(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s, mesh in enumerate(self.stages):
+            for d in mesh.device_ids:
+                out.setdefault(d, s)
+        return out
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted({lane.device for lane in self.lanes}))
+
+    def program(self, device: int) -> dict[str, tuple[int, ...]]:
+        """The device's streams: compute first, then its comm streams by name."""
+        mine = {lane.stream: ids for lane, ids in self.lanes.items() if lane.device == device}
+        return dict(sorted(mine.items(), key=lambda kv: (kv[0] != COMPUTE, kv[0])))
+
+    # ---- text form -----------------------------------------------------------------------
+
+    def to_text(self) -> str:
+        """One line per lane (devices in order, compute first): see module doc."""
+        lines = []
+        for d in self.devices:
+            for stream, ids in self.program(d).items():
+                lines.append(f"d{d} {stream}: " + " ".join(self._token(i, d) for i in ids))
+        return "\n".join(lines)
+
+    def _token(self, i: int, device: int) -> str:
+        op = self.ops[i]
+        waits = [dep for dep in op.waits if dep.dst == device]
+        if not waits:
+            return op.body.token
+        return op.body.token + "<" + ",".join(
+            self.ops[dep.op].body.token + ("" if dep.src == device else f"@{dep.src}")
+            for dep in waits)
+
+    def with_text(self, text: str) -> StepGraph:
+        """This graph with the lane orders and waits of ``text`` (:meth:`to_text`'s form,
+        perhaps edited): the ops are this graph's, named by their tokens. Raises ValueError
+        naming the line for an unknown op or a malformed entry."""
+        lanes: dict[Lane, tuple[int, ...]] = {}
+        waits: dict[int, list[Dep]] = {op.id: [] for op in self.ops}
+        for n, line in enumerate(text.strip().splitlines(), 1):
+            lane, entries = _parse_line(line, n)
+            ids = []
+            for token, deps in entries:
+                i = self._lookup(token, lane.device, line, n)
+                ids.append(i)
+                for dep_token, src in deps:
+                    src = lane.device if src is None else src
+                    waits[i].append(Dep(self._lookup(dep_token, src, line, n), src,
+                                        lane.device))
+            lanes[lane] = tuple(ids)
+        ops = tuple(Op(op.id, op.body, op.stream, op.devices, tuple(waits[op.id]))
+                    for op in self.ops)
+        return StepGraph(ops, lanes, self.stages, self.schedule, self.plans)
+
+    def _lookup(self, token: str, device: int, line: str, n: int) -> int:
+        key = f"{token}@{device}" if _is_compute(token) else token
+        i = self.by_key.get(key)
+        if i is None:
+            raise ValueError(f"text: line {n} ({line.strip()!r}) names {token!r}, which is "
+                             f"not an op of this graph on device {device}")
+        return i
+
+    # ---- JSON and digest -----------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """Everything: schedule, stage meshes, plans, ops in id order (their keys) and the
+        text form. :meth:`from_json` rebuilds an equal graph."""
+        return json.dumps({
+            "schedule": None if self.schedule is None else json.loads(self.schedule.to_json()),
+            "stages": [m.to_dict() for m in self.stages],
+            "plans": {("" if k is None else str(k)): json.loads(p.to_json())
+                      for k, p in self.plans.items()},
+            "streams": {op.key: op.stream for op in self.ops if isinstance(op.body, TransferOp)},
+            "ops": [op.key for op in self.ops],
+            "text": self.to_text(),
+        })
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StepGraph:
+        data = json.loads(text)
+        plans: dict[PlanKey, ReshardPlan] = {
+            (None if k == "" else Channel.parse(k)): ReshardPlan.from_json(json.dumps(p))
+            for k, p in data["plans"].items()
+        }
+        ops = tuple(_op_from_key(i, key, plans, data["streams"])
+                    for i, key in enumerate(data["ops"]))
+        bare = cls(ops, {}, tuple(DeviceMesh.from_dict(m) for m in data["stages"]),
+                   None if data["schedule"] is None
+                   else Schedule.from_json(json.dumps(data["schedule"])), plans)
+        return bare.with_text(data["text"])
+
+    def digest(self) -> bytes:
+        """SHA-256 of :meth:`to_json`: equal graphs, equal digests (the runtime compares it
+        across processes)."""
+        return hashlib.sha256(self.to_json().encode()).digest()
+
+    def __str__(self) -> str:
+        what = ("a resharding" if self.schedule is None else
+                f"{self.schedule.name}: {self.schedule.num_stages} stages × "
+                f"{self.schedule.num_microbatches} microbatches")
+        return f"step graph of {what}, {len(self.devices)} devices, {len(self.ops)} ops"
+
+
+# ---- text parsing ------------------------------------------------------------------------
+
+_COMPUTE_TOKEN = re.compile(r"\d+[FB]\d+")
+_TRANSFER_TOKEN = re.compile(r"((fwd|bwd)\d+:\d+)?#\d+")
+
+
+def _is_compute(token: str) -> bool:
+    return _COMPUTE_TOKEN.fullmatch(token) is not None
+
+
+def _parse_line(line: str, n: int) -> tuple[Lane, list[tuple[str, list[tuple[str, int | None]]]]]:
+    """``d<device> <stream>: entry ...`` -> the lane and its (token, [(dep token, src)])."""
+    head, sep, body = line.partition(":")
+    m = re.fullmatch(r"\s*d(\d+)\s+(\S+)\s*", head)
+    if not sep or m is None:
+        raise ValueError(f"text: line {n} should start with 'd<device> <stream>:', got {line!r}")
+    entries = []
+    for entry in body.split():
+        token, _, deps = entry.partition("<")
+        parsed = []
+        for dep in filter(None, deps.split(",")):
+            dep_token, at, src = dep.partition("@")
+            if at and not src.isdigit():
+                raise ValueError(f"text: line {n}: bad device in {dep!r}")
+            parsed.append((dep_token, int(src) if at else None))
+        for t in (token, *(d for d, _ in parsed)):
+            if not (_is_compute(t) or _TRANSFER_TOKEN.fullmatch(t)):
+                raise ValueError(f"text: line {n}: {t!r} is neither a compute (1F0) nor a "
+                                 "transfer (fwd0:3#2)")
+        entries.append((token, parsed))
+    return Lane(int(m.group(1)), m.group(2)), entries
+
+
+def _op_from_key(i: int, key: str, plans: Mapping[PlanKey, ReshardPlan],
+                 streams: Mapping[str, str]) -> Op:
+    token, at, device = key.partition("@")
+    if at:
+        m = re.fullmatch(r"(\d+)([FB])(\d+)", token)
+        if m is None:
+            raise ValueError(f"ops[{i}]: bad compute key {key!r}")
+        body = Compute(int(m.group(1)), int(m.group(3)), m.group(2))  # type: ignore[arg-type]
+        return Op(i, body, COMPUTE, (int(device),))
+    head, _, index = token.partition("#")
+    channel, mb = (None, 0) if not head else (Channel.parse(head.split(":")[0]),
+                                              int(head.split(":")[1]))
+    t = plans[channel].transfers[int(index)]
+    return Op(i, TransferOp(channel, mb, int(index), t), streams[key], t.devices)
+
+
+def transfer_ops(plan: ReshardPlan, channel: Channel | None, microbatch: int, stream: str,
+                 first_id: int, ready: Mapping[int, Dep] | None = None) -> list[Op]:
+    """The ops of one resharding, ids from ``first_id`` in plan order; ``ready[d]``: what a
+    sender ``d`` waits for first (the compute that produced its data); each ``after`` of the
+    plan is a wait between the two transfers' senders."""
+    ops: list[Op] = []
+    for k, t in enumerate(plan.transfers):
+        waits: list[Dep] = []
+        if ready is not None and t.sender in ready:
+            waits.append(ready[t.sender])
+        for j in t.after:
+            waits.append(Dep(first_id + j, plan.transfers[j].sender, t.sender))
+        ops.append(Op(first_id + k, TransferOp(channel, microbatch, k, t), stream, t.devices,
+                      tuple(waits)))
+    return ops
+
+
+def lanes_of(ops: Iterable[Op]) -> dict[Lane, tuple[int, ...]]:
+    """Each lane's ops in id order (the lowering's launch order)."""
+    lanes: dict[Lane, list[int]] = {}
+    for op in ops:
+        for d in op.devices:
+            lanes.setdefault(Lane(d, op.stream), []).append(op.id)
+    return {lane: tuple(ids) for lane, ids in lanes.items()}
+
+
+def reshard_graph(plan: ReshardPlan, stream: str = "comm") -> StepGraph:
+    """The graph of one standalone resharding: its transfers in plan order on ``stream``."""
+    if not isinstance(plan, ReshardPlan):
+        raise TypeError(f"plan: expected a ReshardPlan, got {type(plan).__name__}")
+    if not isinstance(stream, str) or not stream or stream == COMPUTE:
+        raise ValueError(f"stream: expected a comm stream name other than {COMPUTE!r}, "
+                         f"got {stream!r}")
+    ops = transfer_ops(plan, None, 0, stream, 0)
+    return StepGraph(tuple(ops), lanes_of(ops), plans={None: plan})
+
+
+def describe_ops(graph: StepGraph, ids: Sequence[int]) -> list[str]:
+    """Readable names of ops (for messages)."""
+    return [f"{graph.ops[i]} ({graph.ops[i].key})" for i in ids]
+

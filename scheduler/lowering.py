@@ -1,0 +1,188 @@
+"""Lowering: a schedule over stage meshes becomes the step graph (:mod:`scheduler.graph`).
+
+Each boundary is planned once per direction — activations producer → consumer, gradients
+back — through a :class:`~scheduler.planner.PlanCache`, or taken from ``plans``. Ops are made
+in one global launch order, a dependency order of the schedule
+(:func:`~scheduler.schedules.dependency_order`): for each stage action, its compute on every
+device of the stage mesh, each waiting for the transfers of its input's resharding that its
+device takes part in (those that bring it the input, and those that forward the input from its
+buffer to others, which the compute may overwrite);
+then the transfers of the resharding of its output on the output's channel, each sender that
+computed the data waiting for that compute on its device, each ``Transfer.after`` a wait
+between senders. Every lane lists its ops in that order, so:
+
+- an activation leaves on its channel right after the F that made it, with nothing of other
+  boundaries in front of it (each channel has its own stream);
+- the consumer waits only right before the compute that needs it;
+- every channel's collectives have one launch order, the same on all their devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .cluster import Cluster
+from .errors import ClusterError
+from .graph import COMPUTE, Channel, Compute, Dep, Op, StepGraph, lanes_of, transfer_ops
+from .mesh import DeviceMesh
+from .plan import ReshardPlan
+from .planner import PlanCache, PlanOptions
+from .schedules import Schedule, dependency_order
+from .sharding import Sharding
+from .tasks import check_dtype
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The tensor crossing from stage ``s`` to ``s + 1`` (its gradient crosses back)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    producer: Sharding  # on stage s's mesh
+    consumer: Sharding  # on stage s+1's mesh
+
+
+def lower(
+    stages: Sequence[DeviceMesh],
+    boundaries: Sequence[Boundary],
+    schedule: Schedule,
+    cluster: Cluster,
+    options: PlanOptions | None = None,
+    *,
+    plans: Mapping[Channel, ReshardPlan] | None = None,
+    cache: PlanCache | None = None,
+) -> StepGraph:
+    """Lower ``schedule`` over ``stages`` to the step graph every consumer executes.
+
+    ``boundaries[s]`` is the tensor stage ``s`` sends to stage ``s + 1``: its producer sharding
+    must be on ``stages[s]`` and its consumer sharding on ``stages[s + 1]``. Gradients travel
+    back with the same shape and dtype, from the consumer layout to the producer layout.
+    Channels are planned with ``options`` (through ``cache`` when given, so a caller that
+    lowers often plans each boundary once); ``plans`` gives some channels' plans instead
+    (checked: the channel's layouts, shape and dtype, and the plan's invariants).
+    """
+    stages = tuple(stages)
+    boundaries = tuple(boundaries)
+    _check_inputs(stages, boundaries, schedule, cluster)
+    if options is not None and not isinstance(options, PlanOptions):
+        raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
+    if cache is not None and (not isinstance(cache, PlanCache) or cache.cluster != cluster):
+        raise ValueError("cache: expected a PlanCache of this cluster")
+    channel_plans = _plan_channels(boundaries, cluster, options or PlanOptions(), plans or {},
+                                   cache if cache is not None else PlanCache(cluster))
+    return _build(stages, schedule, channel_plans)
+
+
+def _plan_channels(boundaries: tuple[Boundary, ...], cluster: Cluster, options: PlanOptions,
+                   given: Mapping[Channel, ReshardPlan], cache: PlanCache
+                   ) -> dict[Channel, ReshardPlan]:
+    out: dict[Channel, ReshardPlan] = {}
+    for s, b in enumerate(boundaries):
+        for channel, src, dst in ((Channel("fwd", s), b.producer, b.consumer),
+                                  (Channel("bwd", s), b.consumer, b.producer)):
+            plan = given.get(channel)
+            if plan is None:
+                plan = cache.plan(b.shape, b.dtype, src, dst, options)
+            else:
+                _check_given(channel, plan, b, src, dst)
+            out[channel] = plan
+    extra = sorted(str(k) for k in given if k not in out)
+    if extra:
+        raise ValueError(f"plans: channels {extra} are not channels of this pipeline "
+                         f"({len(boundaries)} boundaries)")
+    return out
+
+
+def _check_given(channel: Channel, plan: ReshardPlan, b: Boundary, src: Sharding,
+                 dst: Sharding) -> None:
+    if not isinstance(plan, ReshardPlan):
+        raise TypeError(f"plans[{channel}]: expected a ReshardPlan, got {type(plan).__name__}")
+    want = (tuple(b.shape), str(check_dtype(b.dtype)), src, dst)
+    got = (plan.shape, plan.dtype, plan.src, plan.dst)
+    if got != want:
+        raise ValueError(f"plans[{channel}]: the plan moves {plan.shape} {plan.dtype} "
+                         f"{plan.src!r} -> {plan.dst!r}; the channel needs {want[0]} {want[1]} "
+                         f"{src!r} -> {dst!r}")
+    plan.check()
+
+
+def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
+           plans: dict[Channel, ReshardPlan]) -> StepGraph:
+    """The ops in the global launch order (see module doc), and every lane's order."""
+    p = len(stages)
+    ops: list[Op] = []
+    # (channel, microbatch) -> device -> the transfer ops it takes part in (what the compute
+    # that consumes the data there waits for).
+    delivered: dict[tuple[Channel, int], dict[int, list[int]]] = {}
+    for s, action in dependency_order(schedule):
+        i, kind = action.microbatch, action.kind
+        into = input_channel(s, kind, p)
+        got = delivered.pop((into, i), {}) if into is not None else {}
+        body = Compute(s, i, kind)  # one value for every device of the stage
+        here: dict[int, Dep] = {}
+        for d in stages[s].device_ids:
+            here[d] = Dep(len(ops), d, d)
+            ops.append(Op(len(ops), body, COMPUTE, (d,),
+                          tuple(Dep(t, d, d) for t in got.get(d, ()))))
+        out = output_channel(s, kind, p)
+        if out is None:
+            continue
+        new = transfer_ops(plans[out], out, i, str(out), len(ops), here)
+        ops += new
+        to = delivered[(out, i)] = {}
+        for op in new:
+            for r in op.devices:
+                to.setdefault(r, []).append(op.id)
+    return StepGraph(tuple(ops), lanes_of(ops), stages, schedule, plans)
+
+
+def input_channel(stage: int, kind: str, p: int) -> Channel | None:
+    """The channel bringing a compute its input (None at the pipeline's ends)."""
+    if kind == "F":
+        return Channel("fwd", stage - 1) if stage > 0 else None
+    return Channel("bwd", stage) if stage < p - 1 else None
+
+
+def output_channel(stage: int, kind: str, p: int) -> Channel | None:
+    """The channel taking a compute's output on (None at the pipeline's ends)."""
+    if kind == "F":
+        return Channel("fwd", stage) if stage < p - 1 else None
+    return Channel("bwd", stage - 1) if stage > 0 else None
+
+
+def _check_inputs(stages, boundaries, schedule, cluster) -> None:
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule: expected a Schedule, got {type(schedule).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
+    if not stages:
+        raise ValueError("stages: need at least one stage mesh")
+    owner: dict[int, int] = {}
+    for s, mesh in enumerate(stages):
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"stages[{s}]: expected a DeviceMesh, got {type(mesh).__name__}")
+        for dev in mesh.device_ids:
+            if dev >= cluster.num_devices:
+                raise ClusterError(f"stages[{s}]: device {dev} is outside the cluster "
+                                   f"(devices 0..{cluster.num_devices - 1})")
+            if dev in owner:
+                raise ValueError(f"stages: device {dev} is in stage {owner[dev]} and stage {s}; "
+                                 "stage meshes must be disjoint (one compute stream per device)")
+            owner[dev] = s
+    if schedule.num_stages != len(stages):
+        raise ValueError(f"schedule: built for {schedule.num_stages} stages, but {len(stages)} "
+                         "stage meshes were given")
+    if len(boundaries) != len(stages) - 1:
+        raise ValueError(f"boundaries: {len(stages)} stages need {len(stages) - 1} boundaries, "
+                         f"got {len(boundaries)}")
+    for s, b in enumerate(boundaries):
+        if not isinstance(b, Boundary):
+            raise TypeError(f"boundaries[{s}]: expected a Boundary, got {type(b).__name__}")
+        check_dtype(b.dtype)
+        if b.producer.mesh != stages[s]:
+            raise ValueError(f"boundaries[{s}].producer: its mesh {b.producer.mesh!r} is not "
+                             f"stage {s}'s mesh {stages[s]!r}")
+        if b.consumer.mesh != stages[s + 1]:
+            raise ValueError(f"boundaries[{s}].consumer: its mesh {b.consumer.mesh!r} is not "
+                             f"stage {s + 1}'s mesh {stages[s + 1]!r}")

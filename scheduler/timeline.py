@@ -1,0 +1,347 @@
+"""Timelines: what ran where and when — simulated or measured — and their trace files.
+
+A :class:`Span` is one op of the step graph on one device lane, carrying the op's id, so a
+simulated and a measured timeline of the same graph compare op by op. Metrics (busy, bubble,
+exposed communication, peak activations) are defined once here for both; exposed
+communication follows the graph's data edges (``inputs``: a compute -> the transfers that
+bring its input), not names. Chrome/Perfetto JSON is written and read back with op ids and
+those edges, so ``overlap trace report`` computes the same metrics from a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NamedTuple, overload
+
+from .graph import Compute, Op, TransferOp
+
+
+class Span(NamedTuple):
+    """One op on one device stream of the timeline (a tuple: cheap by the hundred thousand)."""
+
+    device: int
+    stream: str  # "compute", or the comm stream: a channel ("fwd<s>" / "bwd<s>") or "comm"
+    name: str  # "F s1 mb3", "reshard s1→s2 mb3 #0", "grad s2→s1 mb3 #1"
+    start: float
+    end: float
+    stage: int  # the compute's stage; a transfer's source stage (-1: a standalone resharding)
+    microbatch: int
+    kind: str  # "F", "B", "fwd", "bwd" ("comm": a standalone resharding)
+    op: int = -1  # the step graph's op id (-1: a trace from elsewhere, without ids)
+
+
+class SpanTable(Sequence[Span]):
+    """The spans of a simulated step, made on first use from the ops and their start and end
+    times (a 64-stage × 256-microbatch step has ~400 k spans; a caller that wants only the
+    iteration time never pays for them)."""
+
+    def __init__(self, ops: Sequence[Op], start: Sequence[float], end: Sequence[float]) -> None:
+        self._ops, self._start, self._end = ops, start, end
+        self._spans: tuple[Span, ...] | None = None
+
+    @property
+    def last_end(self) -> float:
+        return max(self._end, default=0.0)
+
+    def _all(self) -> tuple[Span, ...]:
+        if self._spans is None:
+            start, end = self._start, self._end
+            meta: dict[int, tuple[str, int, int, str]] = {}  # ops of one action share a body
+            spans = []
+            for op in self._ops:
+                m = meta.get(id(op.body))
+                if m is None:
+                    m = meta[id(op.body)] = span_meta(op.body)
+                name, stage, mb, kind = m
+                i = op.id
+                for d in op.devices:
+                    spans.append(Span(d, op.stream, name, start[i], end[i], stage, mb, kind, i))
+            self._spans = tuple(spans)
+        return self._spans
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    @overload
+    def __getitem__(self, k: int) -> Span: ...
+    @overload
+    def __getitem__(self, k: slice) -> tuple[Span, ...]: ...
+    def __getitem__(self, k):  # type: ignore[no-untyped-def]
+        return self._all()[k]
+
+    def __iter__(self) -> Iterator[Span]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (SpanTable, tuple)):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def span_meta(body: Compute | TransferOp) -> tuple[str, int, int, str]:
+    """(name, stage, microbatch, kind) of an op's spans: a compute's stage and F/B; a
+    transfer's source stage and channel direction (-1 and "comm" in a standalone
+    resharding)."""
+    if isinstance(body, Compute):
+        return str(body), body.stage, body.microbatch, body.kind
+    ch = body.channel
+    if ch is None:
+        return str(body), -1, 0, "comm"
+    return str(body), ch.src_stage, body.microbatch, ch.direction
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What ran where and when, with the metrics measured and simulated runs share.
+
+    ``spans``: a tuple, or a simulation's :class:`SpanTable`. ``inputs`` maps a compute op's
+    id to the ops whose ends bring it its input (the step graph's data edges); exposed
+    communication is measured along them."""
+
+    spans: Sequence[Span]
+    num_stages: int
+    devices: tuple[int, ...]
+    stage_of: Mapping[int, int]
+    inputs: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @cached_property
+    def _by_device(self) -> dict[int, list[Span]]:
+        # Spans per device, built once: metrics are asked per device, many times.
+        by_device: dict[int, list[Span]] = defaultdict(list)
+        for span in self.spans:
+            by_device[span.device].append(span)
+        return dict(by_device)
+
+    @cached_property
+    def _exposed(self) -> dict[int, float]:
+        return {d: _exposed_on(spans, self.inputs) for d, spans in self._by_device.items()}
+
+    def spans_of(self, device: int) -> list[Span]:
+        return self._by_device.get(device, [])
+
+    @cached_property
+    def iteration_time(self) -> float:
+        if isinstance(self.spans, SpanTable):
+            return self.spans.last_end
+        return max((s.end for s in self.spans), default=0.0)
+
+    def busy(self, device: int, stream: str = "compute") -> float:
+        """Seconds the device's ``stream`` was busy."""
+        return _union_length(
+            [(s.start, s.end) for s in self.spans_of(device) if s.stream == stream]
+        )
+
+    def busy_fraction(self, device: int) -> float:
+        t = self.iteration_time
+        return self.busy(device) / t if t > 0 else 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean over devices of the share of the iteration their compute stream is idle."""
+        if not self.devices:
+            return 0.0
+        return sum(1.0 - self.busy_fraction(d) for d in self.devices) / len(self.devices)
+
+    def exposed_comm(self, device: int) -> float:
+        """Seconds the device's compute stream sat waiting for a transfer still in flight.
+
+        For every compute that waits for transfers (its ``inputs``: the resharding that
+        brings an F after stage 0 its activation, a B before the last stage its gradient),
+        the idle gap before it on the compute stream, intersected with the time the device
+        spent on those transfers. Measured and simulated timelines use the same definition.
+        """
+        return self._exposed.get(device, 0.0)
+
+    @property
+    def exposed_comm_fraction(self) -> float:
+        """Mean over devices of exposed communication / iteration time."""
+        t = self.iteration_time
+        if t <= 0 or not self.devices:
+            return 0.0
+        return sum(self.exposed_comm(d) for d in self.devices) / len(self.devices) / t
+
+    def streams(self, device: int) -> tuple[str, ...]:
+        """The device's streams in the timeline: "compute" first, then its comm channels."""
+        names = {s.stream for s in self.spans_of(device)}
+        return ("compute", *sorted(names - {"compute"}))
+
+    def comm_time(self, device: int) -> float:
+        """Seconds at least one of the device's comm streams was busy."""
+        return _union_length([(s.start, s.end) for s in self.spans_of(device)
+                              if s.stream != "compute"])
+
+    def peak_activations(self, stage: int) -> int:
+        """Most microbatches with F done and B not yet, on the stage's first device."""
+        devs = [d for d in self.devices if self.stage_of[d] == stage]
+        if not devs:
+            raise ValueError(f"stage: no device runs stage {stage}")
+        # Spans of one stream are kept in program order (ties in time keep their order).
+        ops = [s.kind == "B" for s in self.spans_of(devs[0]) if s.stream == "compute"]
+        live = peak = 0
+        for is_b in ops:
+            live += -1 if is_b else 1
+            peak = max(peak, live)
+        return peak
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "iteration_s": self.iteration_time,
+            "bubble": self.bubble_fraction,
+            "exposed_comm": self.exposed_comm_fraction,
+        }
+
+    def report(self) -> str:
+        """Per device: busy %, communication time, exposed and hidden communication."""
+        t = self.iteration_time
+        lines = [
+            f"iteration {t * 1e3:.3f} ms, bubble {self.bubble_fraction:.1%}, exposed "
+            f"communication {self.exposed_comm_fraction:.1%} of the iteration",
+            f"{'device':>6} {'stage':>5} {'busy':>7} {'comm ms':>9} {'exposed ms':>11} "
+            f"{'hidden':>7}",
+        ]
+        for d in self.devices:
+            comm = self.comm_time(d)
+            exp = self.exposed_comm(d)
+            hidden = f"{1 - exp / comm:.1%}" if comm > 0 else "-"
+            lines.append(f"{d:>6} {self.stage_of[d]:>5} {self.busy_fraction(d):>7.1%} "
+                         f"{comm * 1e3:>9.3f} {exp * 1e3:>11.3f} {hidden:>7}")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_chrome_trace(cls, path: str | Path) -> Timeline:
+        """Read back a trace written by :meth:`to_chrome_trace` (simulated or measured)."""
+        try:
+            data = json.loads(Path(path).read_text())
+            events = data["traceEvents"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"path: {path} is not a trace written by overlap: {exc}") from None
+        threads: dict[tuple[int, int], str] = {}
+        stage_of: dict[int, int] = {}
+        for e in events:
+            if e.get("ph") == "M" and e.get("name") == "thread_name":
+                threads[(e["pid"], e["tid"])] = e["args"]["name"]
+            if e.get("ph") == "M" and e.get("name") == "process_name":
+                label = e["args"]["name"]  # "device 5 (stage 1)"
+                if "(stage " in label:
+                    stage_of[e["pid"]] = int(label.rsplit("(stage ", 1)[1].rstrip(")"))
+        spans = []
+        inputs: dict[int, tuple[int, ...]] = {}
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            args = e.get("args", {})
+            start = e["ts"] / 1e6
+            op = int(args.get("op", -1))
+            spans.append(Span(e["pid"], threads.get((e["pid"], e["tid"]), "compute"), e["name"],
+                              start, start + e["dur"] / 1e6, int(args.get("stage", 0)),
+                              int(args.get("microbatch", 0)), str(args.get("kind", "")), op))
+            if args.get("inputs"):
+                inputs[op] = tuple(int(j) for j in args["inputs"])
+        for sp in spans:
+            stage_of.setdefault(sp.device, sp.stage)
+        num_stages = max(stage_of.values(), default=-1) + 1
+        return cls(tuple(spans), num_stages, tuple(sorted(stage_of)), stage_of, inputs)
+
+    # ---- output --------------------------------------------------------------------------
+
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write Chrome/Perfetto trace JSON: one process per device, one track per stream;
+        each span's args carry its op id and, for a compute, the ops it waited for."""
+        events: list[dict[str, Any]] = []
+        for d in self.devices:
+            events.append({"ph": "M", "name": "process_name", "pid": d,
+                           "args": {"name": f"device {d} (stage {self.stage_of[d]})"}})
+        tids = {}
+        for d in self.devices:
+            for tid, stream in enumerate(self.streams(d)):
+                tids[(d, stream)] = tid
+                events.append({"ph": "M", "name": "thread_name", "pid": d, "tid": tid,
+                               "args": {"name": stream}})
+        for s in self.spans:
+            args: dict[str, Any] = {"stage": s.stage, "microbatch": s.microbatch,
+                                    "kind": s.kind, "op": s.op}
+            if s.op in self.inputs:
+                args["inputs"] = list(self.inputs[s.op])
+            events.append({
+                "ph": "X", "name": s.name, "cat": "compute" if s.stream == "compute" else "comm",
+                "pid": s.device, "tid": tids[(s.device, s.stream)],
+                "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6, "args": args,
+            })
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                                    "metadata": self.summary()}))
+        return path
+
+    def plot(self, path: str | Path) -> Path:
+        """A PNG Gantt chart (needs matplotlib: the ``viz`` extra)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError(
+                "Timeline.plot needs matplotlib: pip install 'overlap[viz]'"
+            ) from None
+        colors = {"F": "tab:blue", "B": "tab:green", "fwd": "tab:orange", "bwd": "tab:red"}
+        rows = [(d, st) for d in self.devices for st in self.streams(d)]
+        fig, ax = plt.subplots(figsize=(12, max(2.0, 0.3 * len(rows))))
+        for y, (d, st) in enumerate(rows):
+            for kind, color in colors.items():
+                bars = [(s.start * 1e3, (s.end - s.start) * 1e3) for s in self.spans_of(d)
+                        if s.stream == st and s.kind == kind]
+                if bars:
+                    ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color)
+        ax.set_yticks(range(len(rows)), [f"d{d} {st}" for d, st in rows], fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms")
+        ax.set_title(f"iteration {self.iteration_time * 1e3:.2f} ms, bubble "
+                     f"{self.bubble_fraction:.1%}, exposed comm {self.exposed_comm_fraction:.1%}")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+        ax.legend(handles, ["F", "B", "activation", "gradient"], loc="upper right", fontsize=7)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def _exposed_on(spans: list[Span], inputs: Mapping[int, tuple[int, ...]]) -> float:
+    """See :meth:`Timeline.exposed_comm` (spans of one device, in program order per stream)."""
+    window: dict[int, tuple[float, float]] = {}
+    for s in spans:
+        if s.stream != "compute":
+            w = window.get(s.op)
+            window[s.op] = (s.start, s.end) if w is None else (min(w[0], s.start),
+                                                               max(w[1], s.end))
+    exposed, prev_end = 0.0, 0.0
+    for s in sorted((s for s in spans if s.stream == "compute"), key=lambda s: s.start):
+        ws = [window[j] for j in inputs.get(s.op, ()) if j in window]
+        if ws:
+            start, end = min(w[0] for w in ws), max(w[1] for w in ws)
+            exposed += max(0.0, min(s.start, end) - max(prev_end, start))
+        prev_end = max(prev_end, s.end)
+    return exposed
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, -math.inf, -math.inf
+    for s, e in sorted(intervals):
+        if s > cur_e:
+            total += max(0.0, cur_e - cur_s) if cur_e > cur_s else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e > cur_s:
+        total += cur_e - cur_s
+    return total
