@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
+from scheduler.suites import Case, paper_suite
 
 from overlap import Runtime
 from overlap.backends.mpi import Backoff
 from overlap.world import Placement, detect_world
-from scheduler import Cluster, DeviceMesh, Sharding, ShardingSpec, plan_resharding
+from scheduler import Cluster, DeviceMesh, PlanOptions, Sharding, ShardingSpec, plan_resharding
 from scheduler.cli import machine_line
-from scheduler.suites import Case, paper_suite
 
 TARGET_BYTES = 64 << 20
 REPS = 7
@@ -247,7 +247,7 @@ def main() -> int:
         mesh = DeviceMesh(np.arange(16).reshape(4, 4), ("host", "gpu"))
         many = plan_resharding((16, 16), "float64", Sharding(mesh, ShardingSpec("host", "gpu")),
                                Sharding(mesh, ShardingSpec("gpu", "host")), cluster,
-                               strategy="send_recv", balance="none")
+                               PlanOptions(strategy="send_recv", balance="none"))
         crossing = sum(1 for t in many.transfers
                        if len(placement.ranks_of(t.devices)) > 1)
         full = np.arange(256.0).reshape(16, 16)

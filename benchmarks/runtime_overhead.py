@@ -32,7 +32,7 @@ from overlap import Runtime, pipeline
 from overlap import runtime as pipeline_runtime
 from overlap.backends.cpu import CpuBackend
 from overlap.toy import ToyMLP
-from scheduler import Cluster, lower, make_schedule, plan_resharding, simulate
+from scheduler import Cluster, estimate, lower, make_schedule, plan_resharding, simulate
 from scheduler.cli import machine_line
 
 
@@ -114,8 +114,8 @@ def toy_table(steps: int = 2) -> str:
     # to cross, so emulated time dominates real time, as on the cluster being played.
     cluster = dataclasses.replace(Cluster.preset("p3.8xlarge", 4), nic_gbps=0.05)
     model = ToyMLP.build(cluster, hidden=32, batch=256)
-    slowest = max(plan_resharding(b.shape, b.dtype, b.producer, b.consumer, cluster)
-                  .estimate(cluster) for b in model.boundaries())
+    slowest = max(estimate(plan_resharding(b.shape, b.dtype, b.producer, b.consumer, cluster),
+                           cluster) for b in model.boundaries())
     fwd = 2 * slowest
 
     def compute_time(stage: int, kind: str) -> float:

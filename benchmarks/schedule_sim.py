@@ -31,7 +31,9 @@ from scheduler import (
     Boundary,
     Cluster,
     P,
+    PlanOptions,
     Sharding,
+    estimate,
     lower,
     make_schedule,
     plan_resharding,
@@ -103,9 +105,9 @@ def run_setup(setup: Setup) -> tuple[str, bool]:
         tl = simulate(programs, cluster, costs, signal=signal)
         rows.append((label, tl, time.perf_counter() - t0))
     xfer = {
-        strategy: plan_resharding(setup.shape, setup.dtype, boundaries[0].producer,
-                                  boundaries[0].consumer, cluster,
-                                  strategy=strategy).estimate(cluster)
+        strategy: estimate(plan_resharding(setup.shape, setup.dtype, boundaries[0].producer,
+                                           boundaries[0].consumer, cluster,
+                                           PlanOptions(strategy=strategy)), cluster)
         for strategy in ("send_recv", "broadcast")
     }
     base = rows[0][1].iteration_time

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overlap import Runtime
 from overlap.toy import ToyMLP, reference_step
 from overlap.world import detect_world
-from scheduler import Cluster
+from scheduler import Cluster, estimate
 
 
 def emulated_compute(cluster: Cluster, model: ToyMLP, ratio: float):
@@ -42,7 +42,7 @@ def emulated_compute(cluster: Cluster, model: ToyMLP, ratio: float):
     from scheduler import plan_resharding
 
     slowest = max(
-        plan_resharding(b.shape, b.dtype, b.producer, b.consumer, cluster).estimate(cluster)
+        estimate(plan_resharding(b.shape, b.dtype, b.producer, b.consumer, cluster), cluster)
         for b in model.boundaries()
     )
     fwd = ratio * slowest

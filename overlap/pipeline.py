@@ -16,8 +16,12 @@ the mesh for every microbatch:
 ``ctx.saved`` — a dict shared by the F and B of the same (device, microbatch) — and offers mesh
 collectives (``ctx.all_reduce``, ``ctx.all_gather``) that run on the device's compute stream.
 
-The runtime lowers the schedule (``scheduler.lower``), launches every device's streams at once
-(the host never waits on a device to decide what to launch), and awaits the end.
+The runtime lowers the schedule to its step graph (``scheduler.lower``) and launches every
+op of it at once through the one launcher (:mod:`overlap.launch`; the host never waits on a
+device to decide what to launch), then awaits the end. Each op is bound here to what it does:
+a compute runs the stage function on its device's input and leaves its output where the
+transfers of its channel read it; a transfer moves its region from its sender's buffer into
+its receivers'.
 """
 
 from __future__ import annotations
@@ -25,26 +29,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler import (
-    Boundary,
-    Cluster,
-    Compute,
-    DeviceMesh,
-    Programs,
-    Record,
-    Reshard,
-    Sharding,
-    Wait,
-    lower,
-    make_schedule,
-)
+from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
 
-from .backends.cpu import CpuBackend, CpuEvent
+from .launch import launch
 from .reshard import region_shape, transfer_op
+
+if TYPE_CHECKING:
+    from .backends import Backend, Event
 
 Forward = Callable[["StageContext", np.ndarray], Any]
 Backward = Callable[["StageContext", "np.ndarray | None"], "np.ndarray | None"]
@@ -69,7 +64,7 @@ class StageContext:
     phase: str  # "F" or "B"
     mesh: DeviceMesh
     saved: dict[str, Any]
-    _backend: CpuBackend = field(repr=False)
+    _backend: Backend = field(repr=False)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -116,12 +111,16 @@ class StageContext:
         return out
 
 
+Slot = tuple[Channel, int, int]  # (channel, microbatch, device): one device's boundary buffer
+
+
 @dataclass
 class StepState:
-    """Buffers of one step: per (reshard id, device) sources and destinations; losses."""
+    """Buffers of one step: per (channel, microbatch, device) what a device sends and what
+    it receives; the losses; the (device, microbatch) dicts F and B share."""
 
-    sends: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    recvs: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    sends: dict[Slot, np.ndarray] = field(default_factory=dict)
+    recvs: dict[Slot, np.ndarray] = field(default_factory=dict)
     losses: dict[int, Any] = field(default_factory=dict)  # as returned (may live on a GPU)
     saved: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
 
@@ -155,174 +154,150 @@ def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
 
 
 def launch_step(
-    backend: CpuBackend,
-    programs: Programs,
+    backend: Backend,
+    graph: StepGraph,
     stages: Sequence[Stage],
     boundaries: Sequence[Boundary],
     input_sharding: Sharding,
     microbatches: Sequence[np.ndarray],
     compute_time: Callable[[int, str], float] | None = None,
-) -> tuple[StepState, list[CpuEvent]]:
-    """Launch every device's streams for one step; returns the state and the end events.
-
-    ``compute_time(stage, kind)``: seconds each compute must take at least (compute
-    emulation: the stream stays busy, as a GPU kernel of that length would keep it).
-    """
+) -> tuple[StepState, list[Event]]:
+    """Launch this process's part of one step of ``graph``; returns the state and the end
+    events. ``compute_time(stage, kind)``: seconds each compute must take at least (compute
+    emulation: the stream stays busy, as a GPU kernel of that length would keep it)."""
     state = StepState()
-    p = len(stages)
-    events: dict[tuple[int, str], CpuEvent] = {}
-
-    def event(d: int, name: str) -> CpuEvent:
-        if (d, name) not in events:
-            events[(d, name)] = backend.new_event(f"device {d} {name}")
-        return events[(d, name)]
-
-    channels = {op.channel: boundaries[op.boundary] for op in programs.reshards}
-    for channel, b in channels.items():  # one communicator per channel (CUDA, MPI)
-        backend.declare_group(channel, (*b.producer.mesh.device_ids,
-                                        *b.consumer.mesh.device_ids))
+    for s, b in enumerate(boundaries):  # one communicator per channel (CUDA, MPI)
+        devices = (*b.producer.mesh.device_ids, *b.consumer.mesh.device_ids)
+        for channel in (Channel("fwd", s), Channel("bwd", s)):
+            backend.declare_group(str(channel), devices)
     # Groups stage collectives may use: every mesh and every mesh axis group of it.
     backend.declare_subgroups("compute", sorted({g for st in stages for g in mesh_groups(st.mesh)}))
-    # Transfer k of resharding r is named r * per_plan + k across processes.
-    per_plan = max((len(p.transfers) for p in programs.plans.values()), default=1) or 1
-    in_regions = input_sharding.device_regions(microbatches[0].shape)
-    # Regions of every boundary's layouts, per device.
-    prod = [b.producer.device_regions(b.shape) for b in boundaries]
-    cons = [b.consumer.device_regions(b.shape) for b in boundaries]
-    ends: list[CpuEvent] = []
-    for d, prog in programs.devices.items():
-        if not backend.is_local(d):
-            continue  # another process runs this device's program
-        for name, instrs in prog.streams.items():
-            stream = backend.stream(d, name)
-            for ins in instrs:
-                kind = type(ins)
-                if kind is Wait:
-                    stream.wait_event(event(d, ins.event))
-                elif kind is Record:
-                    stream.record(event=event(d, ins.event))
-                elif kind is Compute:
-                    stream.launch(
-                        f"{ins} on device {d}",
-                        _compute_op(backend, programs, stages, state, d, ins, p,
-                                    microbatches, in_regions, prod, cons,
-                                    compute_time(ins.stage, ins.kind) if compute_time else 0.0),
-                        category="compute",
-                        meta=(ins.stage, ins.microbatch, ins.kind, str(ins)),
-                    )
+    binder = _Binder(backend, state, stages, boundaries, microbatches,
+                     input_sharding.device_regions(microbatches[0].shape), compute_time)
+    return state, launch(backend, graph, binder)
+
+
+class _Binder:
+    """``(op, device) -> callable``: what each op of the step does on each device."""
+
+    def __init__(self, backend: Backend, state: StepState, stages: Sequence[Stage],
+                 boundaries: Sequence[Boundary], microbatches: Sequence[np.ndarray],
+                 in_regions: Mapping[int, Any],
+                 compute_time: Callable[[int, str], float] | None) -> None:
+        self.backend, self.state, self.stages = backend, state, stages
+        self.boundaries, self.microbatches = boundaries, microbatches
+        self.in_regions, self.compute_time = in_regions, compute_time
+        # Regions of every boundary's layouts, per device.
+        self.prod = [b.producer.device_regions(b.shape) for b in boundaries]
+        self.cons = [b.consumer.device_regions(b.shape) for b in boundaries]
+
+    def __call__(self, op: Op, device: int) -> Callable[[], None]:
+        body = op.body
+        if isinstance(body, Compute):
+            seconds = self.compute_time(body.stage, body.kind) if self.compute_time else 0.0
+            return _emulated(self._compute(body, device), seconds)
+        channel, b = body.channel, body.channel.boundary  # type: ignore[union-attr]
+        src, dst = self.regions(channel)  # type: ignore[arg-type]
+        dtype = np.dtype(self.boundaries[b].dtype)
+        key = (channel, body.microbatch)
+        # Receive buffers are made on first use, on the stream's thread (the device's memory).
+        outs = _Lazy(self.state.recvs, key,
+                     lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype))
+        t = body.transfer
+        return transfer_op(self.backend, t.region, t.sender, t.receivers, device, src, dst,
+                           _Lazy(self.state.sends, key), outs, dtype, str(body), str(channel),
+                           op.id)
+
+    def regions(self, channel: Channel) -> tuple[Mapping[int, Any], Mapping[int, Any]]:
+        """Per device: the regions a channel's transfers read from and write into."""
+        b = channel.boundary
+        if channel.direction == "fwd":
+            return self.prod[b], self.cons[b]
+        return self.cons[b], self.prod[b]
+
+    def _compute(self, c: Compute, d: int) -> Callable[[], None]:
+        s, i = c.stage, c.microbatch
+        p = len(self.stages)
+        stage, state, xp = self.stages[s], self.state, self.backend.xp
+
+        def body() -> None:
+            ctx = StageContext(d, s, i, c.kind, stage.mesh, state.saved.setdefault((d, i), {}),
+                               self.backend)
+            if c.kind == "F":
+                if s == 0:  # each device gets its own copy, in its own memory
+                    region = self.in_regions[d]
+                    x = xp.array(self.microbatches[i][tuple(slice(a, z) for a, z in region)],
+                                 copy=True)
                 else:
-                    _launch_reshard_part(backend, programs, state, stream, d, ins, prod, cons,
-                                         per_plan)
-            ends.append(stream.record(f"device {d} {name} end"))
-    return state, ends
+                    x = self._received(Channel("fwd", s - 1), i, d)
+                y = stage.forward(ctx, x)
+                if s == p - 1:
+                    if d == stage.mesh.device_ids[0]:
+                        state.losses[i] = y  # float() after the step: no device sync here
+                    return
+                self._deliver(Channel("fwd", s), i, d, y, f"stage {s} forward (mb {i}, "
+                              f"device {d})")
+            else:
+                dy = None if s == p - 1 else self._received(Channel("bwd", s), i, d)
+                dx = stage.backward(ctx, dy)
+                if s > 0:
+                    self._deliver(Channel("bwd", s - 1), i, d, dx, f"stage {s} backward "
+                                  f"(mb {i}, device {d})")
+        return body
+
+    def _received(self, channel: Channel, i: int, d: int) -> Any:
+        """What device d received (an empty region receives nothing: its buffer is made
+        here)."""
+        key = (channel, i, d)
+        recvs = self.state.recvs
+        if key not in recvs:
+            region = self.regions(channel)[1][d]
+            recvs[key] = self.backend.xp.empty(region_shape(region),
+                                               np.dtype(self.boundaries[channel.boundary].dtype))
+        return recvs[key]
+
+    def _deliver(self, channel: Channel, i: int, d: int, value: Any, what: str) -> None:
+        want = region_shape(self.regions(channel)[0][d])
+        dtype = np.dtype(self.boundaries[channel.boundary].dtype)
+        arr = self.backend.xp.asarray(value)
+        if arr.shape != want or arr.dtype != dtype:
+            raise ValueError(f"{what} returned {arr.shape} {arr.dtype}; this device's region of "
+                             f"the boundary needs {want} {dtype}")
+        self.state.sends[(channel, i, d)] = arr
 
 
-def _compute_op(backend, programs, stages, state, d, ins: Compute, p, microbatches,
-                in_regions, prod, cons, min_seconds: float):
-    s, i, kind = ins.stage, ins.microbatch, ins.kind
-    stage = stages[s]
+def _emulated(fn: Callable[[], None], seconds: float) -> Callable[[], None]:
+    """``fn``, taking at least ``seconds`` (emulated device time: the stream stays busy)."""
+    if seconds <= 0:
+        return fn
 
     def run() -> None:
         start = time.perf_counter()
         try:
-            body()
+            fn()
         finally:
-            left = start + min_seconds - time.perf_counter()
+            left = start + seconds - time.perf_counter()
             if left > 0:
-                time.sleep(left)  # emulated device time
-
-    def body() -> None:
-        saved = state.saved.setdefault((d, i), {})
-        ctx = StageContext(d, s, i, kind, stage.mesh, saved, backend)
-        if kind == "F":
-            if s == 0:
-                # Each device gets its own copy, in its own memory.
-                x = backend.xp.array(microbatches[i][tuple(slice(a, b) for a, b in in_regions[d])],
-                                     copy=True)
-            else:
-                x = _received(state, programs.find("fwd", s - 1, i).id, d, cons[s - 1][d],
-                              boundaries_dtype(programs, "fwd", s - 1), backend.xp)
-            y = stage.forward(ctx, x)
-            if s == p - 1:
-                if d == stage.mesh.device_ids[0]:
-                    state.losses[i] = y  # float() after the step: no device sync here
-                return
-            _deliver(state, programs, programs.find("fwd", s, i).id, d, y, prod[s][d],
-                     f"stage {s} forward (mb {i}, device {d})", backend.xp)
-        else:
-            dy = None if s == p - 1 else _received(
-                state, programs.find("bwd", s, i).id, d, prod[s][d],
-                boundaries_dtype(programs, "bwd", s), backend.xp)
-            dx = stage.backward(ctx, dy)
-            if s > 0:
-                _deliver(state, programs, programs.find("bwd", s - 1, i).id, d, dx,
-                         cons[s - 1][d], f"stage {s} backward (mb {i}, device {d})", backend.xp)
+                time.sleep(left)
     return run
 
 
-def boundaries_dtype(programs: Programs, direction: str, boundary: int) -> np.dtype:
-    return np.dtype(programs.plans[f"{direction}{boundary}"].dtype)
-
-
-def _received(state, rid, d, region, dtype, xp):
-    """What device d received (an empty region receives nothing: its buffer is made here)."""
-    key = (rid, d)
-    if key not in state.recvs:
-        state.recvs[key] = xp.empty(region_shape(region), dtype)
-    return state.recvs[key]
-
-
-def _deliver(state, programs, rid, d, value, region, what, xp=np) -> None:
-    want = region_shape(region)
-    dtype = np.dtype(programs.plan_of(rid).dtype)
-    arr = xp.asarray(value)
-    if arr.shape != want or arr.dtype != dtype:
-        raise ValueError(f"{what} returned {arr.shape} {arr.dtype}; this device's region of "
-                         f"the boundary needs {want} {dtype}")
-    state.sends[(rid, d)] = arr
-
-
-def _launch_reshard_part(backend, programs, state, stream, d, ins: Reshard, prod, cons,
-                         per_plan: int) -> None:
-    op = programs.op(ins.id)
-    plan = programs.plans[op.plan_key]
-    b = op.boundary
-    src_regions = prod[b] if op.direction == "fwd" else cons[b]
-    dst_regions = cons[b] if op.direction == "fwd" else prod[b]
-    dtype = np.dtype(plan.dtype)
-    shards = _Lazy(state.sends, ins.id)
-    # Receive buffers are allocated on first use, on the stream's thread (the device's memory).
-    outs = _Lazy(state.recvs, ins.id,
-                 lambda dev: backend.xp.empty(region_shape(dst_regions[dev]), dtype))
-    for k, t in enumerate(plan.transfers):
-        if d not in t.devices:
-            continue
-        stream.launch(
-            f"{op.label} transfer {k} on device {d}",
-            transfer_op(backend, t.region, t.sender, t.receivers, d, src_regions, dst_regions,
-                        shards, outs, dtype, f"{op.label} #{k}", op.channel,
-                        op.id * per_plan + k),
-            category="comm",
-            meta=(op.src_stage, op.microbatch, op.direction, op.label),
-        )
-
-
 class _Lazy(Mapping):
-    """device -> buffer of one resharding, read when the transfer runs (after the compute);
-    with ``make``, a missing buffer is created on first use."""
+    """device -> buffer of one (channel, microbatch), read when the transfer runs (after the
+    compute); with ``make``, a missing buffer is created on first use."""
 
-    def __init__(self, table: dict[tuple[int, int], np.ndarray], rid: int,
+    def __init__(self, table: dict[Slot, Any], key: tuple[Channel, int],
                  make: Callable[[int], Any] | None = None) -> None:
-        self.table, self.rid, self.make = table, rid, make
+        self.table, self.key, self.make = table, key, make
 
-    def __getitem__(self, d: int) -> np.ndarray:
-        key = (self.rid, d)
+    def __getitem__(self, d: int) -> Any:
+        key = (*self.key, d)
         if key not in self.table and self.make is not None:
             self.table[key] = self.make(d)
         return self.table[key]
 
     def __iter__(self):
-        return (d for (r, d) in self.table if r == self.rid)
+        return (d for (c, i, d) in self.table if (c, i) == self.key)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -339,11 +314,3 @@ def mesh_groups(mesh: DeviceMesh) -> list[tuple[int, ...]]:
             lines.setdefault(c[:ax] + c[ax + 1:], []).append(d)
         groups.update(tuple(sorted(g)) for g in lines.values())
     return sorted(groups)
-
-
-def make_programs(stages: Sequence[Stage], boundaries: Sequence[Boundary], schedule: str,
-                  num_microbatches: int, cluster: Cluster, *, strategy: str,
-                  balance: str) -> Programs:
-    sched = make_schedule(schedule, len(stages), num_microbatches)
-    return lower([st.mesh for st in stages], boundaries, sched, cluster,
-                 strategy=strategy, balance=balance)

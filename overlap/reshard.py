@@ -5,7 +5,9 @@ Every transfer becomes, on each device taking part, one operation on that device
 order): the sender packs its region into a contiguous staging buffer (from its source shard,
 or from its destination buffer when it received the region earlier in the plan), a broadcast
 moves it, and each receiver unpacks it into its destination buffer. A local copy is a strided
-copy on the device. ``Transfer.after`` becomes an event wait on the sender's stream.
+copy on the device. A standalone resharding runs as its step graph through the same launcher
+as a training step (:mod:`overlap.launch`), so ``Transfer.after`` is an event wait on the
+sender's stream in both.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from scheduler import ReshardPlan
+from scheduler import Op, ReshardPlan, StepGraph, reshard_graph
 from scheduler.regions import Region, contains
 
-from .backends.cpu import CpuBackend, CpuEvent
+from .launch import launch
+
+if TYPE_CHECKING:
+    from .backends import Backend, Event
 
 
 def region_shape(region: Region) -> tuple[int, ...]:
@@ -120,50 +126,36 @@ def check_outs(plan: ReshardPlan, out: Mapping[int, np.ndarray],
 
 
 def launch_reshard(
-    backend: CpuBackend,
+    backend: Backend,
     plan: ReshardPlan,
     shards: Mapping[int, np.ndarray],
     outs: Mapping[int, np.ndarray],
     *,
     stream: str = "comm",
-    tag: str = "",
     tag_base: int = 0,
-) -> list[CpuEvent]:
+    graph: StepGraph | None = None,
+) -> list[Event]:
     """Launch this process's part of every transfer of ``plan`` (non-blocking); returns events
     to await.
 
-    ``outs[d]`` is device d's destination buffer (its destination region's shape); it is
-    written as transfers land. The events complete when every participating local stream is
-    done. Transfer ``i`` is named ``tag_base + i`` across processes (every process must pass
-    the same base). An ``after`` between transfers whose senders live in different processes
-    is not enforced: it only orders NIC use, never data (a sender's own data dependencies are
-    its stream's FIFO order).
+    The plan runs as its step graph (:func:`scheduler.reshard_graph`; pass ``graph`` to reuse
+    one), launched like a training step's. ``outs[d]`` is device d's destination buffer (its
+    destination region's shape); it is written as transfers land. Transfer ``i`` is named
+    ``tag_base + i`` across processes (every process must pass the same base).
     """
+    if graph is None:
+        graph = reshard_graph(plan, stream)
     src = plan.src.device_regions(plan.shape)
     dst = plan.dst.device_regions(plan.shape)
     backend.declare_group(stream, (*src, *dst))
     dtype = np.dtype(plan.dtype)
-    done: list[CpuEvent | None] = []
-    touched: set[int] = set()
-    for i, t in enumerate(plan.transfers):
-        desc = f"{tag}#{i}" if tag else f"#{i}"
-        for d in t.devices:
-            if not backend.is_local(d):
-                continue
-            s = backend.stream(d, stream)
-            touched.add(d)
-            if d == t.sender:
-                for j in t.after:
-                    if done[j] is not None:
-                        s.wait_event(done[j])
-            s.launch(f"reshard {desc} on device {d}", transfer_op(
-                backend, t.region, t.sender, t.receivers, d, src, dst, shards, outs, dtype, desc,
-                stream, tag_base + i,
-            ), category="comm", meta=(0, 0, "fwd", f"reshard {desc}"))
-        done.append(backend.stream(t.sender, stream).record(f"reshard {desc} sent")
-                    if backend.is_local(t.sender) else None)
-    return [backend.stream(d, stream).record(f"reshard {tag} done on device {d}")
-            for d in sorted(touched)]
+
+    def bind(op: Op, device: int) -> Callable[[], None]:
+        t = op.body.transfer  # type: ignore[union-attr]
+        return transfer_op(backend, t.region, t.sender, t.receivers, device, src, dst, shards,
+                           outs, dtype, f"#{op.id}", stream, tag_base + op.id)
+
+    return launch(backend, graph, bind)
 
 
 def transfer_op(backend, region, sender, receivers, device, src, dst, shards, outs, dtype,

@@ -13,16 +13,34 @@ import asyncio
 import hashlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from scheduler import Boundary, Cluster, CostModel, ReshardPlan, Sharding, Span, Timeline
+from scheduler import (
+    Boundary,
+    Channel,
+    Cluster,
+    CostModel,
+    DeviceMesh,
+    PlanCache,
+    PlanOptions,
+    ReshardPlan,
+    Schedule,
+    Sharding,
+    Span,
+    StepGraph,
+    Timeline,
+    lower,
+    make_schedule,
+    reshard_graph,
+)
+from scheduler.timeline import span_meta
 
-from .backends import make_backend
-from .backends.cpu import CpuBackend
+from .backends import Backend, make_backend
 from .errors import (
     CallMismatch,
     CollectiveAborted,
@@ -30,7 +48,7 @@ from .errors import (
     OverlapRuntimeError,
     RankFailed,
 )
-from .pipeline import Stage, check_pipeline, launch_step, make_programs
+from .pipeline import Stage, check_pipeline, launch_step
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
 from .world import Placement, World, detect_world
 
@@ -39,7 +57,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger("overlap")
-_PROGRAM_CACHE = 16  # lowered step programs kept per runtime (least recently used dropped)
+_MEMO_SIZE = 32  # graphs and digests kept per runtime (least recently used dropped)
+_MISSING = object()
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -118,6 +137,54 @@ class _SyncLoop:
         t.join()
 
 
+def _link_time(cluster: Cluster, emulate: bool | str
+               ) -> Callable[[int, Sequence[int], int], float] | None:
+    """Link emulation: each transfer lasts at least the cost model's time for it alone
+    (``"signal"``: its latency only), from the same functions the simulator costs it with."""
+    model = CostModel(cluster)
+    if emulate == "signal":
+        return lambda root, receivers, nbytes: model.latency_of(root, tuple(receivers))
+    if emulate:
+        return lambda root, receivers, nbytes: model.alone_seconds(root, tuple(receivers),
+                                                                   nbytes)
+    return None
+
+
+def _schedule(schedule: str | Schedule | None, num_stages: int, num_microbatches: int
+              ) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if (schedule.num_stages, schedule.num_microbatches) != (num_stages, num_microbatches):
+            raise ValueError(f"schedule: built for {schedule.num_stages} stages × "
+                             f"{schedule.num_microbatches} microbatches; this step has "
+                             f"{num_stages} × {num_microbatches}")
+        return schedule
+    if schedule is not None and not isinstance(schedule, str):
+        raise TypeError(f"schedule: expected a name or a Schedule, got {type(schedule).__name__}")
+    return make_schedule(schedule or "eager-1f1b", num_stages, num_microbatches)
+
+
+def check_graph(graph: StepGraph, meshes: tuple[DeviceMesh, ...],
+                boundaries: tuple[Boundary, ...], num_microbatches: int) -> None:
+    """Raise ValueError naming ``graph`` unless it was lowered for these stage meshes,
+    boundaries (every channel's plan moves its boundary's tensor between its layouts) and
+    number of microbatches."""
+    if not isinstance(graph, StepGraph):
+        raise TypeError(f"graph: expected a StepGraph, got {type(graph).__name__}")
+    if graph.schedule is None or graph.stages != meshes:
+        raise ValueError("graph: lowered for other stage meshes (or not a pipeline's graph)")
+    if graph.schedule.num_microbatches != num_microbatches:
+        raise ValueError(f"graph: lowered for {graph.schedule.num_microbatches} microbatches, "
+                         f"got {num_microbatches}")
+    for s, b in enumerate(boundaries):
+        for channel, src, dst in ((Channel("fwd", s), b.producer, b.consumer),
+                                  (Channel("bwd", s), b.consumer, b.producer)):
+            plan = graph.plans.get(channel)
+            if plan is None or (plan.shape, plan.src, plan.dst) != (tuple(b.shape), src, dst) \
+                    or plan.dtype != np.dtype(b.dtype).name:
+                raise ValueError(f"graph: its plan for {channel} does not move boundaries[{s}] "
+                                 f"({b.shape} {b.dtype} {src!r} -> {dst!r})")
+
+
 class Runtime:
     """Executes resharding plans and pipeline training steps on a backend.
 
@@ -178,30 +245,20 @@ class Runtime:
         if emulate_links not in (False, True, "signal"):
             raise ValueError(f"emulate_links: expected True, False or 'signal', got "
                              f"{emulate_links!r}")
-        link_time = None
-        model = CostModel(cluster)
-        if emulate_links == "signal":
-            def link_time(root: int, receivers: Any, nbytes: int) -> float:
-                return model.latency_of(root, tuple(receivers))
-        elif emulate_links:
-            def link_time(root: int, receivers: Any, nbytes: int) -> float:
-                tc = model.cost_of(root, tuple(receivers), nbytes)
-                return tc.fixed_s + nbytes / tc.alone_bw
-
-        self.backend: CpuBackend = make_backend(backend, cluster.num_devices, timeout=timeout,
-                                                link_time=link_time, world=world,
-                                                placement=placement)
+        self.backend: Backend = make_backend(backend, cluster.num_devices, timeout=timeout,
+                                             link_time=_link_time(cluster, emulate_links),
+                                             world=world, placement=placement)
         self.local_devices: tuple[int, ...] = tuple(
             d for d in range(cluster.num_devices) if self.backend.is_local(d))
         self._reshards = 0  # standalone reshardings so far: names their messages across ranks
-        self._agreed: dict[Any, bytes] = {}  # digests of plans and programs (bounded)
         self._calls = 0  # runtime calls so far; every process must make the same ones
         if world.distributed:
             log.info("%s", self.backend.describe())
         self._closed = False
         self._sync = _SyncLoop()
-        self._programs: dict[Any, Any] = {}
-        self._last_trace: tuple[list[Any], Any] | None = None
+        self.plans = PlanCache(cluster)  # each boundary planned once per options
+        self._memo: OrderedDict[Any, Any] = OrderedDict()  # step graphs, plan digests
+        self._last_trace: tuple[list[Any], StepGraph] | None = None
         # Structured concurrency: the first failure anywhere aborts everything in flight.
         self.backend.on_failure = lambda exc: self.backend.abort(
             f"{type(exc).__name__} on another stream: {exc}"
@@ -234,14 +291,18 @@ class Runtime:
         xp = self.backend.xp
         if out is not None:
             check_outs(plan, out, shards, self._array_types(), self.backend.is_local, xp)
-        check = (self._agree(("plan", plan), plan.to_json, "reshard: the plan")
+        check = (self._agree(self._cached(("digest", plan),
+                                          lambda: hashlib.sha256(plan.to_json().encode()).digest()),
+                             "reshard: the plan")
                  if self.world.distributed else None)
         base, self._reshards = self._reshards * len(plan.transfers), self._reshards + 1
         # Each destination buffer is made on first use, by its device's stream (its memory).
         outs = BufferTable(lambda d: xp.empty(region_shape(regions[d]), dtype))
         if out is not None:
             outs.update(out)
-        events = launch_reshard(self.backend, plan, shards, outs, stream=stream, tag_base=base)
+        graph = self._cached(("reshard", plan, stream), lambda: reshard_graph(plan, stream))
+        events = launch_reshard(self.backend, plan, shards, outs, stream=stream, tag_base=base,
+                                graph=graph)
         await self._gather(events, what="reshard", check=check)
         # Devices that got nothing: empty regions. In a multi-process job, this process's.
         return {d: outs[d] for d in regions if self.backend.is_local(d)}
@@ -270,38 +331,34 @@ class Runtime:
         microbatches: Sequence[np.ndarray],
         *,
         input_sharding: Sharding,
-        schedule: str = "eager-1f1b",
-        strategy: str = "broadcast",
-        balance: str = "auto",
+        schedule: str | Schedule | None = None,
+        options: PlanOptions | None = None,
+        graph: StepGraph | None = None,
     ) -> list[float]:
         """Run one training step (forward and backward of every microbatch); return the losses.
 
         ``boundaries[s]`` is the activation stage ``s`` hands to ``s + 1`` (shape and dtype per
         microbatch, producer and consumer layouts); ``input_sharding`` is how stage 0 holds each
         microbatch. Stage functions accumulate parameter gradients themselves (see
-        :mod:`overlap.pipeline`). The lowered programs are cached per configuration.
+        :mod:`overlap.pipeline`). ``schedule``: a name of ``scheduler.SCHEDULES`` (default
+        ``"eager-1f1b"``) or a :class:`~scheduler.Schedule`; ``options``: how boundaries are
+        planned. The step graph is lowered off the event loop and cached per configuration;
+        or pass ``graph``, lowered by the caller (``scheduler.lower``: the very graph one
+        simulated), instead of ``schedule`` and ``options``.
         """
         self._check_open()
         check_pipeline(stages, boundaries, input_sharding, microbatches, self._array_types())
-        # Programs depend on the meshes and layouts, not on the stage functions.
-        key = (tuple(st.mesh for st in stages), tuple(boundaries), schedule, len(microbatches),
-               strategy, balance)
-        programs = self._programs.pop(key, None)
-        if programs is None:
-            programs = make_programs(stages, boundaries, schedule, len(microbatches),
-                                     self.cluster, strategy=strategy, balance=balance)
-        self._programs[key] = programs  # most recently used last
-        while len(self._programs) > _PROGRAM_CACHE:
-            self._programs.pop(next(iter(self._programs)))
-        check = (self._agree(("programs", key), programs.to_json, "train_step: the programs")
+        graph, digest = await self._step_graph(stages, boundaries, len(microbatches), schedule,
+                                               options, graph)
+        check = (self._agree(digest, "train_step: the step graph")
                  if self.world.distributed else None)
         self.backend.start_trace()
-        state, ends = launch_step(self.backend, programs, stages, boundaries, input_sharding,
+        state, ends = launch_step(self.backend, graph, stages, boundaries, input_sharding,
                                   microbatches, self.compute_time)
         try:
             await self._gather(ends, what="train_step", check=check)
         finally:
-            self._last_trace = (self.backend.trace, programs)
+            self._last_trace = (self.backend.trace or [], graph)
             self.backend.trace = None
         if not self.world.distributed:
             return [float(state.losses[i]) for i in range(len(microbatches))]
@@ -314,22 +371,55 @@ class Runtime:
                                         "train_step")
         return [float(v) for v in shared]
 
+    async def _step_graph(self, stages: Sequence[Stage], boundaries: Sequence[Boundary],
+                          num_microbatches: int, schedule: str | Schedule | None,
+                          options: PlanOptions | None, graph: StepGraph | None
+                          ) -> tuple[StepGraph, bytes]:
+        """The step's graph and its digest: the caller's (checked), or lowered — and planned
+        — in a worker thread (seconds of planning never block the event loop), cached."""
+        meshes = tuple(st.mesh for st in stages)
+        if graph is not None:
+            if schedule is not None or options is not None:
+                raise ValueError("graph: give a step graph, or a schedule and options to "
+                                 "lower one, not both")
+            check_graph(graph, meshes, tuple(boundaries), num_microbatches)
+            key: Any = ("given", id(graph))
+        else:
+            sched = _schedule(schedule, len(stages), num_microbatches)
+            if options is not None and not isinstance(options, PlanOptions):
+                raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
+            key = ("lowered", meshes, tuple(boundaries), sched, options or PlanOptions())
+        hit = self._memo.pop(key, None)
+        if hit is None or (graph is not None and hit[0] is not graph):
+
+            def make() -> tuple[StepGraph, bytes]:
+                g = graph if graph is not None else lower(
+                    meshes, boundaries, key[3], self.cluster, key[4], cache=self.plans)
+                return g, (g.digest() if self.world.distributed else b"")
+
+            hit = await asyncio.to_thread(make)
+        self._remember(key, hit)
+        return hit
+
     def timeline(self) -> Timeline:
         """What the last :meth:`train_step` ran where and when (measured), as a Timeline —
-        the simulator's type, so measured and simulated steps share metrics and traces. In a
-        multi-process job: this process's devices (each process writes its own trace)."""
+        the simulator's type, with the same op ids, so measured and simulated steps share
+        metrics and traces and compare op by op. In a multi-process job: this process's
+        devices (each process writes its own trace)."""
         if self._last_trace is None:
             raise OverlapRuntimeError("timeline: no train_step has run yet")
-        records, programs = self._last_trace
+        records, graph = self._last_trace
         sec = self.backend.span_seconds
-        spans = tuple(sorted(
-            (Span(d, stream, name, sec(start), sec(end), stage, mb, kind)
-             for d, stream, _, start, end, (stage, mb, kind, name) in records),
-            key=lambda s: (s.device, s.start),
-        ))
+        spans = []
+        for r in records:
+            name, stage, mb, kind = span_meta(graph.ops[r.op].body)
+            spans.append(Span(r.device, r.stream, name, sec(r.start), sec(r.end), stage, mb,
+                              kind, r.op))
+        spans.sort(key=lambda s: (s.device, s.start))
         # A process of a multi-process job measured its own devices only.
-        stage_of = {d: p.stage for d, p in programs.devices.items() if self.backend.is_local(d)}
-        return Timeline(spans, programs.schedule.num_stages, tuple(sorted(stage_of)), stage_of)
+        stage_of = {d: graph.stage_of(d) for d in graph.devices if self.backend.is_local(d)}
+        return Timeline(tuple(spans), len(graph.stages), tuple(sorted(stage_of)), stage_of,
+                        graph.data_inputs)
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the last step's measured timeline as Chrome/Perfetto JSON."""
@@ -341,20 +431,14 @@ class Runtime:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _agree(self, key: Any, text: Callable[[], str], what: str) -> Agreement:
-        """Check that every process makes this call now, with the same ``key`` (same plan or
-        same programs): compared on every call, with a call counter, so a process that skipped
-        or added a call is named instead of silently matching another call's messages.
+    def _agree(self, digest: bytes, what: str) -> Agreement:
+        """Check that every process makes this call now, with the same ``digest`` (same plan
+        or same step graph): compared on every call, with a call counter, so a process that
+        skipped or added a call is named instead of silently matching another call's messages.
 
         Returns the check, already posted: the caller launches its work meanwhile (the check
         costs a round of messages, not a wait) and passes it to :meth:`_gather`; a mismatch
         stops the work at once."""
-        digest = self._agreed.pop(key, None)
-        if digest is None:
-            digest = hashlib.sha256(text().encode()).digest()
-        self._agreed[key] = digest  # most recently used last
-        while len(self._agreed) > 4 * _PROGRAM_CACHE:
-            self._agreed.pop(next(iter(self._agreed)))
         self._calls += 1
         self.backend.calls = self._calls
         from .guard import report  # (imported here: ``python -m overlap.guard`` runs it)
@@ -362,6 +446,20 @@ class Runtime:
         report(f"{what} (call {self._calls})")
         call = hashlib.sha256(digest + self._calls.to_bytes(8, "little")).digest()
         return self.backend.agree(call, f"{what} (call {self._calls})", self._calls)
+
+    def _cached(self, key: Any, make: Callable[[], T]) -> T:
+        """``make()``, kept for ``key`` with the runtime's other derived values (graphs,
+        digests); the least recently used dropped past a bound."""
+        value = self._memo.pop(key, _MISSING)
+        if value is _MISSING:
+            value = make()
+        self._remember(key, value)
+        return value  # type: ignore[return-value]
+
+    def _remember(self, key: Any, value: Any) -> None:
+        self._memo[key] = value  # most recently used last
+        while len(self._memo) > _MEMO_SIZE:
+            self._memo.popitem(last=False)
 
     async def _collective(self, coro: Coroutine[Any, Any, T], what: str) -> T:
         """One of the runtime's own cross-process messages; failures end the job's work."""

@@ -22,6 +22,7 @@ from scheduler import (
     STRATEGIES,
     Cluster,
     P,
+    PlanOptions,
     Sharding,
     plan_resharding,
 )
@@ -72,8 +73,8 @@ def test_reshard_on_gpu_matches_numpy(strategy, balance):
     dst = Sharding(cluster.mesh([1, 2]), P(None, ("host", "gpu"), None))
     shape = (12, 16, 5)
     glob = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
-    plan = plan_resharding(shape, "float64", src, dst, cluster, strategy=strategy,
-                           balance=balance)
+    plan = plan_resharding(shape, "float64", src, dst, cluster,
+                           PlanOptions(strategy=strategy, balance=balance))
     with Runtime(cluster, backend="cuda") as rt:
         shards = {d: cp.asarray(glob[tuple(slice(a, b) for a, b in r)])
                   for d, r in src.device_regions(shape).items()}

@@ -15,7 +15,17 @@ import pytest
 
 from overlap import Runtime, StreamError
 from overlap.toy import ToyMLP, reference_step
-from scheduler import SCHEDULES, STRATEGIES, Cluster, P, Sharding, plan_resharding
+from scheduler import (
+    SCHEDULES,
+    STRATEGIES,
+    Cluster,
+    P,
+    PlanOptions,
+    Sharding,
+    lower,
+    make_schedule,
+    plan_resharding,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +41,7 @@ def test_reshard_through_the_cuda_backend(strategy):
     dst = Sharding(cluster.mesh([1, 2]), P(None, ("host", "gpu"), None))
     shape = (12, 16, 5)
     glob = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
-    plan = plan_resharding(shape, "float64", src, dst, cluster, strategy=strategy)
+    plan = plan_resharding(shape, "float64", src, dst, cluster, PlanOptions(strategy=strategy))
     with Runtime(cluster, backend="cuda") as rt:
         assert rt.backend.name == "cuda"
         shards = {d: glob[tuple(slice(a, b) for a, b in r)].copy()
@@ -58,20 +68,19 @@ def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
     cluster = Cluster.preset("p3.8xlarge", 4)
     model = ToyMLP.build(cluster, hidden=8, batch=4)
     mbs = [np.random.default_rng(i).standard_normal((4, 8)) for i in range(3)]
+    graph = lower(model.meshes, model.boundaries(), make_schedule(schedule, 4, len(mbs)),
+                  cluster)
     with Runtime(cluster, backend="cuda") as rt:
         losses = rt.train_step_sync(model.stages(), model.boundaries(), mbs,
-                                    input_sharding=model.input_sharding(), schedule=schedule)
+                                    input_sharding=model.input_sharding(), graph=graph)
         tl = rt.timeline()  # from (GPU, event) trace marks
     ref_losses, ref_grads = reference_step(model.full_weights, mbs)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-10)
     model.check_against(model.full_weights, ref_grads)
     assert len(tl.spans) > 0 and tl.iteration_time >= 0
-    # Every Wait of the programs became a device-side wait on a recorded CUDA event (the
+    # Every wait of the step graph became a device-side wait on a recorded CUDA event (the
     # fake asserts the event was recorded before the wait was enqueued).
-    programs = next(iter(rt._programs.values()))
-    waits = sum(type(ins).__name__ == "Wait" for p in programs.devices.values()
-                for instrs in p.streams.values() for ins in instrs)
-    assert len(device_waits) == waits > 0
+    assert len(device_waits) == sum(len(op.waits) for op in graph.ops) > 0
 
 
 def test_failure_through_the_cuda_backend_names_the_op():

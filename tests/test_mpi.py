@@ -27,7 +27,7 @@ from strategies import problems
 pytest.importorskip("mpi4py", reason="the mpi extra is not installed: pip install -e '.[mpi]'")
 
 from overlap import Runtime
-from scheduler import Cluster, DeviceMesh, Sharding, ShardingSpec, plan_resharding
+from scheduler import Cluster, DeviceMesh, PlanOptions, Sharding, ShardingSpec, plan_resharding
 
 JOB = Path(__file__).parent / "mpi_jobs" / "job.py"
 MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
@@ -99,7 +99,7 @@ CLUSTER4 = Cluster(2, 2, nic_gbps=100.0)
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(problems(cluster=CLUSTER4), min_size=3, max_size=3))
 def test_hypothesis_reshardings_equal_one_process_bit_for_bit(tmp_path_factory, cases):
-    plans = [plan_resharding(shape, dtype, src, dst, CLUSTER4, strategy=strategy)
+    plans = [plan_resharding(shape, dtype, src, dst, CLUSTER4, PlanOptions(strategy=strategy))
              for shape, dtype, src, dst, _ in cases
              for strategy in ("send_recv", "broadcast", "local_allgather")]
     out = tmp_path_factory.mktemp("reshard")
@@ -117,7 +117,7 @@ def fixed_plans() -> list:
     """Transfers whose regions are strided views of the destination buffers (columns of a
     row block), on ranks with one and with two destination devices."""
     cases = [(SHAPE_A, "float32", SRC_A, DST_A), (SHAPE_A, "int64", DST_A, SRC_A)]
-    return [plan_resharding(shape, dtype, src, dst, CLUSTER4, strategy=strategy)
+    return [plan_resharding(shape, dtype, src, dst, CLUSTER4, PlanOptions(strategy=strategy))
             for shape, dtype, src, dst in cases
             for strategy in ("send_recv", "broadcast", "local_allgather")]
 
@@ -215,7 +215,7 @@ def test_a_killed_rank_is_named_with_what_it_was_doing_under_the_guard(tmp_path)
     text = assert_failed_job(done, 1)
     pid = re.search(r"overlap: rank 1/4 \(pid (\d+)", text).group(1)
     assert re.search(rf"overlap: rank 1 \(pid {pid} on [^)]+\) was killed by SIGKILL during "
-                     r"train_step: the programs \(call 2\)", text), verdicts(text)
+                     r"train_step: the step graph \(call 2\)", text), verdicts(text)
 
 
 def test_the_guard_passes_a_clean_run_through(tmp_path):
@@ -255,9 +255,9 @@ def test_ranks_that_lower_different_programs_are_named(tmp_path, late):
     # Each rank raises its own finding, not another rank's report of the mismatch nor the
     # failures it caused, even when those reach it first (rank0-late).
     for r in (0, 1, 2):
-        assert re.search(rf"CallMismatch: train_step: the programs \(call 1\): ranks \[3\] "
+        assert re.search(rf"CallMismatch: train_step: the step graph \(call 1\): ranks \[3\] "
                          rf"made a different call than rank {r} ", text), verdicts(text)
-    assert ("CallMismatch: train_step: the programs (call 1): ranks [0, 1, 2] made a different "
+    assert ("CallMismatch: train_step: the step graph (call 1): ranks [0, 1, 2] made a different "
             "call than rank 3 ") in text, verdicts(text)
 
 

@@ -22,7 +22,16 @@ from toy_mlp import CLUSTER, ToyMLP, reference, reference_inputs, split
 from overlap.errors import CollectiveTimeout, OverlapRuntimeError, StreamError
 from overlap.pipeline import Stage
 from overlap.runtime import Runtime
-from scheduler import SCHEDULES, Boundary, DeviceMesh, P, Sharding
+from scheduler import (
+    SCHEDULES,
+    Boundary,
+    DeviceMesh,
+    P,
+    PlanOptions,
+    Sharding,
+    lower,
+    make_schedule,
+)
 
 TOL = 1e-10
 # Generous: a deadlock fails the test after this long instead of hanging it.
@@ -93,7 +102,7 @@ def test_losses_and_gradients_match_reference(schedule, strategy, m):
     toy = ToyMLP()
     mbs = toy.microbatches(m, seed=m)
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
-        losses = _step(rt, toy, mbs, schedule=schedule, strategy=strategy)
+        losses = _step(rt, toy, mbs, schedule=schedule, options=PlanOptions(strategy=strategy))
     _check(toy, losses, mbs, schedule=schedule)
 
 
@@ -102,7 +111,7 @@ def test_even_sizes_and_other_widths(schedule):
     toy = ToyMLP(batch=4, dims=(3, 4, 8, 2, 5), seed=7)
     mbs = toy.microbatches(5, seed=3)
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
-        losses = _step(rt, toy, mbs, schedule=schedule, strategy="send_recv")
+        losses = _step(rt, toy, mbs, schedule=schedule, options=PlanOptions(strategy="send_recv"))
     _check(toy, losses, mbs, schedule=schedule)
 
 
@@ -116,7 +125,7 @@ async def test_train_step_awaited():
         toy.reset()
         losses = await rt.train_step(toy.stages, toy.boundaries, mbs,
                                      input_sharding=toy.input_sharding, schedule="eager-1f1b",
-                                     strategy="send_recv")
+                                     options=PlanOptions(strategy="send_recv"))
     _check(toy, losses, mbs, schedule="eager-1f1b")
 
 
@@ -213,15 +222,15 @@ def test_program_cache_across_configurations():
         for k, (toy, schedule, m, strategy) in enumerate(plan):
             toy.reset()
             mbs = toy.microbatches(m, seed=k)
-            losses = _step(rt, toy, mbs, schedule=schedule, strategy=strategy)
+            losses = _step(rt, toy, mbs, schedule=schedule, options=PlanOptions(strategy=strategy))
             _check(toy, losses, mbs, schedule=schedule)
 
 
 def test_fresh_single_stage_pipelines_on_one_runtime():
     """New Stage objects every step, alternating between two meshes (p = 1, no boundaries).
 
-    A program cache keyed by ``id(stage)`` can hand a new stage (which may reuse a freed
-    stage's id) the programs lowered for another mesh.
+    A graph cache keyed by ``id(stage)`` can hand a new stage (which may reuse a freed
+    stage's id) the graph lowered for another mesh.
     """
     meshes = [DeviceMesh([[0]], ("host", "gpu")), DeviceMesh([[4]], ("host", "gpu"))]
     ran: list[tuple[int, int]] = []
@@ -383,8 +392,22 @@ def _bad(toy: ToyMLP, mbs: list[np.ndarray], what: str) -> tuple[tuple, dict]:
         args[2] = []
     elif what == "unknown schedule":
         kw["schedule"] = "zero-bubble"
-    elif what == "unknown strategy":
-        kw["strategy"] = "carrier-pigeon"
+    elif what == "options not PlanOptions":
+        kw["options"] = {"strategy": "send_recv"}
+    elif what == "schedule of another size":
+        kw["schedule"] = make_schedule("1f1b", 4, len(mbs) + 1)
+    elif what == "graph of another size":
+        kw["graph"] = lower(toy.meshes, toy.boundaries, make_schedule("1f1b", 4, len(mbs) + 1),
+                            CLUSTER)
+    elif what == "graph and schedule":
+        kw["graph"] = lower(toy.meshes, toy.boundaries, make_schedule("1f1b", 4, len(mbs)),
+                            CLUSTER)
+        kw["schedule"] = "1f1b"
+    elif what == "graph of other boundaries":
+        b = toy.boundaries[0]
+        other = [Boundary(b.shape, b.dtype, b.producer, Sharding(b.consumer.mesh, P(None, "gpu"))),
+                 *toy.boundaries[1:]]
+        kw["graph"] = lower(toy.meshes, other, make_schedule("1f1b", 4, len(mbs)), CLUSTER)
     elif what == "too few boundaries":
         args[1] = toy.boundaries[:2]
     elif what == "too many boundaries":
@@ -405,7 +428,11 @@ BAD = [
     ("list microbatch", TypeError, r"microbatches\[1\]"),
     ("no microbatches", ValueError, r"microbatches"),
     ("unknown schedule", ValueError, r"zero-bubble"),
-    ("unknown strategy", ValueError, r"carrier-pigeon"),
+    ("options not PlanOptions", TypeError, r"options"),
+    ("schedule of another size", ValueError, r"schedule: built for 4 stages × 3"),
+    ("graph of another size", ValueError, r"graph: lowered for 3 microbatches"),
+    ("graph and schedule", ValueError, r"graph: give a step graph, or a schedule"),
+    ("graph of other boundaries", ValueError, r"graph: its plan for fwd0"),
     ("too few boundaries", ValueError, r"boundaries"),
     ("too many boundaries", ValueError, r"boundaries"),
     ("not a Stage", TypeError, r"stages\[2\]"),

@@ -24,6 +24,7 @@ from scheduler import (
     Cluster,
     CostModel,
     DeviceMesh,
+    PlanOptions,
     ReshardPlan,
     Sharding,
     ShardingSpec,
@@ -76,7 +77,7 @@ def test_runtime_delivers_every_destination_region(problem):
             glob = global_array(shape, offset=1000.0 * k)
             shards = cut_shards(glob, src)
             plan = plan_resharding(shape, "float64", src, dst, cluster,
-                                   strategy=strategy, balance=balance)
+                                   PlanOptions(strategy=strategy, balance=balance))
             out = rt.reshard_sync(plan, shards)
             assert_delivered(out, glob, dst, f"{strategy}/{balance}")
             for d, region in src.device_regions(shape).items():  # inputs left untouched
@@ -96,8 +97,8 @@ DST2 = Sharding(DeviceMesh([[0, 1], [2, 3]], ("x", "y")), ShardingSpec("y", "x")
 
 
 def fixed_plan(strategy: str = "broadcast") -> ReshardPlan:
-    plan = plan_resharding(SHAPE, "float64", SRC, DST, CLUSTER, strategy=strategy,
-                           balance="auto")
+    plan = plan_resharding(SHAPE, "float64", SRC, DST, CLUSTER,
+                           PlanOptions(strategy=strategy, balance="auto"))
     if strategy == "broadcast":  # the case covers what it claims to
         assert any(t.is_local_copy for t in plan.transfers), plan
         assert any(len(t.receivers) >= 2 for t in plan.transfers), plan
@@ -198,7 +199,7 @@ def test_failed_transfer_raises_then_runtime_is_reusable():
     src = Sharding(DeviceMesh([0, 1], "a"), ShardingSpec("a"))
     dst = Sharding(DeviceMesh([2, 3], "a"), ShardingSpec(None, "a"))
     glob = global_array(shape)
-    plan = plan_resharding(shape, "float64", src, dst, cluster, strategy="broadcast")
+    plan = plan_resharding(shape, "float64", src, dst, cluster, PlanOptions(strategy="broadcast"))
     assert len(plan.transfers) >= 2
     calls = []
 

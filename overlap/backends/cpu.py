@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,6 +43,17 @@ from ..nvtx import range_end, range_start
 
 # How often a blocked thread looks at the abort flag; a wait ends within this after abort().
 _POLL_S = 0.02
+
+
+class TraceRecord(NamedTuple):
+    """One op as the trace saw it run: its step-graph op id, where, and two marks (the
+    backend's: perf_counter seconds on the CPU, CUDA events on a GPU; see ``span_seconds``)."""
+
+    op: int
+    device: int
+    stream: str
+    start: Any
+    end: Any
 
 
 class CpuEvent:
@@ -118,13 +129,13 @@ class CpuStream:
     # ---- launching (any thread) ----------------------------------------------------------
 
     def launch(self, label: str, fn: Callable[[], Any], *, category: str = "compute",
-               meta: tuple[int, int, str, str] | None = None) -> None:
+               op: int | None = None) -> None:
         """Run ``fn()`` on this stream after everything launched before it.
 
-        ``category`` ("compute" or "comm") labels the NVTX range; ``meta`` = (stage,
-        microbatch, kind, name) puts the op in the backend's trace when one is recorded.
+        ``category`` ("compute" or "comm") labels the NVTX range; ``op`` (a step-graph op
+        id) puts the op in the backend's trace when one is recorded.
         """
-        self._put(("op", (label, fn, category, meta)))
+        self._put(("op", (label, fn, category, op)))
 
     def record(self, label: str = "", *, event: CpuEvent | None = None) -> CpuEvent:
         """An event that completes when the stream reaches this point.
@@ -175,16 +186,16 @@ class CpuStream:
                     finally:
                         range_end(rng)
                 else:
-                    label, fn, category, meta = payload
+                    label, fn, category, op = payload
                     rng = range_start(label, category)
-                    trace = self.backend.trace if meta is not None else None
+                    trace = self.backend.trace if op is not None else None
                     t0 = self._mark() if trace is not None else None
                     try:
                         self._execute(fn)
                     finally:
                         range_end(rng)
                     if trace is not None:
-                        trace.append((self.device, self.name, label, t0, self._mark(), meta))
+                        trace.append(TraceRecord(op, self.device, self.name, t0, self._mark()))
             except BaseException as exc:
                 op = payload[0] if kind == "op" else f"wait {payload.label}"
                 if isinstance(exc, OverlapRuntimeError):
@@ -368,7 +379,7 @@ class CpuBackend:
         return 0 <= device < self.num_devices
 
     def start_trace(self) -> None:
-        """Record every op launched with metadata from now on (see ``trace``)."""
+        """Record every op launched with an op id from now on (see ``trace``)."""
         self._trace_t0 = time.perf_counter()
         self.trace = []
 
@@ -398,9 +409,9 @@ class CpuBackend:
         self._abort_reason: str | None = None
         self._failures: list[BaseException] = []
         self._closed = False
-        # When a list, every launched op with trace metadata appends (device, stream, label,
-        # start, end, meta) to it (perf_counter seconds); the runtime's trace recorder.
-        self.trace: list[tuple[Any, ...]] | None = None
+        # When a list, every op launched with an op id appends its TraceRecord to it; the
+        # runtime's trace recorder.
+        self.trace: list[TraceRecord] | None = None
         # Called (on the failing stream's thread) with every stream failure; the runtime uses
         # it to abort all in-flight work at once, so a failed step ends fast.
         self.on_failure: Callable[[BaseException], None] | None = None

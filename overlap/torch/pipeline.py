@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scheduler import Boundary, DeviceMesh, P, Sharding
+from scheduler import Boundary, DeviceMesh, P, PlanOptions, Schedule, Sharding
 
 from ..pipeline import Stage, StageContext
 from ..runtime import Runtime
@@ -87,10 +87,11 @@ class TorchPipeline:
 
     async def train_step(self, rt: Runtime, inputs: torch.Tensor,
                          targets: torch.Tensor | None = None, *, num_microbatches: int,
-                         schedule: str = "eager-1f1b", strategy: str = "broadcast",
-                         balance: str = "auto") -> list[float]:
+                         schedule: str | Schedule = "eager-1f1b",
+                         options: PlanOptions | None = None) -> list[float]:
         """One step: split ``inputs`` (and ``targets``) into ``num_microbatches`` along dim 0,
-        run forward and backward of each on ``rt``; return the per-microbatch losses.
+        run forward and backward of each on ``rt``; return the per-microbatch losses
+        (``schedule`` and ``options`` as for :meth:`overlap.Runtime.train_step`).
 
         Gradients are *added* to ``.grad`` (call ``zero_grad`` between steps, as in torch);
         after a failed step they hold a partial sum — zero them before the next one.
@@ -102,7 +103,7 @@ class TorchPipeline:
         try:
             return await rt.train_step(self.stages, boundaries, mbs,
                                        input_sharding=self.input_sharding, schedule=schedule,
-                                       strategy=strategy, balance=balance)
+                                       options=options)
         finally:
             self._targets = None
             self._busy.release()
