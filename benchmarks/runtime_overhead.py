@@ -3,7 +3,7 @@
 1. Host overhead per launched op: no-op operations launched on streams and awaited from
    asyncio, under uvloop and stock asyncio (raw stream ops, and whole no-op training steps
    divided by the number of operations they run).
-2. The toy pipeline (overlap/toy.py) with p3.8xlarge links emulated and device time emulated
+2. The toy pipeline (examples/toy.py) with p3.8xlarge links emulated and device time emulated
    at 2 × a microbatch's slowest transfer: measured step time for signal (latency-only links),
    1f1b and eager-1f1b — and the simulator's prediction for the same programs and costs.
 
@@ -21,17 +21,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the toy model
 # One BLAS thread per virtual device's stream thread: several multi-threaded BLAS calls at once
 # oversubscribe the cores (8x slower here).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 import uvloop
+from toy import ToyMLP
 
 from overlap import Runtime, pipeline
 from overlap import runtime as pipeline_runtime
 from overlap.backends.cpu import CpuBackend
-from overlap.toy import ToyMLP
 from scheduler import Cluster, estimate, lower, make_schedule, plan_resharding, simulate
 from scheduler.cli import machine_line
 

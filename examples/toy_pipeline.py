@@ -1,6 +1,6 @@
 """Train a toy 4-stage numpy MLP with the overlap runtime on the CPU backend.
 
-The stages sit on meshes of different shapes and shardings (see overlap/toy.py), so the stage
+The stages sit on meshes of different shapes and shardings (see examples/toy.py), so the stage
 boundaries need real multicasts. For each schedule (1f1b, eager-1f1b) it trains a few SGD steps
 and checks every loss, every device's gradients and weights against a single-device float64
 reference (to 1e-10), writes a Perfetto trace of the last step into traces/, and prints the
@@ -31,8 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from toy import ToyMLP, reference_step
+
 from overlap import Runtime
-from overlap.toy import ToyMLP, reference_step
 from overlap.world import detect_world
 from scheduler import Cluster, estimate
 

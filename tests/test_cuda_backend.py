@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from toy import ToyMLP, reference_step
 
 from overlap import OverlapRuntimeError, Runtime, StreamError
 from overlap.backends.cuda import gpu_count
-from overlap.toy import ToyMLP, reference_step
 from scheduler import (
     BALANCES,
     SCHEDULES,

@@ -12,9 +12,9 @@ import sys
 import fake_cupy
 import numpy as np
 import pytest
+from toy import ToyMLP, reference_step
 
 from overlap import Runtime, StreamError
-from overlap.toy import ToyMLP, reference_step
 from scheduler import (
     SCHEDULES,
     STRATEGIES,

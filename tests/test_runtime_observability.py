@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from toy import ToyMLP
 
 import overlap.nvtx as nvtx_mod
 from overlap import Runtime
 from overlap.cli import main as overlap_main
-from overlap.toy import ToyMLP
 from scheduler import Cluster, Timeline
 
 

@@ -19,7 +19,7 @@ def _child(code: str) -> subprocess.CompletedProcess[str]:
 def test_import_overlap_does_not_import_torch():
     out = _child(
         "import sys\n"
-        "import overlap, overlap.runtime, overlap.pipeline, overlap.toy, overlap.cli\n"
+        "import overlap, overlap.runtime, overlap.pipeline, overlap.launch, overlap.cli\n"
         "from overlap.backends import make_backend\n"
         "print('torch' in sys.modules)\n"
     )

@@ -2,7 +2,7 @@
 
 Every rank runs this same script (as a user's would). Modes:
 
-- ``toy OUT``: the toy pipeline (overlap.toy), two SGD steps per schedule; each rank saves the
+- ``toy OUT``: the toy pipeline (examples/toy.py), two SGD steps per schedule; each rank saves the
   losses it got and its own devices' gradients and weights to ``OUT/rank<r>.npz``.
 - ``reshard OUT CASES [cuda]``: every plan in the JSON file CASES, on shards made from the
   tensor ``arange`` (broadcasts cut in ``chunk_bytes`` pieces when CASES sets it); each rank
@@ -35,11 +35,12 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the toy model
 
 import numpy as np
+from toy import ToyMLP
 
 from overlap import Runtime
-from overlap.toy import ToyMLP
 from scheduler import Cluster, ReshardPlan
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)

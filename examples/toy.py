@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from overlap.pipeline import Stage, StageContext
 from scheduler import Boundary, Cluster, DeviceMesh, P, Sharding
-
-from .pipeline import Stage, StageContext
 
 
 @dataclass
