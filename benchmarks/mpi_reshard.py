@@ -139,12 +139,12 @@ def measure(rt: Runtime, comm, case: Case, polls: dict[str, Backoff]) -> tuple:
 
     def ours_with(poll, p=plan, s=shards, o=out):
         def call() -> None:
-            rt.backend.poll = poll
+            rt.backend.dist.poll = poll
             rt.reshard_sync(p, s, out=o)
         return call
 
     def fresh(p=plan, s=shards) -> None:
-        rt.backend.poll = Backoff()
+        rt.backend.dist.poll = Backoff()
         rt.reshard_sync(p, s)
 
     variants = {name: ours_with(poll) for name, poll in polls.items()}
@@ -152,7 +152,7 @@ def measure(rt: Runtime, comm, case: Case, polls: dict[str, Backoff]) -> tuple:
     times = interleaved(variants, comm)
     if sub is not None:
         sub.Free()
-    rt.backend.poll = Backoff()
+    rt.backend.dist.poll = Backoff()
     del mine, buf, out
     raw, raw_copy = times.pop("raw"), times.pop("raw_copy")
     return (case.name, shape, nbytes, len(members), len(case.dst.mesh.device_ids), times, raw,
@@ -241,7 +241,7 @@ def main() -> int:
         b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
         tiny = plan_resharding((2,), "float64", a, b, cluster)
         tiny_shards = {0: np.ones(2)} if rt.backend.is_local(0) else {}
-        rt.backend.poll = Backoff()
+        rt.backend.dist.poll = Backoff()
         per_call = median_time(lambda: [rt.reshard_sync(tiny, tiny_shards) for _ in range(50)],
                                comm) / 50
         mesh = DeviceMesh(np.arange(16).reshape(4, 4), ("host", "gpu"))

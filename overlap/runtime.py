@@ -253,7 +253,7 @@ class Runtime:
         self._reshards = 0  # standalone reshardings so far: names their messages across ranks
         self._calls = 0  # runtime calls so far; every process must make the same ones
         if world.distributed:
-            log.info("%s", self.backend.describe())
+            log.info("%s", self.backend.dist.describe())
         self._closed = False
         self._sync = _SyncLoop()
         self.plans = PlanCache(cluster)  # each boundary planned once per options
@@ -367,7 +367,7 @@ class Runtime:
         owner = self.backend.placement.owners[first]
         mine = np.array([float(state.losses[i]) for i in range(len(microbatches))]
                         if owner == self.world.rank else np.zeros(len(microbatches)))
-        shared = await self._collective(self.backend.share(mine, owner, "train_step: losses"),
+        shared = await self._collective(self.backend.dist.share(mine, owner, "train_step: losses"),
                                         "train_step")
         return [float(v) for v in shared]
 
@@ -440,12 +440,12 @@ class Runtime:
         costs a round of messages, not a wait) and passes it to :meth:`_gather`; a mismatch
         stops the work at once."""
         self._calls += 1
-        self.backend.calls = self._calls
+        self.backend.dist.calls = self._calls
         from .guard import report  # (imported here: ``python -m overlap.guard`` runs it)
 
         report(f"{what} (call {self._calls})")
         call = hashlib.sha256(digest + self._calls.to_bytes(8, "little")).digest()
-        return self.backend.agree(call, f"{what} (call {self._calls})", self._calls)
+        return self.backend.dist.agree(call, f"{what} (call {self._calls})", self._calls)
 
     def _cached(self, key: Any, make: Callable[[], T]) -> T:
         """``make()``, kept for ``key`` with the runtime's other derived values (graphs,
@@ -473,8 +473,9 @@ class Runtime:
             raise
 
     def _fail_distributed(self, what: str, root: BaseException) -> None:
-        if getattr(self.backend, "broken", None) is None and not isinstance(root, RankFailed):
-            self.backend.announce_failure(what, root)
+        dist = self.backend.dist
+        if dist.broken is None and not isinstance(root, RankFailed):
+            dist.announce_failure(what, root)
         self.backend.abort(f"{what} failed: {root}")
 
     async def _gather(self, events, *, what: str, check: Agreement | None = None) -> None:
@@ -545,7 +546,7 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise OverlapRuntimeError("runtime is closed")
-        broken = getattr(self.backend, "broken", None)
+        broken = self.backend.dist.broken if self.backend.dist is not None else None
         if broken is not None:
             if isinstance(broken, RankFailed):
                 raise broken

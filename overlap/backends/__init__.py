@@ -8,11 +8,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .cpu import CpuBackend, CpuEvent, CpuStream
+from ..world import Placement, World
+from .cpu import CpuBackend, CpuEvent, CpuStream, TraceRecord
+
+if TYPE_CHECKING:
+    from .distributed import Distributed
 
 BACKENDS = ("cpu", "cuda")
 
@@ -38,16 +42,24 @@ class Stream(Protocol):
 
 
 class Backend(Protocol):
-    """What the runtime needs from a backend. Collectives are called from stream work and
-    match participants by launch position on a communicator per (namespace, device group),
-    as NCCL does; ``timeout`` bounds every blocking wait."""
+    """What the runtime needs from a backend — the type it declares and uses. Collectives are
+    called from stream work and match participants by launch position on a communicator per
+    (namespace, device group), as NCCL does; ``timeout`` bounds every blocking wait.
+
+    ``placement``/``rank``: which process drives which device (None in one process);
+    ``dist``: a multi-process flavour's messaging layer (agreement, shared values, failure
+    notices: :class:`~overlap.backends.distributed.Distributed`), composed with the backend;
+    None in one process."""
 
     name: str
     xp: Any  # the array module: numpy or cupy
     num_devices: int
     timeout: float
-    trace: list[tuple[Any, ...]] | None
+    trace: list[TraceRecord] | None
     on_failure: Callable[[BaseException], None] | None
+    placement: Placement | None
+    rank: int
+    dist: Distributed | None
 
     def stream(self, device: int, name: str = "compute") -> Stream: ...
     def streams(self) -> list[Any]: ...
@@ -67,6 +79,9 @@ class Backend(Protocol):
     def span_seconds(self, mark: Any) -> float: ...
     def current_stream(self) -> Any: ...
     def abort(self, reason: str) -> None: ...
+    @property
+    def abort_reason(self) -> str | None: ...
+    def note_failure(self, exc: BaseException) -> None: ...
     def quiesce(self, timeout: float | None = None) -> bool: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
@@ -76,7 +91,7 @@ class Backend(Protocol):
 
 def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None,
-                 world: Any = None, placement: Any = None) -> CpuBackend:
+                 world: World | None = None, placement: Placement | None = None) -> Backend:
     """A backend of ``name``; with a multi-process ``world``, its MPI flavour (this process
     drives the devices ``placement`` gives its rank)."""
     if name not in BACKENDS:
@@ -100,4 +115,4 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
 
 
 __all__ = ["BACKENDS", "Backend", "CpuBackend", "CpuEvent", "CpuStream", "Event", "Stream",
-           "make_backend"]
+           "TraceRecord", "make_backend"]

@@ -40,6 +40,7 @@ from ..errors import (
     StreamError,
 )
 from ..nvtx import range_end, range_start
+from ..world import Placement
 
 # How often a blocked thread looks at the abort flag; a wait ends within this after abort().
 _POLL_S = 0.02
@@ -208,7 +209,7 @@ class CpuStream:
                     )
                     err.__cause__ = exc
                     self._failed = err
-                self.backend._note_failure(self._failed)
+                self.backend.note_failure(self._failed)
 
     # ---- hooks a device backend overrides (the CUDA backend does) -------------------------
 
@@ -327,7 +328,7 @@ class Communicator:
                     self._lock.wait(_POLL_S)
                     if rv.done:
                         break
-                    reason = backend._abort_reason
+                    reason = backend.abort_reason
                     if reason is not None:
                         raise CollectiveAborted(f"{desc} on device {device}: aborted ({reason})")
                     if time.perf_counter() - started > backend.timeout:
@@ -375,8 +376,10 @@ class CpuBackend:
         backend numbers them to name their messages; one process needs nothing)."""
 
     def is_local(self, device: int) -> bool:
-        """Whether this process drives ``device`` (always, in a one-process run)."""
-        return 0 <= device < self.num_devices
+        """Whether this process drives ``device`` (every device, in a one-process run)."""
+        if self.placement is None:
+            return 0 <= device < self.num_devices
+        return device in self._owned  # type: ignore[operator]
 
     def start_trace(self) -> None:
         """Record every op launched with an op id from now on (see ``trace``)."""
@@ -387,14 +390,21 @@ class CpuBackend:
         """A trace mark as seconds since :meth:`start_trace` (after the work completed)."""
         return mark - self._trace_t0
 
+    # A multi-process flavour's messaging layer (overlap.backends.distributed.Distributed);
+    # None in one process.
+    dist: Any = None
+
     def __init__(self, num_devices: int, *, timeout: float = 30.0,
-                 link_time: Callable[[int, Sequence[int], int], float] | None = None) -> None:
+                 link_time: Callable[[int, Sequence[int], int], float] | None = None,
+                 placement: Placement | None = None, rank: int = 0) -> None:
         """
         Args:
             num_devices: device ids are 0..num_devices-1.
             timeout: seconds a collective or event wait may block before it raises.
             link_time: ``(root, receivers, nbytes) -> seconds`` a broadcast must take at least
                 (link emulation); None moves data as fast as memcpy.
+            placement, rank: which rank drives which device, and this process's rank (a
+                multi-process job); None: this process drives every device.
         """
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices: expected an int >= 1, got {num_devices!r}")
@@ -403,6 +413,9 @@ class CpuBackend:
         self.num_devices = num_devices
         self.timeout = float(timeout)
         self.link_time = link_time
+        self.placement = placement
+        self.rank = rank
+        self._owned = frozenset(placement.devices_of(rank)) if placement is not None else None
         self._streams: dict[tuple[int, str], CpuStream] = {}
         self._comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
         self._lock = threading.Lock()
@@ -421,6 +434,10 @@ class CpuBackend:
     def stream(self, device: int, name: str = "compute") -> CpuStream:
         if not 0 <= device < self.num_devices:
             raise ValueError(f"device: {device} is not in 0..{self.num_devices - 1}")
+        if not self.is_local(device):
+            raise ValueError(f"device: {device} is owned by rank "
+                             f"{self.placement.owners[device]}, not by this process (rank "
+                             f"{self.rank})")
         with self._lock:
             if self._closed:
                 raise OverlapRuntimeError("backend is closed")
@@ -503,11 +520,18 @@ class CpuBackend:
 
     # ---- failure, abort, lifecycle -------------------------------------------------------
 
-    def _note_failure(self, exc: BaseException) -> None:
+    def note_failure(self, exc: BaseException) -> None:
+        """Record a failure (a stream's, or one reported from elsewhere) and tell
+        ``on_failure`` (the runtime aborts everything in flight)."""
         with self._lock:
             self._failures.append(exc)
         if self.on_failure is not None:
             self.on_failure(exc)
+
+    @property
+    def abort_reason(self) -> str | None:
+        """Why the work in flight was aborted (None: it was not)."""
+        return self._abort_reason
 
     def _check_abort(self, what: str) -> None:
         if self._abort_reason is not None:
@@ -555,6 +579,8 @@ class CpuBackend:
         threads = [t for t in (s._close() for s in streams) if t is not None]
         for t in threads:
             t.join()
+        if self.dist is not None:
+            self.dist.close()
 
     @property
     def failures(self) -> list[BaseException]:

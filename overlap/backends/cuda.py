@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatch, OverlapRuntimeError
+from ..world import Placement
 from .cpu import CpuBackend, CpuEvent, CpuStream
 
 
@@ -153,14 +154,16 @@ class CudaBackend(CpuBackend):
 
     def __init__(self, num_devices: int, *, timeout: float = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None,
-                 num_gpus: int | None = None) -> None:
+                 num_gpus: int | None = None, placement: Placement | None = None,
+                 rank: int = 0) -> None:
         cp = _cupy()
         available = gpu_count()
         if available < 1:
             raise OverlapRuntimeError("backend 'cuda': no CUDA device is visible")
         if num_gpus is not None and not 1 <= num_gpus <= available:
             raise ValueError(f"num_gpus: {num_gpus} not in 1..{available} visible GPUs")
-        super().__init__(num_devices, timeout=timeout, link_time=link_time)
+        super().__init__(num_devices, timeout=timeout, link_time=link_time, placement=placement,
+                         rank=rank)
         self.xp = cp
         self.num_gpus = num_gpus or available
         self._local = threading.local()

@@ -90,7 +90,7 @@ class NcclLinks:
             c.destroy()
 
 
-class CudaMpiBackend(Distributed, CudaBackend):
+class CudaMpiBackend(CudaBackend):
     """One device of an MPI job on this process's GPU (see module doc)."""
 
     def __init__(self, num_devices: int, *, world: World, placement: Placement,
@@ -103,11 +103,11 @@ class CudaMpiBackend(Distributed, CudaBackend):
                 f"placement: backend 'cuda' across processes runs one device per process (one "
                 f"process per GPU); rank {world.rank} owns {len(mine)} devices — launch as "
                 "many processes as the cluster has devices")
-        super().__init__(num_devices, timeout=timeout)
-        comm = self._init_distributed(world, placement, poll=poll)
+        super().__init__(num_devices, timeout=timeout, placement=placement, rank=world.rank)
+        self.dist = Distributed(self, world, placement, poll=poll)
         self._gpu = world.local_rank % self.num_gpus
-        self._links = (links or NcclLinks)(comm.Dup(), world.rank, timeout=timeout,
-                                           poll=self.poll)
+        self._links = (links or NcclLinks)(self.dist.comm.Dup(), world.rank, timeout=timeout,
+                                           poll=self.dist.poll)
         self._members: dict[Any, tuple[int, ...]] = {}
 
     def physical(self, device: int) -> int:

@@ -1,7 +1,9 @@
-"""What every multi-process backend shares: ownership of devices, the runtime's own messages
-over MPI (per-call agreement, shared losses), failure notices between ranks, and ending a
-failed job with a non-zero status on every rank. See ``mpi.py`` for the CPU data plane and
-``cuda_mpi.py`` for the GPU one.
+"""What every multi-process backend shares, composed with it as ``backend.dist``: the
+runtime's own messages over MPI (per-call agreement, shared losses), failure notices between
+ranks, waits that name the rank a timeout is waiting for, and ending a failed job with a
+non-zero status on every rank. Which devices a process drives is the backend's own business
+(its ``placement``). See ``mpi.py`` for the CPU data plane and ``cuda_mpi.py`` for the GPU
+one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from ..errors import (
     CallMismatch,
     CollectiveAborted,
     CollectiveTimeout,
-    OverlapRuntimeError,
     RankFailed,
 )
 from ..world import Placement, World, describe, mpi_world_comm
@@ -68,59 +69,49 @@ _LIVE: weakref.WeakSet[Distributed] = weakref.WeakSet()
 
 
 class Distributed:
-    """Mixin for a backend that drives the devices one rank owns (before the base backend in
-    the class bases). Call :meth:`_init_distributed` at the end of ``__init__``."""
+    """The multi-process layer of one rank's backend, composed with it: a data-plane backend
+    (``MpiBackend``, ``CudaMpiBackend``) makes one as its ``dist``. It uses only the backend's
+    public API (``abort``, ``abort_reason``, ``note_failure``, ``failures``, ``timeout``,
+    ``num_devices``); the runtime reaches it as ``backend.dist``.
 
-    def _init_distributed(self, world: World, placement: Placement, *,
-                          poll: Backoff | None = None, grace: float = 5.0) -> Any:
-        """Set up ownership and the runtime's communicators; returns ``COMM_WORLD``.
+    ``grace``: how long a failed process waits at exit for its peers to report (and print
+    their errors) before ``MPI_Abort`` ends the job."""
 
-        ``grace``: how long a failed process waits at exit for its peers to report (and print
-        their errors) before ``MPI_Abort`` ends the job."""
+    def __init__(self, backend: Any, world: World, placement: Placement, *,
+                 poll: Backoff | None = None, grace: float = 5.0) -> None:
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
             raise ValueError(f"grace: expected seconds >= 0, got {grace!r}")
-        placement.check_covers(self.num_devices)
+        placement.check_covers(backend.num_devices)
         self.MPI = _mpi()
         comm = mpi_world_comm("a multi-process world")
         if comm.Get_size() != world.size or comm.Get_rank() != world.rank:
             raise ValueError(f"world: rank {world.rank} of {world.size} does not match "
                              f"MPI.COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()})")
+        self.backend = backend
         self.world = world
         self.placement = placement
         self.rank = world.rank
         self.local_devices = placement.devices_of(world.rank)
-        self._local_set = frozenset(self.local_devices)
         self.poll = poll or Backoff()
         self.grace = grace
+        self.comm = comm  # COMM_WORLD: data planes Dup their communicators from it
         # Collective over every rank, in the same order everywhere (main thread).
-        self._runtime_comm = comm.Dup()
+        self.runtime_comm = comm.Dup()
         self.broken: BaseException | None = None
         self.calls = 0  # the runtime's call counter (the control thread reports it to peers)
         self.control = _Control(self, comm.Dup())
         _LIVE.add(self)
         _install_exit_guards()
-        return comm
 
-    # ---- ownership -----------------------------------------------------------------------
-
-    def is_local(self, device: int) -> bool:
-        return device in self._local_set
-
-    def stream(self, device: int, name: str = "compute"):
-        if 0 <= device < self.num_devices and not self.is_local(device):
-            raise ValueError(f"device: {device} is owned by rank {self.placement.owners[device]}"
-                             f", not by this process (rank {self.rank})")
-        return super().stream(device, name)
-
-    def _check(self, what: str, started: float, who: str, peer: int | None) -> None:
+    def check(self, what: str, started: float, who: str, peer: int | None) -> None:
         """Raise if the run was aborted, or (naming ``who``) if ``what`` has waited too long."""
-        reason = self._abort_reason
+        reason = self.backend.abort_reason
         if reason is not None:
             raise CollectiveAborted(f"{what} on rank {self.rank}: aborted ({reason})")
-        if time.perf_counter() - started > self.timeout:
+        if time.perf_counter() - started > self.backend.timeout:
             missing = () if peer is None else tuple(self.placement.devices_of(peer))
             raise CollectiveTimeout(
-                f"{what}: rank {self.rank} waited {self.timeout:g} s; {who} "
+                f"{what}: rank {self.rank} waited {self.backend.timeout:g} s; {who} "
                 "(a failed or stuck peer, or programs that differ between ranks)",
                 op=what, devices=(), missing=missing)
 
@@ -128,24 +119,24 @@ class Distributed:
 
     def agree(self, digest: bytes, what: str, call: int) -> Agreement:
         """Start checking that every rank passes the same ``digest`` for call number
-        ``call`` (same programs, same plan): the round is posted now, before the call's work
-        is launched; await :meth:`Agreement.wait` for the verdict."""
+        ``call`` (same step graph, same plan): the round is posted now, before the call's
+        work is launched; await :meth:`Agreement.wait` for the verdict."""
         return Agreement(self, digest, what, call)
 
     async def share(self, values: np.ndarray, root_rank: int, what: str) -> np.ndarray:
         """``values`` of ``root_rank`` on every rank (an ``Ibcast``)."""
         buf = np.ascontiguousarray(values, dtype=np.float64).copy()
-        await self._await(self._runtime_comm.Ibcast(buf, root=root_rank), what)
+        await self._await(self.runtime_comm.Ibcast(buf, root=root_rank), what)
         return buf
 
     async def _await(self, req: Any, what: str) -> None:
         """Wait for ``req`` off the event loop: a worker thread polls it with the backoff
         (the loop's timers have millisecond resolution; MPI rounds take microseconds)."""
-        await asyncio.to_thread(self._wait_polled, req, what)
+        await asyncio.to_thread(self.wait_polled, req, what)
 
-    def _wait_polled(self, req: Any, what: str,
-                     through_abort: Callable[[], bool] | None = None,
-                     pause: Callable[[int], None] | None = None) -> None:
+    def wait_polled(self, req: Any, what: str,
+                    through_abort: Callable[[], bool] | None = None,
+                    pause: Callable[[int], None] | None = None) -> None:
         """Poll ``req`` until it completes (``pause(attempt)`` between tests; default the
         backoff). Once the run is aborted, keep waiting only while ``through_abort`` says the
         request can still complete, and at most half the ``grace`` (so this rank still
@@ -157,13 +148,13 @@ class Distributed:
         try:
             while not req.Test():
                 now = time.perf_counter()
-                if now - started > self.timeout:
-                    self._check(what, started, self.control.behind(self.calls), None)
-                if self._abort_reason is not None and aborted_at is None:
+                if now - started > self.backend.timeout:
+                    self.check(what, started, self.control.behind(self.calls), None)
+                if self.backend.abort_reason is not None and aborted_at is None:
                     aborted_at = now
                 if (aborted_at is None or through_abort is None or not through_abort()
                         or now - aborted_at >= self.grace / 2):
-                    self._check(what, started, "", None)
+                    self.check(what, started, "", None)
                 pause(attempt)
                 attempt += 1
         except BaseException:
@@ -180,24 +171,18 @@ class Distributed:
         self.control.tell_all(_FAILED, {"rank": self.rank, "during": during, "error": text,
                                         "calls": self.calls})
 
-    def _remote_failure(self, msg: dict[str, Any]) -> None:
+    def remote_failure(self, msg: dict[str, Any]) -> None:
         err = RankFailed(
             f"rank {msg['rank']} failed during {msg['during']}: {msg['error']} "
             f"(rank {self.rank} stopped its work)",
             rank=int(msg["rank"]), error=str(msg["error"]), calls=int(msg["calls"]))
         if self.broken is None:
             self.broken = err
-        self._note_failure(err)
-        self.abort(f"rank {msg['rank']} failed")
-
-    def reset(self) -> None:
-        if self.broken is not None:
-            raise OverlapRuntimeError("a multi-process runtime cannot continue after a failure "
-                                      f"({self.broken})")
-        super().reset()
+        self.backend.note_failure(err)
+        self.backend.abort(f"rank {msg['rank']} failed")
 
     def close(self) -> None:
-        super().close()
+        """Stop listening for peers (a failed rank keeps listening until it exits)."""
         if self.broken is None:
             self.control.stop()
 
@@ -212,13 +197,13 @@ class Agreement:
     A mismatch is also recorded as the backend's failure, so work launched meanwhile stops at
     once, with it as the root cause."""
 
-    def __init__(self, backend: Distributed, digest: bytes, what: str, call: int) -> None:
-        self.backend = backend
+    def __init__(self, dist: Distributed, digest: bytes, what: str, call: int) -> None:
+        self.dist = dist
         self.what = what
         self.call = call
         self._mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
-        self._every = np.empty((backend.world.size, 32), np.uint8)
-        self._req = backend._runtime_comm.Iallgather(self._mine, self._every)
+        self._every = np.empty((dist.world.size, 32), np.uint8)
+        self._req = dist.runtime_comm.Iallgather(self._mine, self._every)
         self._hurry = threading.Event()
         self._hurried_at = 0
 
@@ -250,12 +235,12 @@ class Agreement:
             self._hurried_at = attempt + 1
             self._hurry.wait(QUIET.delay(attempt))
         else:
-            self.backend.poll.pause(attempt - self._hurried_at)
+            self.dist.poll.pause(attempt - self._hurried_at)
 
     def _can_complete(self) -> bool:
         """Every rank that made this call posted its part of the round, so it completes even
         after an abort, unless a failed rank never got this far."""
-        return all(f.calls >= self.call for f in self.backend.failures
+        return all(f.calls >= self.call for f in self.dist.backend.failures
                    if isinstance(f, RankFailed))
 
     async def wait(self) -> None:
@@ -264,8 +249,8 @@ class Agreement:
         Programs that differ make the work fail too, here or on another rank, often before
         this round completes: it is still awaited then (bounded, while it can complete),
         because a mismatch is the explanation the user needs, not the failures it caused."""
-        b = self.backend
-        await asyncio.to_thread(b._wait_polled, self._req, self.what, self._can_complete,
+        b = self.dist
+        await asyncio.to_thread(b.wait_polled, self._req, self.what, self._can_complete,
                                 self._pause)
         differ = tuple(r for r in range(b.world.size)
                        if not np.array_equal(self._every[r], self._mine))
@@ -275,7 +260,7 @@ class Agreement:
                 "(every process must make the same runtime calls, in the same order, with the "
                 "same plans and pipelines; a skipped call, or a planner option that depends "
                 "on the process?)", ranks=differ)
-            b._note_failure(err)
+            b.backend.note_failure(err)
             raise err
 
 
@@ -291,12 +276,12 @@ class _Control:
     """A thread per process listening for failure and exit notices from other ranks, and
     answering "how many calls have you made?" queries."""
 
-    def __init__(self, backend: Distributed, comm: Any) -> None:
-        self.backend = weakref.proxy(backend)
+    def __init__(self, dist: Distributed, comm: Any) -> None:
+        self.dist = weakref.proxy(dist)
         self.comm = comm
-        self.rank = backend.rank
-        self.size = backend.world.size
-        self.MPI = backend.MPI
+        self.rank = dist.rank
+        self.size = dist.world.size
+        self.MPI = dist.MPI
         self.exiting: set[int] = set()
         self.replies: dict[int, int] = {}
         self._stop = threading.Event()
@@ -317,12 +302,12 @@ class _Control:
                 self.exiting.add(source)
             elif tag == _QUERY:
                 with contextlib.suppress(ReferenceError):
-                    self.comm.isend({"calls": self.backend.calls}, dest=source, tag=_REPLY)
+                    self.comm.isend({"calls": self.dist.calls}, dest=source, tag=_REPLY)
             elif tag == _REPLY:
                 self.replies[source] = int(msg["calls"])
             elif tag == _FAILED:
                 with contextlib.suppress(ReferenceError):
-                    self.backend._remote_failure(msg)
+                    self.dist.remote_failure(msg)
 
     def tell_all(self, tag: int, msg: dict[str, Any], wait: float = 1.0) -> None:
         reqs = [self.comm.isend(msg, dest=r, tag=tag) for r in range(self.size)
@@ -386,10 +371,10 @@ def _install_exit_guards() -> None:
             print_whole(tp, value, tb)
         else:  # the user's own hook (IPython, rich, ...) prints it their way
             previous(tp, value, tb)
-        for b in list(_LIVE):
-            if b.broken is None and not isinstance(value, RankFailed):
-                b.announce_failure("the script (an uncaught exception)", value)
-            b.broken = b.broken or value
+        for d in list(_LIVE):
+            if d.broken is None and not isinstance(value, RankFailed):
+                d.announce_failure("the script (an uncaught exception)", value)
+            d.broken = d.broken or value
             break
 
     sys.excepthook = excepthook
@@ -397,13 +382,14 @@ def _install_exit_guards() -> None:
 
 
 def _at_exit() -> None:
-    for b in list(_LIVE):
-        if b.broken is None and b.failures:  # failed work nobody raised: still a failure
-            b.announce_failure("work that failed before exit", b.failures[0])
-    broken = [b for b in list(_LIVE) if b.broken is not None]
+    for d in list(_LIVE):
+        failures = d.backend.failures
+        if d.broken is None and failures:  # failed work nobody raised: still a failure
+            d.announce_failure("work that failed before exit", failures[0])
+    broken = [d for d in list(_LIVE) if d.broken is not None]
     if not broken:
-        for b in list(_LIVE):
-            b.control.stop()
+        for d in list(_LIVE):
+            d.control.stop()
         return
     b = broken[0]
     # Let the peers print their own errors before the launcher takes the job down: every

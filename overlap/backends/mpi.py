@@ -72,7 +72,7 @@ from .distributed import Backoff, Distributed, _cancel
 GROUP_TAG_BITS = 16  # stage collectives: tag = group id << 16 | launch position (mod 2**16)
 
 
-class MpiBackend(Distributed, CpuBackend):
+class MpiBackend(CpuBackend):
     """Virtual devices of one rank of an MPI job (see module doc)."""
 
     name = "cpu"
@@ -85,8 +85,10 @@ class MpiBackend(Distributed, CpuBackend):
         if chunk_bytes is not None and (isinstance(chunk_bytes, bool)
                                         or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
             raise ValueError(f"chunk_bytes: expected an int >= 1 or None, got {chunk_bytes!r}")
-        super().__init__(num_devices, timeout=timeout)
-        comm = self._init_distributed(world, placement, poll=poll, grace=grace)
+        super().__init__(num_devices, timeout=timeout, placement=placement, rank=world.rank)
+        self.dist = Distributed(self, world, placement, poll=poll, grace=grace)
+        self.MPI = self.dist.MPI
+        comm = self.dist.comm
         self.chunk_bytes = chunk_bytes
         self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))
         # Collective over every rank, in the same order everywhere (main thread).
@@ -99,7 +101,7 @@ class MpiBackend(Distributed, CpuBackend):
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         """A channel: its communicator is made the first time (every rank, same order)."""
         if namespace not in self._channels:
-            self._channels[namespace] = self._runtime_comm.Dup()
+            self._channels[namespace] = self.dist.runtime_comm.Dup()
 
     def declare_subgroups(self, namespace: str, groups: Sequence[Sequence[int]]) -> None:
         """Give each device group of stage collectives an id (every rank, same order)."""
@@ -263,8 +265,8 @@ class MpiBackend(Distributed, CpuBackend):
                     continue
                 who = (f"rank {prev} never sent it" if landed < len(recvs)
                        else f"rank {nxt} never received it")
-                self._check(what, started, who, prev if landed < len(recvs) else nxt)
-                self.poll.pause(attempt)
+                self.dist.check(what, started, who, prev if landed < len(recvs) else nxt)
+                self.dist.poll.pause(attempt)
                 attempt += 1
         except BaseException:
             _cancel(recvs[landed:])
@@ -315,11 +317,11 @@ class MpiBackend(Distributed, CpuBackend):
                 if all(done) and MPI.Request.Testall(sends):
                     break
                 waiting = [others[i] for i in range(len(others)) if not done[i]]
-                self._check(what, started,
+                self.dist.check(what, started,
                             f"ranks {waiting} never sent their part" if waiting
                             else "a peer never received this rank's part",
                             waiting[0] if waiting else None)
-                self.poll.pause(attempt)
+                self.dist.poll.pause(attempt)
                 attempt += 1
         except BaseException:
             _cancel([r for r, ok in zip(recvs, done) if not ok])
@@ -393,7 +395,7 @@ class _Relay:
                     while (self._landed == done or (not flat and self._landed < self.size)) \
                             and self._error is None:
                         self._cv.wait(_POLL_S)
-                        backend._check(what, time.perf_counter(), "", None)
+                        backend.dist.check(what, time.perf_counter(), "", None)
                     if self._error is not None:
                         raise CollectiveAborted(f"{what} on device {device}: the transfer failed "
                                                 f"({self._error})")
@@ -413,7 +415,7 @@ class _Relay:
         with self._cv:
             while self._copied < len(self.bufs) - 1:
                 self._cv.wait(_POLL_S)
-                backend._check(what, time.perf_counter(), "", None)
+                backend.dist.check(what, time.perf_counter(), "", None)
 
 
 __all__ = ["Backoff", "MpiBackend"]
