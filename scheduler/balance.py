@@ -522,7 +522,7 @@ def _host_groups(
     return out, origin
 
 
-_AUTO_CANDIDATES = 7  # per variant, at most (see builders in _auto)
+_AUTO_CANDIDATES = 7  # per variant, at most (see _auto_builders)
 
 
 def _auto(
@@ -548,43 +548,11 @@ def _auto(
     local work, as the plan will run.
     """
     itemsize = [s.nbytes // max(1, volume(s.region)) for s in sends]
-    variants = [("chain", list(sends), list(range(len(sends))))]
-    most_hosts = max(len({cluster.host_of(r) for r in s.receivers}) for s in sends)
-    if most_hosts > 1:
-        variants.append(("per-host", *_host_groups(sends, cluster, None)))
-    for k in (2, 4):
-        if most_hosts > k:
-            variants.append((f"{k}-chains", *_host_groups(sends, cluster, k)))
-
-    def builders(vsends: list[Send], origin: list[int]):
-        """(name, build(budget) -> pieces): each candidate builds within the budget given."""
-        ports = _Ports(vsends, cluster, ready)
-
-        def lift(assignment: Assignment) -> Pieces:
-            return [(origin[i], piece, dev, vsends[i].receivers, ())
-                    for i, piece, dev in assignment]
-
-        base = _split_assignment(vsends, ports, passes=8, min_piece=0.02)
-        yield "split", lambda b: lift(_list_schedule(base, vsends, ports, budget=b))
-        # Finer pieces let the list schedule pack ports tightly (near-preemptive open shop);
-        # each costs one more latency, so cap them at a fraction of the busiest port's work.
-        cap = max(ports.fixed_load.values(), default=0) / 16
-        if cap > 0:
-            yield "split-fine", lambda b: lift(
-                _list_schedule(_cut_pieces(base, vsends, cap), vsends, ports, budget=b))
-        yield "split-coarse", lambda b: lift(_list_schedule(
-            _split_assignment(vsends, ports, passes=8, min_piece=0.15), vsends, ports,
-            budget=b))
-        yield "search", lambda b: lift(
-            _list_schedule(_search(vsends, ports, budget=b)[0], vsends, ports, budget=b))
-        yield "greedy", lambda b: lift(_greedy_rounds(vsends, ports, seed=seed, budget=b))
-        yield "size", lambda b: lift(_by_size(vsends, ports))
-        yield "none", lambda b: lift([(i, s.region, s.holders[0]) for i, s in enumerate(vsends)])
-
+    variants = _auto_variants(sends, cluster)
     # Built lazily (a variant's ports and split are work too), so counted from the most
     # candidates a variant yields.
     candidates = ((label, name, build, len(vsends)) for label, vsends, origin in variants
-                  for name, build in builders(vsends, origin))
+                  for name, build in _auto_builders(vsends, origin, cluster, ready, seed))
     most = _AUTO_CANDIDATES * len(variants)
     # The budget is shared: costing a candidate draws its 3 replays of k pieces (3 (k^2 // 64
     # + k) units) from what is left, and building it gets an even part of the rest.
@@ -615,3 +583,42 @@ def _auto(
                 best = (key, f"{label}/{name}{suffix}", ordered)
     assert best is not None
     return best[2], {"auto_choice": best[1], "auto_estimates": estimates}
+
+
+def _auto_variants(sends: Sequence[Send], cluster: Cluster
+                   ) -> list[tuple[str, list[Send], list[int]]]:
+    """(label, sends, origin): chains over all receiving hosts and, when a send reaches
+    several hosts, chains over single hosts, halves and quarters of them."""
+    variants = [("chain", list(sends), list(range(len(sends))))]
+    most_hosts = max(len({cluster.host_of(r) for r in s.receivers}) for s in sends)
+    if most_hosts > 1:
+        variants.append(("per-host", *_host_groups(sends, cluster, None)))
+    for k in (2, 4):
+        if most_hosts > k:
+            variants.append((f"{k}-chains", *_host_groups(sends, cluster, k)))
+    return variants
+
+
+def _auto_builders(vsends: list[Send], origin: list[int], cluster: Cluster,
+                   ready: dict[int, float], seed: int):
+    """(name, build(budget) -> pieces): each candidate builds within the budget given."""
+    ports = _Ports(vsends, cluster, ready)
+
+    def lift(assignment: Assignment) -> Pieces:
+        return [(origin[i], piece, dev, vsends[i].receivers, ()) for i, piece, dev in assignment]
+
+    base = _split_assignment(vsends, ports, passes=8, min_piece=0.02)
+    yield "split", lambda b: lift(_list_schedule(base, vsends, ports, budget=b))
+    # Finer pieces let the list schedule pack ports tightly (near-preemptive open shop);
+    # each costs one more latency, so cap them at a fraction of the busiest port's work.
+    cap = max(ports.fixed_load.values(), default=0) / 16
+    if cap > 0:
+        yield "split-fine", lambda b: lift(
+            _list_schedule(_cut_pieces(base, vsends, cap), vsends, ports, budget=b))
+    yield "split-coarse", lambda b: lift(_list_schedule(
+        _split_assignment(vsends, ports, passes=8, min_piece=0.15), vsends, ports, budget=b))
+    yield "search", lambda b: lift(
+        _list_schedule(_search(vsends, ports, budget=b)[0], vsends, ports, budget=b))
+    yield "greedy", lambda b: lift(_greedy_rounds(vsends, ports, seed=seed, budget=b))
+    yield "size", lambda b: lift(_by_size(vsends, ports))
+    yield "none", lambda b: lift([(i, s.region, s.holders[0]) for i, s in enumerate(vsends)])

@@ -1,0 +1,101 @@
+"""The code's shape, as the project's conventions state it (DESIGN.md, issue 11): small
+functions, and modules whose imports form no cycle (no two modules import each other, even
+lazily inside a function), with ``scheduler`` never importing ``overlap``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("scheduler", "overlap")
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Project modules ``name`` imports anywhere in its file (module level or inside a
+    function), resolved to the longest known module name."""
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                prefix = here[: len(here) - node.level + 1]
+                base = ".".join([*prefix, base] if base else prefix)
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def test_the_module_list_is_real():
+    assert {"scheduler.graph", "scheduler.lowering", "scheduler.validate", "scheduler.kernel",
+            "scheduler.timeline", "scheduler.simulator", "overlap.launch",
+            "overlap.runtime"} <= set(MODULES)
+    assert "scheduler.graph" in GRAPH["scheduler.lowering"]  # imports are seen
+
+
+def test_scheduler_never_imports_overlap():
+    bad = {m: sorted(t for t in ts if t.startswith("overlap"))
+           for m, ts in GRAPH.items() if m.startswith("scheduler")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_no_import_cycles():
+    """Depth-first search over the import graph; a back edge is a cycle, named in full."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(GRAPH[m]):
+            if state.get(t) == 1:
+                cycles.append([*stack[stack.index(t):], t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+    assert cycles == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_functions_are_short(name):
+    tree = ast.parse(MODULES[name].read_text())
+    long = [(node.name, node.lineno, node.end_lineno - node.lineno + 1)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == [], f"functions over {MAX_FUNCTION_LINES} lines in {name}"
