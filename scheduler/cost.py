@@ -273,12 +273,12 @@ class _FluidEngine:
     holding no bandwidth, then its bytes flow at a max-min fair rate over its ports. Rates
     are recomputed — for the connected component of flows whose ports changed — once per
     instant, after everything that happened at that instant (the settle); a flow whose rate
-    is unchanged keeps its predicted end. Ops that start flowing at the same instant over the
-    same ports with the same bytes are indistinguishable in a fluid model (same rate at every
-    moment, same end), so they flow as one group, weighted by its size: a pipeline boundary's
-    transfers between two hosts cost one flow, not one per GPU. Subclasses say what an op's
-    end releases (``on_end``) and, when ``settle_on_end``, which ops start at the settle
-    (``on_settle``).
+    is unchanged keeps its predicted end. Ops of equal cost that start at the same instant
+    are indistinguishable in a fluid model (same rate at every moment, same end), so they run
+    as one group, a flow weighted by its size: the computes of a stage's devices, or a
+    pipeline boundary's transfers between two hosts, cost one event, not one per GPU.
+    Subclasses say what an op's end releases (``on_end``) and, when ``settle_on_end``, which
+    ops start at the settle (``on_settle``).
     """
 
     settle_on_end = False
@@ -291,17 +291,22 @@ class _FluidEngine:
         self.earliest = list(ready) if ready is not None else None
         port_ids: dict[tuple[str, int], int] = {}
         caps: list[float] = []
-        by_cost: dict[int, tuple[int, ...]] = {}  # ops often share one cost value
+        # Ops share cost values (by object, then by value): each distinct one is a class.
+        by_id: dict[int, tuple[int, tuple[int, ...]]] = {}
+        by_value: dict[TransferCost, int] = {}
         self.flow_ports: list[tuple[int, ...]] = []
+        self.cost_class: list[int] = []
         for tc in costs:
-            ids = by_cost.get(id(tc))
-            if ids is None:
+            known = by_id.get(id(tc))
+            if known is None:
                 for p in tc.ports:
                     if p not in port_ids:
                         port_ids[p] = len(caps)
                         caps.append(model.capacity(p))
-                ids = by_cost[id(tc)] = tuple(port_ids[p] for p in tc.ports)
-            self.flow_ports.append(ids)
+                known = by_id[id(tc)] = (by_value.setdefault(tc, len(by_value)),
+                                         tuple(port_ids[p] for p in tc.ports))
+            self.cost_class.append(known[0])
+            self.flow_ports.append(known[1])
         self.cap = caps
         self.fixed = [tc.fixed_s for tc in costs]
         self.start = [math.nan] * n
@@ -312,11 +317,14 @@ class _FluidEngine:
         self.last = [0.0] * n
         self.rate = [0.0] * n
         self.flow_event = [-1] * n
-        # A flowing group: its first op stands for it; members[first] lists them all.
+        # A group: its first op stands for it; members[first] lists them all. Groups form
+        # among the ops launched at one instant (cost class -> the group launched at it).
         self.members: dict[int, list[int]] = {}
-        self.joining: dict[tuple[tuple[int, ...], float], int] = {}  # at this instant
+        self.launching: dict[int, int] = {}
+        self.launched_at = -1.0
         self.port_flows: dict[int, set[int]] = defaultdict(set)
         self.changed: set[int] = set()
+        self.fills: dict[tuple, dict[Sequence[int], float]] = {}  # see _max_min_rates
 
     # ---- what subclasses decide ----------------------------------------------------------
 
@@ -328,38 +336,50 @@ class _FluidEngine:
     # ---- the engine ----------------------------------------------------------------------
 
     def launch(self, i: int) -> None:
-        now = self.kernel.now
+        """Start op ``i`` now (or wake it at its ``ready`` time, if that is later): with the
+        group of its cost class started at this instant, else as a new group whose fixed
+        part ends ``fixed[i]`` from now."""
+        kernel = self.kernel
+        now = kernel.now
+        if self.earliest is not None and self.earliest[i] > now:
+            kernel.schedule(self.earliest[i], i * 4 + _WAKE, _WAKE)
+            return
         self.start[i] = now
-        self.kernel.schedule(now + self.fixed[i], i * 4 + _FIXED, _FIXED)
+        if now != self.launched_at:
+            self.launching.clear()
+            self.launched_at = now
+        c = self.cost_class[i]
+        group = self.launching.get(c)
+        if group is not None:
+            self.members[group].append(i)
+            return
+        self.launching[c] = i
+        self.members[i] = [i]
+        kernel.schedule(now + self.fixed[i], i * 4 + _FIXED, _FIXED)
 
     def run(self) -> tuple[list[float], list[float]]:
         kernel = self.kernel
-        end, on_end = self.end, self.on_end
         left, last, rate, flow_event = self.left, self.last, self.rate, self.flow_event
         flow_ports, port_flows, changed = self.flow_ports, self.port_flows, self.changed
-        members, joining = self.members, self.joining
+        launching, cost_class = self.launching, self.cost_class
         settle_on_end = self.settle_on_end
         peek = kernel.peek
 
         def handle(count: int, event: int) -> None:
-            i, kind = event >> 2, event & 3
+            kind = event & 3
+            i = event >> 2
             if kind == _FIXED:
+                if launching.get(cost_class[i]) == i:
+                    del launching[cost_class[i]]  # ops launched from now on start anew
                 ports = flow_ports[i]
                 if ports and left[i] > 0:  # the bytes start to flow
-                    group = joining.get((ports, left[i]))
-                    if group is not None:
-                        members[group].append(i)
-                    else:
-                        joining[(ports, left[i])] = i
-                        members[i] = [i]
-                        last[i] = kernel.now
-                        rate[i] = 0.0
-                        for p in ports:
-                            port_flows[p].add(i)
+                    last[i] = kernel.now
+                    rate[i] = 0.0
+                    for p in ports:
+                        port_flows[p].add(i)
                     changed.update(ports)
                 else:
-                    end[i] = kernel.now
-                    on_end(i)
+                    self._finish(i)
                     if not settle_on_end and not changed:
                         return
             elif kind == _FLOW:
@@ -376,20 +396,23 @@ class _FluidEngine:
 
         self.first()
         kernel.run(handle)
-        if any(e != e for e in end):  # NaN: never ended
+        if any(e != e for e in self.end):  # NaN: never ended
             raise RuntimeError(
                 "cost model: transfers can never start (a device order has a cycle?)")
-        return self.start, end
+        return self.start, self.end
+
+    def _finish(self, group: int) -> None:
+        now, end, on_end = self.kernel.now, self.end, self.on_end
+        for j in self.members.pop(group):
+            end[j] = now
+            on_end(j)
 
     def _flow_ends(self, i: int) -> None:
         self.flow_event[i] = -1
         for p in self.flow_ports[i]:
             self.port_flows[p].discard(i)
         self.changed.update(self.flow_ports[i])
-        now = self.kernel.now
-        for j in self.members.pop(i):
-            self.end[j] = now
-            self.on_end(j)
+        self._finish(i)
 
     def _settle(self) -> None:
         kernel = self.kernel
@@ -401,7 +424,6 @@ class _FluidEngine:
             kernel.now = now
             if self.flow_event[event >> 2] == count:
                 self._flow_ends(event >> 2)
-        self.joining.clear()
         if self.changed:
             self._rebalance(now)
         self.on_settle()
@@ -409,7 +431,7 @@ class _FluidEngine:
     def _rebalance(self, now: float) -> None:
         left, rate, last, flow_event = self.left, self.rate, self.last, self.flow_event
         rates = _max_min_rates(self.changed, self.flow_ports, self.port_flows, self.members,
-                               self.cap)
+                               self.cap, self.fills)
         self.changed.clear()
         schedule = self.kernel.schedule
         for i, r in rates.items():
@@ -436,29 +458,24 @@ class _DependentRun(_FluidEngine):
         self.succ = succ
         self.need = list(need)
 
-    def on_end(self, i: int) -> None:
-        need, earliest, kernel, fixed = self.need, self.earliest, self.kernel, self.fixed
-        now = kernel.now
-        for j in self.succ[i]:
-            need[j] -= 1
-            if need[j] == 0:
-                if earliest is not None and earliest[j] > now:
-                    kernel.schedule(earliest[j], j * 4 + _WAKE, _WAKE)
-                else:
-                    self.start[j] = now
-                    kernel.schedule(now + fixed[j], j * 4 + _FIXED, _FIXED)
+    def _finish(self, group: int) -> None:
+        # (on_end for every member, inlined: this loop runs once per op of a whole step)
+        need, succ, end, launch = self.need, self.succ, self.end, self.launch
+        now = self.kernel.now
+        for j in self.members.pop(group):
+            end[j] = now
+            for k in succ[j]:
+                need[k] -= 1
+                if need[k] == 0:
+                    launch(k)
 
     def on_wake(self, i: int) -> None:
         self.launch(i)
 
     def first(self) -> None:
-        earliest = self.earliest
         for i, k in enumerate(self.need):
             if k == 0:
-                if earliest is not None and earliest[i] > 0:
-                    self.kernel.schedule(earliest[i], i * 4 + _WAKE, _WAKE)
-                else:
-                    self.launch(i)
+                self.launch(i)
 
 
 class _ListRun(_FluidEngine):
@@ -507,57 +524,67 @@ def _max_min_rates(
     port_flows: Mapping[int, set[int]],
     members: Mapping[int, list[int]],
     cap: Sequence[float],
+    memo: dict[tuple, dict[Sequence[int], float]],
 ) -> dict[int, float]:
     """Max-min fair rates, by progressive filling, of the flows connected (through shared
     ports) to the ``changed`` ports: only their rates can change. A flow counts as its
-    ``members``; flows over the same ports fill as one class."""
+    ``members``; flows over the same ports fill as one class; ``memo`` keeps the fill of
+    every component met (its classes and their sizes decide it)."""
     stack = list(changed)
     rem = {p: cap[p] for p in stack}
     classes: dict[Sequence[int], list[int]] = {}
-    rates: dict[int, float] = {}
     while stack:  # the connected component: its ports (rem) and flows, by port set
         for i in port_flows.get(stack.pop(), ()):
-            if i not in rates:
-                rates[i] = -1.0
-                ports = flow_ports[i]
-                if ports in classes:
-                    classes[ports].append(i)
-                    continue
+            ports = flow_ports[i]
+            flows = classes.get(ports)
+            if flows is None:
                 classes[ports] = [i]
                 for q in ports:
                     if q not in rem:
                         rem[q] = cap[q]
                         stack.append(q)
+            elif i not in flows:
+                flows.append(i)
     if len(classes) <= 1:  # nothing flows, or one class alone: its narrowest port decides
         for ports, flows in classes.items():
-            share = min(cap[p] for p in ports) / sum(len(members[i]) for i in flows)
+            share = min(rem[p] for p in ports) / sum(len(members[i]) for i in flows)
             return dict.fromkeys(flows, share)
-        return rates
+        return {}
+    weights = {ports: sum(len(members[i]) for i in flows) for ports, flows in classes.items()}
+    key = tuple(sorted(weights.items()))
+    shares = memo.get(key)  # a pipeline's steady state meets the same components again
+    if shares is None:
+        shares = memo[key] = _fill(weights, {p: cap[p] for p in rem})
+    return {i: shares[ports] for ports, flows in classes.items() for i in flows}
+
+
+def _fill(weights: Mapping[Sequence[int], int], cap: Mapping[int, float]
+          ) -> dict[Sequence[int], float]:
+    """Progressive filling: the rate of each class (port set) of flows, ``weights[ports]``
+    flows in it, over ports of capacity ``cap``."""
+    rem = dict(cap)
     count = dict.fromkeys(rem, 0)
     users: dict[int, list[Sequence[int]]] = {p: [] for p in rem}
-    weight: dict[Sequence[int], int] = {}
-    for ports, flows in classes.items():
-        w = weight[ports] = sum(len(members[i]) for i in flows)
+    for ports, w in weights.items():
         for p in ports:
             count[p] += w
             users[p].append(ports)
-    while classes:
+    shares: dict[Sequence[int], float] = {}
+    while len(shares) < len(weights):
         share, bottleneck = math.inf, -1
         for p, c in count.items():  # the port whose fair share is least
-            if c and rem[p] / c < share:
+            if c and rem[p] < share * c:
                 share, bottleneck = rem[p] / c, p
         for ports in users[bottleneck]:
-            flows = classes.pop(ports, None)
-            if flows is None:
+            if ports in shares:
                 continue
-            for i in flows:
-                rates[i] = share
-            w = weight[ports]
+            shares[ports] = share
+            w = weights[ports]
             for p in ports:
                 left = rem[p] - share * w
                 rem[p] = left if left > 0.0 else 0.0
                 count[p] -= w
-    return rates
+    return shares
 
 
 def estimate(plan: ReshardPlan, cluster: Cluster) -> float:

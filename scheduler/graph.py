@@ -197,6 +197,9 @@ class StepGraph:
     """``(succ, need)``: the ops each op's end releases — its next op on each of its lanes and
     the ops that wait for it — and how many releases each op needs before it starts. Every
     consumer's dependency counting starts from these (built with the graph; read-only)."""
+    data_inputs: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    """Compute op -> the transfer ops it waits for (what moves its input): the edges along
+    which timelines measure exposed communication."""
 
     def __post_init__(self) -> None:
         n = len(self.ops)
@@ -207,12 +210,16 @@ class StepGraph:
                 if 0 <= a < n and 0 <= b < n:  # (the validator names bad ids)
                     succ[a].append(b)
                     need[b] += 1
+        inputs: dict[int, tuple[int, ...]] = {}
         for k, op in enumerate(self.ops):
             for dep in op.waits:
                 if 0 <= dep.op < n:
                     succ[dep.op].append(k)
                     need[k] += 1
+            if op.waits and isinstance(op.body, Compute):
+                inputs[k] = tuple(d.op for d in op.waits)
         object.__setattr__(self, "successors", (succ, need))
+        object.__setattr__(self, "data_inputs", inputs)
 
     @cached_property
     def recorded(self) -> frozenset[tuple[int, int]]:
@@ -223,12 +230,6 @@ class StepGraph:
     def by_key(self) -> dict[str, int]:
         """Op id by :attr:`Op.key`."""
         return {op.key: op.id for op in self.ops}
-
-    @cached_property
-    def data_inputs(self) -> dict[int, tuple[int, ...]]:
-        """Compute op -> the transfer ops it waits for (what brings its input)."""
-        return {op.id: tuple(d.op for d in op.waits) for op in self.ops
-                if isinstance(op.body, Compute) and op.waits}
 
     def stage_of(self, device: int) -> int:
         """The (first) stage whose mesh holds ``device``; -1 outside every stage."""
