@@ -2,7 +2,7 @@
 
     mpiexec -n 4 python benchmarks/mpi_reshard.py      # (started that way if run plainly)
 
-1. **Throughput**: the paper suite's layouts (scheduler/suites.py, 5 × p3.8xlarge), every dim
+1. **Throughput**: the paper suite's layouts (benchmarks/suites.py, 5 × p3.8xlarge), every dim
    scaled so a tensor is about 64 MiB, planned with broadcast + auto. Host h's devices belong
    to rank h mod 4 (so hosts 0 and 4 share rank 0). For each case: GB/s of ``Runtime.reshard``
    (tensor bytes / wall time, median of 7 after a warm-up) next to a raw ``MPI_Bcast`` of the
@@ -37,16 +37,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark suites
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
-from scheduler.suites import Case, paper_suite
+from suites import Case, paper_suite
 
 from overlap import Runtime
 from overlap.backends.mpi import Backoff
 from overlap.world import Placement, detect_world
 from scheduler import Cluster, DeviceMesh, PlanOptions, Sharding, ShardingSpec, plan_resharding
-from scheduler.cli import machine_line
+from scheduler.cli_common import machine_line
 
 TARGET_BYTES = 64 << 20
 REPS = 7

@@ -37,7 +37,7 @@ class CollectiveAborted(OverlapRuntimeError):
 
 
 class CallMismatch(OverlapRuntimeError):
-    """The processes of a multi-process job made different runtime calls (other programs,
+    """The processes of a multi-process job made different runtime calls (other step graphs,
     another plan, a skipped call). ``ranks`` are those whose call differs from this one's.
 
     It explains every other failure of that call, so the runtime raises it in preference to

@@ -8,7 +8,7 @@ rank), learns from the runtime what it is doing (one line per runtime call, over
 when the child dies by a signal prints
 
     overlap: rank 1 (pid 4242 on node7) was killed by SIGKILL during train_step: the
-    programs (call 12)
+    step graph (call 12)
 
 and exits with the child's status (128 + signal), which makes the launcher end the job. It
 is not a launcher: ``mpiexec``/``srun`` start the processes as always; the guard only wraps

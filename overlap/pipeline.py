@@ -196,9 +196,9 @@ class _Binder:
         if isinstance(body, Compute):
             seconds = self.compute_time(body.stage, body.kind) if self.compute_time else 0.0
             return _emulated(self._compute(body, device), seconds)
-        channel, b = body.channel, body.channel.boundary  # type: ignore[union-attr]
+        channel = body.channel
         src, dst = self.regions(channel)  # type: ignore[arg-type]
-        dtype = np.dtype(self.boundaries[b].dtype)
+        dtype = np.dtype(self.boundaries[channel.boundary].dtype)  # type: ignore[union-attr]
         key = (channel, body.microbatch)
         # Receive buffers are made on first use, on the stream's thread (the device's memory).
         outs = _Lazy(self.state.recvs, key,

@@ -1,4 +1,5 @@
-"""The runtime: interprets resharding plans and pipeline programs on a backend, from asyncio.
+"""The runtime: launches resharding plans and pipeline steps — step graphs — on a backend, from
+asyncio.
 
 Async-first: ``await rt.reshard(plan, shards)`` and ``await rt.train_step(...)``; the
 ``*_sync`` methods wrap them for synchronous code. The event loop never blocks on device

@@ -307,7 +307,7 @@ def test_fault_aborts_step_and_runtime_recovers(schedule, m, data):
         assert len(raised) == 1 and err.__cause__ is raised[0]
         assert err.device == device
         _assert_names(str(err), stage, mb, phase, device)
-        # The same runtime (and its cached programs) runs a clean step.
+        # The same runtime (and its cached graph) runs a clean step.
         toy.hook = None
         toy.reset()
         losses = _step(rt, toy, mbs, schedule=schedule)

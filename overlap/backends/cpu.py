@@ -142,7 +142,7 @@ class CpuStream:
         """An event that completes when the stream reaches this point.
 
         Pass ``event`` to record into one created earlier (so other streams could already be
-        told to wait for it, as programs launched out of order need).
+        told to wait for it, as a step graph launched lane by lane needs).
         """
         ev = event if event is not None else CpuEvent(label or f"d{self.device}/{self.name}")
         self._put(("record", ev))

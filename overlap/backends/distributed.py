@@ -112,7 +112,7 @@ class Distributed:
             missing = () if peer is None else tuple(self.placement.devices_of(peer))
             raise CollectiveTimeout(
                 f"{what}: rank {self.rank} waited {self.backend.timeout:g} s; {who} "
-                "(a failed or stuck peer, or programs that differ between ranks)",
+                "(a failed or stuck peer, or step graphs that differ between ranks)",
                 op=what, devices=(), missing=missing)
 
     # ---- the runtime's own messages (main thread / event loop) ---------------------------

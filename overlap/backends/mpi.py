@@ -3,7 +3,7 @@ span ranks move bytes with nonblocking MPI point-to-point operations. (What ever
 multi-process backend shares — ownership, per-call agreement, failure notices, exit — is in
 ``distributed.py``; the GPU flavour is ``cuda_mpi.py``.)
 
-Every process lowers the same programs and launches only its own devices' streams (the
+Every process lowers the same step graph and launches only its own devices' lanes (the
 runtime checks every call against the other ranks — see ``Runtime``). Inside a process
 nothing changes: a stream is a thread, and a collective first rendezvouses the process's own
 participants by launch position (as on the one-process backend).
