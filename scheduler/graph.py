@@ -39,7 +39,7 @@ import hashlib
 import itertools
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, NamedTuple
@@ -426,9 +426,4 @@ def reshard_graph(plan: ReshardPlan, stream: str = "comm") -> StepGraph:
                          f"got {stream!r}")
     ops = transfer_ops(plan, None, 0, stream, 0)
     return StepGraph(tuple(ops), lanes_of(ops), plans={None: plan})
-
-
-def describe_ops(graph: StepGraph, ids: Sequence[int]) -> list[str]:
-    """Readable names of ops (for messages)."""
-    return [f"{graph.ops[i]} ({graph.ops[i].key})" for i in ids]
 

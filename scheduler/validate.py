@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 
 from .graph import Compute, Lane, StepGraph, TransferOp
 from .lowering import input_channel
@@ -41,15 +40,15 @@ def validate(graph: StepGraph) -> Steps:
     _check_structure(graph)
     if graph.schedule is not None:
         _check_data(graph)
-    steps, need = dry_run(graph)
+    steps = dry_run(graph)
     if sum(len(s) for s in steps) < len(graph.ops):
-        raise ProgramError(_deadlock(graph, steps, need))
+        raise ProgramError(_deadlock(graph, steps))
     return steps
 
 
-def dry_run(graph: StepGraph) -> tuple[Steps, list[int]]:
-    """Run every op instantly, in steps (see module doc); also returns, per op, how many of
-    its predecessors never ran (all zero when the graph runs to the end)."""
+def dry_run(graph: StepGraph) -> Steps:
+    """Run every op instantly, in steps (see module doc): the ops that ran, step by step
+    (fewer than all of them when the graph deadlocks)."""
     succ, need0 = graph.successors
     need = list(need0)
     frontier = [i for i, k in enumerate(need) if k == 0]
@@ -63,7 +62,7 @@ def dry_run(graph: StepGraph) -> tuple[Steps, list[int]]:
                 if need[j] == 0:
                     nxt.append(j)
         frontier = sorted(nxt)
-    return steps, need
+    return steps
 
 
 # ---- structure ---------------------------------------------------------------------------
@@ -165,7 +164,7 @@ _GRID_STEPS = 6  # steps shown before the stuck ops
 _GRID_LANES = 16  # stuck lanes shown (those of the cycle first)
 
 
-def _deadlock(graph: StepGraph, steps: Steps, need: Sequence[int]) -> str:
+def _deadlock(graph: StepGraph, steps: Steps) -> str:
     ran = {i for step in steps for i in step}
     heads = {lane: next(i for i in ids if i not in ran)
              for lane, ids in graph.lanes.items() if any(i not in ran for i in ids)}

@@ -453,3 +453,40 @@ def test_bad_arguments_rejected_before_any_work(what, exc, match):
         # Nothing half-done: the runtime then runs a valid step.
         losses = _step(rt, toy, mbs)
     _check(toy, losses, mbs)
+
+
+# ---- where and how often planning happens ---------------------------------------------------
+
+
+def test_lowering_runs_off_the_event_loop_and_plans_are_reused(monkeypatch):
+    import threading
+
+    import overlap.runtime as runtime_module
+
+    threads: list[threading.Thread] = []
+    real_lower = runtime_module.lower
+
+    def recording_lower(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real_lower(*args, **kwargs)
+
+    monkeypatch.setattr(runtime_module, "lower", recording_lower)
+    toy = ToyMLP()
+
+    async def steps(rt: Runtime) -> threading.Thread:
+        loop_thread = threading.current_thread()
+        for m in (2, 3, 2):  # a new microbatch count lowers anew, the same one does not
+            toy.reset()
+            mbs = toy.microbatches(m)
+            losses = await rt.train_step(toy.stages, toy.boundaries, mbs,
+                                         input_sharding=toy.input_sharding)
+            _check(toy, losses, mbs)
+        return loop_thread
+
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        loop_thread = rt.run_sync(steps(rt))
+        assert len(threads) == 2 and loop_thread not in threads
+        assert len(rt.plans) == 2 * (len(toy.boundaries))  # each channel planned once
+        rt.train_step_sync(toy.stages, toy.boundaries, toy.microbatches(2),
+                           input_sharding=toy.input_sharding, options=PlanOptions("send_recv"))
+        assert len(threads) == 3 and len(rt.plans) == 4 * len(toy.boundaries)

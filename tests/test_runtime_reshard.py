@@ -24,6 +24,7 @@ from scheduler import (
     Cluster,
     CostModel,
     DeviceMesh,
+    P,
     PlanOptions,
     ReshardPlan,
     Sharding,
@@ -431,3 +432,26 @@ def test_sync_calls_share_one_loop_that_close_shuts():
     with pytest.raises(OverlapRuntimeError, match="runtime is closed"):
         rt.reshard_sync(plan, cut_shards(glob, SRC))
     assert rt._sync._loop is None  # no loop made for a refused call
+
+
+def test_transfer_after_orders_senders_that_share_no_device():
+    """A plan's ``after`` is kept even when only it orders two transfers (different senders,
+    different receivers): the second's sender starts once the first has ended."""
+    import dataclasses
+
+    slow = Cluster(2, 2, nic_gbps=0.02, nvlink_gbps=0.02, nic_latency_us=100.0,
+                   nvlink_latency_us=10.0)
+    src = Sharding(DeviceMesh([[0, 1]], ("host", "gpu")), P("gpu"))
+    dst = Sharding(DeviceMesh([[2, 3]], ("host", "gpu")), P("gpu"))
+    plan = plan_resharding((32, 128), "float64", src, dst, slow,
+                           PlanOptions(strategy="send_recv", balance="none"))
+    first, second = plan.transfers
+    assert not set(first.devices) & set(second.devices)
+    plan = dataclasses.replace(plan, transfers=(first, dataclasses.replace(second, after=(0,))))
+    glob = global_array((32, 128))
+    with Runtime(slow, emulate_links=True) as rt:
+        rt.backend.start_trace()
+        out = rt.reshard_sync(plan, cut_shards(glob, src))
+        span = {(r.op, r.device): r for r in rt.backend.trace}
+    assert_delivered(out, glob, dst)
+    assert span[(0, first.sender)].end <= span[(1, second.sender)].start
