@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
+from scheduler.lowering import channels
 
 from .launch import launch
 from .reshard import region_shape, transfer_op
@@ -166,10 +167,9 @@ def launch_step(
     events. ``compute_time(stage, kind)``: seconds each compute must take at least (compute
     emulation: the stream stays busy, as a GPU kernel of that length would keep it)."""
     state = StepState()
-    for s, b in enumerate(boundaries):  # one communicator per channel (CUDA, MPI)
-        devices = (*b.producer.mesh.device_ids, *b.consumer.mesh.device_ids)
-        for channel in (Channel("fwd", s), Channel("bwd", s)):
-            backend.declare_group(str(channel), devices)
+    for channel, b, _, _ in channels(boundaries):  # one communicator each (CUDA, MPI)
+        backend.declare_group(str(channel),
+                              (*b.producer.mesh.device_ids, *b.consumer.mesh.device_ids))
     # Groups stage collectives may use: every mesh and every mesh axis group of it.
     backend.declare_subgroups("compute", sorted({g for st in stages for g in mesh_groups(st.mesh)}))
     binder = _Binder(backend, state, stages, boundaries, microbatches,

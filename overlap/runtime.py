@@ -23,7 +23,6 @@ import numpy as np
 
 from scheduler import (
     Boundary,
-    Channel,
     Cluster,
     CostModel,
     DeviceMesh,
@@ -39,6 +38,7 @@ from scheduler import (
     make_schedule,
     reshard_graph,
 )
+from scheduler.lowering import channels, plan_mismatch
 from scheduler.timeline import span_meta
 
 from .backends import Backend, make_backend
@@ -176,14 +176,12 @@ def check_graph(graph: StepGraph, meshes: tuple[DeviceMesh, ...],
     if graph.schedule.num_microbatches != num_microbatches:
         raise ValueError(f"graph: lowered for {graph.schedule.num_microbatches} microbatches, "
                          f"got {num_microbatches}")
-    for s, b in enumerate(boundaries):
-        for channel, src, dst in ((Channel("fwd", s), b.producer, b.consumer),
-                                  (Channel("bwd", s), b.consumer, b.producer)):
-            plan = graph.plans.get(channel)
-            if plan is None or (plan.shape, plan.src, plan.dst) != (tuple(b.shape), src, dst) \
-                    or plan.dtype != np.dtype(b.dtype).name:
-                raise ValueError(f"graph: its plan for {channel} does not move boundaries[{s}] "
-                                 f"({b.shape} {b.dtype} {src!r} -> {dst!r})")
+    for channel, b, src, dst in channels(boundaries):
+        plan = graph.plans.get(channel)
+        mismatch = "it has none" if plan is None else plan_mismatch(plan, b, src, dst)
+        if mismatch is not None:
+            raise ValueError(f"graph: its plan for {channel} does not fit boundaries"
+                             f"[{channel.boundary}]: {mismatch}")
 
 
 class Runtime:

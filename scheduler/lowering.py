@@ -19,7 +19,7 @@ between senders. Every lane lists its ops in that order, so:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .cluster import Cluster
@@ -74,37 +74,48 @@ def lower(
     return _build(stages, schedule, channel_plans)
 
 
+def channels(boundaries: Sequence[Boundary]
+             ) -> Iterator[tuple[Channel, Boundary, Sharding, Sharding]]:
+    """Each boundary's two channels, with the layouts their plans move between: activations
+    from the producer's to the consumer's, gradients back."""
+    for s, b in enumerate(boundaries):
+        yield Channel("fwd", s), b, b.producer, b.consumer
+        yield Channel("bwd", s), b, b.consumer, b.producer
+
+
+def plan_mismatch(plan: ReshardPlan, boundary: Boundary, src: Sharding, dst: Sharding
+                  ) -> str | None:
+    """None when ``plan`` moves ``boundary``'s tensor from ``src`` to ``dst``; else both sides,
+    for a message."""
+    want = (tuple(boundary.shape), str(check_dtype(boundary.dtype)), src, dst)
+    if (plan.shape, plan.dtype, plan.src, plan.dst) == want:
+        return None
+    return (f"the plan moves {plan.shape} {plan.dtype} {plan.src!r} -> {plan.dst!r}; the "
+            f"channel needs {want[0]} {want[1]} {src!r} -> {dst!r}")
+
+
 def _plan_channels(boundaries: tuple[Boundary, ...], cluster: Cluster, options: PlanOptions,
                    given: Mapping[Channel, ReshardPlan], cache: PlanCache
                    ) -> dict[Channel, ReshardPlan]:
     out: dict[Channel, ReshardPlan] = {}
-    for s, b in enumerate(boundaries):
-        for channel, src, dst in ((Channel("fwd", s), b.producer, b.consumer),
-                                  (Channel("bwd", s), b.consumer, b.producer)):
-            plan = given.get(channel)
-            if plan is None:
-                plan = cache.plan(b.shape, b.dtype, src, dst, options)
-            else:
-                _check_given(channel, plan, b, src, dst)
-            out[channel] = plan
+    for channel, b, src, dst in channels(boundaries):
+        plan = given.get(channel)
+        if plan is None:
+            plan = cache.plan(b.shape, b.dtype, src, dst, options)
+        else:
+            if not isinstance(plan, ReshardPlan):
+                raise TypeError(f"plans[{channel}]: expected a ReshardPlan, got "
+                                f"{type(plan).__name__}")
+            mismatch = plan_mismatch(plan, b, src, dst)
+            if mismatch is not None:
+                raise ValueError(f"plans[{channel}]: {mismatch}")
+            plan.check()
+        out[channel] = plan
     extra = sorted(str(k) for k in given if k not in out)
     if extra:
         raise ValueError(f"plans: channels {extra} are not channels of this pipeline "
                          f"({len(boundaries)} boundaries)")
     return out
-
-
-def _check_given(channel: Channel, plan: ReshardPlan, b: Boundary, src: Sharding,
-                 dst: Sharding) -> None:
-    if not isinstance(plan, ReshardPlan):
-        raise TypeError(f"plans[{channel}]: expected a ReshardPlan, got {type(plan).__name__}")
-    want = (tuple(b.shape), str(check_dtype(b.dtype)), src, dst)
-    got = (plan.shape, plan.dtype, plan.src, plan.dst)
-    if got != want:
-        raise ValueError(f"plans[{channel}]: the plan moves {plan.shape} {plan.dtype} "
-                         f"{plan.src!r} -> {plan.dst!r}; the channel needs {want[0]} {want[1]} "
-                         f"{src!r} -> {dst!r}")
-    plan.check()
 
 
 def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
