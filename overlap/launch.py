@@ -50,7 +50,7 @@ def launch(backend: Backend, graph: StepGraph, bind: Bind) -> list[Event]:
             for dep in op.waits:
                 if dep.dst == d and backend.is_local(dep.src):
                     stream.wait_event(event(dep.op, dep.src))
-            stream.launch(f"{op} on device {d}", bind(op, d), category=category, op=i)
+            stream.launch(f"{op.body} on device {d}", bind(op, d), category=category, op=i)
             if (i, d) in recorded:
                 stream.record(event=event(i, d))
         ends.append(stream.record(f"{lane} end"))

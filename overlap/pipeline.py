@@ -187,26 +187,35 @@ class _Binder:
         self.backend, self.state, self.stages = backend, state, stages
         self.boundaries, self.microbatches = boundaries, microbatches
         self.in_regions, self.compute_time = in_regions, compute_time
-        # Regions of every boundary's layouts, per device.
+        # Regions of every boundary's layouts, per device; buffers per (channel, microbatch).
         self.prod = [b.producer.device_regions(b.shape) for b in boundaries]
         self.cons = [b.consumer.device_regions(b.shape) for b in boundaries]
+        self._buffers: dict[tuple[Channel, int], tuple[Any, ...]] = {}
 
     def __call__(self, op: Op, device: int) -> Callable[[], None]:
         body = op.body
         if isinstance(body, Compute):
             seconds = self.compute_time(body.stage, body.kind) if self.compute_time else 0.0
             return _emulated(self._compute(body, device), seconds)
-        channel = body.channel
-        src, dst = self.regions(channel)  # type: ignore[arg-type]
-        dtype = np.dtype(self.boundaries[channel.boundary].dtype)  # type: ignore[union-attr]
-        key = (channel, body.microbatch)
-        # Receive buffers are made on first use, on the stream's thread (the device's memory).
-        outs = _Lazy(self.state.recvs, key,
-                     lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype))
+        key = (body.channel, body.microbatch)
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            buffers = self._buffers[key] = self._make_buffers(*key)  # type: ignore[arg-type]
+        src, dst, dtype, shards, outs = buffers
         t = body.transfer
         return transfer_op(self.backend, t.region, t.sender, t.receivers, device, src, dst,
-                           _Lazy(self.state.sends, key), outs, dtype, str(body), str(channel),
-                           op.id)
+                           shards, outs, dtype, str(body), str(body.channel), op.id)
+
+    def _make_buffers(self, channel: Channel, microbatch: int) -> tuple[Any, ...]:
+        """What every transfer of one (channel, microbatch) reads and writes: the regions per
+        device, the dtype, the senders' buffers and the receivers' (made on first use, on the
+        stream's thread: the device's memory)."""
+        src, dst = self.regions(channel)
+        dtype = np.dtype(self.boundaries[channel.boundary].dtype)
+        key = (channel, microbatch)
+        outs = _Lazy(self.state.recvs, key,
+                     lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype))
+        return src, dst, dtype, _Lazy(self.state.sends, key), outs
 
     def regions(self, channel: Channel) -> tuple[Mapping[int, Any], Mapping[int, Any]]:
         """Per device: the regions a channel's transfers read from and write into."""
