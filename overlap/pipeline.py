@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
-from scheduler.lowering import channels
+from scheduler.lowering import channels, input_channel, output_channel
 
 from .launch import launch
 from .reshard import region_shape, transfer_op
@@ -197,77 +197,59 @@ class _Binder:
         if isinstance(body, Compute):
             seconds = self.compute_time(body.stage, body.kind) if self.compute_time else 0.0
             return _emulated(self._compute(body, device), seconds)
-        key = (body.channel, body.microbatch)
-        buffers = self._buffers.get(key)
-        if buffers is None:
-            buffers = self._buffers[key] = self._make_buffers(*key)  # type: ignore[arg-type]
-        src, dst, dtype, shards, outs = buffers
+        channel = body.channel
+        assert channel is not None  # a pipeline's transfers all belong to a channel
+        src, dst, dtype, shards, outs = self._buffers_of(channel, body.microbatch)
         t = body.transfer
         return transfer_op(self.backend, t.region, t.sender, t.receivers, device, src, dst,
-                           shards, outs, dtype, str(body), str(body.channel), op.id)
+                           shards, outs, dtype, str(body), str(channel), op.id)
 
-    def _make_buffers(self, channel: Channel, microbatch: int) -> tuple[Any, ...]:
-        """What every transfer of one (channel, microbatch) reads and writes: the regions per
+    def _buffers_of(self, channel: Channel, microbatch: int) -> tuple[Any, ...]:
+        """What every transfer of one (channel, microbatch) reads and writes — the regions per
         device, the dtype, the senders' buffers and the receivers' (made on first use, on the
-        stream's thread: the device's memory)."""
-        src, dst = self.regions(channel)
-        dtype = np.dtype(self.boundaries[channel.boundary].dtype)
+        stream's thread: the device's memory) — kept for the step."""
         key = (channel, microbatch)
-        outs = _Lazy(self.state.recvs, key,
-                     lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype))
-        return src, dst, dtype, _Lazy(self.state.sends, key), outs
-
-    def regions(self, channel: Channel) -> tuple[Mapping[int, Any], Mapping[int, Any]]:
-        """Per device: the regions a channel's transfers read from and write into."""
-        b = channel.boundary
-        if channel.direction == "fwd":
-            return self.prod[b], self.cons[b]
-        return self.cons[b], self.prod[b]
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            b = channel.boundary
+            src, dst = ((self.prod[b], self.cons[b]) if channel.direction == "fwd"
+                        else (self.cons[b], self.prod[b]))
+            dtype = np.dtype(self.boundaries[b].dtype)
+            outs = _Lazy(self.state.recvs, key,
+                         lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype))
+            buffers = self._buffers[key] = (src, dst, dtype, _Lazy(self.state.sends, key), outs)
+        return buffers
 
     def _compute(self, c: Compute, d: int) -> Callable[[], None]:
         s, i = c.stage, c.microbatch
         p = len(self.stages)
+        into, out = input_channel(s, c.kind, p), output_channel(s, c.kind, p)
         stage, state, xp = self.stages[s], self.state, self.backend.xp
+        what = f"stage {s} {'forward' if c.kind == 'F' else 'backward'} (mb {i}, device {d})"
 
         def body() -> None:
             ctx = StageContext(d, s, i, c.kind, stage.mesh, state.saved.setdefault((d, i), {}),
                                self.backend)
+            # The input: what the channel brought this device (its buffer is made here when
+            # its region is empty: nothing arrives), or stage 0's own copy of the microbatch.
+            x = None if into is None else self._buffers_of(into, i)[4][d]
             if c.kind == "F":
-                if s == 0:  # each device gets its own copy, in its own memory
+                if into is None:  # each device gets its own copy, in its own memory
                     region = self.in_regions[d]
                     x = xp.array(self.microbatches[i][tuple(slice(a, z) for a, z in region)],
                                  copy=True)
-                else:
-                    x = self._received(Channel("fwd", s - 1), i, d)
                 y = stage.forward(ctx, x)
-                if s == p - 1:
-                    if d == stage.mesh.device_ids[0]:
-                        state.losses[i] = y  # float() after the step: no device sync here
-                    return
-                self._deliver(Channel("fwd", s), i, d, y, f"stage {s} forward (mb {i}, "
-                              f"device {d})")
             else:
-                dy = None if s == p - 1 else self._received(Channel("bwd", s), i, d)
-                dx = stage.backward(ctx, dy)
-                if s > 0:
-                    self._deliver(Channel("bwd", s - 1), i, d, dx, f"stage {s} backward "
-                                  f"(mb {i}, device {d})")
+                y = stage.backward(ctx, x)
+            if out is not None:
+                self._deliver(out, i, d, y, what)
+            elif c.kind == "F" and d == stage.mesh.device_ids[0]:
+                state.losses[i] = y  # float() after the step: no device sync here
         return body
 
-    def _received(self, channel: Channel, i: int, d: int) -> Any:
-        """What device d received (an empty region receives nothing: its buffer is made
-        here)."""
-        key = (channel, i, d)
-        recvs = self.state.recvs
-        if key not in recvs:
-            region = self.regions(channel)[1][d]
-            recvs[key] = self.backend.xp.empty(region_shape(region),
-                                               np.dtype(self.boundaries[channel.boundary].dtype))
-        return recvs[key]
-
     def _deliver(self, channel: Channel, i: int, d: int, value: Any, what: str) -> None:
-        want = region_shape(self.regions(channel)[0][d])
-        dtype = np.dtype(self.boundaries[channel.boundary].dtype)
+        src, _, dtype, _, _ = self._buffers_of(channel, i)
+        want = region_shape(src[d])
         arr = self.backend.xp.asarray(value)
         if arr.shape != want or arr.dtype != dtype:
             raise ValueError(f"{what} returned {arr.shape} {arr.dtype}; this device's region of "

@@ -166,8 +166,8 @@ class Op:
     @property
     def key(self) -> str:
         """The op's name in the text form: its token, ``@device`` for a compute."""
-        b = self.body
-        return f"{b.token}@{self.devices[0]}" if isinstance(b, Compute) else b.token
+        b = self.body  # (no token parsing here: keys are made for every op of a graph)
+        return _compute_key(b.token, self.devices[0]) if isinstance(b, Compute) else b.token
 
     def __str__(self) -> str:
         return str(self.body)
@@ -294,8 +294,7 @@ class StepGraph:
         return StepGraph(ops, lanes, self.stages, self.schedule, self.plans)
 
     def _lookup(self, token: str, device: int, line: str, n: int) -> int:
-        key = f"{token}@{device}" if _is_compute(token) else token
-        i = self.by_key.get(key)
+        i = self.by_key.get(op_key(token, device))
         if i is None:
             raise ValueError(f"text: line {n} ({line.strip()!r}) names {token!r}, which is "
                              f"not an op of this graph on device {device}")
@@ -350,6 +349,16 @@ _TRANSFER_TOKEN = re.compile(r"((fwd|bwd)\d+:\d+)?#\d+")
 
 def _is_compute(token: str) -> bool:
     return _COMPUTE_TOKEN.fullmatch(token) is not None
+
+
+def _compute_key(token: str, device: int) -> str:
+    return f"{token}@{device}"
+
+
+def op_key(token: str, device: int) -> str:
+    """An op's key (:attr:`Op.key`, :attr:`StepGraph.by_key`) from its token and a device it
+    runs on: a compute (one per device) is named with its device, a transfer by its token."""
+    return _compute_key(token, device) if _is_compute(token) else token
 
 
 def _parse_line(line: str, n: int) -> tuple[Lane, list[tuple[str, list[tuple[str, int | None]]]]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .graph import Compute, Lane, StepGraph, TransferOp
+from .graph import Compute, Lane, StepGraph, TransferOp, op_key
 from .lowering import input_channel
 
 
@@ -129,13 +129,9 @@ def _check_fifo(graph: StepGraph) -> None:
 def _check_data(graph: StepGraph) -> None:
     p = len(graph.stages)
     by_channel: dict[tuple[object, int], list[int]] = {}
-    compute_of: dict[tuple[int, int, str, int], int] = {}
     for op in graph.ops:
-        b = op.body
-        if isinstance(b, TransferOp):
-            by_channel.setdefault((b.channel, b.microbatch), []).append(op.id)
-        else:
-            compute_of[(b.stage, b.microbatch, b.kind, op.devices[0])] = op.id
+        if isinstance(op.body, TransferOp):
+            by_channel.setdefault((op.body.channel, op.body.microbatch), []).append(op.id)
     for op in graph.ops:
         b = op.body
         waits = {(dep.op, dep.dst) for dep in op.waits}
@@ -150,7 +146,8 @@ def _check_data(graph: StepGraph) -> None:
                         "ended: it does not wait for it")
         elif b.channel is not None:
             sender = b.transfer.sender
-            made = compute_of.get((b.channel.src_stage, b.microbatch, b.channel.kind, sender))
+            made = graph.by_key.get(op_key(
+                Compute(b.channel.src_stage, b.microbatch, b.channel.kind).token, sender))
             if made is not None and (made, sender) not in waits:
                 raise ProgramError(
                     f"dependency violation: device {sender} sends {b} ({b.token}) before it "
