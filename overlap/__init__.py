@@ -24,8 +24,10 @@ from .errors import (
     CollectiveAborted,
     CollectiveMismatch,
     CollectiveTimeout,
+    DeviceThreadLost,
     OverlapRuntimeError,
     RankFailed,
+    StageTimeout,
     StreamError,
 )
 from .pipeline import Stage, StageContext
@@ -40,6 +42,7 @@ __all__ = [
     "CollectiveMismatch",
     "CollectiveTimeout",
     "DeviceMesh",
+    "DeviceThreadLost",
     "OverlapRuntimeError",
     "RankFailed",
     "ReshardPlan",
@@ -48,6 +51,7 @@ __all__ = [
     "ShardingSpec",
     "Stage",
     "StageContext",
+    "StageTimeout",
     "StreamError",
     "Transfer",
     "__version__",

@@ -58,3 +58,33 @@ class RankFailed(OverlapRuntimeError):
         self.rank = rank
         self.error = error
         self.calls = calls
+
+
+class StageTimeout(OverlapRuntimeError):
+    """An op ran longer than the runtime's ``timeout`` and never finished (user code that
+    hangs, or a device that stopped): ``op`` names it, with its ``stage``, ``microbatch`` and
+    ``phase`` (``F``/``B``; None for a transfer), the ``device`` and ``stream``, and how many
+    ``seconds`` it had run when it was named. Its thread is abandoned (see
+    :class:`DeviceThreadLost`)."""
+
+    def __init__(self, message: str, *, op: str, device: int, stream: str,
+                 stage: int | None, microbatch: int | None, phase: str | None,
+                 seconds: float) -> None:
+        super().__init__(message)
+        self.op = op
+        self.device = device
+        self.stream = stream
+        self.stage = stage
+        self.microbatch = microbatch
+        self.phase = phase
+        self.seconds = seconds
+
+
+class DeviceThreadLost(OverlapRuntimeError):
+    """A device stream's thread is stuck in an op that never returned (named by ``stuck``:
+    ``(device, stream, op)`` triples) and was abandoned: this runtime refuses further work.
+    Close it and make a fresh ``Runtime`` (which works, in the same process)."""
+
+    def __init__(self, message: str, *, stuck: tuple[tuple[int, str, str], ...]) -> None:
+        super().__init__(message)
+        self.stuck = stuck

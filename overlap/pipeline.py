@@ -243,8 +243,10 @@ class _Binder:
                 y = stage.backward(ctx, x)
             if out is not None:
                 self._deliver(out, i, d, y, what)
-            elif c.kind == "F" and d == stage.mesh.device_ids[0]:
-                state.losses[i] = y  # float() after the step: no device sync here
+            elif c.kind == "F":
+                check_loss(y, what)
+                if d == stage.mesh.device_ids[0]:
+                    state.losses[i] = y  # float() after the step: no device sync here
         return body
 
     def _deliver(self, channel: Channel, i: int, d: int, value: Any, what: str) -> None:
@@ -255,6 +257,33 @@ class _Binder:
             raise ValueError(f"{what} returned {arr.shape} {arr.dtype}; this device's region of "
                              f"the boundary needs {want} {dtype}")
         self.state.sends[(channel, i, d)] = arr
+
+
+def check_loss(value: Any, what: str) -> None:
+    """Raise naming ``what`` (stage, microbatch, device) unless ``value`` is a real scalar: a
+    number, or a 0-d or size-1 array of a real dtype (numpy, cupy, torch) — checked where it
+    is produced, without reading it (no device sync)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} returned a bool as the loss; the last stage's forward must "
+                        "return a real scalar (a number or a 0-d/size-1 array)")
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"{what} returned {type(value).__name__} as the loss; the last "
+                        "stage's forward must return a real scalar (a number or a 0-d/size-1 "
+                        "array)")
+    if int(np.prod(tuple(shape), dtype=np.int64)) != 1:
+        raise ValueError(f"{what} returned a loss of shape {tuple(shape)}; the last stage's "
+                         "forward must return a real scalar (a 0-d or size-1 array)")
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:  # another library's dtype (torch.float32, ...): read its name
+        name = str(dtype).rsplit(".", 1)[-1]
+        kind = "b" if name == "bool" else "c" if name.startswith("complex") else "f"
+    if kind not in "iuf":
+        raise TypeError(f"{what} returned a loss of dtype {dtype}; the last stage's forward "
+                        "must return a real number (integer or floating point)")
 
 
 def _emulated(fn: Callable[[], None], seconds: float) -> Callable[[], None]:

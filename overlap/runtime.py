@@ -14,6 +14,8 @@ import asyncio
 import hashlib
 import logging
 import threading
+import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -51,6 +53,7 @@ from .errors import (
 )
 from .pipeline import Stage, check_pipeline, launch_step
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
+from .watch import Recovery, wait_all
 from .world import Placement, World, detect_world
 
 if TYPE_CHECKING:
@@ -95,6 +98,9 @@ class _SyncLoop:
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Calls from several threads take turns (one loop runs one call at a time; a second
+        # thread running the same loop would fail, or cancel the first call).
+        self._turn = threading.Lock()
 
     def run(self, coro: Coroutine[Any, Any, T], what: str) -> T:
         try:
@@ -105,6 +111,10 @@ class _SyncLoop:
             coro.close()
             raise RuntimeError(f"{what}: called from inside a running event loop; await the "
                                "async method instead")
+        with self._turn:
+            return self._run(coro)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None or self._loop.is_closed():
             self._loop = _new_loop()
         loop = self._loop
@@ -117,6 +127,10 @@ class _SyncLoop:
             raise
 
     def close(self) -> None:
+        with self._turn:
+            self._close()
+
+    def _close(self) -> None:
         loop, self._loop = self._loop, None
         if loop is None or loop.is_closed():
             return
@@ -136,6 +150,18 @@ class _SyncLoop:
         t = threading.Thread(target=shut, name="overlap-sync-loop-close")
         t.start()
         t.join()
+
+
+def _shut_down(backend: Backend, sync: _SyncLoop) -> None:
+    backend.close()
+    sync.close()
+
+
+def _collected(backend: Backend, sync: _SyncLoop, what: str) -> None:
+    warnings.warn(f"unclosed overlap.Runtime ({what}): its threads are ended now; call "
+                  "close(), or use `with overlap.Runtime(...) as rt:`", ResourceWarning,
+                  stacklevel=2)
+    _shut_down(backend, sync)
 
 
 def _link_time(cluster: Cluster, emulate: bool | str
@@ -258,8 +284,15 @@ class Runtime:
         self.plans = PlanCache(cluster)  # each boundary planned once per options
         self._memo: OrderedDict[Any, Any] = OrderedDict()  # step graphs, plan digests
         self._last_trace: tuple[list[Any], StepGraph] | None = None
+        self._recovery = Recovery(self.backend)
+        # Dropped without close(): end the threads anyway, and say so (as files and event
+        # loops do). The callback holds the backend and the loop, never the runtime.
+        self._finalizer = weakref.finalize(self, _collected, self.backend, self._sync,
+                                           f"{self.backend.name} backend, {cluster.num_devices}"
+                                           " devices")
         # Structured concurrency: the first failure anywhere aborts everything in flight.
-        self.backend.on_failure = lambda exc: self.backend.abort(
+        backend = self.backend  # (not self: the backend must not keep the runtime alive)
+        backend.on_failure = lambda exc: backend.abort(
             f"{type(exc).__name__} on another stream: {exc}"
         )
 
@@ -290,6 +323,10 @@ class Runtime:
         xp = self.backend.xp
         if out is not None:
             check_outs(plan, out, shards, self._array_types(), self.backend.is_local, xp)
+        # A plan this runtime did not make may be broken (edited JSON, another tool): checked
+        # once, before anything moves, so that no destination keeps uninitialised memory.
+        self._cached(("checked", plan), lambda: plan.check() or True)
+        await self._recovery.ready()
         check = (self._agree(self._cached(("digest", plan),
                                           lambda: hashlib.sha256(plan.to_json().encode()).digest()),
                              "reshard: the plan")
@@ -302,7 +339,7 @@ class Runtime:
         graph = self._cached(("reshard", plan, stream), lambda: reshard_graph(plan, stream))
         events = launch_reshard(self.backend, plan, shards, outs, stream=stream, tag_base=base,
                                 graph=graph)
-        await self._gather(events, what="reshard", check=check)
+        await self._gather(events, what="reshard", check=check, graph=graph)
         # Devices that got nothing: empty regions. In a multi-process job, this process's.
         return {d: outs[d] for d in regions if self.backend.is_local(d)}
 
@@ -349,13 +386,14 @@ class Runtime:
         check_pipeline(stages, boundaries, input_sharding, microbatches, self._array_types())
         graph, digest = await self._step_graph(stages, boundaries, len(microbatches), schedule,
                                                options, graph)
+        await self._recovery.ready()
         check = (self._agree(digest, "train_step: the step graph")
                  if self.world.distributed else None)
         self.backend.start_trace()
         state, ends = launch_step(self.backend, graph, stages, boundaries, input_sharding,
                                   microbatches, self.compute_time)
         try:
-            await self._gather(ends, what="train_step", check=check)
+            await self._gather(ends, what="train_step", check=check, graph=graph)
         finally:
             self._last_trace = (self.backend.trace or [], graph)
             self.backend.trace = None
@@ -477,17 +515,19 @@ class Runtime:
             dist.announce_failure(what, root)
         self.backend.abort(f"{what} failed: {root}")
 
-    async def _gather(self, events, *, what: str, check: Agreement | None = None) -> None:
-        """Wait for ``events`` (and the call's agreement ``check``, which runs alongside
-        them); on failure, recover."""
+    async def _gather(self, events, *, what: str, check: Agreement | None = None,
+                      graph: StepGraph | None = None) -> None:
+        """Wait for ``events`` all at once, watching for hung ops (:func:`~overlap.watch.
+        wait_all`), and for the call's agreement ``check``, which runs alongside them; on
+        failure, stop everything and recover (:class:`~overlap.watch.Recovery`)."""
+        epoch = self._recovery.epoch
         verdict = None
         if check is not None:
             check.hurry_after(events)
             verdict = asyncio.ensure_future(check.wait())
         try:
             try:
-                for ev in events:
-                    await ev.wait()
+                await wait_all(self.backend, events, graph)
             finally:
                 if verdict is not None:
                     check.hurry()
@@ -499,16 +539,15 @@ class Runtime:
             if verdict is not None:
                 verdict.result()
         except BaseException as exc:
+            cancelled = not isinstance(exc, Exception)
             root = self._root_cause(exc)
             if self.world.distributed:
-                # Tell the other processes, stop local work; the job cannot continue.
+                # Tell the other processes at once; the job cannot continue.
                 self._fail_distributed(what, root)
-                await asyncio.to_thread(self.backend.quiesce, 2.0)
-                if root is not exc:
-                    raise root from root.__cause__
-                raise
-            await self._recover(f"{what} failed: {root}" if isinstance(exc, Exception)
-                                else f"{what} cancelled")
+            reason = f"{what} failed: {root}" if not cancelled else f"{what} cancelled"
+            hang = await self._recovery.settle(reason, graph, epoch, cancelled=cancelled)
+            if hang is not None and isinstance(root, (CollectiveAborted, CollectiveTimeout)):
+                root = hang  # an op that never finished explains what waited for it
             if root is not exc:
                 raise root from root.__cause__
             raise
@@ -526,17 +565,7 @@ class Runtime:
         for f in failures:
             if not isinstance(f, (CollectiveAborted, CollectiveTimeout)):
                 return f
-        return exc
-
-    async def _recover(self, reason: str) -> None:
-        """Abort in-flight work, wait for every stream to stop, make the backend reusable."""
-        self.backend.abort(reason)
-        stopped = await asyncio.to_thread(self.backend.quiesce, self.backend.timeout)
-        if not stopped:
-            raise OverlapRuntimeError(
-                f"after {reason}: streams did not stop within {self.backend.timeout:g} s"
-            )
-        self.backend.reset()
+        return next((f for f in failures if isinstance(f, CollectiveTimeout)), exc)
 
     def _array_types(self) -> tuple[type, ...]:
         xp = self.backend.xp
@@ -545,6 +574,7 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise OverlapRuntimeError("runtime is closed")
+        self._recovery.check()
         broken = self.backend.dist.broken if self.backend.dist is not None else None
         if broken is not None:
             if isinstance(broken, RankFailed):
@@ -555,11 +585,14 @@ class Runtime:
     # ---- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop and join every backend thread. Idempotent."""
+        """End every thread the runtime started: idle ones are joined; one stuck in an op
+        that never returns is abandoned once that op has run ``timeout`` seconds (a daemon;
+        it runs nothing more). Returns within ``timeout`` + a fraction of a second, whatever
+        the stage functions do. Idempotent."""
         if not self._closed:
             self._closed = True
-            self.backend.close()
-            self._sync.close()
+            self._finalizer.detach()
+            _shut_down(self.backend, self._sync)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,6 +45,28 @@ from ..world import Placement
 
 # How often a blocked thread looks at the abort flag; a wait ends within this after abort().
 _POLL_S = 0.02
+# After abort(): how long a stream may take to notice it (a wait or a collective wakes within
+# _POLL_S; an MPI transfer within its backoff). A stream still in a wait after this is stuck.
+STOP_GRACE_S = 0.25
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What a stream's thread is doing now: an op (``op``: its step-graph id, if any) or a
+    wait for another stream's event (``waiting``), since ``since`` (perf_counter seconds)."""
+
+    device: int
+    stream: str
+    label: str
+    op: int | None
+    category: str
+    since: float
+    waiting: bool = False
+
+    def hung_at(self, timeout: float) -> float:
+        """When this counts as hung: an op that runs ``timeout`` seconds has not finished (a
+        wait only ends because its op does, so it is never the culprit)."""
+        return self.since + timeout
 
 
 class TraceRecord(NamedTuple):
@@ -126,6 +149,10 @@ class CpuStream:
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._closing = False
+        self._current: Busy | None = None  # the item the worker runs now
+        # Set when the thread was left stuck in an op (see CpuBackend.abandon): it runs
+        # nothing more, and launching on this stream raises this text.
+        self.lost: str | None = None
 
     # ---- launching (any thread) ----------------------------------------------------------
 
@@ -154,6 +181,8 @@ class CpuStream:
 
     def _put(self, item: tuple[str, Any]) -> None:
         with self._cv:
+            if self.lost is not None:
+                raise OverlapRuntimeError(self.lost)
             if self._closing:
                 raise OverlapRuntimeError(f"device {self.device} stream {self.name!r} is closed")
             self._queue.append(item)
@@ -167,49 +196,82 @@ class CpuStream:
     # ---- the worker ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._cv:
                 while not self._queue and not self._closing:
                     self._cv.wait()
-                if not self._queue:
-                    return
+                if not self._queue or self._thread is not me:
+                    return  # closed, or abandoned while it was stuck: run nothing more
                 kind, payload = self._queue.popleft()
-            if kind == "record":
-                self._on_record(payload)
-                continue
-            if self._failed is not None:
-                continue  # a failed stream skips work until reset()
+                self._current = self._busy(kind, payload)
             try:
-                if kind == "wait":
-                    rng = range_start(f"wait {payload.label} (device {self.device})", "wait")
-                    try:
-                        self._wait_for(payload)
-                    finally:
-                        range_end(rng)
-                else:
-                    label, fn, category, op = payload
-                    rng = range_start(label, category)
-                    trace = self.backend.trace if op is not None else None
-                    t0 = self._mark() if trace is not None else None
-                    try:
-                        self._execute(fn)
-                    finally:
-                        range_end(rng)
-                    if trace is not None:
-                        trace.append(TraceRecord(op, self.device, self.name, t0, self._mark()))
-            except BaseException as exc:
-                op = payload[0] if kind == "op" else f"wait {payload.label}"
-                if isinstance(exc, OverlapRuntimeError):
-                    self._failed = exc
-                else:
-                    err = StreamError(
-                        f"device {self.device} stream {self.name!r}: {op} failed: "
-                        f"{type(exc).__name__}: {exc}",
-                        device=self.device, stream=self.name, op=op,
-                    )
-                    err.__cause__ = exc
-                    self._failed = err
-                self.backend.note_failure(self._failed)
+                self._run_item(kind, payload)
+            finally:
+                with self._cv:
+                    self._current = None
+                    self._cv.notify_all()
+
+    def _busy(self, kind: str, payload: Any) -> Busy | None:
+        now = time.perf_counter()
+        if kind == "op":
+            label, _, category, op = payload
+            return Busy(self.device, self.name, label, op, category, now)
+        if kind == "wait":
+            return Busy(self.device, self.name, f"wait for {payload.label}", None, "wait", now,
+                        waiting=True)
+        return None
+
+    def _run_item(self, kind: str, payload: Any) -> None:
+        if kind == "record":
+            self._on_record(payload)
+            return
+        if self._failed is not None:
+            return  # a failed stream skips work until reset()
+        try:
+            if kind == "wait":
+                rng = range_start(f"wait {payload.label} (device {self.device})", "wait")
+                try:
+                    self._wait_for(payload)
+                finally:
+                    range_end(rng)
+            else:
+                label, fn, category, op = payload
+                rng = range_start(label, category)
+                trace = self.backend.trace if op is not None else None
+                t0 = self._mark() if trace is not None else None
+                try:
+                    self._execute(fn)
+                finally:
+                    range_end(rng)
+                if trace is not None:
+                    trace.append(TraceRecord(op, self.device, self.name, t0, self._mark()))
+        except BaseException as exc:
+            if self.lost is not None:
+                return  # abandoned: what the stuck op did at last concerns nobody now
+            op = payload[0] if kind == "op" else f"wait {payload.label}"
+            if isinstance(exc, OverlapRuntimeError):
+                self._failed = exc
+            else:
+                err = StreamError(
+                    f"device {self.device} stream {self.name!r}: {op} failed: "
+                    f"{type(exc).__name__}: {exc}",
+                    device=self.device, stream=self.name, op=op,
+                )
+                err.__cause__ = exc
+                self._failed = err
+            self.backend.note_failure(self._failed)
+
+    def busy(self) -> Busy | None:
+        """What the thread is doing (None: idle, nothing queued)."""
+        with self._cv:
+            if self._current is not None:
+                return self._current
+            if self._queue and self._thread is not None:
+                # Queued work a live thread is about to take: draining, not stuck.
+                return Busy(self.device, self.name, "queued work", None, "queue",
+                            time.perf_counter(), waiting=True)
+            return None
 
     # ---- hooks a device backend overrides (the CUDA backend does) -------------------------
 
@@ -234,29 +296,34 @@ class CpuStream:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def _reset(self) -> threading.Thread | None:
-        """Drop queued work and clear the failure; the worker thread exits (restarted on the
-        next launch), so nothing keeps running after a failed step. Returns it to join."""
+    def _reset(self) -> None:
+        """Drop queued work and clear the failure (the thread stays, idle: reset() runs only
+        once every stream stopped)."""
         with self._cv:
             pending = list(self._queue)
             self._queue.clear()
             self._failed = None
-            thread, self._thread = self._thread, None
-            self._closing = True
-            self._cv.notify()
         for kind, payload in pending:
             if kind == "record":
                 payload._complete(CollectiveAborted("work dropped by reset()"))
-        return thread
 
-    def _reopen(self) -> None:
+    def _abandon(self, reason: str) -> None:
+        """Leave the thread stuck in its op: it is a daemon (it cannot keep the process
+        alive), it runs nothing more when the op returns, and this stream refuses work."""
         with self._cv:
-            self._closing = False
+            self.lost = reason
+            self._closing = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._thread = None
+        for kind, payload in pending:
+            if kind == "record":
+                payload._complete(CollectiveAborted(reason))
 
     def _close(self) -> threading.Thread | None:
         with self._cv:
             self._closing = True
-            self._cv.notify()
+            self._cv.notify_all()
             return self._thread
 
 
@@ -422,6 +489,7 @@ class CpuBackend:
         self._abort_reason: str | None = None
         self._failures: list[BaseException] = []
         self._closed = False
+        self._lost: list[Busy] = []
         # When a list, every op launched with an op id appends its TraceRecord to it; the
         # runtime's trace recorder.
         self.trace: list[TraceRecord] | None = None
@@ -544,6 +612,8 @@ class CpuBackend:
     def quiesce(self, timeout: float | None = None) -> bool:
         """Wait (blocking) until every stream's queue is empty and its op finished."""
         deadline = time.perf_counter() + (self.timeout if timeout is None else timeout)
+        if self.stop(lambda b: deadline):
+            return False
         for s in self.streams():
             ev = s.record("quiesce")
             while not ev.done():
@@ -555,30 +625,68 @@ class CpuBackend:
                     ev._done.wait(_POLL_S)
         return True
 
+    def busy(self) -> list[Busy]:
+        """What every stream still doing something is doing (empty: all idle)."""
+        return [b for b in (s.busy() for s in self.streams()) if b is not None]
+
+    def stop(self, until: Callable[[Busy], float]) -> list[Busy]:
+        """Wait (blocking) until every stream is idle, or until each one still busy is past
+        ``until(its Busy)`` (a perf_counter time); returns those (empty: all stopped). Call
+        after :meth:`abort`, so that waits and collectives end."""
+        while True:
+            busy = self.busy()
+            now = time.perf_counter()
+            if not busy or all(now >= until(b) for b in busy):
+                return busy
+            time.sleep(0.002)
+
+    def stop_hung(self, grace: float = STOP_GRACE_S) -> list[Busy]:
+        """Abort-and-wait policy of the runtime and of :meth:`close`: a wait or a collective
+        gets ``grace`` to notice the abort; an op may run until it has run ``timeout`` (it may
+        be slow, not hung). Returns the ops still running then — hung — for :meth:`abandon`.
+        Never longer than ``max(timeout, grace)``."""
+        start = time.perf_counter()
+        return self.stop(lambda b: start + grace if b.waiting
+                         else max(b.hung_at(self.timeout), start + grace))
+
+    def abandon(self, stuck: Sequence[Busy], reason: str) -> None:
+        """Give up the threads of ``stuck`` streams (see ``CpuStream._abandon``)."""
+        for b in stuck:
+            with self._lock:
+                stream = self._streams.pop((b.device, b.stream), None)
+            if stream is not None:
+                stream._abandon(reason)
+                self._lost.append(b)
+
+    @property
+    def lost(self) -> list[Busy]:
+        """The ops whose stream threads were abandoned, stuck in them."""
+        return list(self._lost)
+
     def reset(self) -> None:
-        """After a failure: drop queued work, stop (join) every stream thread, clear failed
-        state and the abort, forget rendezvous. Streams restart on their next launch."""
-        streams = self.streams()
-        threads = [t for t in (s._reset() for s in streams) if t is not None]
-        for t in threads:
-            t.join()
-        for s in streams:
-            s._reopen()
+        """After a failure, once every stream stopped (:meth:`stop`): drop queued work, clear
+        failed state and the abort, forget rendezvous."""
+        for s in self.streams():
+            s._reset()
         with self._lock:
             self._comms.clear()
             self._failures.clear()
         self._abort_reason = None
 
     def close(self) -> None:
-        """Stop and join every stream thread (blocked waits are aborted first)."""
+        """Stop every stream thread: blocked waits are aborted; an op still running gets
+        until it has run ``timeout`` seconds, then its thread is abandoned (a daemon that runs
+        nothing more). Returns within ``timeout`` + a fraction of a second, whatever the
+        ops do."""
         with self._lock:
             self._closed = True
-            streams = list(self._streams.values())
-        # Wake anything blocked in a wait or a collective (idle threads just exit).
         self.abort("backend closed")
-        threads = [t for t in (s._close() for s in streams) if t is not None]
+        stuck = self.stop_hung()
+        self.abandon(stuck, "backend closed while this stream's thread was stuck in "
+                     + ", ".join(b.label for b in stuck))
+        threads = [t for t in (s._close() for s in self.streams()) if t is not None]
         for t in threads:
-            t.join()
+            t.join(STOP_GRACE_S)  # idle: they exit at once
         if self.dist is not None:
             self.dist.close()
 
