@@ -162,11 +162,13 @@ def launch_step(
     input_sharding: Sharding,
     microbatches: Sequence[np.ndarray],
     compute_time: Callable[[int, str], float] | None = None,
-) -> tuple[StepState, list[Event]]:
-    """Launch this process's part of one step of ``graph``; returns the state and the end
-    events. ``compute_time(stage, kind)``: seconds each compute must take at least (compute
-    emulation: the stream stays busy, as a GPU kernel of that length would keep it)."""
-    state = StepState()
+    state: StepState | None = None,
+) -> list[Event]:
+    """Launch this process's part of one step of ``graph``, into ``state`` (buffers and
+    losses; a new one by default); returns the end events. ``compute_time(stage, kind)``:
+    seconds each compute must take at least (compute emulation: the stream stays busy, as a
+    GPU kernel of that length would keep it)."""
+    state = StepState() if state is None else state
     for channel, b, _, _ in channels(boundaries):  # one communicator each (CUDA, MPI)
         backend.declare_group(str(channel),
                               (*b.producer.mesh.device_ids, *b.consumer.mesh.device_ids))
@@ -174,7 +176,7 @@ def launch_step(
     backend.declare_subgroups("compute", sorted({g for st in stages for g in mesh_groups(st.mesh)}))
     binder = _Binder(backend, state, stages, boundaries, microbatches,
                      input_sharding.device_regions(microbatches[0].shape), compute_time)
-    return state, launch(backend, graph, binder)
+    return launch(backend, graph, binder)
 
 
 class _Binder:

@@ -40,8 +40,10 @@ from scheduler import (
     make_schedule,
     reshard_graph,
 )
+from scheduler.errors import PlanError
 from scheduler.lowering import channels, plan_mismatch
 from scheduler.timeline import span_meta
+from scheduler.validate import validate
 
 from .backends import Backend, make_backend
 from .errors import (
@@ -51,12 +53,13 @@ from .errors import (
     OverlapRuntimeError,
     RankFailed,
 )
-from .pipeline import Stage, check_pipeline, launch_step
+from .pipeline import Stage, StepState, check_pipeline, launch_step
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
 from .watch import Recovery, wait_all
 from .world import Placement, World, detect_world
 
 if TYPE_CHECKING:
+    from .backends import Event
     from .backends.distributed import Agreement
 
 T = TypeVar("T")
@@ -210,6 +213,18 @@ def check_graph(graph: StepGraph, meshes: tuple[DeviceMesh, ...],
                              f"[{channel.boundary}]: {mismatch}")
 
 
+def check_given_graph(graph: StepGraph) -> None:
+    """A graph the runtime did not lower may be broken (edited JSON, another tool): its plans
+    must be correct and the graph must validate (every transfer present, data dependencies
+    kept, no deadlock) — once per graph, before it first runs."""
+    for channel, plan in graph.plans.items():
+        try:
+            plan.check()
+        except PlanError as exc:
+            raise PlanError(f"graph: its plan for {channel}: {exc}") from None
+    validate(graph)
+
+
 class Runtime:
     """Executes resharding plans and pipeline training steps on a backend.
 
@@ -292,9 +307,9 @@ class Runtime:
                                            " devices")
         # Structured concurrency: the first failure anywhere aborts everything in flight.
         backend = self.backend  # (not self: the backend must not keep the runtime alive)
-        backend.on_failure = lambda exc: backend.abort(
+        backend.on_failure = lambda exc: backend.abort_reason is None and backend.abort(
             f"{type(exc).__name__} on another stream: {exc}"
-        )
+        )  # (the first failure's reason: the others follow from it)
 
     # ---- resharding ----------------------------------------------------------------------
 
@@ -337,9 +352,9 @@ class Runtime:
         if out is not None:
             outs.update(out)
         graph = self._cached(("reshard", plan, stream), lambda: reshard_graph(plan, stream))
-        events = launch_reshard(self.backend, plan, shards, outs, stream=stream, tag_base=base,
-                                graph=graph)
-        await self._gather(events, what="reshard", check=check, graph=graph)
+        await self._gather(lambda: launch_reshard(self.backend, plan, shards, outs,
+                                                  stream=stream, tag_base=base, graph=graph),
+                           what="reshard", check=check, graph=graph)
         # Devices that got nothing: empty regions. In a multi-process job, this process's.
         return {d: outs[d] for d in regions if self.backend.is_local(d)}
 
@@ -390,10 +405,12 @@ class Runtime:
         check = (self._agree(digest, "train_step: the step graph")
                  if self.world.distributed else None)
         self.backend.start_trace()
-        state, ends = launch_step(self.backend, graph, stages, boundaries, input_sharding,
-                                  microbatches, self.compute_time)
+        state = StepState()
         try:
-            await self._gather(ends, what="train_step", check=check, graph=graph)
+            await self._gather(lambda: launch_step(self.backend, graph, stages, boundaries,
+                                                   input_sharding, microbatches,
+                                                   self.compute_time, state),
+                               what="train_step", check=check, graph=graph)
         finally:
             self._last_trace = (self.backend.trace or [], graph)
             self.backend.trace = None
@@ -430,6 +447,8 @@ class Runtime:
         if hit is None or (graph is not None and hit[0] is not graph):
 
             def make() -> tuple[StepGraph, bytes]:
+                if graph is not None:
+                    check_given_graph(graph)
                 g = graph if graph is not None else lower(
                     meshes, boundaries, key[3], self.cluster, key[4], cache=self.plans)
                 return g, (g.digest() if self.world.distributed else b"")
@@ -515,12 +534,20 @@ class Runtime:
             dist.announce_failure(what, root)
         self.backend.abort(f"{what} failed: {root}")
 
-    async def _gather(self, events, *, what: str, check: Agreement | None = None,
-                      graph: StepGraph | None = None) -> None:
-        """Wait for ``events`` all at once, watching for hung ops (:func:`~overlap.watch.
-        wait_all`), and for the call's agreement ``check``, which runs alongside them; on
-        failure, stop everything and recover (:class:`~overlap.watch.Recovery`)."""
+    async def _gather(self, launch: Callable[[], list[Event]], *, what: str,
+                      check: Agreement | None = None, graph: StepGraph | None = None) -> None:
+        """``launch()`` the call's work, then wait for its end events all at once, watching
+        for hung ops (:func:`~overlap.watch.wait_all`), and for the call's agreement
+        ``check``, which runs alongside them; on failure, stop everything and recover
+        (:class:`~overlap.watch.Recovery`)."""
         epoch = self._recovery.epoch
+        try:
+            events = launch()
+        except BaseException as exc:  # e.g. Ctrl-C half-way: stop what was launched
+            if self.world.distributed:
+                self._fail_distributed(what, exc)
+            self._recovery.stop_now(f"{what} interrupted while launching", epoch)
+            raise
         verdict = None
         if check is not None:
             check.hurry_after(events)

@@ -98,8 +98,11 @@ async def wait_all(backend: Backend, events: Sequence[Any], graph: StepGraph | N
                     backend.note_failure(err)  # aborts the rest of the work at once
                     raise err
     finally:
-        for t in pending:
-            t.cancel()
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+            elif not t.cancelled():
+                t.exception()  # retrieved: the first failure is raised, the rest follow it
 
 
 class Recovery:
@@ -128,12 +131,20 @@ class Recovery:
             await self.settle("an earlier call was interrupted", None, self._epoch)
             self.check()
 
+    def stop_now(self, reason: str, epoch: int) -> None:
+        """:meth:`settle` for an interrupted call, on the calling thread: at most the grace."""
+        self._settle(reason, None, epoch, cancelled=True)
+
     async def settle(self, reason: str, graph: StepGraph | None, epoch: int, *,
                      cancelled: bool = False) -> StageTimeout | None:
         """Abort what is in flight and stop every stream (off the event loop). Returns the
         error naming hung ops when some were abandoned. ``cancelled``: the call was
         interrupted and must return at once — a stream that did not stop within the grace
-        is left for the next call's :meth:`ready`."""
+        is left for the next call's :meth:`ready`; this waits on the loop's thread, at most
+        the grace, because an interrupted task may be interrupted again at any await."""
+        if cancelled:
+            self.stop_now(reason, epoch)
+            return None
         return await asyncio.to_thread(self._settle, reason, graph, epoch, cancelled)
 
     def _settle(self, reason: str, graph: StepGraph | None, epoch: int,

@@ -167,11 +167,14 @@ class ReshardPlan:
             want[cells(region)] = 1
             have = got.get(dev, np.zeros(grid, dtype=np.int32))
             if not np.array_equal(have, want):
-                missing = int(((have == 0) & (want == 1)).sum())
-                twice = int((have > 1).sum())
+                lacking, extra = (have == 0) & (want == 1), have > 1
+                first = np.argwhere(lacking if lacking.any() else extra)[0]
+                cell = tuple((int(axes[d][i]), int(axes[d][i + 1])) for d, i in enumerate(first))
                 raise PlanError(
                     f"device {dev}: destination region {fmt_region(region)} not delivered "
-                    f"exactly once ({missing} cell(s) missing, {twice} delivered more than once)"
+                    f"exactly once ({int(lacking.sum())} cell(s) missing, {int(extra.sum())} "
+                    f"delivered more than once; first {'missing' if lacking.any() else 'twice'}: "
+                    f"{fmt_region(cell)})"
                 )
 
     # ---- reporting -----------------------------------------------------------------------

@@ -132,6 +132,7 @@ def _check_data(graph: StepGraph) -> None:
     for op in graph.ops:
         if isinstance(op.body, TransferOp):
             by_channel.setdefault((op.body.channel, op.body.microbatch), []).append(op.id)
+    _check_complete(graph, by_channel)
     for op in graph.ops:
         b = op.body
         waits = {(dep.op, dep.dst) for dep in op.waits}
@@ -153,6 +154,24 @@ def _check_data(graph: StepGraph) -> None:
                     f"dependency violation: device {sender} sends {b} ({b.token}) before it "
                     f"ran {graph.ops[made]} ({graph.ops[made].body.token}): it does not wait "
                     "for it")
+
+
+def _check_complete(graph: StepGraph, by_channel: dict[tuple[object, int], list[int]]) -> None:
+    """Every transfer of every channel's plan moves every microbatch once: a graph missing
+    one would leave part of a stage's input uninitialised."""
+    for channel, plan in graph.plans.items():
+        if channel is None:
+            continue
+        want = list(range(len(plan.transfers)))
+        for mb in range(graph.schedule.num_microbatches):  # type: ignore[union-attr]
+            have = sorted(graph.ops[i].body.index for i in by_channel.get((channel, mb), ()))
+            if have != want:
+                gone = sorted(set(want) - set(have))
+                raise ProgramError(
+                    f"{channel} microbatch {mb}: the graph moves transfers {have[:8]}"
+                    f"{'...' if len(have) > 8 else ''} of its plan's {len(want)}"
+                    + (f"; missing #{gone[0]} ({plan.transfers[gone[0]]})" if gone
+                       else "; some more than once"))
 
 
 # ---- deadlock report ---------------------------------------------------------------------

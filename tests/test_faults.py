@@ -3,15 +3,25 @@ thread outlives close(), and the next step gives the reference result."""
 
 from __future__ import annotations
 
+import _thread
+import dataclasses
+import gc
+import json
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_pipeline import CLUSTER, Fault, FaultyMLP, InjectedFault, every_fault
+from fault_pipeline import CLUSTER, MICROBATCHES, Fault, FaultyMLP, InjectedFault, every_fault
 
 import overlap
 from overlap import DeviceThreadLost, StageTimeout, StreamError
+from scheduler import StepGraph, lower, make_schedule
+from scheduler.errors import PlanError
 
 TIMEOUT = 1.0
 # A hang is named within the timeout plus this; a raise or a bad return value needs no timeout.
@@ -94,3 +104,140 @@ def test_fault_matrix(fault: Fault, reference) -> None:
     with overlap.Runtime(CLUSTER, timeout=TIMEOUT) as fresh:
         assert_reference(model, model.step(fresh), reference)
     assert_no_thread_left(before)
+
+
+# ---- interrupted calls, lifecycle, threads -------------------------------------------------
+
+
+class Gate:
+    """A stage hook that holds one op until ``release``, telling the test it has started."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def hold(self, model: FaultyMLP, stage: int = 1):
+        forward = model.stages[stage].forward
+
+        def held(ctx, x):
+            if ctx.microbatch == 0 and ctx.device == model.meshes[stage].device_ids[0]:
+                self.entered.set()
+                self.release.wait(60)
+            return forward(ctx, x)
+        model.stages[stage] = dataclasses.replace(model.stages[stage], forward=held)
+
+
+def interrupt_when(event: threading.Event) -> None:
+    """Ctrl-C in the main thread once ``event`` is set."""
+    threading.Thread(target=lambda: event.wait(60) and _thread.interrupt_main(),
+                     daemon=True).start()
+
+
+@pytest.mark.parametrize("op_outlives_timeout", [False, True], ids=["slow-op", "hung-op"])
+def test_ctrl_c_leaves_no_stale_error(reference, op_outlives_timeout):
+    before = set(threading.enumerate())
+    model, gate = FaultyMLP(), Gate()
+    gate.hold(model)
+    rt = overlap.Runtime(CLUSTER, timeout=TIMEOUT)
+    try:
+        interrupt_when(gate.entered)
+        with pytest.raises(KeyboardInterrupt):
+            model.step(rt)
+        clean = FaultyMLP()
+        if not op_outlives_timeout:
+            gate.release.set()  # the op ends within the timeout: the next call just works
+            assert_reference(clean, clean.step(rt), reference)
+        else:  # the op outlives the timeout: named as lost, not as the interrupted error
+            with pytest.raises(DeviceThreadLost, match="device 4's 'compute' stream"):
+                clean.step(rt)
+    finally:
+        rt.close()
+        gate.release.set()
+    assert_no_thread_left(before)
+
+
+def test_a_hung_stage_does_not_keep_the_process_alive(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import overlap
+        from fault_pipeline import CLUSTER, Fault, FaultyMLP
+        model = FaultyMLP(Fault(1, 0, "F", "hang"))
+        model.release = threading.Event()  # never set: the stage hangs for good
+        with overlap.Runtime(CLUSTER, timeout=0.5) as rt:
+            try:
+                model.step(rt)
+            except overlap.StageTimeout as e:
+                print("named:", e.op)
+        print("closed")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["named: stage 1 forward of microbatch 0 on device 4",
+                                        "closed"]
+
+
+def test_a_runtime_dropped_without_close_ends_its_threads(reference):
+    before = set(threading.enumerate())
+    model = FaultyMLP()
+    rt = overlap.Runtime(CLUSTER, timeout=TIMEOUT)
+    assert_reference(model, model.step(rt), reference)
+    assert threads_started_since(before)  # it did start threads
+    with pytest.warns(ResourceWarning, match="unclosed overlap.Runtime"):
+        del rt
+        gc.collect()
+    assert_no_thread_left(before)
+
+
+def test_sync_calls_from_several_threads_take_turns(reference):
+    models = [FaultyMLP() for _ in range(3)]
+    start = threading.Barrier(len(models))
+    results: dict[int, object] = {}
+
+    def call(i: int) -> None:
+        start.wait(10)
+        try:
+            results[i] = models[i].step(rt)
+        except BaseException as exc:
+            results[i] = exc
+
+    with overlap.Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(models))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    for i, model in enumerate(models):
+        assert results[i] == reference[0], results[i]
+        assert_reference(model, results[i], reference)
+
+
+@pytest.mark.parametrize("loss", [None, "0.5", np.ones(3), 1 + 2j, True],
+                         ids=["None", "str", "array", "complex", "bool"])
+def test_a_loss_that_is_not_a_real_scalar_is_named_where_it_is_made(loss):
+    model = FaultyMLP()
+    last = model.stages[2]
+    model.stages[2] = dataclasses.replace(last, forward=lambda ctx, x: (last.forward(ctx, x),
+                                                                        loss)[1])
+    with overlap.Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        with pytest.raises(StreamError, match=r"stage 2 forward \(mb 0, device 8\) returned") \
+                as info:
+            model.step(rt)
+    assert isinstance(info.value.__cause__, (TypeError, ValueError))
+    assert "real scalar" in str(info.value) or "real number" in str(info.value)
+
+
+def test_a_tampered_step_graph_is_refused_before_any_work():
+    model = FaultyMLP()
+    graph = lower(tuple(model.meshes), model.boundaries,
+                  make_schedule("eager-1f1b", 3, MICROBATCHES), CLUSTER)
+    data = json.loads(graph.to_json())
+    data["plans"]["fwd0"]["transfers"][0]["sender"] = 5  # holds nothing of stage 0's output
+    tampered = StepGraph.from_json(json.dumps(data))
+    with overlap.Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        with pytest.raises(PlanError, match=r"graph: its plan for fwd0: transfer 0 .*sender 5 "
+                                            "does not hold"):
+            rt.train_step_sync(model.stages, model.boundaries, model.microbatches(),
+                               input_sharding=model.input_sharding, graph=tampered)
+        assert rt.backend.streams() == []

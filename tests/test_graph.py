@@ -550,3 +550,15 @@ def test_deadlock_report_limits_the_grid_to_recent_steps():
     assert header.count("step") == 6 and header.rstrip().endswith("stops at")
     assert any(ln.startswith("d8 compute") and ">2B0" in ln for ln in lines)
     assert any("cycle:" in ln and "2B0@8" in ln and "bwd1:7#" in ln for ln in lines)
+
+
+def test_a_plan_transfer_the_graph_never_moves_is_named(lowered):
+    graph = lowered["1f1b"]
+    channel = next(c for c in graph.plans if c is not None)
+    plan = graph.plans[channel]
+    grown = dataclasses.replace(plan, transfers=(*plan.transfers, plan.transfers[0]))
+    broken = dataclasses.replace(graph, plans={**graph.plans, channel: grown})
+    n = len(plan.transfers)
+    with pytest.raises(ProgramError, match=rf"{channel} microbatch 0: .* of its plan's {n + 1}"
+                                           rf"; missing #{n}"):
+        validate(broken)

@@ -8,6 +8,7 @@ region — for every strategy and balance, on clusters and layouts drawn by hypo
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import time
@@ -31,6 +32,7 @@ from scheduler import (
     ShardingSpec,
     plan_resharding,
 )
+from scheduler.errors import PlanError
 
 SETTLE_S = 10.0  # bound on waits that should end at once; reached only when something hangs
 
@@ -169,7 +171,21 @@ BAD_INPUTS = {
                              ValueError, r"plan: device 7 is outside the runtime's cluster"),
     "plan not a ReshardPlan": (lambda: fixed_plan().to_json(), _good_shards,
                                TypeError, r"plan: expected a ReshardPlan, got str"),
+    # Plans the runtime did not make (edited JSON): checked before anything moves.
+    "plan missing a transfer": (lambda: _tampered("drop"), _good_shards, PlanError,
+                                r"not delivered exactly once .*first missing: \[\d+:\d+"),
+    "plan with a bogus sender": (lambda: _tampered("sender"), _good_shards, PlanError,
+                                 r"transfer 0 .*sender 3 does not hold the region"),
 }
+
+
+def _tampered(how: str) -> ReshardPlan:
+    data = json.loads(fixed_plan("send_recv").to_json())
+    if how == "drop":
+        del data["transfers"][0]
+    else:
+        data["transfers"][0]["sender"] = 3
+    return ReshardPlan.from_json(json.dumps(data))
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -455,3 +471,24 @@ def test_transfer_after_orders_senders_that_share_no_device():
         span = {(r.op, r.device): r for r in rt.backend.trace}
     assert_delivered(out, glob, dst)
     assert span[(0, first.sender)].end <= span[(1, second.sender)].start
+
+
+async def test_when_one_of_several_concurrent_reshards_fails_the_others_say_why():
+    cluster = Cluster(3, 1, nic_gbps=10)
+    shape = (4, 2)
+    src = Sharding(DeviceMesh([2], "a"), ShardingSpec())
+    dst = Sharding(DeviceMesh([0], "a"), ShardingSpec())
+    plan = plan_resharding(shape, "float64", src, dst, cluster)
+    glob = global_array(shape)
+    async with Runtime(cluster, timeout=SETTLE_S) as rt:
+        calls = [rt.reshard(plan, {2: glob.copy().view(UnreadableShard)})]
+        calls += [rt.reshard(plan, {2: glob.copy()}) for _ in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True),
+                                         SETTLE_S)
+        assert isinstance(results[0], StreamError), results[0]
+        for r in results[1:]:  # done before the failure, or stopped by it — and saying so
+            if isinstance(r, BaseException):
+                assert "closed" not in str(r) and "shard unreadable" in str(r), repr(r)
+            else:
+                assert_delivered(r, glob, dst, "a concurrent call")
+        assert_delivered(await rt.reshard(plan, {2: glob.copy()}), glob, dst, "afterwards")

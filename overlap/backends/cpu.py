@@ -145,7 +145,11 @@ class CpuStream:
         self.device = device
         self.name = name
         self._queue: deque[tuple[str, Any]] = deque()
-        self._cv = threading.Condition()
+        # A C-level lock as the context manager, the condition built on it: Ctrl-C can land
+        # inside Condition.__enter__ (Python code) after it acquired, leaking the lock
+        # (bpo-29988) and freezing this stream; ``with`` on a Lock cannot leak it.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._closing = False
@@ -180,7 +184,7 @@ class CpuStream:
         self._put(("wait", event))
 
     def _put(self, item: tuple[str, Any]) -> None:
-        with self._cv:
+        with self._lock:
             if self.lost is not None:
                 raise OverlapRuntimeError(self.lost)
             if self._closing:
@@ -198,7 +202,7 @@ class CpuStream:
     def _run(self) -> None:
         me = threading.current_thread()
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._queue and not self._closing:
                     self._cv.wait()
                 if not self._queue or self._thread is not me:
@@ -208,7 +212,7 @@ class CpuStream:
             try:
                 self._run_item(kind, payload)
             finally:
-                with self._cv:
+                with self._lock:
                     self._current = None
                     self._cv.notify_all()
 
@@ -264,7 +268,7 @@ class CpuStream:
 
     def busy(self) -> Busy | None:
         """What the thread is doing (None: idle, nothing queued)."""
-        with self._cv:
+        with self._lock:
             if self._current is not None:
                 return self._current
             if self._queue and self._thread is not None:
@@ -299,7 +303,7 @@ class CpuStream:
     def _reset(self) -> None:
         """Drop queued work and clear the failure (the thread stays, idle: reset() runs only
         once every stream stopped)."""
-        with self._cv:
+        with self._lock:
             pending = list(self._queue)
             self._queue.clear()
             self._failed = None
@@ -310,7 +314,7 @@ class CpuStream:
     def _abandon(self, reason: str) -> None:
         """Leave the thread stuck in its op: it is a daemon (it cannot keep the process
         alive), it runs nothing more when the op returns, and this stream refuses work."""
-        with self._cv:
+        with self._lock:
             self.lost = reason
             self._closing = True
             pending = list(self._queue)
@@ -321,7 +325,7 @@ class CpuStream:
                 payload._complete(CollectiveAborted(reason))
 
     def _close(self) -> threading.Thread | None:
-        with self._cv:
+        with self._lock:
             self._closing = True
             self._cv.notify_all()
             return self._thread
