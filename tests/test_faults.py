@@ -220,10 +220,10 @@ def test_a_loss_that_is_not_a_real_scalar_is_named_where_it_is_made(loss):
     last = model.stages[2]
     model.stages[2] = dataclasses.replace(last, forward=lambda ctx, x: (last.forward(ctx, x),
                                                                         loss)[1])
-    with overlap.Runtime(CLUSTER, timeout=TIMEOUT) as rt:
-        with pytest.raises(StreamError, match=r"stage 2 forward \(mb 0, device 8\) returned") \
-                as info:
-            model.step(rt)
+    named = r"stage 2 forward \(mb 0, device 8\) returned"
+    with overlap.Runtime(CLUSTER, timeout=TIMEOUT) as rt, \
+            pytest.raises(StreamError, match=named) as info:
+        model.step(rt)
     assert isinstance(info.value.__cause__, (TypeError, ValueError))
     assert "real scalar" in str(info.value) or "real number" in str(info.value)
 
