@@ -142,6 +142,11 @@ def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
     if input_sharding.mesh != stages[0].mesh:
         raise ValueError(f"input_sharding: its mesh {input_sharding.mesh!r} is not stage 0's "
                          f"mesh {stages[0].mesh!r}")
+    indexable = hasattr(type(microbatches), "__len__") and hasattr(type(microbatches),
+                                                                     "__getitem__")
+    if not indexable or isinstance(microbatches, (str, bytes, Mapping)):
+        raise TypeError(f"microbatches: expected a sequence (list or tuple) of arrays, got "
+                        f"{type(microbatches).__name__}")
     if len(microbatches) < 1:
         raise ValueError("microbatches: need at least one")
     shape0 = np.shape(microbatches[0])

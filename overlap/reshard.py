@@ -33,8 +33,9 @@ def region_shape(region: Region) -> tuple[int, ...]:
 
 
 def _local(outer: Region, inner: Region) -> tuple[slice, ...]:
-    """Slices of ``inner`` inside a buffer that holds ``outer``."""
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+    """Slices of ``inner`` inside a buffer that holds ``outer`` (and ``...``: indexing a 0-d
+    array with ``()`` gives a scalar, with ``(...,)`` a view)."""
+    return (*(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer)), Ellipsis)
 
 
 class BufferTable(dict):
@@ -186,7 +187,9 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
 
     def op() -> None:
         if device == sender:
-            buf = xp.ascontiguousarray(holding(device))  # pack (free when contiguous)
+            buf = holding(device)  # pack (free when contiguous; ascontiguousarray would
+            if not buf.flags.c_contiguous:  # make a 0-d region 1-d)
+                buf = buf.copy(order="C")
             backend.broadcast(group, device, sender, buf, desc, namespace, tag)
             return
         view = outs[device][_local(dst[device], region)]

@@ -40,7 +40,7 @@ from scheduler import (
     make_schedule,
     reshard_graph,
 )
-from scheduler.errors import PlanError
+from scheduler.errors import PlanError, check_seconds
 from scheduler.lowering import channels, plan_mismatch
 from scheduler.timeline import span_meta
 from scheduler.validate import validate
@@ -256,6 +256,7 @@ class Runtime:
                  placement: Placement | None = None) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
+        check_seconds("timeout", timeout)  # before any thread or process is started
         if world is not None and not isinstance(world, World):
             raise TypeError(f"world: expected an overlap.world.World, got "
                             f"{type(world).__name__}")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class ShardingError(ValueError):
     """A sharding spec that does not fit its mesh or tensor."""
@@ -22,3 +26,28 @@ def check_positive_int(name: str, value: object) -> int:
     if value < 1:
         raise ValueError(f"{name}: must be >= 1, got {value}")
     return value
+
+
+def check_seconds(name: str, value: object) -> float:
+    """``value`` as float if it is a finite number of seconds > 0 (not a bool); else
+    TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected seconds (a number), got {value!r} "
+                        f"({type(value).__name__})")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}: expected finite seconds > 0, got {value!r}")
+    return float(value)
+
+
+@contextmanager
+def reading_json(what: str) -> Iterator[None]:
+    """Turn what a malformed document raises while it is read (bad JSON, a missing field, a
+    field of the wrong type) into a ValueError naming ``what`` and the field."""
+    try:
+        yield
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what}: not valid JSON ({exc})") from None
+    except KeyError as exc:
+        raise ValueError(f"{what}: missing field {exc}") from None
+    except (TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{what}: malformed ({type(exc).__name__}: {exc})") from None

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, NamedTuple
 
+from .errors import reading_json
 from .mesh import DeviceMesh
 from .plan import ReshardPlan, Transfer
 from .schedules import Schedule
@@ -317,7 +318,11 @@ class StepGraph:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StepGraph:
-        data = json.loads(text)
+        with reading_json("step graph JSON"):
+            return cls._from_data(json.loads(text))
+
+    @classmethod
+    def _from_data(cls, data: dict) -> StepGraph:
         plans: dict[PlanKey, ReshardPlan] = {
             (None if k == "" else Channel.parse(k)): ReshardPlan.from_json(json.dumps(p))
             for k, p in data["plans"].items()

@@ -9,6 +9,8 @@ import numpy as np
 
 from .errors import ShardingError
 
+_MAX_ID = 2**63 - 1  # ids are kept as int64
+
 
 class DeviceMesh:
     """An immutable n-d array of device ids with named axes.
@@ -31,8 +33,8 @@ class DeviceMesh:
         for d in arr.flat:
             if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
                 raise TypeError(f"devices: device ids are ints, got {d!r}")
-            if d < 0:
-                raise ValueError(f"devices: device ids are >= 0, got {d}")
+            if not 0 <= d <= _MAX_ID:
+                raise ValueError(f"devices: device ids are in 0..{_MAX_ID}, got {d}")
         ints = arr.astype(np.int64)
         flat = ints.ravel().tolist()
         if len(set(flat)) != len(flat):

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PlanError
+from .errors import PlanError, reading_json
 from .regions import Region, contains, fmt_region, volume
 from .sharding import Sharding
 
@@ -209,7 +209,14 @@ class ReshardPlan:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ReshardPlan:
-        data = json.loads(text)
+        """The plan ``text`` (from :meth:`to_json`) describes; ValueError naming what is wrong
+        with it. Read only: :meth:`check` says whether the plan itself is correct (the runtime
+        checks every plan before it runs one)."""
+        with reading_json("plan JSON"):
+            return cls._from_data(json.loads(text))
+
+    @classmethod
+    def _from_data(cls, data: dict[str, Any]) -> ReshardPlan:
         return cls(
             shape=tuple(int(n) for n in data["shape"]),
             dtype=str(data["dtype"]),

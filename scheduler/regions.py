@@ -27,6 +27,9 @@ def contains(outer: Region, inner: Region) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
 
 
+_NOTHING: Region = ((0, 0),)  # an empty box standing for "no part of a 0-d region"
+
+
 def split_region(region: Region, weights: Sequence[float]) -> list[Region]:
     """Cut ``region`` along its longest dim into consecutive pieces sized by ``weights``.
 
@@ -34,6 +37,9 @@ def split_region(region: Region, weights: Sequence[float]) -> list[Region]:
     one box per weight, in order; a weight too small for a whole element gets an empty box,
     which callers skip with :func:`is_empty`.
     """
+    if not region:  # a 0-d tensor: one element, indivisible — all of it to the heaviest
+        best = max(range(len(weights)), key=lambda i: weights[i])
+        return [region if i == best else _NOTHING for i in range(len(weights))]
     dim = max(range(len(region)), key=lambda d: region[d][1] - region[d][0])
     start, stop = region[dim]
     total = float(sum(weights))

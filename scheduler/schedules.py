@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import check_positive_int
+from .errors import check_positive_int, reading_json
 
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 
@@ -147,7 +147,11 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Schedule:
-        data = json.loads(text)
+        with reading_json("schedule JSON"):
+            return cls._from_data(json.loads(text))
+
+    @classmethod
+    def _from_data(cls, data: dict) -> Schedule:
         return cls(
             name=str(data["name"]),
             num_stages=data["num_stages"],

@@ -35,9 +35,17 @@ def check_dtype(dtype: object) -> np.dtype:
         dt = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:
         raise TypeError(f"dtype: {dtype!r} is not a numpy dtype or dtype name") from None
-    if dt.itemsize == 0 or dt.hasobject:
-        raise TypeError(f"dtype: {dtype!r} has no fixed item size")
-    return dt
+    if dt.kind not in NUMERIC_KINDS:
+        raise TypeError(f"dtype: {dtype!r} ({dt}) is not a numeric or bool dtype; plans move "
+                        "bool, integer, floating and complex tensors")
+    if not dt.isnative:
+        raise TypeError(f"dtype: {dtype!r} is {'big' if dt.byteorder == '>' else 'little'}-"
+                        "endian, not this machine's byte order; convert the tensor first "
+                        f"(x.astype({dt.newbyteorder('=').name!r}))")
+    return np.dtype(dt.name)  # canonical: '<f4' and '=f4' are 'float32'
+
+
+NUMERIC_KINDS = "biufc"  # bool, signed and unsigned integers, floating point, complex
 
 
 def check_fits(sharding: Sharding, cluster: Cluster, *, argument: str) -> None:

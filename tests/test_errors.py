@@ -7,7 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from overlap import Runtime, Stage
 from scheduler import (
+    BALANCES,
+    STRATEGIES,
     Cluster,
     ClusterError,
     CostModel,
@@ -16,9 +19,11 @@ from scheduler import (
     PlanError,
     PlanOptions,
     ReshardPlan,
+    Schedule,
     Sharding,
     ShardingError,
     ShardingSpec,
+    StepGraph,
     Transfer,
     estimate,
     lower_bound,
@@ -321,3 +326,84 @@ def test_cost_model_rejects_bad_after(plan):
     ts[1] = dataclasses.replace(ts[1], after=(1,))
     with pytest.raises(ValueError, match="after"):
         estimate(_with(plan, ts), C2)
+
+
+# ---- inputs that used to escape with internal errors -------------------------------------------
+
+NON_NATIVE = np.dtype("f4").newbyteorder("S")  # the other byte order, whatever this machine's
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("balance", BALANCES)
+def test_a_0d_tensor_across_hosts_is_planned(strategy, balance):
+    src = Sharding(C2.mesh([0]), P())
+    dst = Sharding(C2.mesh([1]), P())
+    plan = plan_resharding((), "float32", src, dst, C2, PlanOptions(strategy, balance))
+    plan.check()
+    assert {r for t in plan.transfers for r in t.receivers} == set(dst.mesh.device_ids)
+    assert all(t.region == () and t.nbytes == 4 for t in plan.transfers)
+
+
+def test_a_0d_tensor_moves_across_hosts():
+    src, dst = Sharding(C2.mesh([0]), P()), Sharding(C2.mesh([1]), P())
+    plan = plan_resharding((), "float32", src, dst, C2)
+    with Runtime(C2) as rt:
+        out = rt.reshard_sync(plan, {d: np.array(3.5, np.float32) for d in src.mesh.device_ids})
+    assert sorted(out) == sorted(dst.mesh.device_ids)
+    assert all(a.shape == () and a.dtype == np.float32 and a == 3.5 for a in out.values())
+
+
+@pytest.mark.parametrize("dtype, canonical", [
+    ("bool", "bool"), ("int8", "int8"), ("uint16", "uint16"), ("float16", "float16"),
+    ("=f4", "float32"), (np.dtype("f8").newbyteorder("="), "float64"),
+    ("complex64", "complex64"),
+])
+def test_native_numeric_and_bool_dtypes_are_accepted_by_their_canonical_name(dtype, canonical):
+    plan = plan_resharding((8,), dtype, SRC, DST, C2)
+    assert plan.dtype == canonical
+    ReshardPlan.from_json(plan.to_json()).check()
+
+
+@pytest.mark.parametrize("dtype, match", [
+    (NON_NATIVE, "endian, not this machine's byte order"),
+    ([("a", "f4"), ("b", "i4")], "not a numeric or bool dtype"),
+    ("U3", "not a numeric or bool dtype"),
+    ("S2", "not a numeric or bool dtype"),
+    ("datetime64[s]", "not a numeric or bool dtype"),
+    (object, "not a numeric or bool dtype"),
+])
+def test_other_dtypes_are_refused_naming_the_argument(dtype, match):
+    with pytest.raises(TypeError, match=rf"dtype: .*{match}"):
+        plan_resharding((8,), dtype, SRC, DST, C2)
+
+
+def test_device_ids_beyond_int64_are_refused():
+    top = 2**63 - 1
+    with pytest.raises(ValueError, match=rf"devices: device ids are in 0\.\.{top}, got {top + 1}"):
+        DeviceMesh([2**63], "a")
+
+
+@pytest.mark.parametrize("cls, what", [(ReshardPlan, "plan JSON"), (StepGraph, "step graph JSON"),
+                                       (Schedule, "schedule JSON")])
+@pytest.mark.parametrize("text, match", [
+    ("{}", r"missing field '\w+'"), ("[]", "malformed"), ("{oops", "not valid JSON"),
+])
+def test_malformed_json_names_the_document_and_field(cls, what, text, match):
+    with pytest.raises(ValueError, match=rf"{what}: {match}"):
+        cls.from_json(text)
+
+
+@pytest.mark.parametrize("timeout, exc", [("5", TypeError), (True, TypeError), (0, ValueError),
+                                          (-1.0, ValueError), (float("nan"), ValueError),
+                                          (float("inf"), ValueError)])
+def test_runtime_timeout_is_finite_positive_seconds(timeout, exc):
+    with pytest.raises(exc, match="timeout: expected"):
+        Runtime(C2, timeout=timeout)
+
+
+def test_microbatches_must_be_indexable():
+    stage = Stage(H0, lambda ctx, x: 0.0, lambda ctx, dy: None)
+    mbs = (np.zeros((2, 2)) for _ in range(2))
+    with Runtime(C2) as rt, pytest.raises(TypeError, match="microbatches: expected a sequence"):
+        rt.train_step_sync([stage], [], mbs, input_sharding=Sharding(H0, P()))
+    assert rt.backend.streams() == []

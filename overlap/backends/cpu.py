@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from scheduler.errors import check_seconds
+
 from ..errors import (
     CollectiveAborted,
     CollectiveMismatch,
@@ -479,10 +481,8 @@ class CpuBackend:
         """
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices: expected an int >= 1, got {num_devices!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
+        self.timeout = check_seconds("timeout", timeout)
         self.num_devices = num_devices
-        self.timeout = float(timeout)
         self.link_time = link_time
         self.placement = placement
         self.rank = rank
