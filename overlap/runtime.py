@@ -574,24 +574,27 @@ class Runtime:
                 self._fail_distributed(what, root)
             reason = f"{what} failed: {root}" if not cancelled else f"{what} cancelled"
             hang = await self._recovery.settle(reason, graph, epoch, cancelled=cancelled)
-            if hang is not None and isinstance(root, (CollectiveAborted, CollectiveTimeout)):
-                root = hang  # an op that never finished explains what waited for it
+            if hang is not None and isinstance(root, (CollectiveAborted, CollectiveTimeout,
+                                                      RankFailed)):
+                root = hang  # an op here that never finished explains what waited for it
             if root is not exc:
                 raise root from root.__cause__
             raise
 
     def _root_cause(self, exc: BaseException) -> BaseException:
         """The failure that explains the others: processes that made different calls (which
-        makes work fail everywhere, in whatever order), else the first failure that is not
-        just a consequence of another one (an abort)."""
+        makes work fail everywhere, in whatever order); else this process's first failure
+        that is not a consequence of another (an abort, a timeout waiting for a peer, a peer
+        that failed); else a peer's failure; else the first timeout."""
         failures = self.backend.failures
         for f in (exc, *failures):
             if isinstance(f, CallMismatch):
                 return f
-        if isinstance(exc, RankFailed):
-            return exc
         for f in failures:
-            if not isinstance(f, (CollectiveAborted, CollectiveTimeout)):
+            if not isinstance(f, (CollectiveAborted, CollectiveTimeout, RankFailed)):
+                return f
+        for f in (exc, *failures):
+            if isinstance(f, RankFailed):
                 return f
         return next((f for f in failures if isinstance(f, CollectiveTimeout)), exc)
 
@@ -617,22 +620,29 @@ class Runtime:
         that never returns is abandoned once that op has run ``timeout`` seconds (a daemon;
         it runs nothing more). Returns within ``timeout`` + a fraction of a second, whatever
         the stage functions do. Idempotent."""
+        self._close()
+
+    def _close(self, error: BaseException | None = None) -> None:
+        """``error``: the exception leaving a ``with`` block (a multi-process job then tells
+        the other ranks this one failed, not that it left)."""
         if not self._closed:
             self._closed = True
             self._finalizer.detach()
+            if self.backend.dist is not None:
+                self.backend.dist.close(error)
             _shut_down(self.backend, self._sync)
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
+        await asyncio.to_thread(self._close)
 
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, tp: object, error: BaseException | None, tb: object) -> None:
+        self._close(error)
 
     async def __aenter__(self) -> Runtime:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    async def __aexit__(self, tp: object, error: BaseException | None, tb: object) -> None:
+        await asyncio.to_thread(self._close, error)

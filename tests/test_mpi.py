@@ -39,8 +39,8 @@ sys.path.insert(0, str(JOB.parent))
 import job as toy_job  # noqa: E402
 
 
-def mpiexec(n: int, *args: str, flags: tuple[str, ...] = (), guard: bool = False
-            ) -> tuple[subprocess.CompletedProcess[str], float]:
+def mpiexec(n: int, *args: str, flags: tuple[str, ...] = (), guard: bool = False,
+            bound: float = JOB_BOUND_S) -> tuple[subprocess.CompletedProcess[str], float]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
     env["OPENBLAS_NUM_THREADS"] = "1"
@@ -48,7 +48,7 @@ def mpiexec(n: int, *args: str, flags: tuple[str, ...] = (), guard: bool = False
     wrap = ["-m", "overlap.guard"] if guard else []
     done = subprocess.run([MPIEXEC, *flags, "-n", str(n), sys.executable, *wrap, str(JOB),
                            *args], env=env, cwd=Path(__file__).parents[1],
-                          capture_output=True, text=True, timeout=JOB_BOUND_S)
+                          capture_output=True, text=True, timeout=bound)
     return done, time.perf_counter() - start
 
 
@@ -283,3 +283,53 @@ def test_nccl_bootstrap_refuses_a_rank_outside_its_members():
         bootstrap_nccl(None, [0, 1], 5, None)
     with pytest.raises(ValueError, match="members: expected distinct ranks"):
         bootstrap_nccl(None, [1, 1], 1, None)
+
+
+# ---- ranks that leave, and the fault matrix across processes -------------------------------
+
+
+@pytest.mark.parametrize("how, said", [("exit", "exited"), ("close", "closed its runtime")])
+def test_a_rank_that_leaves_is_named_at_once(tmp_path, how, said):
+    """A rank that ends its script cleanly (or closes its runtime) before a call the others
+    make: they fail naming it within a second, not after their 30 s timeout, and the job
+    exits non-zero."""
+    done, elapsed = mpiexec(4, "leave", str(tmp_path), "1", how)
+    text = assert_failed_job(done, 1)
+    for r in (0, 2, 3):
+        assert (f"RankFailed: rank 1 {said} after 1 runtime calls; this rank's call 2 needs it "
+                f"(rank {r} stopped its work)") in text, verdicts(text)
+    assert "CollectiveTimeout" not in text, verdicts(text)
+    assert elapsed < 25.0, elapsed  # far below the 30 s timeout (startup included)
+
+
+def test_fault_matrix_on_two_ranks(tmp_path):
+    from fault_pipeline import CLUSTER, every_fault
+
+    done, _ = mpiexec(2, "faults", str(tmp_path), bound=180.0)
+    assert done.returncode == 0, verdicts(done.stdout + done.stderr)
+    rows = [json.loads((tmp_path / f"faults{r}.json").read_text()) for r in (0, 1)]
+    half = CLUSTER.num_devices // 2  # Placement.blocks: devices 0-5 on rank 0, 6-11 on rank 1
+    for i, fault in enumerate(every_fault()):
+        device = (0, 4, 8)[fault.stage]
+        owner = device // half
+        mine, other = rows[owner][i], rows[1 - owner][i]
+        assert mine["fault"] == other["fault"] == str(fault)
+        for row in (mine, other):
+            assert row["next_step_ok"] and row["threads_left"] == [], row
+            assert row["close_seconds"] <= 2.0, row  # timeout (1 s) + 1 s
+            assert row["seconds"] <= (2.0 if fault.kind == "hang" else 1.0), row
+        if fault.harmless:
+            assert mine["error"] is other["error"] is None, (mine, other)
+            continue
+        if fault.kind == "hang":
+            assert mine["error"] == "StageTimeout", mine
+            assert (mine["stage"], mine["microbatch"], mine["phase"], mine["device"]) == (
+                fault.stage, fault.microbatch, fault.phase, device), mine
+            assert other["error"] in ("RankFailed", "CollectiveTimeout"), other
+            assert re.search(rf"\branks? \[?{owner}\b", other["message"]), other
+            continue
+        assert mine["error"] == "StreamError", mine
+        assert f"{fault.phase} s{fault.stage} mb{fault.microbatch} on device {device}" \
+            in mine["message"], mine
+        assert other["error"] == "RankFailed", other
+        assert other["message"].startswith(f"rank {owner} failed during train_step"), other

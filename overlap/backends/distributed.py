@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import json
+import logging
 import sys
 import threading
 import time
@@ -30,7 +32,17 @@ from ..errors import (
 )
 from ..world import Placement, World, describe, mpi_world_comm
 
-_FAILED, _EXITING, _QUERY, _REPLY = 1, 2, 3, 4  # control message tags
+_FAILED, _EXITING, _QUERY, _REPLY, _LEFT = 1, 2, 3, 4, 5  # control message tags
+# What each control message carries: field -> type. Messages are JSON objects of exactly
+# these fields (plain data: nothing a peer sends is ever unpickled or executed).
+_FIELDS: dict[int, dict[str, type]] = {
+    _FAILED: {"rank": int, "during": str, "error": str, "calls": int},
+    _EXITING: {"rank": int},
+    _QUERY: {},
+    _REPLY: {"calls": int},
+    _LEFT: {"rank": int, "calls": int, "how": str},
+}
+_MAX_MESSAGE = 1 << 16  # bytes: a control message is a few hundred
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ QUIET = Backoff(start=1e-3, cap=16e-3)
 
 
 _LIVE: weakref.WeakSet[Distributed] = weakref.WeakSet()
+log = logging.getLogger("overlap")
 
 
 class Distributed:
@@ -99,6 +112,9 @@ class Distributed:
         self.runtime_comm = comm.Dup()
         self.broken: BaseException | None = None
         self.calls = 0  # the runtime's call counter (the control thread reports it to peers)
+        self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its calls, how it left)
+        self.left = False  # this rank told its peers it left
+        self.closed = False
         self.control = _Control(self, comm.Dup())
         _LIVE.add(self)
         _install_exit_guards()
@@ -120,8 +136,43 @@ class Distributed:
     def agree(self, digest: bytes, what: str, call: int) -> Agreement:
         """Start checking that every rank passes the same ``digest`` for call number
         ``call`` (same step graph, same plan): the round is posted now, before the call's
-        work is launched; await :meth:`Agreement.wait` for the verdict."""
+        work is launched; await :meth:`Agreement.wait` for the verdict. Raises
+        :class:`RankFailed` at once when a rank that left cannot make this call."""
+        self._check_departed(call)
         return Agreement(self, digest, what, call)
+
+    def _check_departed(self, call: int) -> None:
+        """A rank that left after fewer calls than ``call`` will never make it: fail now."""
+        gone = sorted((r, c, how) for r, (c, how) in list(self.departed.items()) if c < call)
+        if not gone:
+            return
+        r, c, how = gone[0]
+        err = RankFailed(f"rank {r} {how} after {c} runtime calls; this rank's call {call} "
+                         f"needs it (rank {self.rank} stopped its work)",
+                         rank=r, error=how, calls=c)
+        if self.broken is None:
+            self.broken = err
+        self.backend.note_failure(err)
+        self.backend.abort(f"rank {r} left")
+        raise err
+
+    def peer_left(self, rank: int, calls: int, how: str) -> None:
+        """A notice from the control thread: ``rank`` left after ``calls`` calls."""
+        self.departed[rank] = (calls, how)
+        self.control.exiting.add(rank)  # gone: nothing to wait for at exit
+        # The call in flight (if any) fails at once if it needs the rank; the next call
+        # fails when it starts (agree).
+        if self.calls > calls and self.broken is None:
+            with contextlib.suppress(RankFailed):
+                self._check_departed(self.calls)
+
+    def leave(self, how: str) -> None:
+        """Tell every other rank that this one leaves (its runtime closed, or the process
+        exits) after ``self.calls`` calls: a peer that makes a further call fails at once,
+        naming it, instead of waiting out its timeout."""
+        if not self.left:
+            self.left = True
+            self.control.tell_all(_LEFT, {"rank": self.rank, "calls": self.calls, "how": how})
 
     async def share(self, values: np.ndarray, root_rank: int, what: str) -> np.ndarray:
         """``values`` of ``root_rank`` on every rank (an ``Ibcast``)."""
@@ -181,10 +232,25 @@ class Distributed:
         self.backend.note_failure(err)
         self.backend.abort(f"rank {msg['rank']} failed")
 
-    def close(self) -> None:
-        """Stop listening for peers (a failed rank keeps listening until it exits)."""
+    def close(self, error: BaseException | None = None) -> None:
+        """The runtime closed: tell the peers this rank left, stop listening.
+
+        ``error``: the exception leaving the runtime's ``with`` block. Then this rank is
+        failing: the peers are told (if the runtime had not failed already), and it keeps
+        listening and ends the job at exit (see :func:`_at_exit`). A runtime closed after
+        its failure was handled (no exception in flight) is done, like a healthy one.
+        Only the first call counts (the backend's close calls it again)."""
+        if self.closed:
+            return
+        self.closed = True
+        if error is not None and not _clean_exit(error):
+            if self.broken is None:
+                self.announce_failure("the script (an uncaught exception)", error)
+            return
         if self.broken is None:
-            self.control.stop()
+            self.leave("exited" if error is not None else "closed its runtime")
+        self.control.stop()
+        _LIVE.discard(self)
 
     def describe(self) -> str:
         return describe(self.world, self.local_devices)
@@ -264,6 +330,27 @@ class Agreement:
             raise err
 
 
+def _clean_exit(error: BaseException) -> bool:
+    """``sys.exit()`` / ``sys.exit(0)``: the script ends normally."""
+    return isinstance(error, SystemExit) and error.code in (None, 0)
+
+
+def _parse(tag: int, data: bytes) -> dict[str, Any] | None:
+    """A control message, if ``data`` is one of the kind ``tag`` says (else None)."""
+    fields = _FIELDS.get(tag)
+    if fields is None or len(data) > _MAX_MESSAGE:
+        return None
+    try:
+        msg = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(msg, dict) or set(msg) != set(fields):
+        return None
+    if not all(type(msg[k]) is t for k, t in fields.items()):
+        return None
+    return msg
+
+
 def _cancel(reqs: Sequence[Any]) -> None:
     """Take back receives still pending (MPI can cancel receives, not sends)."""
     for r in reqs:
@@ -284,6 +371,9 @@ class _Control:
         self.MPI = dist.MPI
         self.exiting: set[int] = set()
         self.replies: dict[int, int] = {}
+        # Sends in flight, with their bytes (kept alive until MPI is done with them).
+        self._pending: list[tuple[Any, bytes]] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="overlap-mpi-control",
                                         daemon=True)
@@ -297,21 +387,39 @@ class _Control:
                 self._stop.wait(0.002)
                 continue
             source, tag = status.Get_source(), status.Get_tag()
-            msg = self.comm.recv(source=source, tag=tag)
-            if tag == _EXITING:
-                self.exiting.add(source)
-            elif tag == _QUERY:
-                with contextlib.suppress(ReferenceError):
-                    self.comm.isend({"calls": self.dist.calls}, dest=source, tag=_REPLY)
-            elif tag == _REPLY:
-                self.replies[source] = int(msg["calls"])
-            elif tag == _FAILED:
-                with contextlib.suppress(ReferenceError):
-                    self.dist.remote_failure(msg)
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv([buf, MPI.BYTE], source=source, tag=tag)
+            msg = _parse(tag, bytes(buf))
+            if msg is None:
+                log.warning("overlap: ignored a malformed control message (tag %d) from rank "
+                            "%d", tag, source)
+                continue
+            with contextlib.suppress(ReferenceError):  # (the runtime went away meanwhile)
+                self._handle(source, tag, msg)
+
+    def _handle(self, source: int, tag: int, msg: dict[str, Any]) -> None:
+        if tag == _EXITING:
+            self.exiting.add(source)
+        elif tag == _QUERY:
+            self._send(source, _REPLY, {"calls": self.dist.calls})
+        elif tag == _REPLY:
+            self.replies[source] = msg["calls"]
+        elif tag == _FAILED:
+            self.dist.remote_failure(msg)
+        elif tag == _LEFT:
+            self.dist.peer_left(source, msg["calls"], msg["how"])
+
+    def _send(self, dest: int, tag: int, msg: dict[str, Any]) -> Any:
+        """Post one message (JSON bytes); the request keeps its buffer alive until done."""
+        data = json.dumps(msg).encode()
+        with self._lock:
+            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+            req = self.comm.Isend([data, self.MPI.BYTE], dest=dest, tag=tag)
+            self._pending.append((req, data))
+        return req
 
     def tell_all(self, tag: int, msg: dict[str, Any], wait: float = 1.0) -> None:
-        reqs = [self.comm.isend(msg, dest=r, tag=tag) for r in range(self.size)
-                if r != self.rank]
+        reqs = [self._send(r, tag, msg) for r in range(self.size) if r != self.rank]
         deadline = time.perf_counter() + wait
         while reqs and time.perf_counter() < deadline:
             reqs = [r for r in reqs if not r.Test()]
@@ -328,12 +436,16 @@ class _Control:
             time.sleep(0.005)
         late = [r for r in others if r in self.replies and self.replies[r] < calls]
         mute = [r for r in others if r not in self.replies]
+        inside = [r for r in others if self.replies.get(r) == calls]
         parts = []
         if late:
             parts.append(f"ranks {late} never made this call (they are at calls "
                          f"{[self.replies[r] for r in late]}, this rank at {calls})")
         if mute:
             parts.append(f"ranks {mute} do not answer (exited, dead, or blocked in MPI)")
+        if inside and not parts:
+            parts.append(f"ranks {inside} are in this call but never got this far (stuck in "
+                         "an op? their own errors say which)")
         return "; ".join(parts) or "every rank made this call (a stuck peer?)"
 
     def stop(self) -> None:
@@ -389,6 +501,7 @@ def _at_exit() -> None:
     broken = [d for d in list(_LIVE) if d.broken is not None]
     if not broken:
         for d in list(_LIVE):
+            d.leave("exited")  # the script ended without closing its runtime
             d.control.stop()
         return
     b = broken[0]

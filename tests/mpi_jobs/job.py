@@ -21,6 +21,12 @@ Every rank runs this same script (as a user's would). Modes:
   each rank saves the (size, id, rank) its communicators were made with.
 - ``stuck OUT RANK``: rank RANK is stuck in its own code (a minute) instead of making a
   resharding call the others make (their timeout: 2 s).
+- ``leave OUT RANK HOW``: after one resharding call, rank RANK leaves — ``exit``
+  (``sys.exit(0)``) or ``close`` (closes its runtime, then idles) — while the others make a
+  second call (their timeout: 30 s, which must not be what finds it).
+- ``faults OUT``: the fault matrix of ``tests/fault_pipeline.py`` on two ranks: for every
+  planted fault, a runtime, the faulty step, close, then a fresh runtime's clean step; each
+  rank writes what it saw per fault to ``OUT/faults<r>.json`` and exits 0.
 """
 
 from __future__ import annotations
@@ -115,6 +121,8 @@ def main() -> int:
     if mode == "reshard" and sys.argv[4:] == ["cuda"]:
         backend = "cuda"
         use_fake_gpu()
+    if mode == "faults":
+        return fault_matrix(out_dir)
     with Runtime(cluster, backend, timeout=timeout) as rt:
         rank = rt.world.rank
         saved: dict[str, np.ndarray] = {}
@@ -155,6 +163,15 @@ def main() -> int:
             else:
                 time.sleep(60)  # stuck elsewhere: the others must not wait for this
 
+        elif mode == "leave":
+            plan, shards = small_plan(cluster, rt)
+            rt.reshard_sync(plan, shards)
+            if rank == int(sys.argv[3]):
+                if sys.argv[4] == "exit":
+                    sys.exit(0)
+                rt.close()
+                time.sleep(60)  # idle: the others must not wait for it
+            rt.reshard_sync(plan, shards)
         elif mode == "reshard":
             if cases.get("chunk_bytes") is not None:  # many pieces even for small tensors
                 rt.backend.chunk_bytes = int(cases["chunk_bytes"])
@@ -168,6 +185,50 @@ def main() -> int:
         else:
             raise SystemExit(f"mode: unknown {mode!r}")
         np.savez(out_dir / f"rank{rank}.npz", **saved)
+    return 0
+
+
+def fault_matrix(out_dir: Path) -> int:
+    """See module doc (``faults``)."""
+    import threading
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fault_pipeline import CLUSTER, FaultyMLP, every_fault
+
+    from overlap import OverlapRuntimeError
+
+    timeout = 1.0
+    with Runtime(CLUSTER, timeout=timeout) as rt:
+        reference = FaultyMLP().step(rt)
+        rank = rt.world.rank
+    seen = []
+    for fault in every_fault():
+        before = set(threading.enumerate())
+        model = FaultyMLP(fault)
+        rt = Runtime(CLUSTER, timeout=timeout)
+        start = time.perf_counter()
+        try:
+            model.step(rt)
+            error = None
+        except OverlapRuntimeError as exc:
+            error = exc
+        seconds = time.perf_counter() - start
+        rt.close()  # handled: not from inside the except block
+        closed = time.perf_counter() - start - seconds
+        model.release.set()
+        for t in set(threading.enumerate()) - before:
+            t.join(5.0)
+        left = sorted(t.name for t in set(threading.enumerate()) - before if t.is_alive())
+        with Runtime(CLUSTER, timeout=timeout) as fresh:
+            after = FaultyMLP().step(fresh)
+        seen.append({"fault": str(fault), "error": type(error).__name__ if error else None,
+                     "message": str(error) if error else "", "seconds": seconds,
+                     "close_seconds": closed, "threads_left": left,
+                     "next_step_ok": after == reference,
+                     **({"stage": error.stage, "microbatch": error.microbatch,
+                         "phase": error.phase, "device": error.device}
+                        if hasattr(error, "stage") else {})})
+    (out_dir / f"faults{rank}.json").write_text(json.dumps(seen, indent=1))
     return 0
 
 
