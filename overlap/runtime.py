@@ -55,7 +55,7 @@ from .errors import (
 )
 from .pipeline import Stage, StepState, check_pipeline, launch_step
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
-from .watch import Recovery, wait_all
+from .watch import Recovery, hang_error, overdue, wait_all
 from .world import Placement, World, detect_world
 
 if TYPE_CHECKING:
@@ -570,7 +570,9 @@ class Runtime:
             cancelled = not isinstance(exc, Exception)
             root = self._root_cause(exc)
             if self.world.distributed:
-                # Tell the other processes at once; the job cannot continue.
+                if isinstance(root, (CollectiveTimeout, CollectiveAborted)) and not cancelled:
+                    root = await self._peer_explanation(root, graph)
+                # Tell the other processes; the job cannot continue.
                 self._fail_distributed(what, root)
             reason = f"{what} failed: {root}" if not cancelled else f"{what} cancelled"
             hang = await self._recovery.settle(reason, graph, epoch, cancelled=cancelled)
@@ -580,6 +582,24 @@ class Runtime:
             if root is not exc:
                 raise root from root.__cause__
             raise
+
+    async def _peer_explanation(self, timeout: BaseException, graph: StepGraph | None
+                                ) -> BaseException:
+        """A timeout waiting for a peer is often the consequence of a stage that hangs, here
+        or on that peer — named when it has run ``timeout``, which may be a little after this
+        wait gave up: wait briefly (at most 1 s) for the hang here or the peer's report."""
+        backend, dist = self.backend, self.backend.dist
+        deadline = asyncio.get_running_loop().time() + min(1.0, backend.timeout)
+        while not isinstance(dist.broken, RankFailed):
+            hung = overdue(backend, backend.timeout)
+            if hung:
+                err = hang_error(hung, graph, backend.timeout)
+                backend.note_failure(err)
+                return err
+            if asyncio.get_running_loop().time() >= deadline:
+                return timeout
+            await asyncio.sleep(0.01)
+        return dist.broken
 
     def _root_cause(self, exc: BaseException) -> BaseException:
         """The failure that explains the others: processes that made different calls (which

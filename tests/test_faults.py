@@ -241,3 +241,59 @@ def test_a_tampered_step_graph_is_refused_before_any_work():
             rt.train_step_sync(model.stages, model.boundaries, model.microbatches(),
                                input_sharding=model.input_sharding, graph=tampered)
         assert rt.backend.streams() == []
+
+
+def test_close_returns_within_its_bound_while_a_stage_hangs():
+    before = set(threading.enumerate())
+    model, gate = FaultyMLP(), Gate()
+    gate.hold(model)
+    rt = overlap.Runtime(CLUSTER, timeout=TIMEOUT)
+    outcome: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            model.step(rt)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=step)
+    caller.start()
+    try:
+        assert gate.entered.wait(10)
+        start = time.perf_counter()
+        rt.close()  # from another thread, the step in flight, its stage stuck
+        assert time.perf_counter() - start <= TIMEOUT + HANG_SLACK_S
+        caller.join(10)
+        assert not caller.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], overlap.OverlapRuntimeError), outcome
+    finally:
+        gate.release.set()
+    assert_no_thread_left(before)
+
+
+# ---- the MPI control channel carries plain data ----------------------------------------------
+
+
+def test_control_messages_are_json_of_fixed_fields_never_pickles():
+    import pickle
+
+    from overlap.backends import distributed as dist
+
+    ok = {"rank": 1, "during": "train_step", "error": "boom", "calls": 3}
+    assert dist._parse(dist._FAILED, json.dumps(ok).encode()) == ok
+    assert dist._parse(dist._LEFT, b'{"rank": 2, "calls": 0, "how": "exited"}') == {
+        "rank": 2, "calls": 0, "how": "exited"}
+
+    class Boom:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    refused = [
+        pickle.dumps(ok), pickle.dumps(Boom()),  # pickles are never read
+        b"not json", b"[1, 2]", json.dumps({**ok, "extra": 1}).encode(),  # other shapes
+        json.dumps({**ok, "calls": "3"}).encode(), json.dumps({**ok, "rank": True}).encode(),
+        b'{"rank": 1, "during": "' + b"x" * (1 << 17) + b'", "error": "", "calls": 0}',
+    ]
+    for data in refused:
+        assert dist._parse(dist._FAILED, data) is None, data[:60]
+    assert dist._parse(99, json.dumps(ok).encode()) is None  # unknown kind

@@ -155,7 +155,7 @@ class CpuStream:
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._closing = False
-        self._current: Busy | None = None  # the item the worker runs now
+        self._current: tuple[str, Any, float] | None = None  # (kind, payload, since) running
         # Set when the thread was left stuck in an op (see CpuBackend.abandon): it runs
         # nothing more, and launching on this stream raises this text.
         self.lost: str | None = None
@@ -210,23 +210,13 @@ class CpuStream:
                 if not self._queue or self._thread is not me:
                     return  # closed, or abandoned while it was stuck: run nothing more
                 kind, payload = self._queue.popleft()
-                self._current = self._busy(kind, payload)
+                # What runs, since when — a tuple (cheap: every op pays it); busy() makes the
+                # Busy value when someone asks.
+                self._current = (kind, payload, time.perf_counter())
             try:
                 self._run_item(kind, payload)
             finally:
-                with self._lock:
-                    self._current = None
-                    self._cv.notify_all()
-
-    def _busy(self, kind: str, payload: Any) -> Busy | None:
-        now = time.perf_counter()
-        if kind == "op":
-            label, _, category, op = payload
-            return Busy(self.device, self.name, label, op, category, now)
-        if kind == "wait":
-            return Busy(self.device, self.name, f"wait for {payload.label}", None, "wait", now,
-                        waiting=True)
-        return None
+                self._current = None  # (one store: busy() sees the item or nothing)
 
     def _run_item(self, kind: str, payload: Any) -> None:
         if kind == "record":
@@ -271,8 +261,14 @@ class CpuStream:
     def busy(self) -> Busy | None:
         """What the thread is doing (None: idle, nothing queued)."""
         with self._lock:
-            if self._current is not None:
-                return self._current
+            current = self._current
+            if current is not None and current[0] != "record":
+                kind, payload, since = current
+                if kind == "op":
+                    label, _, category, op = payload
+                    return Busy(self.device, self.name, label, op, category, since)
+                return Busy(self.device, self.name, f"wait for {payload.label}", None, "wait",
+                            since, waiting=True)
             if self._queue and self._thread is not None:
                 # Queued work a live thread is about to take: draining, not stuck.
                 return Busy(self.device, self.name, "queued work", None, "queue",
@@ -650,8 +646,14 @@ class CpuBackend:
         be slow, not hung). Returns the ops still running then — hung — for :meth:`abandon`.
         Never longer than ``max(timeout, grace)``."""
         start = time.perf_counter()
-        return self.stop(lambda b: start + grace if b.waiting
-                         else max(b.hung_at(self.timeout), start + grace))
+
+        def until(b: Busy) -> float:
+            if b.waiting:
+                return start + grace
+            hung = b.hung_at(self.timeout)
+            return hung if hung <= start else max(hung, start + grace)  # hung already: done
+
+        return self.stop(until)
 
     def abandon(self, stuck: Sequence[Busy], reason: str) -> None:
         """Give up the threads of ``stuck`` streams (see ``CpuStream._abandon``)."""
