@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import sys
 import threading
 import warnings
 import weakref
@@ -640,29 +641,33 @@ class Runtime:
         that never returns is abandoned once that op has run ``timeout`` seconds (a daemon;
         it runs nothing more). Returns within ``timeout`` + a fraction of a second, whatever
         the stage functions do. Idempotent."""
-        self._close()
+        # A multi-process runtime that failed: closed with no exception in flight, the
+        # failure was handled and the job may go on (with a fresh Runtime); closed while one
+        # propagates (a ``finally``), the exit guards still end the job.
+        self._close(handled=sys.exc_info()[1] is None)
 
-    def _close(self, error: BaseException | None = None) -> None:
+    def _close(self, error: BaseException | None = None, handled: bool = False) -> None:
         """``error``: the exception leaving a ``with`` block (a multi-process job then tells
         the other ranks this one failed, not that it left)."""
         if not self._closed:
             self._closed = True
             self._finalizer.detach()
             if self.backend.dist is not None:
-                self.backend.dist.close(error)
+                self.backend.dist.close(error, handled)
             _shut_down(self.backend, self._sync)
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self._close)
+        """:meth:`close`, off the event loop."""
+        await asyncio.to_thread(self._close, None, sys.exc_info()[1] is None)
 
     def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, tp: object, error: BaseException | None, tb: object) -> None:
-        self._close(error)
+        self._close(error, handled=error is None)
 
     async def __aenter__(self) -> Runtime:
         return self
 
     async def __aexit__(self, tp: object, error: BaseException | None, tb: object) -> None:
-        await asyncio.to_thread(self._close, error)
+        await asyncio.to_thread(self._close, error, error is None)

@@ -205,7 +205,7 @@ class Distributed:
                     aborted_at = now
                 if (aborted_at is None or through_abort is None or not through_abort()
                         or now - aborted_at >= self.grace / 2):
-                    self.check(what, started, "", None)
+                    self.check(what, now, "", None)  # the abort only: the timeout is above
                 pause(attempt)
                 attempt += 1
         except BaseException:
@@ -232,20 +232,22 @@ class Distributed:
         self.backend.note_failure(err)
         self.backend.abort(f"rank {msg['rank']} failed")
 
-    def close(self, error: BaseException | None = None) -> None:
+    def close(self, error: BaseException | None = None, handled: bool = False) -> None:
         """The runtime closed: tell the peers this rank left, stop listening.
 
-        ``error``: the exception leaving the runtime's ``with`` block. Then this rank is
-        failing: the peers are told (if the runtime had not failed already), and it keeps
-        listening and ends the job at exit (see :func:`_at_exit`). A runtime closed after
-        its failure was handled (no exception in flight) is done, like a healthy one.
-        Only the first call counts (the backend's close calls it again)."""
+        ``error``: the exception leaving the runtime's ``with`` block; the peers are then told
+        this rank failed (unless it is ``sys.exit(0)``). A runtime that failed keeps listening
+        — and the exit guards end the job at exit (see :func:`_at_exit`) — unless the caller
+        ``handled`` the failure: ``Runtime.close()`` called with no exception in flight. Only
+        the first call counts (the backend's close calls it again)."""
         if self.closed:
             return
         self.closed = True
         if error is not None and not _clean_exit(error):
             if self.broken is None:
                 self.announce_failure("the script (an uncaught exception)", error)
+            return
+        if self.broken is not None and not handled:
             return
         if self.broken is None:
             self.leave("exited" if error is not None else "closed its runtime")
