@@ -150,7 +150,11 @@ class Recovery:
     def _settle(self, reason: str, graph: StepGraph | None, epoch: int,
                 cancelled: bool) -> StageTimeout | None:
         backend = self.backend
-        with self._lock:
+        # An interrupted call waits at most the grace, here too: a recovery already running
+        # (another call's) stops this call's work as well.
+        if not self._lock.acquire(timeout=STOP_GRACE_S if cancelled else -1):
+            return None
+        try:
             if epoch != self._epoch:
                 return None  # another call recovered from this failure already
             backend.abort(reason)
@@ -165,6 +169,8 @@ class Recovery:
             backend.reset()
             self._epoch += 1
             return None
+        finally:
+            self._lock.release()
 
     def _abandon(self, stuck: list[Busy], graph: StepGraph | None) -> StageTimeout:
         err = hang_error(stuck, graph, self.backend.timeout)

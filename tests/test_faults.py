@@ -24,8 +24,14 @@ from scheduler import StepGraph, lower, make_schedule
 from scheduler.errors import PlanError
 
 TIMEOUT = 1.0
-# A hang is named within the timeout plus this; a raise or a bad return value needs no timeout.
+# A hang is named within the timeout plus this.
 HANG_SLACK_S = 1.0
+# A raise or a bad return value is named without waiting for any timeout: with this one, an
+# error that took half of it waited for something (a bound that load on a shared machine
+# cannot reach, unlike a fixed fraction of a second).
+PATIENT_TIMEOUT = 10.0
+# From the call's start: the ops before the hung one, on a loaded shared machine.
+CALL_SLACK_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,8 @@ def test_fault_matrix(fault: Fault, reference) -> None:
     before = set(threading.enumerate())
     model = FaultyMLP(fault)
     device = model.meshes[fault.stage].device_ids[0]
-    rt = overlap.Runtime(CLUSTER, timeout=TIMEOUT)
+    timeout = TIMEOUT if fault.kind == "hang" else PATIENT_TIMEOUT
+    rt = overlap.Runtime(CLUSTER, timeout=timeout)
     try:
         start = time.perf_counter()
         if fault.harmless:
@@ -87,7 +94,11 @@ def test_fault_matrix(fault: Fault, reference) -> None:
             model.step(rt)
         elapsed = time.perf_counter() - start
         assert_named(info.value, fault, device)
-        assert elapsed <= (TIMEOUT + HANG_SLACK_S if fault.kind == "hang" else TIMEOUT), elapsed
+        if fault.kind == "hang":  # named within timeout + 1 s of the hang's start
+            assert info.value.seconds <= timeout + HANG_SLACK_S, info.value.seconds
+            assert elapsed <= timeout + CALL_SLACK_S, elapsed  # the ops before it included
+        else:
+            assert elapsed <= timeout / 2, elapsed
         model.fault = None
         if fault.kind != "hang":  # the same runtime recovered
             assert_reference(model, model.step(rt), reference)
@@ -97,7 +108,7 @@ def test_fault_matrix(fault: Fault, reference) -> None:
     finally:
         start = time.perf_counter()
         rt.close()
-        assert time.perf_counter() - start <= TIMEOUT + HANG_SLACK_S
+        assert time.perf_counter() - start <= timeout + HANG_SLACK_S
         model.release.set()
         assert_no_thread_left(before)
     # A hang: a fresh runtime in the same process works.
@@ -137,7 +148,9 @@ def test_ctrl_c_leaves_no_stale_error(reference, op_outlives_timeout):
     before = set(threading.enumerate())
     model, gate = FaultyMLP(), Gate()
     gate.hold(model)
-    rt = overlap.Runtime(CLUSTER, timeout=TIMEOUT)
+    # Ctrl-C must land before the held op is named as hung: the timeout leaves it time on a
+    # loaded machine (the hung-op case then waits it out).
+    rt = overlap.Runtime(CLUSTER, timeout=3.0 if op_outlives_timeout else PATIENT_TIMEOUT)
     try:
         interrupt_when(gate.entered)
         with pytest.raises(KeyboardInterrupt):
@@ -220,7 +233,7 @@ def test_a_loss_that_is_not_a_real_scalar_is_named_where_it_is_made(loss):
     last = model.stages[2]
     model.stages[2] = dataclasses.replace(last, forward=lambda ctx, x: (last.forward(ctx, x),
                                                                         loss)[1])
-    named = r"stage 2 forward \(mb 0, device 8\) returned"
+    named = r"stage 2 forward \(mb 0, device [89]\) returned"  # either device of stage 2
     with overlap.Runtime(CLUSTER, timeout=TIMEOUT) as rt, \
             pytest.raises(StreamError, match=named) as info:
         model.step(rt)

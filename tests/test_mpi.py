@@ -317,12 +317,15 @@ def test_fault_matrix_on_two_ranks(tmp_path):
         for row in (mine, other):
             assert row["next_step_ok"] and row["threads_left"] == [], row
             assert row["close_seconds"] <= 2.0, row  # timeout (1 s) + 1 s
-            assert row["seconds"] <= (2.0 if fault.kind == "hang" else 1.0), row
+            # From the call's start: a hang's timeout (1 s) + 1 s + the ops before it on a
+            # loaded machine; the rest well before their timeout (10 s).
+            assert row["seconds"] <= 5.0, row
         if fault.harmless:
             assert mine["error"] is other["error"] is None, (mine, other)
             continue
         if fault.kind == "hang":
             assert mine["error"] == "StageTimeout", mine
+            assert mine["hung_seconds"] <= 2.0, mine  # named within timeout + 1 s of the hang
             assert (mine["stage"], mine["microbatch"], mine["phase"], mine["device"]) == (
                 fault.stage, fault.microbatch, fault.phase, device), mine
             assert other["error"] in ("RankFailed", "CollectiveTimeout"), other

@@ -205,7 +205,9 @@ def fault_matrix(out_dir: Path) -> int:
     for fault in every_fault():
         before = set(threading.enumerate())
         model = FaultyMLP(fault)
-        rt = Runtime(CLUSTER, timeout=timeout)
+        # A hang is named after the timeout; anything else without waiting for one (a long
+        # timeout shows that, whatever the load).
+        rt = Runtime(CLUSTER, timeout=timeout if fault.kind == "hang" else 10 * timeout)
         start = time.perf_counter()
         try:
             model.step(rt)
@@ -226,7 +228,8 @@ def fault_matrix(out_dir: Path) -> int:
                      "close_seconds": closed, "threads_left": left,
                      "next_step_ok": after == reference,
                      **({"stage": error.stage, "microbatch": error.microbatch,
-                         "phase": error.phase, "device": error.device}
+                         "phase": error.phase, "device": error.device,
+                         "hung_seconds": error.seconds}
                         if hasattr(error, "stage") else {})})
     (out_dir / f"faults{rank}.json").write_text(json.dumps(seen, indent=1))
     return 0
