@@ -88,3 +88,13 @@ class DeviceThreadLost(OverlapRuntimeError):
     def __init__(self, message: str, *, stuck: tuple[tuple[int, str, str], ...]) -> None:
         super().__init__(message)
         self.stuck = stuck
+
+
+class DeviceTimeout(OverlapRuntimeError):
+    """Device work (a CUDA stream's, up to ``event``) was launched and never completed within
+    the timeout: a kernel that never ends, or a device fault after which CUDA reports no
+    event complete."""
+
+    def __init__(self, message: str, *, event: str) -> None:
+        super().__init__(message)
+        self.event = event

@@ -115,7 +115,9 @@ def check_outs(plan: ReshardPlan, out: Mapping[int, np.ndarray],
         if a.shape != region_shape(region) or a.dtype != dtype:
             raise ValueError(f"out[{d}]: got {a.shape} {a.dtype}, the plan's destination "
                              f"region {list(region)} needs {region_shape(region)} {dtype}")
-        if not a.flags.writeable:
+        # numpy arrays may be read-only; CuPy's Flags has no such field (c_contiguous,
+        # f_contiguous, owndata): device memory is always writable.
+        if not getattr(a.flags, "writeable", True):
             raise ValueError(f"out[{d}]: the array is read-only")
         for e, s in shards.items():
             if overlap(a, s):

@@ -1,9 +1,27 @@
 """A CuPy stand-in on numpy, for running the CUDA backend's host logic without a GPU.
 
-Streams are context managers that only track the current stream; events complete at once
-and carry a host timestamp; arrays are numpy arrays. It checks what the backend's *host* code
-does (threads, event hooks, loopback collectives, buffer keep-alive, trace marks) — not what
-a GPU does asynchronously, which only benchmarks/gpu_check.py on a GPU can.
+Modelled on CuPy 14.2 (cupy/cupy ``v14.2.0``: ``cupy/_core/core.pyx`` ndarray and
+``__array_ufunc__``/``__array_function__``, ``cupy/_core/flags.pyx``, ``cupy/cuda/stream.pyx``,
+``cupy/cuda/device.pyx``), and kept to its surface by ``tests/test_fake_cupy.py``, which
+compares it with the real library where that is installed. Where it models CuPy:
+
+- **Arrays** are their own type (a numpy subclass): numpy ufuncs and functions on them
+  dispatch to "CuPy" (NEP 13/18, as CuPy does), and **mixing them with numpy arrays raises**
+  ``TypeError: Unsupported type <class 'numpy.ndarray'>`` as in CuPy; results are device
+  arrays (a reduction gives a 0-d array, not a scalar); ``.get()`` / ``asnumpy`` copy to the
+  host; ``asarray(numpy)`` copies to the device. ``flags`` has CuPy's three fields
+  (``c_contiguous``, ``f_contiguous``, ``owndata``) — no ``writeable``. Each array belongs to
+  the device that was current when it was made (``.device.id``).
+- **Devices**: ``Device(i)`` as a context manager makes ``i`` current (per thread);
+  ``runtime.getDeviceCount()`` says how many (``DEVICES``).
+- **Streams and events**: a stream belongs to the device current at its creation; an event
+  records only on a stream of its own device (CUDA refuses others); a recorded event
+  completes ``EVENT_LATENCY_S`` later (device work finishes after the host launched it), or
+  never once ``sticky_error`` is set (a device fault: ``cudaEventQuery`` never succeeds).
+
+Where it is kinder than CuPy, tests prove nothing: ``numpy.asarray(device_array)`` works here
+(a subclass cannot refuse it; CuPy raises), kernels run at once on the host, and memory is
+shared between "devices".
 """
 
 from __future__ import annotations
@@ -11,66 +29,229 @@ from __future__ import annotations
 import threading
 import time
 import types
+from typing import Any, NamedTuple
 
 import numpy as np
-from numpy import (  # noqa: F401  (the array API the backend and tests use)
-    add,
-    arange,
-    array,
-    asarray,
-    ascontiguousarray,
-    empty,
-    empty_like,
-    float32,
-    float64,
-    ndarray,
-    ones,
-    zeros,
-)
+from numpy import add, float32, float64  # noqa: F401  (dtypes and the ufunc the backend names)
 
-__version__ = "fake"
+__version__ = "14.2.0-fake"
+DEVICES = 1  # what runtime.getDeviceCount() says
+EVENT_LATENCY_S = 1e-3  # how long after its record an event completes
+sticky_error = False  # a device fault: no event completes any more
 _local = threading.local()
 launches: list[str] = []  # what was enqueued where, for assertions
 
 
-def asnumpy(a):
-    return np.asarray(a)
+def _current_device() -> int:
+    return getattr(_local, "device", 0)
+
+
+# ---- arrays ------------------------------------------------------------------------------------
+
+
+class Flags(NamedTuple):
+    """CuPy's ``Flags``: these three fields only."""
+
+    c_contiguous: bool
+    f_contiguous: bool
+    owndata: bool
+
+
+class _Memory(NamedTuple):
+    ptr: int
+
+
+def _refuse_numpy(values: Any) -> None:
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            _refuse_numpy(v)
+        elif isinstance(v, np.ndarray) and not isinstance(v, ndarray):
+            raise TypeError(f"Unsupported type {type(v)}")
+
+
+def _host(v: Any) -> Any:
+    if isinstance(v, ndarray):
+        return v.view(np.ndarray)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_host(x) for x in v)
+    return v
+
+
+def _device(v: Any, gpu: int) -> Any:
+    if isinstance(v, np.ndarray):
+        out = v.view(ndarray)
+        out._gpu = gpu
+        return out
+    if isinstance(v, np.generic):
+        return _device(np.asarray(v), gpu)
+    if isinstance(v, tuple):
+        return tuple(_device(x, gpu) for x in v)
+    return v
+
+
+class ndarray(np.ndarray):
+    """A device array (see module doc)."""
+
+    _gpu = 0
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._gpu = getattr(obj, "_gpu", _current_device())
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        _refuse_numpy(inputs)
+        if out is not None:
+            _refuse_numpy(out)
+            kwargs["out"] = tuple(_host(o) for o in out)
+        result = getattr(ufunc, method)(*_host(inputs), **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return _device(result, self._gpu)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        _refuse_numpy(args)
+        _refuse_numpy(tuple(kwargs.values()))
+        result = func(*_host(args), **{k: _host(v) for k, v in kwargs.items()})
+        return _device(result, self._gpu)
+
+    @property
+    def flags(self) -> Flags:  # type: ignore[override]
+        f = super().flags
+        return Flags(f.c_contiguous, f.f_contiguous, f.owndata)
+
+    @property
+    def device(self) -> Device:
+        return Device(self._gpu)
+
+    @property
+    def data(self) -> _Memory:  # type: ignore[override]
+        return _Memory(self.ctypes.data)
+
+    def get(self, stream: Any = None) -> np.ndarray:
+        return np.array(self.view(np.ndarray))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # CuPy copies a host value to the device first; device arrays of another device fail
+        # in a kernel (here: allowed, memory is shared).
+        np.ndarray.__setitem__(self.view(np.ndarray), key, _host(value))
+
+
+def _new(a: np.ndarray) -> ndarray:
+    return _device(np.ascontiguousarray(a) if a.ndim else np.array(a), _current_device())
+
+
+def array(obj: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> ndarray:
+    return _new(np.array(_host(obj), dtype=dtype, copy=True, order=order))
+
+
+def asarray(obj: Any, dtype: Any = None, order: str | None = None) -> ndarray:
+    if isinstance(obj, ndarray) and (dtype is None or obj.dtype == dtype):
+        return obj
+    return _new(np.array(_host(obj), dtype=dtype, order=order or "K"))
+
+
+def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
+    if isinstance(a, ndarray) and a.flags.c_contiguous and (dtype is None or a.dtype == dtype):
+        return a
+    return _new(np.ascontiguousarray(_host(a), dtype=dtype))
+
+
+def asnumpy(a: Any, stream: Any = None) -> np.ndarray:
+    return a.get() if isinstance(a, ndarray) else np.asarray(a)
+
+
+def empty(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
+    return _new(np.empty(shape, dtype, order))
+
+
+def empty_like(a: Any, dtype: Any = None) -> ndarray:
+    return _new(np.empty_like(_host(a), dtype=dtype))
+
+
+def zeros(shape: Any, dtype: Any = float) -> ndarray:
+    return _new(np.zeros(shape, dtype))
+
+
+def ones(shape: Any, dtype: Any = float) -> ndarray:
+    return _new(np.ones(shape, dtype))
+
+
+def arange(*args: Any, **kwargs: Any) -> ndarray:
+    return _new(np.arange(*args, **kwargs))
+
+
+def may_share_memory(a: Any, b: Any) -> bool:
+    return bool(np.may_share_memory(_host(a), _host(b)))
+
+
+# ---- devices, streams, events -------------------------------------------------------------------
 
 
 class Device:
-    def __init__(self, gpu: int = 0) -> None:
-        self.id = gpu
+    def __init__(self, device: int | None = None) -> None:
+        self.id = _current_device() if device is None else int(device)
+        if not 0 <= self.id < DEVICES:
+            raise RuntimeError(f"cudaErrorInvalidDevice: invalid device ordinal {self.id}")
 
-    def __enter__(self):
+    def __enter__(self) -> Device:
+        self._prev = _current_device()
+        _local.device = self.id
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
+        _local.device = self._prev
         return False
+
+    def use(self) -> None:
+        _local.device = self.id
 
     def synchronize(self) -> None:
         pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
 
 
 class Stream:
     _count = 0
 
-    def __init__(self, non_blocking: bool = False, null: bool = False) -> None:
+    def __init__(self, null: bool = False, non_blocking: bool = False,
+                 ptds: bool = False, priority: int | None = None) -> None:
         Stream._count += 1
         self.ptr = 0 if null else Stream._count
+        self.device_id = _current_device()
 
-    def __enter__(self):
+    def __enter__(self) -> Stream:
         self._prev = getattr(_local, "stream", None)
         _local.stream = self
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         _local.stream = self._prev
         return False
 
-    def wait_event(self, event) -> None:
+    def use(self) -> Stream:
+        _local.stream = self
+        return self
+
+    def wait_event(self, event: Event) -> None:
         if not event.recorded:
             raise AssertionError("wait_event on an event that was never recorded")
         launches.append(f"wait {self.ptr}")
+
+    def record(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    @property
+    def done(self) -> bool:
+        return not sticky_error
+
+    def synchronize(self) -> None:
+        pass
 
 
 Stream.null = Stream(null=True)
@@ -81,28 +262,131 @@ class Event:
                  interprocess: bool = False) -> None:
         self.recorded = False
         self.t = 0.0
+        self.device_id = _current_device()
+        self.timing = not disable_timing
 
-    def record(self, stream=None) -> None:
+    def record(self, stream: Stream | None = None) -> None:
+        stream = stream or get_current_stream()
+        if stream.ptr != 0 and stream.device_id != self.device_id:
+            raise RuntimeError("cudaErrorInvalidResourceHandle: an event records only on a "
+                               f"stream of its device ({self.device_id}), not of device "
+                               f"{stream.device_id}")
         self.recorded = True
         self.t = time.perf_counter()
 
     @property
     def done(self) -> bool:
-        return self.recorded
+        return (self.recorded and not sticky_error
+                and time.perf_counter() >= self.t + EVENT_LATENCY_S)
 
     def synchronize(self) -> None:
-        pass
+        while not self.done:
+            if sticky_error:
+                raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was "
+                                   "encountered")
+            time.sleep(EVENT_LATENCY_S / 4)
 
 
-def get_current_stream():
+def get_current_stream() -> Stream:
     return getattr(_local, "stream", None) or Stream.null
 
 
 def get_elapsed_time(a: Event, b: Event) -> float:
+    if not (a.timing and b.timing):
+        raise RuntimeError("cudaErrorInvalidResourceHandle: timing disabled on an event")
     return (b.t - a.t) * 1e3
 
 
-runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, memcpyPeerAsync=None)
+runtime = types.SimpleNamespace(getDeviceCount=lambda: DEVICES, memcpyPeerAsync=None)
 cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, runtime=runtime,
                              get_current_stream=get_current_stream,
                              get_elapsed_time=get_elapsed_time)
+
+
+# ---- NCCL (cupy.cuda.nccl, CuPy 14.2: cupy_backends/cuda/libs/nccl.pyx) ------------------------
+# Records what the backend asks of it (no bytes move): which reduction, which group calls,
+# which communicators were aborted or destroyed.
+
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
+nccl_calls: list[tuple] = []
+_group_depth = [0]
+
+
+class NcclError(RuntimeError):
+    pass
+
+
+class NcclCommunicator:
+    fail_sends = False  # a send raises (to test that a group still ends)
+
+    def __init__(self, ndev: int, commId: bytes, rank: int, config: Any = None) -> None:
+        if not isinstance(commId, bytes):
+            raise TypeError(f"commId: CuPy 14 takes bytes, got {type(commId).__name__}")
+        self._size, self._rank, self._device = ndev, rank, _current_device()
+        self.aborted = self.destroyed = False
+
+    @classmethod
+    def initAll(cls, devices: Any) -> list[NcclCommunicator]:
+        comms = []
+        for r, d in enumerate(devices):
+            with Device(d):
+                comms.append(cls(len(devices), b"\0" * 128, r))
+        return comms
+
+    def _use(self, what: str, *args: Any) -> None:
+        if self.aborted or self.destroyed:
+            raise NcclError(f"{what}: communicator was aborted or destroyed")
+        nccl_calls.append((what, self._rank, *args))
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        if NcclCommunicator.fail_sends:
+            raise NcclError("ncclSend: unhandled system error")
+        self._use("send", peer)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._use("recv", peer)
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
+                  op: int, stream: int) -> None:
+        self._use("allReduce", op)
+
+    def abort(self) -> None:
+        self.aborted = True
+        nccl_calls.append(("abort", self._rank))
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+    def device_id(self) -> int:
+        return self._device
+
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def groupStart() -> None:
+    _group_depth[0] += 1
+    nccl_calls.append(("groupStart",))
+
+
+def groupEnd() -> None:
+    _group_depth[0] -= 1
+    nccl_calls.append(("groupEnd",))
+
+
+def get_unique_id() -> bytes:
+    return bytes(range(128))
+
+
+nccl = types.ModuleType("cupy.cuda.nccl")
+for _name in ("NCCL_SUM", "NCCL_PROD", "NCCL_MAX", "NCCL_MIN", "NCCL_AVG", "NCCL_FLOAT16",
+              "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_INT8", "NCCL_UINT8", "NCCL_INT32",
+              "NCCL_INT64", "NcclCommunicator", "NcclError", "groupStart", "groupEnd",
+              "get_unique_id"):
+    setattr(nccl, _name, globals()[_name])
+cuda.nccl = nccl

@@ -105,13 +105,24 @@ def test_toy_pipeline_on_gpu_matches_reference(schedule):
     model.grads = {k: cp.asnumpy(g) for k, g in model.grads.items()}
     model.check_against(model.full_weights, ref_grads)
     assert tl.iteration_time > 0
-    assert [tl.peak_activations(s) for s in range(4)][-1] == 1
+    # Activation memory follows the schedule (gpipe keeps every microbatch's), as on the CPU.
+    cpu_model = ToyMLP.build(cluster, hidden=16, batch=8)
+    with Runtime(cluster) as cpu:
+        cpu.train_step_sync(cpu_model.stages(), cpu_model.boundaries(), mbs,
+                            input_sharding=cpu_model.input_sharding(), schedule=schedule)
+        expected = [cpu.timeline().peak_activations(s) for s in range(4)]
+    assert [tl.peak_activations(s) for s in range(4)] == expected
 
 
 @needs_gpu
 def test_failure_on_gpu_names_the_op_and_recovers():
+    import cupy as cp
+
     cluster = Cluster.preset("p3.8xlarge", 4)
     model = ToyMLP.build(cluster, hidden=8, batch=4)
+    # Device weights: CuPy refuses ``x @ w`` with a numpy ``w``, which would fail the first op
+    # instead of the planted fault.
+    model.weights = {k: cp.asarray(w) for k, w in model.weights.items()}
     mbs = [np.ones((4, 8)) for _ in range(3)]
     stages = model.stages()
     good = stages[2].forward

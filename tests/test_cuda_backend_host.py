@@ -8,6 +8,7 @@ already recorded), loopback collectives and trace marks compute the right result
 from __future__ import annotations
 
 import sys
+import time
 
 import fake_cupy
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from toy import ToyMLP, reference_step
 
 from overlap import Runtime, StreamError
+from overlap.errors import DeviceTimeout
 from scheduler import (
     SCHEDULES,
     STRATEGIES,
@@ -28,10 +30,25 @@ from scheduler import (
 )
 
 
+def on_device(model: ToyMLP) -> ToyMLP:
+    """The toy's weights as device arrays: CuPy refuses ``x @ w`` with a numpy ``w``."""
+    model.weights = {k: fake_cupy.asarray(w) for k, w in model.weights.items()}
+    return model
+
+
+def on_host(model: ToyMLP) -> ToyMLP:
+    model.weights = {k: fake_cupy.asnumpy(w) for k, w in model.weights.items()}
+    model.grads = {k: fake_cupy.asnumpy(g) for k, g in model.grads.items()}
+    return model
+
+
 @pytest.fixture(autouse=True)
 def fake_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake_cupy.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", fake_cupy.nccl)
     fake_cupy.launches.clear()
+    fake_cupy.nccl_calls.clear()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -44,11 +61,12 @@ def test_reshard_through_the_cuda_backend(strategy):
     plan = plan_resharding(shape, "float64", src, dst, cluster, PlanOptions(strategy=strategy))
     with Runtime(cluster, backend="cuda") as rt:
         assert rt.backend.name == "cuda"
-        shards = {d: glob[tuple(slice(a, b) for a, b in r)].copy()
+        shards = {d: fake_cupy.asarray(glob[tuple(slice(a, b) for a, b in r)])
                   for d, r in src.device_regions(shape).items()}
         out = rt.reshard_sync(plan, shards)
     for d, r in dst.device_regions(shape).items():
-        np.testing.assert_array_equal(out[d], glob[tuple(slice(a, b) for a, b in r)])
+        np.testing.assert_array_equal(fake_cupy.asnumpy(out[d]),
+                                      glob[tuple(slice(a, b) for a, b in r)])
     assert any(x.startswith("wait") for x in fake_cupy.launches)  # device-side waits used
 
 
@@ -66,7 +84,7 @@ def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
 
     monkeypatch.setattr(cuda.CudaStream, "_wait_for", counting_wait)
     cluster = Cluster.preset("p3.8xlarge", 4)
-    model = ToyMLP.build(cluster, hidden=8, batch=4)
+    model = on_device(ToyMLP.build(cluster, hidden=8, batch=4))
     mbs = [np.random.default_rng(i).standard_normal((4, 8)) for i in range(3)]
     graph = lower(model.meshes, model.boundaries(), make_schedule(schedule, 4, len(mbs)),
                   cluster)
@@ -76,7 +94,7 @@ def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
         tl = rt.timeline()  # from (GPU, event) trace marks
     ref_losses, ref_grads = reference_step(model.full_weights, mbs)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-10)
-    model.check_against(model.full_weights, ref_grads)
+    on_host(model).check_against(model.full_weights, ref_grads)
     assert len(tl.spans) > 0 and tl.iteration_time >= 0
     # Every wait of the step graph became a device-side wait on a recorded CUDA event (the
     # fake asserts the event was recorded before the wait was enqueued).
@@ -85,7 +103,7 @@ def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
 
 def test_failure_through_the_cuda_backend_names_the_op():
     cluster = Cluster.preset("p3.8xlarge", 4)
-    model = ToyMLP.build(cluster, hidden=8, batch=4)
+    model = on_device(ToyMLP.build(cluster, hidden=8, batch=4))  # as real CuPy needs
     stages = model.stages()
     good = stages[1].backward
 
@@ -104,3 +122,98 @@ def test_failure_through_the_cuda_backend_names_the_op():
         losses = rt.train_step_sync(stages, model.boundaries(), mbs,
                                     input_sharding=model.input_sharding())
     assert np.allclose(losses, reference_step(model.full_weights, mbs)[0])
+
+
+# ---- what a review against CuPy 14.2 / NCCL found ---------------------------------------------
+
+
+def test_reshard_into_out_buffers_on_the_cuda_backend():
+    # CuPy's Flags has no ``writeable``: reading it raised AttributeError for every out=.
+    cluster = Cluster.preset("p3.8xlarge", 2)
+    src, dst = Sharding(cluster.mesh([0]), P()), Sharding(cluster.mesh([1]), P())
+    plan = plan_resharding((4, 6), "float32", src, dst, cluster)
+    glob = np.arange(24, dtype=np.float32).reshape(4, 6)
+    out = {d: fake_cupy.empty((4, 6), np.float32) for d in dst.mesh.device_ids}
+    assert not hasattr(out[4].flags, "writeable")
+    with Runtime(cluster, backend="cuda") as rt:
+        got = rt.reshard_sync(plan, {d: fake_cupy.asarray(glob) for d in src.mesh.device_ids},
+                              out=out)
+    for d in dst.mesh.device_ids:
+        assert got[d] is out[d]
+        np.testing.assert_array_equal(fake_cupy.asnumpy(out[d]), glob)
+
+
+def test_device_work_that_never_completes_is_named_within_the_timeout(monkeypatch):
+    # After a device fault no event completes: the wait was an endless poll.
+    cluster = Cluster.preset("p3.8xlarge", 2)
+    src, dst = Sharding(cluster.mesh([0]), P()), Sharding(cluster.mesh([1]), P())
+    plan = plan_resharding((4,), "float32", src, dst, cluster)
+    with Runtime(cluster, backend="cuda", timeout=0.5) as rt:
+        monkeypatch.setattr(fake_cupy, "sticky_error", True)
+        start = time.perf_counter()
+        with pytest.raises(DeviceTimeout, match=r"never reached .*timeout") as info:
+            rt.reshard_sync(plan, {d: fake_cupy.zeros(4, np.float32)
+                                   for d in src.mesh.device_ids})
+        assert time.perf_counter() - start <= 0.5 + 1.0
+        assert "device" in info.value.event or "end" in info.value.event
+
+
+def two_gpus(monkeypatch):
+    monkeypatch.setattr(fake_cupy, "DEVICES", 2)
+    from overlap.backends.cuda import CudaBackend
+
+    return CudaBackend(2, timeout=5.0)
+
+
+def run_on(backend, fn):
+    events = []
+    for d in (0, 1):
+        s = backend.stream(d, "compute")
+        s.launch(f"op {d}", lambda d=d: fn(d))
+        events.append(s.record())
+    for ev in events:
+        ev._done.wait(5.0)
+    return [ev.error for ev in events]
+
+
+@pytest.mark.parametrize("op, code", [(np.add, 0), (np.multiply, 1), (np.maximum, 2),
+                                      (np.minimum, 3)])
+def test_nccl_all_reduce_reduces_with_the_op_asked_for(monkeypatch, op, code):
+    backend = two_gpus(monkeypatch)
+    try:
+        errors = run_on(backend, lambda d: backend.all_reduce(
+            (0, 1), d, fake_cupy.ones(3), "t", op=op, namespace="g"))
+    finally:
+        backend.close()
+    assert errors == [None, None]
+    assert sorted(c for c in fake_cupy.nccl_calls if c[0] == "allReduce") == [
+        ("allReduce", 0, code), ("allReduce", 1, code)]
+
+
+def test_nccl_all_reduce_refuses_an_op_nccl_lacks(monkeypatch):
+    backend = two_gpus(monkeypatch)
+    try:
+        errors = run_on(backend, lambda d: backend.all_reduce(
+            (0, 1), d, fake_cupy.ones(3), "t", op=np.subtract, namespace="g"))
+    finally:
+        backend.close()
+    assert all(isinstance(e, StreamError) and "op: NCCL reduces with" in str(e) for e in errors)
+
+
+def test_a_failed_nccl_send_still_ends_its_group_and_abort_aborts_communicators(monkeypatch):
+    backend = two_gpus(monkeypatch)
+    monkeypatch.setattr(fake_cupy.NcclCommunicator, "fail_sends", True)
+    try:
+        errors = run_on(backend, lambda d: backend.broadcast(
+            (0, 1), d, 0, fake_cupy.ones(3), "t", namespace="g"))
+        assert isinstance(errors[0], StreamError) and "ncclSend" in str(errors[0])
+        calls = [c[0] for c in fake_cupy.nccl_calls]
+        assert calls.count("groupStart") == calls.count("groupEnd") == 1
+        assert fake_cupy._group_depth[0] == 0
+        # Aborting the run (what the runtime does on a failure) aborts the communicators: a
+        # receiver whose sender failed is not left spinning in its recv kernel.
+        backend.abort("a peer failed")
+        assert sorted(c for c in fake_cupy.nccl_calls if c[0] == "abort") == [
+            ("abort", 0), ("abort", 1)]
+    finally:
+        backend.close()

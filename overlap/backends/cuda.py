@@ -34,13 +34,15 @@ path has not run on multi-GPU hardware (docs/architecture.md says so too).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatch, OverlapRuntimeError
+from ..errors import CollectiveAborted, CollectiveMismatch, DeviceTimeout, OverlapRuntimeError
 from ..world import Placement
 from .cpu import CpuBackend, CpuEvent, CpuStream
 
@@ -69,11 +71,12 @@ class CudaEvent(CpuEvent):
     """A CUDA event: first *launched* (recorded on its stream by the host thread), then
     *done* when the GPU passes it."""
 
-    __slots__ = ("cuda_event",)
+    __slots__ = ("backend", "cuda_event")
 
-    def __init__(self, label: str = "") -> None:
+    def __init__(self, label: str = "", backend: CudaBackend | None = None) -> None:
         super().__init__(label)
         self.cuda_event: Any = None
+        self.backend = backend  # its timeout and abort flag bound the wait
 
     def launched(self) -> bool:
         return self._done.is_set()
@@ -84,9 +87,25 @@ class CudaEvent(CpuEvent):
         return self.cuda_event is None or bool(self.cuda_event.done)
 
     async def wait(self) -> None:
+        """Until the GPU passes the event — bounded: after a device fault ``eventQuery``
+        never succeeds, so a wait longer than the backend's ``timeout`` since the launch (or
+        an abort) raises, naming the event."""
         await super().wait()  # launched (or failed)
+        if self.cuda_event is None:
+            return
+        backend = self.backend
+        deadline = time.perf_counter() + (backend.timeout if backend is not None else 30.0)
         delay = 50e-6
-        while self.cuda_event is not None and not self.cuda_event.done:
+        while not self.cuda_event.done:
+            if backend is not None and backend.abort_reason is not None:
+                raise CollectiveAborted(f"waiting for the device to reach {self.label}: "
+                                        f"aborted ({backend.abort_reason})")
+            if time.perf_counter() > deadline:
+                raise DeviceTimeout(
+                    f"the device never reached {self.label}: its work was launched "
+                    f"{backend.timeout if backend is not None else 30.0:g} s ago (timeout) and "
+                    "has not completed — a kernel that never ends, or a device fault (after "
+                    "one, CUDA reports no event complete any more)", event=self.label)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2e-3)
 
@@ -142,7 +161,7 @@ class CudaStream(CpuStream):
 
     def record(self, label: str = "", *, event: CpuEvent | None = None) -> CpuEvent:
         return super().record(label, event=event if event is not None else CudaEvent(
-            label or f"d{self.device}/{self.name}"))
+            label or f"d{self.device}/{self.name}", self.backend))
 
 
 class CudaBackend(CpuBackend):
@@ -176,7 +195,7 @@ class CudaBackend(CpuBackend):
         return device % self.num_gpus
 
     def new_event(self, label: str = "") -> CudaEvent:
-        return CudaEvent(label)
+        return CudaEvent(label, self)
 
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         group = tuple(sorted(set(devices)))
@@ -292,7 +311,7 @@ class CudaBackend(CpuBackend):
                    tag: int | None = None) -> None:
         group = tuple(sorted(set(devices)))
         if self._distinct_gpus(group):
-            self._nccl_all_reduce(group, device, buffer, desc, namespace)
+            self._nccl_all_reduce(group, device, buffer, desc, namespace, op)
             return
 
         def combine(arrivals: dict[int, tuple[Any, Any]]) -> tuple[float, Any]:
@@ -355,24 +374,37 @@ class CudaBackend(CpuBackend):
         count, dtype = buffer.size, _nccl_dtype(buffer.dtype)
         if device == root:
             nccl.groupStart()
-            for d in group:
-                if d != root:
-                    comm.send(buffer.data.ptr, count, dtype, ranks.index(d), stream)
-            nccl.groupEnd()
+            try:  # a failed send must still end the group, or NCCL stays in it
+                for d in group:
+                    if d != root:
+                        comm.send(buffer.data.ptr, count, dtype, ranks.index(d), stream)
+            finally:
+                nccl.groupEnd()
         else:
             comm.recv(buffer.data.ptr, count, dtype, ranks.index(root), stream)
         self._keep(self._arrive(), buffer)
 
-    def _nccl_all_reduce(self, group, device, buffer, desc, namespace) -> None:
-        from cupy.cuda import nccl
-
+    def _nccl_all_reduce(self, group, device, buffer, desc, namespace, op=np.add) -> None:
+        reduction = _nccl_op(op)  # before any rendezvous: an unknown op fails alone
         self.communicator(group, namespace).run(device, f"all_reduce[{desc}]", None,
                                                 lambda _: 0.0)
         comm, _ = self._nccl_comm(f"{namespace}:{group}", group, device)
         comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size,
-                       _nccl_dtype(buffer.dtype), nccl.NCCL_SUM,
+                       _nccl_dtype(buffer.dtype), reduction,
                        self._local.stream.cuda_stream.ptr)
         self._keep(self._arrive(), buffer)
+
+    def abort(self, reason: str) -> None:
+        """Wake every host wait (see CpuBackend.abort) and abort every NCCL communicator: a
+        transfer whose peer failed would otherwise leave its kernel spinning on the GPU.
+        Aborted communicators are dropped; the next collective makes new ones."""
+        super().abort(reason)
+        with self._lock:
+            comms = [c for group in self._nccl.values() for c in group.values()]
+            self._nccl.clear()
+        for c in comms:
+            with contextlib.suppress(Exception):  # aborting is best effort
+                c.abort()
 
     def close(self) -> None:
         super().close()
@@ -382,6 +414,18 @@ class CudaBackend(CpuBackend):
         for c in comms:
             c.destroy()
         self._keepalive.clear()
+
+
+def _nccl_op(op: Callable[[Any, Any], Any]) -> int:
+    """NCCL's reduction for a numpy/CuPy ufunc (by name: ``cupy.add`` is not ``numpy.add``)."""
+    from cupy.cuda import nccl
+
+    table = {"add": nccl.NCCL_SUM, "multiply": nccl.NCCL_PROD, "maximum": nccl.NCCL_MAX,
+             "minimum": nccl.NCCL_MIN}
+    name = getattr(op, "__name__", None)
+    if name not in table:
+        raise TypeError(f"op: NCCL reduces with add, multiply, maximum or minimum, not {op!r}")
+    return table[name]
 
 
 def _nccl_dtype(dtype: Any) -> int:
