@@ -267,13 +267,24 @@ def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):
     done, _ = mpiexec(4, "nccl", str(tmp_path))
     assert done.returncode == 0, verdicts(done.stderr)
     ranks = outputs(tmp_path, 4)
-    for name, members in (("all", [0, 1, 2, 3]), ("pair", [2, 1]), ("tail", [1, 3])):
+    for name, members in (("all", [0, 1, 2, 3]), ("pair", [2, 1]), ("tail", [1, 3]),
+                          ("v14", [3, 0, 2])):  # CuPy 14's bytes ids too
         ids = [ranks[r][f"{name}/id"] for r in members]
         assert len(ids[0]) == 128 and all(np.array_equal(i, ids[0]) for i in ids)
         assert [int(ranks[r][f"{name}/rank"]) for r in members] == list(range(len(members)))
         assert all(int(ranks[r][f"{name}/n"]) == len(members) for r in members)
         assert all(f"{name}/id" not in ranks[r] for r in range(4) if r not in members)
     assert not np.array_equal(ranks[1]["pair/id"], ranks[1]["tail/id"])
+
+
+@pytest.mark.parametrize("uid", [bytes(range(128)), tuple(range(-128, 0)),
+                                 tuple(int(b) - 128 for b in bytes(range(0, 256, 2)))],
+                         ids=["cupy14-bytes", "cupy13-tuple", "cupy13-mixed"])
+def test_an_nccl_id_arrives_as_the_type_it_left(uid):
+    from overlap.backends.nccl_bootstrap import from_wire, to_wire
+
+    back = from_wire(to_wire(uid).copy())
+    assert type(back) is type(uid) and back == uid
 
 
 def test_nccl_bootstrap_refuses_a_rank_outside_its_members():

@@ -121,7 +121,7 @@ class CudaMpiBackend(CudaBackend):
             return
         self._members[namespace] = members
         if self.rank in members and len(members) > 1:
-            self._links.open(namespace, members)
+            self._open(namespace, members)
 
     def declare_subgroups(self, namespace: str, groups: Sequence[Sequence[int]]) -> None:
         for g in groups:
@@ -132,7 +132,13 @@ class CudaMpiBackend(CudaBackend):
             members = tuple(self.placement.owners[d] for d in group)  # NCCL rank = device order
             self._members[key] = members
             if self.rank in members and len(members) > 1:
-                self._links.open(key, members)
+                self._open(key, members)
+
+    def _open(self, key: Any, members: tuple[int, ...]) -> None:
+        # ncclCommInitRank binds the communicator to the *current* device: on the main thread
+        # that is GPU 0 unless made otherwise, and every rank of a node would share it.
+        with self.xp.cuda.Device(self._gpu):
+            self._links.open(key, members)
 
     def _spans(self, group: tuple[int, ...]) -> bool:
         return self.placement.ranks_of(group) != (self.rank,)

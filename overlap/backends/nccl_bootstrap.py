@@ -7,7 +7,9 @@ travels over MPI: the lowest member rank makes it and sends it to the other memb
 its timeout. Every member must create its communicators in the same order (the runtime
 declares channels in program order on every rank), and each rank drives one GPU.
 
-``nccl`` is ``cupy.cuda.nccl`` (or a stand-in with the same two calls, in tests).
+``nccl`` is ``cupy.cuda.nccl`` (or a stand-in with the same two calls, in tests). The id is a
+tuple of 128 signed chars in CuPy 13 and 128 ``bytes`` in CuPy ≥ 14 (which also takes an
+optional ``NcclConfig``); both travel (:func:`to_wire`) and arrive as the type they left.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ def bootstrap_nccl(comm: Any, members: Sequence[int], rank: int, nccl: Any, *,
     pause = pause or Backoff().pause
     root = members[0]
     if rank == root:
-        uid = np.asarray(nccl.get_unique_id(), dtype=np.int64)
-        reqs = [comm.Isend(uid, dest=m, tag=ID_TAG) for m in members[1:]]
+        wire = to_wire(nccl.get_unique_id())
+        reqs = [comm.Isend(wire, dest=m, tag=ID_TAG) for m in members[1:]]
     else:
-        uid = np.empty(_id_len(nccl), dtype=np.int64)
-        reqs = [comm.Irecv(uid, source=root, tag=ID_TAG)]
+        wire = np.empty(_id_len(nccl) + 1, dtype=np.int64)
+        reqs = [comm.Irecv(wire, source=root, tag=ID_TAG)]
     started = time.perf_counter()
     attempt = 0
     while not all(r.Test() for r in reqs):
@@ -56,7 +58,27 @@ def bootstrap_nccl(comm: Any, members: Sequence[int], rank: int, nccl: Any, *,
                 op="nccl bootstrap", devices=(), missing=())
         pause(attempt)
         attempt += 1
-    return nccl.NcclCommunicator(len(members), tuple(int(v) for v in uid), members.index(rank))
+    return nccl.NcclCommunicator(len(members), from_wire(wire), members.index(rank))
+
+
+def to_wire(uid: bytes | tuple[int, ...]) -> np.ndarray:
+    """An NCCL unique id as it travels: its bytes (0..255), then 1 if it was ``bytes`` (CuPy
+    ≥ 14: ``get_unique_id()`` returns bytes, ``NcclCommunicator`` takes bytes) or 0 if a tuple
+    of signed chars (CuPy 13). Every rank runs the same CuPy, so the receivers rebuild the
+    root's type."""
+    if isinstance(uid, (bytes, bytearray)):
+        values, kind = np.frombuffer(bytes(uid), np.uint8).astype(np.int64), 1
+    else:
+        values, kind = np.asarray(uid, dtype=np.int64) & 0xFF, 0
+    return np.concatenate([values, [kind]])
+
+
+def from_wire(wire: np.ndarray) -> bytes | tuple[int, ...]:
+    """The id :func:`to_wire` sent, of the type the sender's CuPy uses."""
+    values = [int(v) & 0xFF for v in wire[:-1]]
+    if int(wire[-1]) == 1:
+        return bytes(values)
+    return tuple(v - 256 if v > 127 else v for v in values)
 
 
 def _id_len(nccl: Any) -> int:

@@ -241,6 +241,7 @@ def use_fake_gpu() -> None:
     import fake_cupy
 
     sys.modules["cupy"] = fake_cupy
+    fake_cupy.DEVICES = 4  # one GPU per rank on this "node"
     from overlap.backends import cuda_mpi
 
     cuda_mpi.NcclLinks = HostMpiLinks
@@ -253,6 +254,12 @@ class HostMpiLinks:
         self.world, self.rank, self.comms = comm, rank, {}
 
     def open(self, key, members):
+        import fake_cupy
+
+        gpu = self.rank % fake_cupy.DEVICES  # the rank's GPU: its local rank, one node here
+        if fake_cupy._current_device() != gpu:  # NCCL would bind the communicator there
+            raise RuntimeError(f"rank {self.rank}: communicator {key} made with GPU "
+                               f"{fake_cupy._current_device()} current, not its GPU {gpu}")
         old = self.comms.pop(key, None)
         if old is not None:
             old.Free()
@@ -331,7 +338,23 @@ class FakeNccl:
 
     class NcclCommunicator:
         def __init__(self, n, uid, rank):
+            if not isinstance(uid, tuple):  # CuPy 13 takes the tuple it made
+                raise TypeError(f"uid: CuPy 13 takes a tuple, got {type(uid).__name__}")
             self.args = (n, uid, rank)
+
+
+class FakeNccl14(FakeNccl):
+    """CuPy 14's API: the id is bytes, the communicator takes bytes (and an optional
+    NcclConfig)."""
+
+    def get_unique_id(self):
+        return os.urandom(128)
+
+    class NcclCommunicator:
+        def __init__(self, n, uid, rank, config=None):
+            if not isinstance(uid, bytes):
+                raise TypeError(f"commId: CuPy 14 takes bytes, got {type(uid).__name__}")
+            self.args = (n, tuple(uid), rank)
 
 
 def nccl_bootstrap_check(rank: int) -> dict[str, np.ndarray]:
@@ -341,9 +364,10 @@ def nccl_bootstrap_check(rank: int) -> dict[str, np.ndarray]:
 
     comm = MPI.COMM_WORLD.Dup()
     out = {}
-    for name, members in (("all", [0, 1, 2, 3]), ("pair", [2, 1]), ("tail", [1, 3])):
+    for name, members, nccl in (("all", [0, 1, 2, 3], FakeNccl()), ("pair", [2, 1], FakeNccl()),
+                                ("tail", [1, 3], FakeNccl()), ("v14", [3, 0, 2], FakeNccl14())):
         if rank in members:
-            c = bootstrap_nccl(comm, members, rank, FakeNccl(), timeout=10.0)
+            c = bootstrap_nccl(comm, members, rank, nccl, timeout=10.0)
             n, uid, r = c.args
             out[f"{name}/n"], out[f"{name}/id"], out[f"{name}/rank"] = (
                 np.array(n), np.array(uid), np.array(r))
