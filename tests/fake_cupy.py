@@ -312,6 +312,10 @@ NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
 NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
 nccl_calls: list[tuple] = []
 _group_depth = [0]
+NCCL_CALL_S = 2e-3  # how long an NCCL call takes to issue here
+concurrent_issue: list[tuple[str, int]] = []  # calls that overlapped another on its device
+_issuing: dict[int, int] = {}
+_issuing_lock = threading.Lock()
 
 
 class NcclError(RuntimeError):
@@ -339,6 +343,15 @@ class NcclCommunicator:
         if self.aborted or self.destroyed:
             raise NcclError(f"{what}: communicator was aborted or destroyed")
         nccl_calls.append((what, self._rank, *args))
+        # NCCL: calls on one device from several threads at once are unsafe. Each call here
+        # takes a moment, and overlapping ones on one device are recorded.
+        with _issuing_lock:
+            _issuing[self._device] = _issuing.get(self._device, 0) + 1
+            if _issuing[self._device] > 1:
+                concurrent_issue.append((what, self._device))
+        time.sleep(NCCL_CALL_S)
+        with _issuing_lock:
+            _issuing[self._device] -= 1
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         if NcclCommunicator.fail_sends:

@@ -49,6 +49,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", fake_cupy.nccl)
     fake_cupy.launches.clear()
     fake_cupy.nccl_calls.clear()
+    fake_cupy.concurrent_issue.clear()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -217,3 +218,53 @@ def test_a_failed_nccl_send_still_ends_its_group_and_abort_aborts_communicators(
             ("abort", 0), ("abort", 1)]
     finally:
         backend.close()
+
+
+def test_nccl_calls_of_one_device_are_never_issued_from_two_threads_at_once(monkeypatch):
+    # A channel thread and the compute thread of one device, each on its own communicator:
+    # NCCL documents concurrent calls on one device from several threads as unsafe.
+    backend = two_gpus(monkeypatch)
+    events = []
+    try:
+        for d in (0, 1):
+            for k in range(4):
+                c, f = backend.stream(d, "compute"), backend.stream(d, "fwd0")
+                c.launch("reduce", lambda d=d: backend.all_reduce(
+                    (0, 1), d, fake_cupy.ones(3), "r", namespace="compute"))
+                f.launch("bcast", lambda d=d: backend.broadcast(
+                    (0, 1), d, 0, fake_cupy.ones(3), "b", namespace="fwd0"))
+            events += [c.record(), f.record()]
+        for ev in events:
+            ev._done.wait(10.0)
+    finally:
+        backend.close()
+    assert [ev.error for ev in events] == [None] * len(events)
+    assert len([c for c in fake_cupy.nccl_calls if c[0] == "allReduce"]) == 8
+    assert fake_cupy.concurrent_issue == []
+
+
+def test_nccl_links_of_a_process_issue_one_call_at_a_time():
+    # Across processes a rank drives one GPU; its channel and compute threads share it.
+    import threading
+
+    from overlap.backends.cuda_mpi import NcclLinks
+
+    links = NcclLinks(None, 0, timeout=5.0, poll=None)
+    comms = fake_cupy.NcclCommunicator.initAll([0, 0])
+    links._comms = {"fwd0": comms[0], "compute": comms[1]}
+    buf, stream = fake_cupy.ones(4), fake_cupy.Stream()
+
+    def channel() -> None:
+        for _ in range(5):
+            links.send_many("fwd0", buf, [1], stream)
+
+    def compute() -> None:
+        for _ in range(5):
+            links.all_reduce("compute", buf, stream)
+
+    threads = [threading.Thread(target=channel), threading.Thread(target=compute)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(fake_cupy.nccl_calls) >= 20 and fake_cupy.concurrent_issue == []

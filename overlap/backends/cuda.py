@@ -190,6 +190,7 @@ class CudaBackend(CpuBackend):
         self._declared: dict[str, tuple[int, ...]] = {}
         self._keepalive: list[tuple[Any, tuple[Any, ...]]] = []
         self._keep_lock = threading.Lock()
+        self._issue_locks: dict[int, threading.Lock] = {}  # per GPU: see _issuing
 
     def physical(self, device: int) -> int:
         return device % self.num_gpus
@@ -372,26 +373,40 @@ class CudaBackend(CpuBackend):
         comm, ranks = self._nccl_comm(namespace, group, device)
         stream = self._local.stream.cuda_stream.ptr
         count, dtype = buffer.size, _nccl_dtype(buffer.dtype)
-        if device == root:
-            nccl.groupStart()
-            try:  # a failed send must still end the group, or NCCL stays in it
-                for d in group:
-                    if d != root:
-                        comm.send(buffer.data.ptr, count, dtype, ranks.index(d), stream)
-            finally:
-                nccl.groupEnd()
-        else:
-            comm.recv(buffer.data.ptr, count, dtype, ranks.index(root), stream)
+        with self._issuing(device):
+            if device == root:
+                nccl.groupStart()
+                try:  # a failed send must still end the group, or NCCL stays in it
+                    for d in group:
+                        if d != root:
+                            comm.send(buffer.data.ptr, count, dtype, ranks.index(d), stream)
+                finally:
+                    nccl.groupEnd()
+            else:
+                comm.recv(buffer.data.ptr, count, dtype, ranks.index(root), stream)
         self._keep(self._arrive(), buffer)
+
+    def _issuing(self, device: int) -> threading.Lock:
+        """The lock under which NCCL calls on ``device``'s GPU are issued: NCCL calls on one
+        device from several threads at once (its channel threads and compute thread, each on
+        its own communicator) are unsafe. Held only while a call enqueues (NCCL returns
+        without waiting for the GPU), so no thread waits on another's transfer."""
+        gpu = self.physical(device)
+        with self._lock:
+            lock = self._issue_locks.get(gpu)
+            if lock is None:
+                lock = self._issue_locks[gpu] = threading.Lock()
+            return lock
 
     def _nccl_all_reduce(self, group, device, buffer, desc, namespace, op=np.add) -> None:
         reduction = _nccl_op(op)  # before any rendezvous: an unknown op fails alone
         self.communicator(group, namespace).run(device, f"all_reduce[{desc}]", None,
                                                 lambda _: 0.0)
         comm, _ = self._nccl_comm(f"{namespace}:{group}", group, device)
-        comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size,
-                       _nccl_dtype(buffer.dtype), reduction,
-                       self._local.stream.cuda_stream.ptr)
+        with self._issuing(device):
+            comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size,
+                           _nccl_dtype(buffer.dtype), reduction,
+                           self._local.stream.cuda_stream.ptr)
         self._keep(self._arrive(), buffer)
 
     def abort(self, reason: str) -> None:

@@ -26,6 +26,7 @@ run on GPUs has happened yet** — that needs two GPUs, and the check machine ha
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,10 @@ class NcclLinks:
         self.timeout = timeout
         self.poll = poll
         self._comms: dict[Any, Any] = {}
+        # This process's one GPU: NCCL calls on it from several threads (channel threads, the
+        # compute thread) at once are unsafe; each call only enqueues, so holding this while
+        # it does blocks nobody for long.
+        self._issue = threading.Lock()
 
     @staticmethod
     def _nccl() -> Any:
@@ -65,24 +70,29 @@ class NcclLinks:
     def send_many(self, key: Any, buf: Any, peers: Sequence[int], stream: Any) -> None:
         nccl = self._nccl()
         comm = self._comms[key]
-        nccl.groupStart()
-        try:
-            for p in peers:
-                comm.send(buf.data.ptr, buf.size, _nccl_dtype(buf.dtype), p, stream.ptr)
-        finally:
-            nccl.groupEnd()
+        with self._issue:
+            nccl.groupStart()
+            try:
+                for p in peers:
+                    comm.send(buf.data.ptr, buf.size, _nccl_dtype(buf.dtype), p, stream.ptr)
+            finally:
+                nccl.groupEnd()
 
     def recv(self, key: Any, buf: Any, peer: int, stream: Any) -> None:
-        self._comms[key].recv(buf.data.ptr, buf.size, _nccl_dtype(buf.dtype), peer, stream.ptr)
+        with self._issue:
+            self._comms[key].recv(buf.data.ptr, buf.size, _nccl_dtype(buf.dtype), peer,
+                                  stream.ptr)
 
     def all_reduce(self, key: Any, buf: Any, stream: Any) -> None:
         nccl = self._nccl()
-        self._comms[key].allReduce(buf.data.ptr, buf.data.ptr, buf.size,
-                                   _nccl_dtype(buf.dtype), nccl.NCCL_SUM, stream.ptr)
+        with self._issue:
+            self._comms[key].allReduce(buf.data.ptr, buf.data.ptr, buf.size,
+                                       _nccl_dtype(buf.dtype), nccl.NCCL_SUM, stream.ptr)
 
     def all_gather(self, key: Any, buf: Any, out: Any, stream: Any) -> None:
-        self._comms[key].allGather(buf.data.ptr, out.data.ptr, buf.size,
-                                   _nccl_dtype(buf.dtype), stream.ptr)
+        with self._issue:
+            self._comms[key].allGather(buf.data.ptr, out.data.ptr, buf.size,
+                                       _nccl_dtype(buf.dtype), stream.ptr)
 
     def close(self) -> None:
         comms, self._comms = list(self._comms.values()), {}
