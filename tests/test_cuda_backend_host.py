@@ -227,7 +227,7 @@ def test_nccl_calls_of_one_device_are_never_issued_from_two_threads_at_once(monk
     events = []
     try:
         for d in (0, 1):
-            for k in range(4):
+            for _ in range(4):
                 c, f = backend.stream(d, "compute"), backend.stream(d, "fwd0")
                 c.launch("reduce", lambda d=d: backend.all_reduce(
                     (0, 1), d, fake_cupy.ones(3), "r", namespace="compute"))
