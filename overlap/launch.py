@@ -38,12 +38,17 @@ def launch(backend: Backend, graph: StepGraph, bind: Bind) -> list[Event]:
         return ev
 
     recorded = graph.recorded
+    # What the caller launched before this call (its inputs, an optimizer step) comes first:
+    # every lane starts with a wait on the caller's stream (a GPU's; nothing on the CPU).
+    entry = backend.caller_events()
     ends = []
     for lane, ids in graph.lanes.items():
         d = lane.device
         if not backend.is_local(d):
             continue  # another process runs this lane
         stream = backend.stream(d, lane.stream)
+        for ev in entry:
+            stream.wait_event(ev)
         category = "compute" if lane.stream == COMPUTE else "comm"
         for i in ids:
             op = graph.ops[i]

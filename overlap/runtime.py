@@ -557,6 +557,7 @@ class Runtime:
         try:
             try:
                 await wait_all(self.backend, events, graph)
+                self.backend.release_to_caller(events)
             finally:
                 if verdict is not None:
                     check.hurry()

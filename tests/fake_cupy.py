@@ -40,6 +40,7 @@ EVENT_LATENCY_S = 1e-3  # how long after its record an event completes
 sticky_error = False  # a device fault: no event completes any more
 _local = threading.local()
 launches: list[str] = []  # what was enqueued where, for assertions
+waits: list[tuple[int, int]] = []  # (waiting stream, stream the event was recorded on)
 
 
 def _current_device() -> int:
@@ -240,6 +241,7 @@ class Stream:
         if not event.recorded:
             raise AssertionError("wait_event on an event that was never recorded")
         launches.append(f"wait {self.ptr}")
+        waits.append((self.ptr, event.stream_ptr))
 
     def record(self, event: Event | None = None) -> Event:
         event = event or Event()
@@ -257,10 +259,20 @@ class Stream:
 Stream.null = Stream(null=True)
 
 
+class ExternalStream(Stream):
+    """A stream made elsewhere (torch's), by its pointer and device."""
+
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        super().__init__()
+        self.ptr = ptr
+        self.device_id = _current_device() if device_id < 0 else device_id
+
+
 class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False,
                  interprocess: bool = False) -> None:
         self.recorded = False
+        self.stream_ptr = -1
         self.t = 0.0
         self.device_id = _current_device()
         self.timing = not disable_timing
@@ -272,6 +284,7 @@ class Event:
                                f"stream of its device ({self.device_id}), not of device "
                                f"{stream.device_id}")
         self.recorded = True
+        self.stream_ptr = stream.ptr
         self.t = time.perf_counter()
 
     @property
@@ -298,7 +311,8 @@ def get_elapsed_time(a: Event, b: Event) -> float:
 
 
 runtime = types.SimpleNamespace(getDeviceCount=lambda: DEVICES, memcpyPeerAsync=None)
-cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, runtime=runtime,
+cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=ExternalStream,
+                             Event=Event, runtime=runtime,
                              get_current_stream=get_current_stream,
                              get_elapsed_time=get_elapsed_time)
 

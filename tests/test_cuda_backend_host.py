@@ -98,8 +98,11 @@ def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
     on_host(model).check_against(model.full_weights, ref_grads)
     assert len(tl.spans) > 0 and tl.iteration_time >= 0
     # Every wait of the step graph became a device-side wait on a recorded CUDA event (the
-    # fake asserts the event was recorded before the wait was enqueued).
-    assert len(device_waits) == sum(len(op.waits) for op in graph.ops) > 0
+    # fake asserts the event was recorded before the wait was enqueued), and every lane first
+    # waited for the caller's stream.
+    entry = [w for w in device_waits if w == "the caller's stream"]
+    assert len(device_waits) - len(entry) == sum(len(op.waits) for op in graph.ops) > 0
+    assert len(entry) == len(graph.lanes)
 
 
 def test_failure_through_the_cuda_backend_names_the_op():
@@ -268,3 +271,23 @@ def test_nccl_links_of_a_process_issue_one_call_at_a_time():
     for t in threads:
         t.join(10)
     assert len(fake_cupy.nccl_calls) >= 20 and fake_cupy.concurrent_issue == []
+
+
+def test_a_call_runs_after_the_callers_stream_and_before_its_later_work():
+    # Inputs made with cp.asarray (a copy on the caller's stream) may still be in flight when
+    # the call starts; the caller's next kernels must not read results still being written.
+    cluster = Cluster.preset("p3.8xlarge", 2)
+    src, dst = Sharding(cluster.mesh([0]), P()), Sharding(cluster.mesh([1]), P())
+    plan = plan_resharding((4,), "float32", src, dst, cluster)
+    with Runtime(cluster, backend="cuda") as rt, fake_cupy.Stream() as caller:
+        shards = {d: fake_cupy.ones(4, np.float32) for d in src.mesh.device_ids}
+        fake_cupy.waits.clear()
+        rt.reshard_sync(plan, shards)
+        used = {s.cuda_stream.ptr for s in rt.backend.streams()}
+    first_wait = {}
+    for waiter, recorded_on in fake_cupy.waits:
+        first_wait.setdefault(waiter, recorded_on)
+    # Every stream the call used waited first for an event on the caller's stream ...
+    assert used and all(first_wait[p] == caller.ptr for p in used), (first_wait, caller.ptr)
+    # ... and the caller's stream then waited for every one of them.
+    assert {rec for waiter, rec in fake_cupy.waits if waiter == caller.ptr} == used

@@ -436,6 +436,16 @@ class CpuBackend:
         told to wait for — of this backend's kind."""
         return CpuEvent(label)
 
+    def caller_events(self) -> list[CpuEvent]:
+        """Events a call's streams wait for first: the caller's own device work so far (the
+        CUDA backend: its current CuPy and torch streams). None on the CPU: the caller's
+        work is done when it calls."""
+        return []
+
+    def release_to_caller(self, ends: Sequence[CpuEvent]) -> None:
+        """After a call: order the caller's later device work after the call's (CUDA: its
+        current streams wait for the lanes' end events). Nothing on the CPU."""
+
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         """Every device that collectives of ``namespace`` (a channel) may involve. The CPU
         backend needs nothing; the CUDA backend builds one NCCL communicator per group."""

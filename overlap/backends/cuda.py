@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -197,6 +198,39 @@ class CudaBackend(CpuBackend):
 
     def new_event(self, label: str = "") -> CudaEvent:
         return CudaEvent(label, self)
+
+    def caller_streams(self) -> list[Any]:
+        """The calling thread's current CUDA streams: CuPy's, and torch's when torch has
+        initialised CUDA (as a CuPy ``ExternalStream``) — where the caller's own work (inputs
+        made with ``cp.asarray``, an optimizer step) may still be running."""
+        cp = self.xp
+        streams = [cp.cuda.get_current_stream()]
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            ts = torch.cuda.current_stream()
+            streams.append(cp.cuda.ExternalStream(ts.cuda_stream, ts.device.index))
+        return streams
+
+    def caller_events(self) -> list[CudaEvent]:
+        """An event recorded now on each of the caller's streams (see CpuBackend)."""
+        cp = self.xp
+        events = []
+        for s in self.caller_streams():
+            with cp.cuda.Device(getattr(s, "device_id", None)):
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(s)
+            wrapped = CudaEvent("the caller's stream", self)
+            wrapped.cuda_event = ev
+            wrapped._complete()  # recorded already: streams may wait for it at once
+            events.append(wrapped)
+        return events
+
+    def release_to_caller(self, ends: Sequence[CpuEvent]) -> None:
+        """The caller's streams wait (on the GPU) for every lane's end."""
+        for s in self.caller_streams():
+            for ev in ends:
+                if isinstance(ev, CudaEvent) and ev.cuda_event is not None:
+                    s.wait_event(ev.cuda_event)
 
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         group = tuple(sorted(set(devices)))
