@@ -144,10 +144,10 @@ def array(obj: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> n
     return _new(np.array(_host(obj), dtype=dtype, copy=True, order=order))
 
 
-def asarray(obj: Any, dtype: Any = None, order: str | None = None) -> ndarray:
-    if isinstance(obj, ndarray) and (dtype is None or obj.dtype == dtype):
-        return obj
-    return _new(np.array(_host(obj), dtype=dtype, order=order or "K"))
+def asarray(a: Any, dtype: Any = None, order: str | None = None) -> ndarray:
+    if isinstance(a, ndarray) and (dtype is None or a.dtype == dtype):
+        return a
+    return _new(np.array(_host(a), dtype=dtype, order=order or "K"))
 
 
 def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
@@ -188,6 +188,8 @@ def may_share_memory(a: Any, b: Any) -> bool:
 
 
 class Device:
+    id = 0  # (a class attribute too, as CuPy's readonly field is)
+
     def __init__(self, device: int | None = None) -> None:
         self.id = _current_device() if device is None else int(device)
         if not 0 <= self.id < DEVICES:
@@ -217,6 +219,8 @@ class Device:
 
 class Stream:
     _count = 0
+    ptr = 0  # (CuPy documents ``ptr`` and ``device_id`` as attributes of a stream)
+    device_id = 0
 
     def __init__(self, null: bool = False, non_blocking: bool = False,
                  ptds: bool = False, priority: int | None = None) -> None:
@@ -304,10 +308,10 @@ def get_current_stream() -> Stream:
     return getattr(_local, "stream", None) or Stream.null
 
 
-def get_elapsed_time(a: Event, b: Event) -> float:
-    if not (a.timing and b.timing):
+def get_elapsed_time(start_event: Event, end_event: Event) -> float:
+    if not (start_event.timing and end_event.timing):
         raise RuntimeError("cudaErrorInvalidResourceHandle: timing disabled on an event")
-    return (b.t - a.t) * 1e3
+    return (end_event.t - start_event.t) * 1e3
 
 
 runtime = types.SimpleNamespace(getDeviceCount=lambda: DEVICES, memcpyPeerAsync=None)
