@@ -28,7 +28,16 @@ What it does (each part logs to ``$OUT/gpu_check.log`` when ``OUT`` is set):
    1f1b and eager-1f1b, and exposed communication from the CUDA-event trace — **target:
    eager-1f1b ≤ 1.05 × signal**; the eager-1f1b trace goes to ``$OUT/gpu_pipeline.json``.
 
-It prints a short table last.
+It prints a short table last. Each section runs on its own: one that fails or hangs (the
+test run is bounded) is reported as such and the others still run; each section's result
+is appended to ``$OUT/gpu_check.log`` as soon as it is known, so a late hang loses nothing
+measured earlier. Device work is timed with CUDA events — a backend call between two events
+recorded on the caller's stream (the runtime orders the caller's stream before and after its
+calls), so host launch is not counted as transfer time.
+
+``python benchmarks/gpu_check.py --self-test`` runs the whole script on this CPU machine on
+the CuPy stand-in (tests/fake_cupy.py) with small sizes, so that a GPU run cannot die on a
+script error (CI runs it; its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 OUT = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+SELF = False  # --self-test: on the CuPy stand-in
 _log_lines: list[str] = []
 
 
@@ -69,20 +79,47 @@ def timed(cp, fn, repeat: int = 5) -> float:
     return statistics.median(times)
 
 
+SIZES = {"copy_elems": 256 * 2**20, "pack_side": 8192, "rows": 16384, "cols": 4096,
+         "microbatches": 16, "latency_rounds": 200, "test_timeout_s": 240}
+SELF_TEST = {"copy_elems": 4096, "pack_side": 64, "rows": 64, "cols": 32, "microbatches": 4,
+             "latency_rounds": 5, "test_timeout_s": 120}
+
+
 def run_tests() -> str:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs",
-                           "tests/test_cuda_backend.py"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs",
+                               "tests/test_cuda_backend.py"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=SIZES["test_timeout_s"])
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"")[-3000:]
+        log(out.decode(errors="replace") if isinstance(out, bytes) else str(out))
+        return f"FAILED: the tests did not finish within {SIZES['test_timeout_s']} s"
     log(proc.stdout[-3000:] + proc.stderr[-2000:])
     last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
     return f"{'ok' if proc.returncode == 0 else 'FAILED'}: {last}"
+
+
+def device_timed(cp, call, repeat: int = 5) -> float:
+    """Median seconds of the device work ``call()`` launches, between two CUDA events on the
+    caller's stream (a runtime call orders the caller's stream before and after its work)."""
+    call()  # warm-up: threads, streams, pools
+    times = []
+    stream = cp.cuda.get_current_stream()
+    for _ in range(repeat):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        call()
+        b.record(stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+    return statistics.median(times)
 
 
 def bandwidth(cp) -> dict[str, float]:
     from overlap import Runtime
     from scheduler import Cluster, DeviceMesh, P, Sharding, plan_resharding
 
-    n = 256 * 2**20  # float32 elements: 1 GiB
+    n = SIZES["copy_elems"]  # float32 elements: 1 GiB
     src = cp.arange(n, dtype=cp.float32)
     dst = cp.empty_like(src)
     peak = 2 * src.nbytes / timed(cp, lambda: dst.__setitem__(Ellipsis, src))  # read + write
@@ -92,20 +129,16 @@ def bandwidth(cp) -> dict[str, float]:
     plan = plan_resharding((n,), "float32", Sharding(a, P()), Sharding(b, P()), cluster)
     with Runtime(cluster, backend="cuda") as rt:
         shards = {0: src}
-        rt.reshard_sync(plan, shards)  # warm-up: threads, streams, pools
-        times = []
-        for _ in range(5):
-            cp.cuda.Device(0).synchronize()
-            t0 = time.perf_counter()
-            out = rt.reshard_sync(plan, shards)
-            times.append(time.perf_counter() - t0)
+        out = {1: cp.empty_like(src)}  # reused: the call allocates nothing
+        seconds = device_timed(cp, lambda: rt.reshard_sync(plan, shards, out=out))
         assert bool((out[1][:1000] == src[:1000]).all())
     # A transfer reads the root's buffer and writes the receiver's: 2 × bytes of traffic,
-    # measured end to end (host launch and completion included).
-    transfer = 2 * src.nbytes / statistics.median(times)
+    # timed on the device like the peak.
+    transfer = 2 * src.nbytes / seconds
     # Pack / unpack: a strided half of a 2-d array to a contiguous buffer and back.
-    m = cp.arange(8192 * 8192, dtype=cp.float32).reshape(8192, 8192)
-    region = m[:, 1024:5120]
+    side = SIZES["pack_side"]
+    m = cp.arange(side * side, dtype=cp.float32).reshape(side, side)
+    region = m[:, side // 8:side // 8 + side // 2]
     packed = cp.empty(region.shape, cp.float32)
     pack = 2 * region.nbytes / timed(cp, lambda: packed.__setitem__(Ellipsis, region))
     unpack = 2 * region.nbytes / timed(cp, lambda: region.__setitem__(Ellipsis, packed))
@@ -141,10 +174,18 @@ def completion_latency(cp) -> dict[str, float]:
         return time.perf_counter() - t0
 
     async def many(fn) -> float:
-        return statistics.median([await fn() for _ in range(200)])
+        return statistics.median([await fn() for _ in range(SIZES["latency_rounds"])])
 
-    return {"poll": asyncio.run(many(poll_once)) * 1e6,
-            "thread": asyncio.run(many(thread_once)) * 1e6}
+    from overlap.runtime import _new_loop  # uvloop, as the runtime's calls run on
+
+    result = {}
+    for name, fn in (("poll", poll_once), ("thread", thread_once)):
+        loop = _new_loop()
+        try:
+            result[name] = loop.run_until_complete(many(fn)) * 1e6
+        finally:
+            loop.close()
+    return result
 
 
 def pipeline(cp) -> dict[str, float]:
@@ -153,67 +194,56 @@ def pipeline(cp) -> dict[str, float]:
 
     cluster = Cluster(4, 1, nic_gbps=400.0)  # 4 virtual stages, all on GPU 0
     meshes = [DeviceMesh([[d]], ("host", "gpu")) for d in range(4)]
-    rows = 16384
+    rows = SIZES["rows"]
 
     def transfer_seconds(cols: int) -> float:
         a = cp.zeros((rows, cols), cp.float32)
         b = cp.empty_like(a)
         return timed(cp, lambda: b.__setitem__(Ellipsis, a))
 
-    cols = 4096  # 256 MiB activations
+    cols = SIZES["cols"]  # 256 MiB activations
     t_xfer = transfer_seconds(cols)
     # Matmul size so that F ≈ 2 × transfer (B does two of them).
-    n = 1024
+    n = 1024 if not SELF else 16
     while True:
         w = cp.ones((n, n), cp.float32)
         t_mm = timed(cp, lambda w=w: w @ w)
-        if t_mm >= 2 * t_xfer or n >= 16384:
+        if t_mm >= 2 * t_xfer or n >= (16384 if not SELF else 64):
             break
         n = int(n * 1.25)
     weights = {d: cp.ones((n, n), cp.float32) / n for d in range(4)}
 
+    # The same compute whatever the boundary's size (the signal run must differ only in what
+    # moves): matmuls on the weights; activations and gradients pass through unchanged, and
+    # the last stage sends back a gradient made once.
     def fwd(s):
         def f(ctx, x):
             z = weights[ctx.device] @ weights[ctx.device]
-            y = x + z[0, 0] * 0
-            return y.sum() * 0 if s == 3 else y
+            return z[0, 0] * 0 if s == 3 else x
         return f
 
-    def bwd(s):
+    def bwd(s, grad):
         def b(ctx, dy):
             z = weights[ctx.device] @ weights[ctx.device]
-            z = z @ weights[ctx.device]
-            return None if s == 0 else (ctx.saved.setdefault("g", z[0, 0] * 0)
-                                        + (dy if dy is not None else 0))
+            z @ weights[ctx.device]
+            return None if s == 0 else (grad if dy is None else dy)
         return b
 
     def run(schedule: str, boundary_cols: int, trace: Path | None = None) -> tuple[float, float]:
         shape = (rows, boundary_cols)
-        stages = [Stage(m, fwd(s), bwd(s)) for s, m in enumerate(meshes)]
+        grad = cp.zeros(shape, cp.float32)
+        stages = [Stage(m, fwd(s), bwd(s, grad)) for s, m in enumerate(meshes)]
         bounds = [Boundary(shape, "float32", Sharding(meshes[s], P()),
                            Sharding(meshes[s + 1], P())) for s in range(3)]
-        mbs = [cp.zeros(shape, cp.float32) for _ in range(16)]
-
-        # The last stage's backward needs a gradient of the right shape to send back.
-        def last_bwd(ctx, dy):
-            z = weights[ctx.device] @ weights[ctx.device]
-            z = z @ weights[ctx.device]
-            return cp.zeros(shape, cp.float32) + z[0, 0] * 0
-
-        stages[3] = Stage(meshes[3], fwd(3), last_bwd)
+        mbs = [cp.zeros(shape, cp.float32) for _ in range(SIZES["microbatches"])]
         with Runtime(cluster, backend="cuda") as rt:
-            rt.train_step_sync(stages, bounds, mbs, input_sharding=Sharding(meshes[0], P()),
-                               schedule=schedule)
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                rt.train_step_sync(stages, bounds, mbs,
-                                   input_sharding=Sharding(meshes[0], P()), schedule=schedule)
-                times.append(time.perf_counter() - t0)
+            seconds = device_timed(cp, lambda: rt.train_step_sync(
+                stages, bounds, mbs, input_sharding=Sharding(meshes[0], P()),
+                schedule=schedule), repeat=3)
             tl = rt.timeline()
             if trace is not None:
                 rt.write_trace(trace)
-        return statistics.median(times), tl.exposed_comm_fraction
+        return seconds, tl.exposed_comm_fraction
 
     signal, _ = run("eager-1f1b", 1)
     one, one_exp = run("1f1b", cols)
@@ -224,7 +254,40 @@ def pipeline(cp) -> dict[str, float]:
             "eager_exposed": eager_exp}
 
 
-def main() -> int:
+def section(rows: list[tuple[str, str, str]], name: str, fn, started: float) -> object:
+    """Run one section; a failure is a row, not the end of the check."""
+    try:
+        result = fn()
+    except BaseException as exc:  # noqa: BLE001 - reported, then the next section runs
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        log(f"[{time.time() - started:.0f}s] {name} FAILED: {type(exc).__name__}: {exc}")
+        rows.append((name, "FAILED", f"{type(exc).__name__}: {str(exc)[:120]}"))
+        return None
+    log(f"[{time.time() - started:.0f}s] {name} done: {result}")
+    return result
+
+
+def use_stand_in() -> None:
+    """--self-test: the CuPy stand-in, small sizes."""
+    global SELF
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fake_cupy
+
+    sys.modules["cupy"] = fake_cupy
+    sys.modules["cupy.cuda"] = fake_cupy.cuda
+    sys.modules["cupy.cuda.nccl"] = fake_cupy.nccl
+    SIZES.update(SELF_TEST)
+    SELF = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args not in ([], ["--self-test"]):
+        print(__doc__)
+        return 2
+    if args == ["--self-test"]:
+        use_stand_in()
     try:
         import cupy as cp
     except ImportError:
@@ -239,41 +302,45 @@ def main() -> int:
         OUT.mkdir(parents=True, exist_ok=True)
     props = cp.cuda.runtime.getDeviceProperties(0)
     log(f"device: {props['name'].decode()} ({gpu_count()} visible), CuPy {cp.__version__}, "
-        f"Python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d')}")
+        f"Python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d')}"
+        + (" — SELF-TEST on the stand-in: the numbers mean nothing" if SELF else ""))
     rows: list[tuple[str, str, str]] = []
     t0 = time.time()
-    rows.append(("GPU tests", run_tests(), ""))
-    log(f"[{time.time() - t0:.0f}s] tests done")
-    bw = bandwidth(cp)
-    ratio = bw["transfer"] / bw["peak"]
-    rows.append(("D2D copy peak", f"{bw['peak'] / 1e9:.0f} GB/s", ""))
-    rows.append(("loopback transfer", f"{bw['transfer'] / 1e9:.0f} GB/s",
-                 f"{ratio:.0%} of peak (target >= 80%: {'met' if ratio >= 0.8 else 'NOT met'})"))
-    rows.append(("pack / unpack", f"{bw['pack'] / 1e9:.0f} / {bw['unpack'] / 1e9:.0f} GB/s",
-                 ""))
-    log(f"[{time.time() - t0:.0f}s] bandwidth done: {bw}")
-    lat = completion_latency(cp)
-    rows.append(("await completion", f"poll {lat['poll']:.0f} µs, thread {lat['thread']:.0f} µs",
-                 "the backend polls" + (" (the better here)" if lat["poll"] <= lat["thread"]
-                                        else " (a thread was faster here)")))
-    log(f"[{time.time() - t0:.0f}s] completion latency done: {lat}")
-    pl = pipeline(cp)
-    eager_ratio = pl["eager"] / pl["signal"]
-    rows.append(("pipeline sizes", f"transfer {pl['transfer_ms']:.2f} ms",
-                 f"matmul n={pl['matmul_n']} {pl['matmul_ms']:.2f} ms"))
-    rows.append(("signal step", f"{pl['signal'] * 1e3:.1f} ms", ""))
-    rows.append(("1f1b step", f"{pl['1f1b'] * 1e3:.1f} ms",
-                 f"exposed comm {pl['1f1b_exposed']:.1%}"))
-    rows.append(("eager-1f1b step", f"{pl['eager'] * 1e3:.1f} ms",
-                 f"{eager_ratio:.3f} x signal (target <= 1.05: "
-                 f"{'met' if eager_ratio <= 1.05 else 'NOT met'}), exposed "
-                 f"{pl['eager_exposed']:.1%}"))
-    log(f"[{time.time() - t0:.0f}s] pipeline done: {pl}")
+    tests = section(rows, "GPU tests", run_tests, t0)
+    if tests is not None:
+        rows.append(("GPU tests", str(tests), ""))
+    bw = section(rows, "bandwidth", lambda: bandwidth(cp), t0)
+    if bw is not None:
+        ratio = bw["transfer"] / bw["peak"]
+        rows.append(("D2D copy peak", f"{bw['peak'] / 1e9:.0f} GB/s", "CUDA events"))
+        rows.append(("loopback transfer", f"{bw['transfer'] / 1e9:.0f} GB/s",
+                     f"{ratio:.0%} of peak (target >= 80%: "
+                     f"{'met' if ratio >= 0.8 else 'NOT met'}), CUDA events"))
+        rows.append(("pack / unpack", f"{bw['pack'] / 1e9:.0f} / {bw['unpack'] / 1e9:.0f} GB/s",
+                     ""))
+    lat = section(rows, "completion latency", lambda: completion_latency(cp), t0)
+    if lat is not None:
+        rows.append(("await completion", f"poll {lat['poll']:.0f} µs, thread "
+                     f"{lat['thread']:.0f} µs", "uvloop; the backend polls"
+                     + (" (the better here)" if lat["poll"] <= lat["thread"]
+                        else " (a thread was faster here)")))
+    pl = section(rows, "pipeline", lambda: pipeline(cp), t0)
+    if pl is not None:
+        eager_ratio = pl["eager"] / pl["signal"]
+        rows.append(("pipeline sizes", f"transfer {pl['transfer_ms']:.2f} ms",
+                     f"matmul n={pl['matmul_n']} {pl['matmul_ms']:.2f} ms"))
+        rows.append(("signal step", f"{pl['signal'] * 1e3:.1f} ms", "same compute"))
+        rows.append(("1f1b step", f"{pl['1f1b'] * 1e3:.1f} ms",
+                     f"exposed comm {pl['1f1b_exposed']:.1%}"))
+        rows.append(("eager-1f1b step", f"{pl['eager'] * 1e3:.1f} ms",
+                     f"{eager_ratio:.3f} x signal (target <= 1.05: "
+                     f"{'met' if eager_ratio <= 1.05 else 'NOT met'}), exposed "
+                     f"{pl['eager_exposed']:.1%}"))
     width = max(len(r[0]) for r in rows)
     log("\n== gpu_check ==")
     for name, value, note in rows:
         log(f"{name:<{width}}  {value:<28} {note}")
-    return 0
+    return 1 if any(v == "FAILED" or str(v).startswith("FAILED") for _, v, _ in rows) else 0
 
 
 if __name__ == "__main__":

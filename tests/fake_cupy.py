@@ -314,7 +314,9 @@ def get_elapsed_time(start_event: Event, end_event: Event) -> float:
     return (end_event.t - start_event.t) * 1e3
 
 
-runtime = types.SimpleNamespace(getDeviceCount=lambda: DEVICES, memcpyPeerAsync=None)
+runtime = types.SimpleNamespace(
+    getDeviceCount=lambda: DEVICES, memcpyPeerAsync=None,
+    getDeviceProperties=lambda device: {"name": b"CuPy stand-in (numpy)"})
 cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=ExternalStream,
                              Event=Event, runtime=runtime,
                              get_current_stream=get_current_stream,

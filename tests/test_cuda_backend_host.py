@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import fake_cupy
 import numpy as np
@@ -291,3 +292,20 @@ def test_a_call_runs_after_the_callers_stream_and_before_its_later_work():
     assert used and all(first_wait[p] == caller.ptr for p in used), (first_wait, caller.ptr)
     # ... and the caller's stream then waited for every one of them.
     assert {rec for waiter, rec in fake_cupy.waits if waiter == caller.ptr} == used
+
+
+def test_gpu_check_runs_end_to_end_on_the_stand_in(tmp_path):
+    # The GPU machine's time is scarce: the one script it runs must not die on a script error.
+    import os
+    import subprocess
+
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--self-test"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OUT": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = done.stdout.split("== gpu_check ==")[1]
+    for row in ("GPU tests", "D2D copy peak", "loopback transfer", "pack / unpack",
+                "await completion", "signal step", "1f1b step", "eager-1f1b step"):
+        assert row in table, table
+    assert "FAILED" not in table
+    assert "eager-1f1b step" in (tmp_path / "gpu_check.log").read_text()  # written as it went
