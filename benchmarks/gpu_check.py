@@ -258,7 +258,7 @@ def section(rows: list[tuple[str, str, str]], name: str, fn, started: float) -> 
     """Run one section; a failure is a row, not the end of the check."""
     try:
         result = fn()
-    except BaseException as exc:  # noqa: BLE001 - reported, then the next section runs
+    except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             raise
         log(f"[{time.time() - started:.0f}s] {name} FAILED: {type(exc).__name__}: {exc}")
