@@ -195,7 +195,7 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
             backend.broadcast(group, device, sender, buf, desc, namespace, tag)
             return
         view = outs[device][_local(dst[device], region)]
-        if view.flags.c_contiguous or backend.strided_receive:
+        if view.flags.c_contiguous or backend.receives_strided(group):
             backend.broadcast(group, device, sender, view, desc, namespace, tag)  # in place
         else:
             buf = xp.empty(shape, dtype)

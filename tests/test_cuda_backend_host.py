@@ -22,6 +22,7 @@ from scheduler import (
     SCHEDULES,
     STRATEGIES,
     Cluster,
+    DeviceMesh,
     P,
     PlanOptions,
     Sharding,
@@ -309,3 +310,52 @@ def test_gpu_check_runs_end_to_end_on_the_stand_in(tmp_path):
         assert row in table, table
     assert "FAILED" not in table
     assert "eager-1f1b step" in (tmp_path / "gpu_check.log").read_text()  # written as it went
+
+
+def test_one_gpu_receives_into_strided_views_and_dependency_events_are_untimed(monkeypatch):
+    # Loopback copies take strided destinations (no staging copy, which only NCCL needs);
+    # events made only to be waited for are created without timing (cheaper).
+    made: list = []
+    real_init = fake_cupy.Event.__init__
+
+    def counting(self, *a, **k):
+        real_init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(fake_cupy.Event, "__init__", counting)
+    cluster = Cluster(3, 1, nic_gbps=10)
+    src = Sharding(DeviceMesh([0], "a"), P())
+    dst = Sharding(DeviceMesh([1, 2], "a"), P(None, "a"))  # column blocks
+    plan = plan_resharding((4, 6), "float32", src, dst, cluster,
+                           PlanOptions(strategy="send_recv", balance="none"))
+    received = []
+    from overlap.backends.cuda import CudaBackend
+
+    real_broadcast = CudaBackend.broadcast
+
+    def watching(self, devices, device, root, buffer, *a, **k):
+        if device != root:
+            received.append(buffer.flags.c_contiguous)
+        return real_broadcast(self, devices, device, root, buffer, *a, **k)
+
+    monkeypatch.setattr(CudaBackend, "broadcast", watching)
+    glob = np.arange(24, dtype=np.float32).reshape(4, 6)
+    out = {d: fake_cupy.empty((4, 6), np.float32)[:, :3] for d in dst.mesh.device_ids}  # views
+    with Runtime(cluster, backend="cuda") as rt:
+        rt.reshard_sync(plan, {0: fake_cupy.asarray(glob)}, out=out)
+    assert received and not any(received)  # into the strided views themselves
+    np.testing.assert_array_equal(fake_cupy.asnumpy(out[1]), glob[:, :3])
+    np.testing.assert_array_equal(fake_cupy.asnumpy(out[2]), glob[:, 3:])
+    assert made and not any(e.timing for e in made)
+
+
+def test_a_trace_touches_only_the_gpus_this_process_drives(monkeypatch):
+    monkeypatch.setattr(fake_cupy, "DEVICES", 2)
+    from overlap.backends.cuda import CudaBackend
+
+    backend = CudaBackend(1)  # one device, on GPU 0 of the two visible
+    try:
+        backend.start_trace()
+        assert set(backend._refs) == {0}
+    finally:
+        backend.close()

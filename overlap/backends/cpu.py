@@ -422,14 +422,16 @@ class CpuBackend:
     name = "cpu"
     xp = np  # the array module stage functions and transfers use
     stream_class: type[CpuStream] = CpuStream
-    # A broadcast may receive into a strided view of the destination (one copy lands the
-    # data in place); backends whose transport needs contiguous memory (NCCL) say False and
-    # receivers stage and unpack.
-    strided_receive = True
 
     def current_stream(self) -> Any:
         """The native stream of the calling op (None: CPU streams are threads)."""
         return None
+
+    def receives_strided(self, group: Sequence[int]) -> bool:
+        """Whether a broadcast among ``group`` may receive into a strided view of the
+        destination (one copy lands the data in place); where the transport needs contiguous
+        memory (NCCL) receivers stage and unpack."""
+        return True
 
     def new_event(self, label: str = "") -> CpuEvent:
         """An event to record later (``stream.record(event=...)``) that others may already be

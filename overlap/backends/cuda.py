@@ -148,7 +148,7 @@ class CudaStream(CpuStream):
             cp = _cupy()
             self._ensure()
             with cp.cuda.Device(self.gpu):
-                ev = cp.cuda.Event(disable_timing=False)
+                ev = cp.cuda.Event(disable_timing=True)  # for waits only: cheaper untimed
                 ev.record(self.cuda_stream)
             event.cuda_event = ev
         event._complete(self._failed)
@@ -170,7 +170,6 @@ class CudaBackend(CpuBackend):
 
     name = "cuda"
     stream_class = CudaStream
-    strided_receive = False  # NCCL sends and receives contiguous buffers
 
     def __init__(self, num_devices: int, *, timeout: float = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None,
@@ -195,6 +194,10 @@ class CudaBackend(CpuBackend):
 
     def physical(self, device: int) -> int:
         return device % self.num_gpus
+
+    def receives_strided(self, group: Sequence[int]) -> bool:
+        """On one GPU a broadcast is a strided device copy; NCCL needs contiguous buffers."""
+        return not self._distinct_gpus(tuple(sorted(set(group))))
 
     def new_event(self, label: str = "") -> CudaEvent:
         return CudaEvent(label, self)
@@ -246,7 +249,9 @@ class CudaBackend(CpuBackend):
         """Trace marks are CUDA events; times are measured from a reference event per GPU."""
         cp = self.xp
         self._refs = {}
-        for g in range(self.num_gpus):
+        # Only the GPUs this process drives: touching another makes a CUDA context on it (every
+        # rank of a node would make one on every GPU).
+        for g in sorted({self.physical(d) for d in range(self.num_devices) if self.is_local(d)}):
             with cp.cuda.Device(g):
                 ev = cp.cuda.Event()
                 ev.record(cp.cuda.Stream.null)

@@ -123,6 +123,10 @@ class CudaMpiBackend(CudaBackend):
     def physical(self, device: int) -> int:
         return self._gpu  # this process's one device is on its GPU
 
+    def receives_strided(self, group: Sequence[int]) -> bool:
+        """Across processes a broadcast is NCCL's: contiguous buffers only."""
+        return not self._spans(tuple(sorted(set(group))))
+
     # ---- communicators (main thread, the same order on every rank) ------------------------
 
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
