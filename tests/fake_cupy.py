@@ -259,6 +259,11 @@ class Stream:
     def synchronize(self) -> None:
         pass
 
+    def launch_host_func(self, callback: Any, arg: Any) -> None:
+        """CuPy 14: ``callback(arg)`` on a CUDA thread once the stream gets there."""
+        if not sticky_error:
+            threading.Timer(EVENT_LATENCY_S, callback, (arg,)).start()
+
 
 Stream.null = Stream(null=True)
 
@@ -353,6 +358,10 @@ class NcclCommunicator:
 
     @classmethod
     def initAll(cls, devices: Any) -> list[NcclCommunicator]:
+        devices = list(devices)
+        if len(set(devices)) != len(devices):  # one rank per GPU in a communicator
+            raise NcclError("NCCL_ERROR_INVALID_USAGE: duplicate GPU in one communicator "
+                            f"({devices})")
         comms = []
         for r, d in enumerate(devices):
             with Device(d):

@@ -255,8 +255,8 @@ def test_nccl_links_of_a_process_issue_one_call_at_a_time():
     from overlap.backends.cuda_mpi import NcclLinks
 
     links = NcclLinks(None, 0, timeout=5.0, poll=None)
-    comms = fake_cupy.NcclCommunicator.initAll([0, 0])
-    links._comms = {"fwd0": comms[0], "compute": comms[1]}
+    # Two communicators (a channel's, a stage group's), this rank's GPU in each.
+    links._comms = {k: fake_cupy.NcclCommunicator(2, bytes(128), 0) for k in ("fwd0", "compute")}
     buf, stream = fake_cupy.ones(4), fake_cupy.Stream()
 
     def channel() -> None:

@@ -40,7 +40,8 @@ def real_and_fake(path: str):
 CALLABLES = [
     "asarray", "array", "ascontiguousarray", "asnumpy", "empty", "zeros", "ones",
     "cuda.Stream", "cuda.ExternalStream", "cuda.Event", "cuda.Device",
-    "cuda.Stream.wait_event", "cuda.Event.record", "cuda.runtime.getDeviceCount",
+    "cuda.Stream.wait_event", "cuda.Stream.launch_host_func", "cuda.Event.record",
+    "cuda.runtime.getDeviceCount",
     "cuda.get_elapsed_time", "ndarray.get",
     "cuda.nccl.NcclCommunicator.send", "cuda.nccl.NcclCommunicator.recv",
     "cuda.nccl.NcclCommunicator.allReduce", "cuda.nccl.NcclCommunicator.initAll",
@@ -60,7 +61,7 @@ def test_what_the_stand_in_accepts_the_real_one_accepts(path):
                  "copy", "reshape", "T", "ndim", "astype", "view", "__array_ufunc__",
                  "__array_function__"]),
     ("cuda.Stream", ["ptr", "device_id", "wait_event", "record", "null", "done", "synchronize",
-                     "use"]),
+                     "use", "launch_host_func"]),
     ("cuda.Event", ["record", "done", "synchronize"]),
     ("cuda.Device", ["id", "use", "synchronize"]),
     ("cuda.nccl.NcclCommunicator", ["send", "recv", "allReduce", "abort", "destroy",
