@@ -335,6 +335,7 @@ cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=Extern
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
 NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
+NCCL_API = 14  # the CuPy major version whose unique-id and constructor API this models
 nccl_calls: list[tuple] = []
 _group_depth = [0]
 NCCL_CALL_S = 2e-3  # how long an NCCL call takes to issue here
@@ -350,9 +351,12 @@ class NcclError(RuntimeError):
 class NcclCommunicator:
     fail_sends = False  # a send raises (to test that a group still ends)
 
-    def __init__(self, ndev: int, commId: bytes, rank: int, config: Any = None) -> None:
-        if not isinstance(commId, bytes):
-            raise TypeError(f"commId: CuPy 14 takes bytes, got {type(commId).__name__}")
+    def __init__(self, ndev: int, commId: Any, rank: int, config: Any = None) -> None:
+        want = bytes if NCCL_API >= 14 else tuple
+        if not isinstance(commId, want) or (NCCL_API < 14 and config is not None):
+            raise TypeError(f"commId: CuPy {NCCL_API} takes {want.__name__}"
+                            f"{'' if NCCL_API >= 14 else ' and no config'}, got "
+                            f"{type(commId).__name__}")
         self._size, self._rank, self._device = ndev, rank, _current_device()
         self.aborted = self.destroyed = False
 
@@ -365,7 +369,7 @@ class NcclCommunicator:
         comms = []
         for r, d in enumerate(devices):
             with Device(d):
-                comms.append(cls(len(devices), b"\0" * 128, r))
+                comms.append(cls(len(devices), get_unique_id(), r))
         return comms
 
     def _use(self, what: str, *args: Any) -> None:
@@ -421,8 +425,10 @@ def groupEnd() -> None:
     nccl_calls.append(("groupEnd",))
 
 
-def get_unique_id() -> bytes:
-    return bytes(range(128))
+def get_unique_id() -> bytes | tuple[int, ...]:
+    """CuPy 14: 128 bytes; CuPy 13: a tuple of 128 signed chars (``NCCL_API``)."""
+    raw = bytes(range(128))
+    return raw if NCCL_API >= 14 else tuple(b - 256 if b > 127 else b for b in raw)
 
 
 nccl = types.ModuleType("cupy.cuda.nccl")

@@ -359,3 +359,13 @@ def test_a_trace_touches_only_the_gpus_this_process_drives(monkeypatch):
         assert set(backend._refs) == {0}
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("api", [13, 14])
+def test_a_bootstrapped_communicator_gets_the_id_type_its_cupy_takes(monkeypatch, api):
+    # One rank (no peers): the id goes through the wire form and back into the constructor.
+    from overlap.backends.nccl_bootstrap import bootstrap_nccl
+
+    monkeypatch.setattr(fake_cupy, "NCCL_API", api)
+    comm = bootstrap_nccl(None, [0], 0, fake_cupy.nccl, timeout=1.0)
+    assert comm.rank_id() == 0 and comm.size() == 1
