@@ -295,7 +295,14 @@ class Runtime:
         self._reshards = 0  # standalone reshardings so far: names their messages across ranks
         self._calls = 0  # runtime calls so far; every process must make the same ones
         if world.distributed:
-            log.info("%s", self.backend.dist.describe())
+            # Shown by default: the README ties mpiexec's pids to ranks with this line. Through
+            # logging when the user configured it, else straight to stderr.
+            if log.hasHandlers():
+                log.info("%s", self.backend.dist.describe())
+            else:
+                # One write (print writes the newline apart; ranks' lines would interleave).
+                sys.stderr.write(f"overlap: {self.backend.dist.describe()}\n")
+                sys.stderr.flush()
         self._closed = False
         self._sync = _SyncLoop()
         self.plans = PlanCache(cluster)  # each boundary planned once per options

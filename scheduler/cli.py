@@ -4,15 +4,15 @@ Examples::
 
     overlap plan --cluster p3.8xlarge --hosts 5 --shape 1024,1024,512 --dtype int32 \\
         --src-mesh 0:2 --src-spec=host,-,- --dst-mesh 2:4 --dst-spec=host,-,-
-    overlap plan --case case.json --strategy send_recv --show-transfers
+    overlap plan --case examples/cases/plan_case.json --strategy send_recv --show-transfers
 
 (The paper's suite of cases: ``python benchmarks/reshard_suite.py``.)
 
 Meshes on the command line are whole hosts ``FIRST:STOP`` (axes "host", "gpu"), optionally
 ``FIRST:STOPxGPUS`` for the first GPUS GPUs of each host. A spec is comma-separated entries:
 ``-`` (or ``None``) for an unsplit dim, an axis name, or names joined by ``+`` for a tuple
-(``host+gpu`` = ("host", "gpu")); write ``--src-spec=-,host`` with ``=`` when it starts
-with ``-``. A JSON case file holds ``cluster`` (fields of Cluster, or
+(``host+gpu`` = ("host", "gpu")); ``--src-spec -,host`` and ``--src-spec=-,host`` both work.
+A JSON case file (``examples/cases/plan_case.json``) holds ``cluster`` (fields of Cluster, or
 ``{"preset": NAME, "num_hosts": N}``), ``shape``, ``dtype``, and ``src``/``dst`` each
 ``{"mesh": {"devices": [[...]], "axis_names": [...]}, "spec": [...]}``.
 """
@@ -20,7 +20,6 @@ with ``-``. A JSON case file holds ``cluster`` (fields of Cluster, or
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,9 +28,12 @@ from .cli_common import (
     Case,
     add_plan_options,
     case_from_json,
+    joined_specs,
     parse_mesh,
     parse_spec,
+    parser,
     plan_options,
+    read_json_file,
 )
 from .cluster import Cluster
 from .cost import lower_bound_for, paper_model_time, plan_report
@@ -41,25 +43,32 @@ from .sharding import Sharding
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="overlap plan", description="Plan a cross-mesh resharding.")
-    p.add_argument("--case", type=Path, help="JSON case file (see module doc)")
+    p = parser("overlap plan", "Plan a cross-mesh resharding and cost it.")
+    p.add_argument("--case", type=Path, default=None,
+                   help="a resharding case file: JSON with cluster, shape, dtype, src, dst "
+                        "(examples/cases/plan_case.json); replaces the flags below")
     p.add_argument("--cluster", default="p3.8xlarge", help="cluster preset")
     p.add_argument("--hosts", type=int, default=4, help="number of hosts of the preset")
-    p.add_argument("--shape", help="comma-separated dims, e.g. 1024,1024,512")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--src-mesh", help="FIRST:STOP[xGPUS] hosts of the source mesh")
-    p.add_argument("--dst-mesh", help="FIRST:STOP[xGPUS] hosts of the destination mesh")
-    p.add_argument("--src-spec", default="", help="e.g. host,-,- or host+gpu,-")
-    p.add_argument("--dst-spec", default="", help="e.g. -,host,-")
+    p.add_argument("--shape", default=None, help="comma-separated dims, e.g. 1024,1024,512")
+    p.add_argument("--dtype", default="float32", help="numpy dtype name")
+    p.add_argument("--src-mesh", default=None, help="FIRST:STOP[xGPUS] hosts of the source mesh")
+    p.add_argument("--dst-mesh", default=None,
+                   help="FIRST:STOP[xGPUS] hosts of the destination mesh")
+    p.add_argument("--src-spec", default="",
+                   help="source layout per dim: -, an axis, or axes joined by +; e.g. host,-,-")
+    p.add_argument("--dst-spec", default="", help="destination layout, e.g. -,host,-")
     add_plan_options(p)
     p.add_argument("--show-transfers", action="store_true", help="list every transfer")
-    p.add_argument("--json", type=Path, help="write the plan as JSON to this file")
+    p.add_argument("--json", type=Path, default=None, help="write the plan as JSON to this file")
     return p
 
 
 def _case_from_args(args: argparse.Namespace) -> Case:
     if args.case is not None:
-        return case_from_json(json.loads(args.case.read_text()))
+        data = read_json_file(args.case, "--case")
+        if not isinstance(data, dict):
+            raise ValueError(f"--case: {args.case} holds no JSON object")
+        return case_from_json(data)
     for name in ("shape", "src_mesh", "dst_mesh"):
         if getattr(args, name) is None:
             raise ValueError(f"--{name.replace('_', '-')} is required without --case")
@@ -85,7 +94,7 @@ def _sharding(mesh_text: str, spec_text: str, cluster: Cluster, rank: int, *,
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = _build_parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
     try:
         case = _case_from_args(args)
         plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
@@ -116,10 +125,13 @@ COMMANDS = {
 def trace_main(argv: Sequence[str]) -> int:
     from .timeline import Timeline
 
-    p = argparse.ArgumentParser(prog="overlap trace", description="Summarize a trace file.")
-    p.add_argument("action", choices=("report",))
+    p = parser("overlap trace", "Summarize a trace file.")
+    p.add_argument("action", choices=("report",), help="what to do with the trace")
     p.add_argument("file", type=Path, help="a trace written by the runtime or the simulator")
     args = p.parse_args(argv)
+    if not args.file.is_file():
+        print(f"error: no such file: {args.file}", file=sys.stderr)
+        return 2
     try:
         tl = Timeline.from_chrome_trace(args.file)
     except ValueError as exc:
@@ -133,8 +145,17 @@ def trace_main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -> int:
     """Dispatch a subcommand; ``overlap`` and ``python -m scheduler`` both land here."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"{prog} {version('overlap')}")
+        except PackageNotFoundError:  # run from a checkout that is not installed
+            print(f"{prog} (not installed)")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: {prog} COMMAND [options]   (see '{prog} COMMAND --help')\n\ncommands:")
+        print(f"usage: {prog} [--version] COMMAND [options]   (see '{prog} COMMAND --help')"
+              "\n\ncommands:")
         for name, what in COMMANDS.items():
             print(f"  {name:<9} {what}")
         return 0 if argv else 2

@@ -5,9 +5,12 @@ benchmarks print."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from .balance import BALANCES
 from .cluster import Cluster
@@ -29,12 +32,53 @@ class Case:
     cluster: Cluster
 
 
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser whose help shows every option's default."""
+    return argparse.ArgumentParser(prog=prog, description=description,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+SPEC_FLAGS = ("--src-spec", "--dst-spec")
+
+
+def joined_specs(argv: Sequence[str]) -> list[str]:
+    """``--src-spec -,gpu`` as ``--src-spec=-,gpu``: a spec may start with ``-`` (an unsplit
+    dim), which argparse would otherwise take for an option."""
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        if args[i] in SPEC_FLAGS and i + 1 < len(args) and args[i + 1].startswith("-") \
+                and not args[i + 1].startswith("--"):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def read_json_file(path: Path, argument: str) -> object:
+    """The JSON in ``path``; ValueError naming ``argument`` if it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{argument}: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{argument}: cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{argument}: {path} is not JSON ({exc})") from None
+
+
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     """The planner's flags: --strategy, --balance, --seed, --budget."""
     defaults = PlanOptions()
-    p.add_argument("--strategy", default=defaults.strategy, choices=STRATEGIES)
-    p.add_argument("--balance", default=defaults.balance, choices=BALANCES)
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--strategy", default=defaults.strategy, choices=STRATEGIES,
+                   help="how a transfer moves: point-to-point, local all-gather, broadcast")
+    p.add_argument("--balance", default=defaults.balance, choices=BALANCES,
+                   help="how transfers are spread over senders")
+    p.add_argument("--seed", type=int, default=defaults.seed,
+                   help="seed of the randomised balancers")
     p.add_argument("--budget", type=int, default=defaults.budget,
                    help="work units the balancer may spend (never seconds)")
 

@@ -16,14 +16,20 @@ layout for every stage boundary, and per-microbatch compute times. A JSON case f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cli_common import add_plan_options, parse_spec, plan_options
+from .cli_common import (
+    add_plan_options,
+    joined_specs,
+    parse_spec,
+    parser,
+    plan_options,
+    read_json_file,
+)
 from .cluster import Cluster
 from .lowering import Boundary, lower
 from .mesh import DeviceMesh
@@ -118,12 +124,18 @@ def _compute_table(spec: Any, num_stages: int) -> dict[tuple[int, str], float]:
 
 def _case_from_args(args: argparse.Namespace) -> PipelineCase:
     if args.case is not None:
-        return case_from_json(json.loads(args.case.read_text()))
+        data = read_json_file(args.case, "--case")
+        if not isinstance(data, dict):
+            raise ValueError(f"--case: {args.case} holds no JSON object")
+        return case_from_json(data)
     if args.shape is None:
         raise ValueError("--shape is required without --case")
     if args.stages < 1:
         raise ValueError(f"--stages: need at least 1, got {args.stages}")
-    cluster = Cluster.preset(args.cluster, max(args.hosts or args.stages, args.stages))
+    if args.hosts is not None and args.hosts < args.stages:
+        raise ValueError(f"--hosts: {args.hosts} hosts for {args.stages} stages (stage s runs "
+                         "on host s); give at least as many hosts as stages, or omit --hosts")
+    cluster = Cluster.preset(args.cluster, args.hosts or args.stages)
     gpus = args.gpus_per_stage or cluster.gpus_per_host
     if not 1 <= gpus <= cluster.gpus_per_host:
         raise ValueError(f"--gpus-per-stage: {gpus} not in 1..{cluster.gpus_per_host}")
@@ -154,28 +166,33 @@ def _case_from_args(args: argparse.Namespace) -> PipelineCase:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="overlap simulate",
-        description="Simulate gpipe / 1f1b / eager-1f1b / signal for one pipeline.")
-    p.add_argument("--case", type=Path, help="JSON case file (see module doc)")
+    p = parser("overlap simulate",
+               "Simulate gpipe / 1f1b / eager-1f1b / signal for one pipeline.")
+    p.add_argument("--case", type=Path, default=None,
+                   help="a pipeline case file: JSON with cluster, stages, boundaries, "
+                        "microbatches, compute_ms (examples/cases/simulate_case.json; not a "
+                        "plan case); replaces the flags below")
     p.add_argument("--cluster", default="p3.8xlarge", help="cluster preset")
-    p.add_argument("--hosts", type=int, default=None, help="hosts (default: one per stage)")
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--gpus-per-stage", type=int, default=None)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--shape", help="boundary tensor per microbatch, e.g. 1024,8192")
-    p.add_argument("--dtype", default="float16")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="hosts of the preset, at least one per stage (default: one per stage)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages, stage s on host s")
+    p.add_argument("--gpus-per-stage", type=int, default=None,
+                   help="GPUs of its host each stage uses (default: all)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    p.add_argument("--shape", default=None, help="boundary tensor per microbatch, e.g. 1024,8192")
+    p.add_argument("--dtype", default="float16", help="numpy dtype name of the boundaries")
     p.add_argument("--src-spec", default="", help="producer layout, e.g. -,gpu")
     p.add_argument("--dst-spec", default="", help="consumer layout, e.g. gpu,-")
     p.add_argument("--fwd-ms", type=float, default=10.0, help="forward per microbatch")
     p.add_argument("--bwd-ms", type=float, default=20.0, help="backward per microbatch")
     add_plan_options(p)
-    p.add_argument("--trace-dir", type=Path, help="write a Perfetto trace per row here")
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="write a Perfetto trace per row here")
     return p
 
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
     try:
         case = _case_from_args(args)
         rows = run_rows(case, plan_options(args), trace_dir=args.trace_dir)

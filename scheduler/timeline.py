@@ -290,7 +290,8 @@ class Timeline:
             import matplotlib.pyplot as plt
         except ImportError:
             raise ImportError(
-                "Timeline.plot needs matplotlib: pip install 'overlap[viz]'"
+                "Timeline.plot needs matplotlib: pip install -e '.[viz]' (from the "
+                "repository, as the README installs overlap)"
             ) from None
         colors = {"F": "tab:blue", "B": "tab:green", "fwd": "tab:orange", "bwd": "tab:red"}
         rows = [(d, st) for d in self.devices for st in self.streams(d)]

@@ -332,3 +332,65 @@ def test_seed_and_budget_flags_reach_the_planner(tmp_path, capsys):
 def test_bad_plan_option_names_the_flag(flag, value, capsys):
     assert overlap.cli.main(["plan", *SMALL, flag, value]) == 2
     assert "--budget" in capsys.readouterr().err
+
+
+# ---- what a new user tripped on --------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ROOT / "examples" / "cases"
+
+
+def test_the_shipped_case_files_run(capsys):
+    assert overlap.cli.main(["plan", "--case", str(CASES / "plan_case.json")]) == 0
+    assert "ReshardPlan" in capsys.readouterr().out
+    assert overlap.cli.main(["simulate", "--case", str(CASES / "simulate_case.json")]) == 0
+    assert "eager-1f1b" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command, other", [("plan", "simulate_case.json"),
+                                            ("simulate", "plan_case.json")])
+def test_a_case_file_of_the_other_command_is_named(capsys, command, other):
+    err = run_err(capsys, [command, "--case", str(CASES / other)])
+    assert "case file: missing keys" in err
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_a_missing_or_broken_case_file_is_named(capsys, tmp_path, command):
+    err = run_err(capsys, [command, "--case", str(tmp_path / "nope.json")])
+    assert f"--case: no such file: {tmp_path / 'nope.json'}" in err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert "is not JSON" in run_err(capsys, [command, "--case", str(tmp_path / "bad.json")])
+
+
+def test_trace_report_of_a_missing_file_says_so(capsys, tmp_path):
+    err = run_err(capsys, ["trace", "report", str(tmp_path / "missing.json")])
+    assert "no such file" in err and "not a trace" not in err
+
+
+def test_version(capsys):
+    assert overlap.cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("overlap ")
+
+
+def test_a_spec_starting_with_a_dash_needs_no_equals_sign(capsys):
+    argv = ["plan", "--hosts", "2", "--shape", "8,8", "--src-mesh", "0:1", "--dst-mesh", "1:2"]
+    assert overlap.cli.main([*argv, "--src-spec", "-,gpu", "--dst-spec", "gpu,-"]) == 0
+    spaced = capsys.readouterr().out
+    assert overlap.cli.main([*argv, "--src-spec=-,gpu", "--dst-spec=gpu,-"]) == 0
+    assert capsys.readouterr().out == spaced
+
+
+def test_simulate_refuses_fewer_hosts_than_stages(capsys):
+    err = run_err(capsys, ["simulate", "--hosts", "2", "--stages", "4", "--shape", "64,64"])
+    assert "--hosts: 2 hosts for 4 stages" in err
+
+
+@pytest.mark.parametrize("make", [lambda: scheduler.cli._build_parser(),
+                                  lambda: __import__("scheduler.sim_cli").sim_cli._parser()],
+                         ids=["plan", "simulate"])
+def test_every_option_has_a_help_text_and_help_shows_defaults(make):
+    p = make()
+    for action in p._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.option_strings
+    assert "(default: p3.8xlarge)" in " ".join(p.format_help().split())

@@ -347,3 +347,17 @@ def test_fault_matrix_on_two_ranks(tmp_path):
             in mine["message"], mine
         assert other["error"] == "RankFailed", other
         assert other["message"].startswith(f"rank {owner} failed during train_step"), other
+
+
+def test_each_rank_says_which_pid_it_is_without_logging_configured():
+    """The README ties mpiexec's pids to ranks with this line: shown by default."""
+    code = ("import overlap; from scheduler import Cluster\n"
+            "overlap.Runtime(Cluster.preset('p3.8xlarge', 2)).close()\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+    done = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code], env=env,
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          timeout=JOB_BOUND_S)
+    assert done.returncode == 0, done.stderr
+    for r in (0, 1):
+        assert re.search(rf"^overlap: rank {r}/2 \(pid \d+ on ", done.stderr, re.M), done.stderr
