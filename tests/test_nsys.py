@@ -1,0 +1,118 @@
+"""Nsight Systems SQLite exports, built here following the documented schema, with exposed
+communication known by construction."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from scheduler.nsys import device_figures, read_sqlite
+
+MS = 1_000_000  # the export's times are nanoseconds
+
+
+def capture(path, *, strings=(), nvtx=(), runtime=(), kernels=(), memcpys=(),
+            memsets=None) -> None:
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT NOT NULL)")
+    db.executemany("INSERT INTO StringIds VALUES (?, ?)", strings)
+    # Columns beyond those read, in another order than the reader's: read by name.
+    db.execute("CREATE TABLE NVTX_EVENTS (start INTEGER NOT NULL, end INTEGER, eventType "
+               "INTEGER NOT NULL, rangeId INTEGER, category INTEGER, color INTEGER, text TEXT, "
+               "globalTid INTEGER, endGlobalTid INTEGER, textId INTEGER, domainId INTEGER)")
+    db.executemany("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, textId, "
+                   "domainId) VALUES (?, ?, ?, ?, ?, ?, ?)", nvtx)
+    db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INTEGER, end INTEGER, "
+               "eventClass INTEGER, globalTid INTEGER, correlationId INTEGER, nameId INTEGER)")
+    db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME (start, end, globalTid, "
+                   "correlationId) VALUES (?, ?, ?, ?)", runtime)
+    db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER, end INTEGER, deviceId "
+               "INTEGER, contextId INTEGER, streamId INTEGER, correlationId INTEGER, "
+               "demangledName INTEGER, shortName INTEGER)")
+    db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL (start, end, deviceId, streamId, "
+                   "correlationId, shortName) VALUES (?, ?, ?, ?, ?, ?)", kernels)
+    db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (start INTEGER, end INTEGER, deviceId "
+               "INTEGER, streamId INTEGER, correlationId INTEGER, bytes INTEGER)")
+    db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY (start, end, deviceId, streamId, "
+                   "correlationId) VALUES (?, ?, ?, ?, ?)", memcpys)
+    if memsets is not None:
+        db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_MEMSET (start INTEGER, end INTEGER, "
+                   "deviceId INTEGER, correlationId INTEGER)")
+        db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET VALUES (?, ?, ?, ?)", memsets)
+    db.commit()
+    db.close()
+
+
+OURS, OTHER = 1, 2
+DOMAINS = [(0, None, 75, "overlap", None, None, OURS), (0, None, 75, None, None, 9, OTHER)]
+
+
+def test_work_is_attributed_to_the_innermost_overlap_range_of_its_launching_thread(tmp_path):
+    f = tmp_path / "cap.sqlite"
+    capture(
+        f,
+        strings=[(5, "reshard s0→s1 mb0 #0 on device 4"), (9, "some.other.library"),
+                 (20, "gemm_kernel"), (21, "ncclDevKernel_AllReduce"), (22, "elementwise")],
+        nvtx=[*DOMAINS,
+              # thread 100: a compute op (start/end range, inline text)
+              (0, 100 * MS, 60, "F s0 mb0 on device 4", 100, None, OURS),
+              # thread 200: a transfer (push/pop, text by id), with another domain's range
+              # inside it that must be ignored
+              (0, 100 * MS, 59, None, 200, 5, OURS),
+              (12 * MS, 20 * MS, 59, "F s9 mb9 on device 7", 200, None, OTHER),
+              # thread 300: a compute range with a transfer range nested inside it
+              (0, 1000 * MS, 60, "B s1 mb0 on device 6", 300, None, OURS),
+              (100 * MS, 200 * MS, 60, "grad s1→s0 mb0 #0 on device 6", 300, None, OURS)],
+        runtime=[(10 * MS, 11 * MS, 100, 1), (15 * MS, 16 * MS, 200, 2),
+                 (150 * MS, 151 * MS, 300, 3), (300 * MS, 301 * MS, 300, 4),
+                 (500 * MS, 501 * MS, 400, 5), (550 * MS, 551 * MS, 400, 6)],
+        kernels=[(20 * MS, 60 * MS, 0, 7, 1, 20),     # compute, device 4 (from its range)
+                 (150 * MS, 180 * MS, 0, 8, 3, 22),   # comm (innermost), device 6
+                 (300 * MS, 400 * MS, 0, 7, 4, 20),   # compute, device 6
+                 (500 * MS, 600 * MS, 1, 9, 5, 21),   # NCCL outside any range: comm, GPU 1
+                 (550 * MS, 580 * MS, 1, 7, 6, 20)],  # outside any range: compute, GPU 1
+        memcpys=[(40 * MS, 90 * MS, 0, 8, 2)])        # comm, device 4
+    work = read_sqlite(f)
+    assert sorted((w.device, w.category, w.label) for w in work) == sorted([
+        (4, "compute", "F s0 mb0 on device 4"),
+        (6, "comm", "grad s1→s0 mb0 #0 on device 6"),
+        (6, "compute", "B s1 mb0 on device 6"),
+        (1, "comm", "ncclDevKernel_AllReduce"),
+        (1, "compute", "gemm_kernel"),
+        (4, "comm", "reshard s0→s1 mb0 #0 on device 4")])
+    figures = device_figures(work)
+    assert figures[4] == pytest.approx({"compute_ms": 40.0, "comm_ms": 50.0,
+                                        "exposed_comm_ms": 30.0, "overlap_pct": 40.0})
+    assert figures[6] == pytest.approx({"compute_ms": 100.0, "comm_ms": 30.0,
+                                        "exposed_comm_ms": 30.0, "overlap_pct": 0.0})
+    assert figures[1] == pytest.approx({"compute_ms": 30.0, "comm_ms": 100.0,
+                                        "exposed_comm_ms": 70.0, "overlap_pct": 30.0})
+
+
+def test_a_capture_without_overlap_ranges_falls_back_to_kernel_names(tmp_path):
+    f = tmp_path / "plain.sqlite"
+    capture(f, strings=[(1, "ncclKernel_Broadcast"), (2, "gemm")],
+            runtime=[(0, 1, 7, 1), (0, 1, 7, 2)],
+            kernels=[(0, 10 * MS, 3, 1, 1, 1), (5 * MS, 20 * MS, 3, 2, 2, 2)],
+            memsets=[(30 * MS, 31 * MS, 3, 99)])  # its launch is not in the capture
+    figures = device_figures(read_sqlite(f))
+    assert figures == {3: pytest.approx({"compute_ms": 16.0, "comm_ms": 10.0,
+                                         "exposed_comm_ms": 5.0, "overlap_pct": 50.0})}
+
+
+def test_missing_tables_read_as_empty(tmp_path):
+    f = tmp_path / "empty.sqlite"
+    sqlite3.connect(f).execute("CREATE TABLE StringIds (id INTEGER, value TEXT)").connection.close()
+    assert read_sqlite(f) == [] and device_figures([]) == {}
+
+
+def test_files_that_are_no_capture_are_named(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        read_sqlite(tmp_path / "missing.sqlite")
+    (tmp_path / "trace.json").write_text("{}")
+    with pytest.raises(ValueError, match="not an SQLite file"):
+        read_sqlite(tmp_path / "trace.json")
+    (tmp_path / "corrupt.sqlite").write_bytes(b"SQLite format 3\x00" + b"\xff" * 200)
+    with pytest.raises(ValueError, match="corrupt or unreadable"):
+        read_sqlite(tmp_path / "corrupt.sqlite")
