@@ -20,6 +20,7 @@ A JSON case file (``examples/cases/plan_case.json``) holds ``cluster`` (fields o
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -118,28 +119,76 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 COMMANDS = {
     "plan": "plan a cross-mesh resharding and cost it",
     "simulate": "compare gpipe / 1f1b / eager-1f1b / signal on a pipeline",
-    "trace": "trace report FILE: busy, bubble, communication and how much of it was hidden",
+    "trace": "trace report FILE [--json]: busy, bubble, communication and how much of it was "
+             "hidden (our traces, or an Nsight Systems SQLite export)",
 }
 
 
 def trace_main(argv: Sequence[str]) -> int:
+    from .nsys import device_figures, figures_text, is_sqlite, read_sqlite, timeline_work
     from .timeline import Timeline
 
-    p = parser("overlap trace", "Summarize a trace file.")
+    p = parser("overlap trace", "Summarize a trace: ours (runtime or simulator, Chrome "
+               "JSON) or an Nsight Systems SQLite export (nsys export --type sqlite).")
     p.add_argument("action", choices=("report",), help="what to do with the trace")
-    p.add_argument("file", type=Path, help="a trace written by the runtime or the simulator")
+    p.add_argument("file", type=Path, help="a trace written by the runtime or the simulator, "
+                   "or an Nsight Systems SQLite export")
+    p.add_argument("--json", action="store_true",
+                   help="print per-device figures as JSON: {\"devices\": {\"<device>\": "
+                        "{compute_ms, comm_ms, exposed_comm_ms, overlap_pct}}}")
     args = p.parse_args(argv)
     if not args.file.is_file():
         print(f"error: no such file: {args.file}", file=sys.stderr)
         return 2
+    tl = None
     try:
-        tl = Timeline.from_chrome_trace(args.file)
+        if args.file.suffix == ".nsys-rep":
+            work = read_sqlite(_exported(args.file))
+        elif is_sqlite(args.file):
+            work = read_sqlite(args.file)
+        else:
+            tl = Timeline.from_chrome_trace(args.file)
+            work = timeline_work(tl)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    figures = device_figures(work)
+    if args.json:
+        out: dict = {"devices": {str(d): f for d, f in figures.items()}}
+        if tl is not None:  # our own traces: the timeline's figures too
+            out["iteration_s"] = tl.iteration_time
+            out["bubble_fraction"] = tl.bubble_fraction
+        print(json.dumps(out, indent=1))
+        return 0
     print(f"{args.file}:")
-    print(tl.report())
+    if tl is not None:
+        print(tl.report())
+    elif not work:
+        print("no GPU work in this capture (was CUDA traced? `nsys profile -t cuda,nvtx`)")
+    print(figures_text(figures))
     return 0
+
+
+def _exported(report: Path) -> Path:
+    """The SQLite export of an ``.nsys-rep`` (made next to it with ``nsys`` when on PATH)."""
+    import shutil
+    import subprocess
+
+    out = report.with_suffix(".sqlite")
+    if out.is_file() and out.stat().st_mtime >= report.stat().st_mtime:
+        return out
+    nsys = shutil.which("nsys")
+    if nsys is None:
+        raise ValueError(f"{report}: a .nsys-rep is read through its SQLite export, and `nsys` "
+                         f"is not on PATH here: run `nsys export --type sqlite {report}` "
+                         "where Nsight Systems is installed (or capture with `nsys profile "
+                         "--export sqlite`), then report the .sqlite")
+    done = subprocess.run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true",
+                           "--output", str(out), str(report)], capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0 or not out.is_file():
+        raise ValueError(f"{report}: `nsys export` failed: {done.stderr.strip()[-500:]}")
+    return out
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -> int:

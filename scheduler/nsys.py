@@ -173,3 +173,27 @@ def device_figures(work: Iterable[GpuWork]) -> dict[int, dict[str, float]]:
                   "exposed_comm_ms": exposed * 1e3,
                   "overlap_pct": 100.0 * (comm_s - exposed) / comm_s if comm_s else 0.0}
     return out
+
+
+def timeline_work(timeline: object) -> list[GpuWork]:
+    """The spans of one of our own timelines (measured or simulated) as :class:`GpuWork`:
+    the compute stream's are compute, every other stream's communication."""
+    return [GpuWork(sp.device, sp.start, sp.end, "compute" if sp.stream == "compute" else "comm",
+                    sp.name) for sp in timeline.spans]  # type: ignore[attr-defined]
+
+
+def figures_text(figures: dict[int, dict[str, float]]) -> str:
+    """The per-device table of :func:`device_figures`."""
+    lines = ["device  compute ms  comm ms  exposed comm ms  overlap %"]
+    for d, f in figures.items():
+        lines.append(f"{d:>6}  {f['compute_ms']:>10.3f}  {f['comm_ms']:>7.3f}  "
+                     f"{f['exposed_comm_ms']:>15.3f}  {f['overlap_pct']:>9.1f}")
+    return "\n".join(lines)
+
+
+def is_sqlite(path: str | Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False

@@ -116,3 +116,75 @@ def test_files_that_are_no_capture_are_named(tmp_path):
     (tmp_path / "corrupt.sqlite").write_bytes(b"SQLite format 3\x00" + b"\xff" * 200)
     with pytest.raises(ValueError, match="corrupt or unreadable"):
         read_sqlite(tmp_path / "corrupt.sqlite")
+
+
+# ---- overlap trace report ----------------------------------------------------------------------
+
+
+def test_trace_report_reads_an_nsight_export(tmp_path, capsys):
+    import json
+
+    import overlap.cli
+
+    f = tmp_path / "plain.sqlite"
+    capture(f, strings=[(1, "ncclKernel_Broadcast"), (2, "gemm")],
+            runtime=[(0, 1, 7, 1), (0, 1, 7, 2)],
+            kernels=[(0, 10 * MS, 3, 1, 1, 1), (5 * MS, 20 * MS, 3, 2, 2, 2)])
+    assert overlap.cli.main(["trace", "report", str(f)]) == 0
+    text = capsys.readouterr().out
+    assert "exposed comm ms" in text and "50.0" in text
+    assert overlap.cli.main(["trace", "report", str(f), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["devices"]["3"] == pytest.approx({"compute_ms": 15.0, "comm_ms": 10.0,
+                                                  "exposed_comm_ms": 5.0, "overlap_pct": 50.0})
+
+
+def test_trace_report_json_means_the_same_for_our_own_traces(tmp_path, capsys):
+    import json
+
+    import overlap.cli
+
+    assert overlap.cli.main(["simulate", "--stages", "2", "--microbatches", "2", "--shape",
+                             "64,64", "--trace-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    trace = sorted(tmp_path.glob("sim-*.json"))[0]
+    assert overlap.cli.main(["trace", "report", str(trace), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["devices"] and data["iteration_s"] > 0
+    for figures in data["devices"].values():
+        assert set(figures) == {"compute_ms", "comm_ms", "exposed_comm_ms", "overlap_pct"}
+        assert 0 <= figures["exposed_comm_ms"] <= figures["comm_ms"] + 1e-9
+
+
+def test_trace_report_of_an_nsys_rep_says_how_to_export_it(tmp_path, capsys, monkeypatch):
+    import overlap.cli
+
+    monkeypatch.setenv("PATH", str(tmp_path / "no-nsys-here"))
+    (tmp_path / "cap.nsys-rep").write_bytes(b"\0")
+    assert overlap.cli.main(["trace", "report", str(tmp_path / "cap.nsys-rep")]) == 2
+    assert "`nsys export --type sqlite" in capsys.readouterr().err
+
+
+def test_trace_report_exports_an_nsys_rep_with_nsys_when_on_path(tmp_path, capsys, monkeypatch):
+    # A stand-in `nsys` that writes the export a real one would (its --output argument).
+    import json
+    import stat
+    import sys
+
+    import overlap.cli
+
+    source = tmp_path / "made.sqlite"
+    capture(source, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)],
+            kernels=[(0, 4 * MS, 2, 1, 1, 1)])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    nsys = bin_dir / "nsys"
+    nsys.write_text(f"#!{sys.executable}\nimport shutil, sys\n"
+                    "args = sys.argv[1:]\nassert args[:3] == ['export', '--type', 'sqlite']\n"
+                    f"shutil.copy({str(source)!r}, args[args.index('--output') + 1])\n")
+    nsys.chmod(nsys.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    (tmp_path / "cap.nsys-rep").write_bytes(b"\0")
+    assert overlap.cli.main(["trace", "report", str(tmp_path / "cap.nsys-rep"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["devices"]["2"]["compute_ms"] == pytest.approx(4.0)
