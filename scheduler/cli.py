@@ -125,11 +125,13 @@ COMMANDS = {
 
 
 def trace_main(argv: Sequence[str]) -> int:
+    from .kineto import is_kineto, read_kineto
     from .nsys import device_figures, figures_text, is_sqlite, read_sqlite, timeline_work
     from .timeline import Timeline
 
     p = parser("overlap trace", "Summarize a trace: ours (runtime or simulator, Chrome "
-               "JSON) or an Nsight Systems SQLite export (nsys export --type sqlite).")
+               "JSON), an Nsight Systems capture (its SQLite export, or a .nsys-rep), or a "
+               "PyTorch profiler (Kineto) trace.")
     p.add_argument("action", choices=("report",), help="what to do with the trace")
     p.add_argument("file", type=Path, help="a trace written by the runtime or the simulator, "
                    "or an Nsight Systems SQLite export")
@@ -146,6 +148,8 @@ def trace_main(argv: Sequence[str]) -> int:
             work = read_sqlite(_exported(args.file))
         elif is_sqlite(args.file):
             work = read_sqlite(args.file)
+        elif _json_of(args.file) is not None and is_kineto(_json_of(args.file)):
+            work = read_kineto(args.file)  # a PyTorch profiler trace
         else:
             tl = Timeline.from_chrome_trace(args.file)
             work = timeline_work(tl)
@@ -167,6 +171,19 @@ def trace_main(argv: Sequence[str]) -> int:
         print("no GPU work in this capture (was CUDA traced? `nsys profile -t cuda,nvtx`)")
     print(figures_text(figures))
     return 0
+
+
+def _json_of(path: Path) -> object:
+    """The file's JSON, or None when it is not JSON (cached: read once per run)."""
+    if path not in _JSON:
+        try:
+            _JSON[path] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            _JSON[path] = None
+    return _JSON[path]
+
+
+_JSON: dict[Path, object] = {}
 
 
 def _exported(report: Path) -> Path:

@@ -220,9 +220,13 @@ class Timeline:
         """Read back a trace written by :meth:`to_chrome_trace` (simulated or measured)."""
         try:
             data = json.loads(Path(path).read_text())
-            events = data["traceEvents"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"path: {path} is not a trace written by overlap: {exc}") from None
+            return cls._from_events(data["traceEvents"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"path: {path} is not a trace written by overlap: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def _from_events(cls, events: list[dict[str, Any]]) -> Timeline:
         threads: dict[tuple[int, int], str] = {}
         stage_of: dict[int, int] = {}
         for e in events:

@@ -188,3 +188,57 @@ def test_trace_report_exports_an_nsys_rep_with_nsys_when_on_path(tmp_path, capsy
     assert overlap.cli.main(["trace", "report", str(tmp_path / "cap.nsys-rep"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["devices"]["2"]["compute_ms"] == pytest.approx(4.0)
+
+
+# ---- PyTorch profiler (Kineto) traces ------------------------------------------------------------
+
+US = 1000  # Kineto times are microseconds: 1000 µs = 1 ms
+
+
+def kineto(path, events) -> None:
+    import json
+
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 1, "cat": "cpu_op", "name": "aten::mm"},
+        *events]}))
+
+
+def test_a_pytorch_profiler_trace_is_attributed_like_an_nsight_capture(tmp_path, capsys):
+    import json
+
+    import overlap.cli
+    from scheduler.kineto import read_kineto
+
+    def x(cat, name, ts, dur, pid=1, tid=10, **args):
+        return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts,
+                "dur": dur, "args": args}
+
+    f = tmp_path / "torch_trace.json"
+    kineto(f, [
+        x("user_annotation", "F s0 mb0 on device 4", 0, 100 * US, tid=10),
+        x("user_annotation", "reshard s0→s1 mb0 #0 on device 4", 0, 100 * US, tid=20),
+        x("user_annotation", "optimizer step", 10 * US, 5 * US, tid=20),  # not one of ours
+        x("cuda_runtime", "cudaLaunchKernel", 10 * US, 1, tid=10, correlation=1),
+        x("cuda_runtime", "cudaMemcpyAsync", 12 * US, 1, tid=20, correlation=2),
+        x("kernel", "gemm", 20 * US, 40 * US, pid=0, tid=7, device=0, correlation=1),
+        x("gpu_memcpy", "Memcpy DtoD", 40 * US, 50 * US, pid=0, tid=8, device=0,
+          correlation=2),
+        x("kernel", "ncclDevKernel_Broadcast", 500 * US, 100 * US, pid=1, tid=9, device=1,
+          correlation=77),  # its launch is not in the trace: by name
+    ])
+    work = read_kineto(f)
+    assert sorted((w.device, w.category) for w in work) == [(1, "comm"), (4, "comm"),
+                                                            (4, "compute")]
+    assert overlap.cli.main(["trace", "report", str(f), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["devices"]["4"] == pytest.approx({"compute_ms": 40.0, "comm_ms": 50.0,
+                                                  "exposed_comm_ms": 30.0, "overlap_pct": 40.0})
+    assert data["devices"]["1"]["exposed_comm_ms"] == pytest.approx(100.0)
+
+
+def test_a_json_trace_of_neither_kind_is_named(tmp_path, capsys):
+    import overlap.cli
+
+    (tmp_path / "t.json").write_text('{"traceEvents": [{"ph": "X", "cat": "cpu_op"}]}')
+    assert overlap.cli.main(["trace", "report", str(tmp_path / "t.json")]) == 2
+    assert "not a trace written by overlap" in capsys.readouterr().err
