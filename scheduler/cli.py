@@ -119,8 +119,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 COMMANDS = {
     "plan": "plan a cross-mesh resharding and cost it",
     "simulate": "compare gpipe / 1f1b / eager-1f1b / signal on a pipeline",
-    "trace": "trace report FILE [--json]: busy, bubble, communication and how much of it was "
-             "hidden (our traces, or an Nsight Systems SQLite export)",
+    "trace": "trace report FILE [--json] | plot FILE -o PNG: busy, bubble, communication and "
+             "how much of it was hidden (our traces, Nsight Systems, PyTorch profiler)",
 }
 
 
@@ -132,12 +132,16 @@ def trace_main(argv: Sequence[str]) -> int:
     p = parser("overlap trace", "Summarize a trace: ours (runtime or simulator, Chrome "
                "JSON), an Nsight Systems capture (its SQLite export, or a .nsys-rep), or a "
                "PyTorch profiler (Kineto) trace.")
-    p.add_argument("action", choices=("report",), help="what to do with the trace")
+    p.add_argument("action", choices=("report", "plot"),
+                   help="report: per-device figures; plot: a PNG of per-device compute and "
+                        "communication tracks (-o)")
     p.add_argument("file", type=Path, help="a trace written by the runtime or the simulator, "
                    "or an Nsight Systems SQLite export")
     p.add_argument("--json", action="store_true",
                    help="print per-device figures as JSON: {\"devices\": {\"<device>\": "
                         "{compute_ms, comm_ms, exposed_comm_ms, overlap_pct}}}")
+    p.add_argument("-o", "--output", type=Path, default=Path("timeline.png"),
+                   help="where plot writes its PNG")
     args = p.parse_args(argv)
     if not args.file.is_file():
         print(f"error: no such file: {args.file}", file=sys.stderr)
@@ -157,6 +161,15 @@ def trace_main(argv: Sequence[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     figures = device_figures(work)
+    if args.action == "plot":
+        from .nsys import plot_work
+
+        try:
+            print(f"wrote {plot_work(work, args.output, title=args.file.name)}")
+        except ImportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.json:
         out: dict = {"devices": {str(d): f for d, f in figures.items()}}
         if tl is not None:  # our own traces: the timeline's figures too

@@ -197,3 +197,36 @@ def is_sqlite(path: str | Path) -> bool:
             return f.read(16) == b"SQLite format 3\x00"
     except OSError:
         return False
+
+
+def plot_work(work: Sequence[GpuWork], path: str | Path, title: str = "") -> Path:
+    """A PNG with two tracks per device — compute and communication — from any source (needs
+    matplotlib: the ``viz`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("overlap trace plot needs matplotlib: pip install -e '.[viz]'") from None
+    devices = sorted({w.device for w in work})
+    t0 = min((w.start for w in work), default=0.0)
+    colors = {"compute": "tab:blue", "comm": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(12, max(2.0, 0.6 * len(devices))))
+    for i, d in enumerate(devices):
+        for k, (category, color) in enumerate(colors.items()):
+            bars = [((w.start - t0) * 1e3, (w.end - w.start) * 1e3) for w in work
+                    if w.device == d and w.category == category]
+            if bars:
+                ax.broken_barh(bars, (2 * i + k - 0.4, 0.8), facecolors=color)
+    ax.set_yticks(range(2 * len(devices)),
+                  [f"d{d} {c}" for d in devices for c in ("compute", "comm")], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -242,3 +242,16 @@ def test_a_json_trace_of_neither_kind_is_named(tmp_path, capsys):
     (tmp_path / "t.json").write_text('{"traceEvents": [{"ph": "X", "cat": "cpu_op"}]}')
     assert overlap.cli.main(["trace", "report", str(tmp_path / "t.json")]) == 2
     assert "not a trace written by overlap" in capsys.readouterr().err
+
+
+def test_trace_plot_draws_any_source(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the viz extra is not installed")
+    import overlap.cli
+
+    f = tmp_path / "cap.sqlite"
+    capture(f, strings=[(1, "ncclKernel_Broadcast"), (2, "gemm")],
+            runtime=[(0, 1, 7, 1), (0, 1, 7, 2)],
+            kernels=[(0, 10 * MS, 3, 1, 1, 1), (5 * MS, 20 * MS, 4, 2, 2, 2)])
+    png = tmp_path / "out" / "timeline.png"
+    assert overlap.cli.main(["trace", "plot", str(f), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
