@@ -2,8 +2,9 @@
 
 Ranges use start/end (not push/pop): push/pop stacks are thread-local and break when work
 interleaves, while a start/end range is closed explicitly by whoever opened it. Domain
-``"overlap"``, categories ``compute``, ``comm`` and ``wait``; messages are the op labels
-("F s1 mb3 on device 5", "reshard s1→s2 mb3 transfer 0 on device 5", ...).
+``"overlap"``, categories ``compute``, ``comm``, ``wait`` and ``step`` (one range per
+training step, ``step N``, from launch to the end of its last op), each with its colour;
+messages are the op labels ("F s1 mb3 on device 5", "reshard s1→s2 mb3 #0 on device 5", ...).
 
 Free when unused: without the ``nvtx`` package, or with ``NVTX_DISABLE`` set in the
 environment, both functions are no-ops; with the package but no profiler attached, a range
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 DOMAIN = "overlap"
+# Colours per category, so Nsight's timeline reads at a glance.
+COLORS = {"compute": "blue", "comm": "orange", "wait": "grey", "step": "green"}
 
 
 def _load() -> tuple[Callable[..., Any], Callable[[Any], None]]:
@@ -28,7 +31,8 @@ def _load() -> tuple[Callable[..., Any], Callable[[Any], None]]:
         return (lambda *a, **k: None), (lambda r: None)
 
     def start(message: str, category: str) -> Any:
-        return nvtx.start_range(message=message, domain=DOMAIN, category=category)
+        return nvtx.start_range(message=message, domain=DOMAIN, category=category,
+                                color=COLORS.get(category))
 
     return start, nvtx.end_range
 

@@ -54,6 +54,7 @@ from .errors import (
     OverlapRuntimeError,
     RankFailed,
 )
+from .nvtx import range_end, range_start
 from .pipeline import Stage, StepState, check_pipeline, launch_step
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
 from .watch import Recovery, hang_error, overdue, wait_all
@@ -294,6 +295,7 @@ class Runtime:
             d for d in range(cluster.num_devices) if self.backend.is_local(d))
         self._reshards = 0  # standalone reshardings so far: names their messages across ranks
         self._calls = 0  # runtime calls so far; every process must make the same ones
+        self._steps = 0  # training steps so far (they name their NVTX ranges)
         if world.distributed:
             # Shown by default: the README ties mpiexec's pids to ranks with this line. Through
             # logging when the user configured it, else straight to stderr.
@@ -415,12 +417,15 @@ class Runtime:
                  if self.world.distributed else None)
         self.backend.start_trace()
         state = StepState()
+        self._steps += 1
+        step_range = range_start(f"step {self._steps}", "step")  # Nsight: one range a step
         try:
             await self._gather(lambda: launch_step(self.backend, graph, stages, boundaries,
                                                    input_sharding, microbatches,
                                                    self.compute_time, state),
                                what="train_step", check=check, graph=graph)
         finally:
+            range_end(step_range)
             self._last_trace = (self.backend.trace or [], graph)
             self.backend.trace = None
         if not self.world.distributed:

@@ -50,7 +50,8 @@ def test_every_op_is_one_closed_nvtx_range(toy, monkeypatch):
     assert any(m.startswith("reshard s0→s1 mb0") for m in comm)
     assert any(m.startswith("grad s3→s2 mb1") for m in comm)
     assert len(compute) + len(comm) == len(spans)
-    assert all(c in ("compute", "comm", "wait") for _, c in opened)
+    assert all(c in ("compute", "comm", "wait", "step") for _, c in opened)
+    assert [m for m, c in opened if c == "step"] == ["step 1"]
 
 
 def test_nvtx_disable_makes_ranges_no_ops(monkeypatch):
@@ -92,3 +93,35 @@ def test_trace_report_on_a_bad_file(tmp_path, capsys):
     bad.write_text("{not json")
     assert overlap_main(["trace", "report", str(bad)]) == 2
     assert "path" in capsys.readouterr().err
+
+
+def test_each_training_step_is_one_nvtx_range_and_categories_have_colours(monkeypatch):
+    import nvtx as nvtx_module
+    from fault_pipeline import CLUSTER, FaultyMLP
+
+    import overlap
+    import overlap.nvtx as ours
+
+    opened: list[tuple[str, str]] = []
+    closed: list[object] = []
+
+    def start(message, category):
+        opened.append((message, category))
+        return len(opened)
+
+    monkeypatch.setattr(ours, "_start", start)
+    monkeypatch.setattr(ours, "_end", closed.append)
+    model = FaultyMLP()
+    with overlap.Runtime(CLUSTER) as rt:
+        model.step(rt)
+        model.step(rt)
+    steps = [(i + 1, m) for i, (m, c) in enumerate(opened) if c == "step"]
+    assert [m for _, m in steps] == ["step 1", "step 2"]
+    assert all(handle in closed for handle, _ in steps)  # each step's range is closed
+
+    seen = {}
+    monkeypatch.setattr(nvtx_module, "start_range", lambda **kw: seen.update(kw))
+    monkeypatch.delenv("NVTX_DISABLE", raising=False)
+    real_start, _ = ours._load()
+    real_start("F s0 mb0 on device 0", "compute")
+    assert seen["domain"] == "overlap" and seen["color"] == ours.COLORS["compute"]
