@@ -202,13 +202,9 @@ def is_sqlite(path: str | Path) -> bool:
 def plot_work(work: Sequence[GpuWork], path: str | Path, title: str = "") -> Path:
     """A PNG with two tracks per device — compute and communication — from any source (needs
     matplotlib: the ``viz`` extra)."""
-    try:
-        import matplotlib
+    from .timeline import pyplot, save_png
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("overlap trace plot needs matplotlib: pip install -e '.[viz]'") from None
+    plt = pyplot("overlap trace plot")
     devices = sorted({w.device for w in work})
     t0 = min((w.start for w in work), default=0.0)
     colors = {"compute": "tab:blue", "comm": "tab:orange"}
@@ -224,9 +220,4 @@ def plot_work(work: Sequence[GpuWork], path: str | Path, title: str = "") -> Pat
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_png(plt, fig, path)

@@ -287,16 +287,7 @@ class Timeline:
 
     def plot(self, path: str | Path) -> Path:
         """A PNG Gantt chart (needs matplotlib: the ``viz`` extra)."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise ImportError(
-                "Timeline.plot needs matplotlib: pip install -e '.[viz]' (from the "
-                "repository, as the README installs overlap)"
-            ) from None
+        plt = pyplot("Timeline.plot")
         colors = {"F": "tab:blue", "B": "tab:green", "fwd": "tab:orange", "bwd": "tab:red"}
         rows = [(d, st) for d in self.devices for st in self.streams(d)]
         fig, ax = plt.subplots(figsize=(12, max(2.0, 0.3 * len(rows))))
@@ -313,12 +304,29 @@ class Timeline:
                      f"{self.bubble_fraction:.1%}, exposed comm {self.exposed_comm_fraction:.1%}")
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
         ax.legend(handles, ["F", "B", "activation", "gradient"], loc="upper right", fontsize=7)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        return save_png(plt, fig, path)
+
+
+def pyplot(what: str) -> Any:
+    """matplotlib's pyplot, headless (ImportError naming ``what`` without the viz extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(f"{what} needs matplotlib: pip install -e '.[viz]' (from the "
+                          "repository, as the README installs overlap)") from None
+    return plt
+
+
+def save_png(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _exposed_on(spans: list[Span], inputs: Mapping[int, tuple[int, ...]]) -> float:

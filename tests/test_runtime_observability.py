@@ -27,8 +27,9 @@ def _step(rt, model, mbs, schedule="1f1b"):
                               input_sharding=model.input_sharding(), schedule=schedule)
 
 
-def test_every_op_is_one_closed_nvtx_range(toy, monkeypatch):
-    cluster, model, mbs = toy
+@pytest.fixture
+def ranges(monkeypatch) -> tuple[list[tuple[str, str]], list[int]]:
+    """The NVTX ranges opened (message, category) and the handles closed, recorded."""
     opened: list[tuple[str, str]] = []
     closed: list[int] = []
 
@@ -38,6 +39,12 @@ def test_every_op_is_one_closed_nvtx_range(toy, monkeypatch):
 
     monkeypatch.setattr(nvtx_mod, "_start", start)
     monkeypatch.setattr(nvtx_mod, "_end", closed.append)
+    return opened, closed
+
+
+def test_every_op_is_one_closed_nvtx_range(toy, ranges):
+    cluster, model, mbs = toy
+    opened, closed = ranges
     with Runtime(cluster) as rt:
         _step(rt, model, mbs)
         spans = rt.timeline().spans
@@ -95,22 +102,15 @@ def test_trace_report_on_a_bad_file(tmp_path, capsys):
     assert "path" in capsys.readouterr().err
 
 
-def test_each_training_step_is_one_nvtx_range_and_categories_have_colours(monkeypatch):
+def test_each_training_step_is_one_nvtx_range_and_categories_have_colours(ranges,
+                                                                           monkeypatch):
     import nvtx as nvtx_module
     from fault_pipeline import CLUSTER, FaultyMLP
 
     import overlap
     import overlap.nvtx as ours
 
-    opened: list[tuple[str, str]] = []
-    closed: list[object] = []
-
-    def start(message, category):
-        opened.append((message, category))
-        return len(opened)
-
-    monkeypatch.setattr(ours, "_start", start)
-    monkeypatch.setattr(ours, "_end", closed.append)
+    opened, closed = ranges
     model = FaultyMLP()
     with overlap.Runtime(CLUSTER) as rt:
         model.step(rt)
