@@ -528,3 +528,27 @@ def test_stream_device_out_of_range(make_backend, device):
     with pytest.raises(ValueError, match=rf"device.*{device}"):
         backend.stream(device)
     assert backend.streams() == []
+
+
+def test_stopping_waits_for_the_queue_behind_a_slow_op_to_drain(make_backend):
+    # An op slower than the grace (but not hung) ends; the waits queued behind it then see
+    # the abort and drain. They began late: they must get their grace from then, not be
+    # taken for stuck (which abandoned a healthy stream after an interrupted call).
+    from overlap.backends.cpu import STOP_GRACE_S
+
+    backend = make_backend(2, timeout=30.0)
+    s = backend.stream(0)
+    started = threading.Event()
+    never = backend.new_event("never recorded")
+
+    def slow() -> None:
+        started.set()
+        time.sleep(2 * STOP_GRACE_S)
+
+    s.launch("slow op", slow)
+    for _ in range(3):
+        s.wait_event(never)
+    assert started.wait(SETTLE_S)
+    backend.abort("interrupted")
+    assert backend.stop_hung() == []
+    assert backend.busy() == []

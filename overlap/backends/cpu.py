@@ -661,7 +661,9 @@ class CpuBackend:
 
         def until(b: Busy) -> float:
             if b.waiting:
-                return start + grace
+                # A wait (or the queue draining behind an op that just ended) gets the grace
+                # from when it began — it may begin late, after a slow op — within the bound.
+                return min(max(start, b.since) + grace, start + max(self.timeout, grace))
             hung = b.hung_at(self.timeout)
             return hung if hung <= start else max(hung, start + grace)  # hung already: done
 
