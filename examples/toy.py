@@ -144,11 +144,12 @@ class ToyMLP:
 
 def reference_step(weights: list[np.ndarray], microbatches: list[np.ndarray]
                    ) -> tuple[list[float], list[np.ndarray]]:
-    """Losses and gradients of the 4-layer MLP on one device, float64."""
+    """Per-microbatch losses and the summed weight gradients of the tanh MLP (any number of
+    layers) on one device, float64 numpy — knowing nothing about meshes."""
     grads = [np.zeros_like(w) for w in weights]
     losses = []
     for x in microbatches:
-        acts = [x]
+        acts = [np.asarray(x, np.float64)]
         for w in weights:
             acts.append(np.tanh(acts[-1] @ w))
         losses.append(0.5 * float(np.sum(acts[-1] ** 2)))

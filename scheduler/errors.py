@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class ShardingError(ValueError):
@@ -39,12 +41,12 @@ def check_seconds(name: str, value: object) -> float:
     return float(value)
 
 
-@contextmanager
-def reading_json(what: str) -> Iterator[None]:
-    """Turn what a malformed document raises while it is read (bad JSON, a missing field, a
-    field of the wrong type) into a ValueError naming ``what`` and the field."""
+def load_json(text: str | bytes, what: str, build: Callable[[Any], T]) -> T:
+    """``build(json.loads(text))``, turning what a malformed document raises (bad JSON, a
+    missing field, a field of the wrong type) into a ValueError naming ``what`` and the
+    field."""
     try:
-        yield
+        return build(json.loads(text))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what}: not valid JSON ({exc})") from None
     except KeyError as exc:

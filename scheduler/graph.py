@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, NamedTuple
 
-from .errors import reading_json
+from .errors import load_json
 from .mesh import DeviceMesh
 from .plan import ReshardPlan, Transfer
 from .schedules import Schedule
@@ -318,8 +318,7 @@ class StepGraph:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StepGraph:
-        with reading_json("step graph JSON"):
-            return cls._from_data(json.loads(text))
+        return load_json(text, "step graph JSON", cls._from_data)
 
     @classmethod
     def _from_data(cls, data: dict) -> StepGraph:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PlanError, reading_json
+from .errors import PlanError, load_json
 from .regions import Region, contains, fmt_region, volume
 from .sharding import Sharding
 
@@ -212,8 +212,7 @@ class ReshardPlan:
         """The plan ``text`` (from :meth:`to_json`) describes; ValueError naming what is wrong
         with it. Read only: :meth:`check` says whether the plan itself is correct (the runtime
         checks every plan before it runs one)."""
-        with reading_json("plan JSON"):
-            return cls._from_data(json.loads(text))
+        return load_json(text, "plan JSON", cls._from_data)
 
     @classmethod
     def _from_data(cls, data: dict[str, Any]) -> ReshardPlan:

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import check_positive_int, reading_json
+from .errors import check_positive_int, load_json
 
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 
@@ -147,8 +147,7 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Schedule:
-        with reading_json("schedule JSON"):
-            return cls._from_data(json.loads(text))
+        return load_json(text, "schedule JSON", cls._from_data)
 
     @classmethod
     def _from_data(cls, data: dict) -> Schedule:

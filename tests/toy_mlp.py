@@ -17,7 +17,8 @@ and layout changes (cluster: ``p3.8xlarge`` × 4 hosts, stage ``s`` on host ``s`
   pre-activation, then tanh; each device computes the (same) loss.
 
 Blocks follow the documented ceil-division split rule, computed here independently of the
-library (:func:`split`). The reference (:func:`reference`) is a plain float64 numpy forward and
+library (:func:`split`). The reference (``reference``: ``reference_step`` of examples/toy.py) is a
+plain float64 numpy forward and
 backward that knows nothing about meshes.
 """
 
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from toy import reference_step as reference  # noqa: F401  (the float64 reference, re-exported)
 
 from overlap.pipeline import Stage, StageContext
 from scheduler import Boundary, Cluster, DeviceMesh, P, Sharding
@@ -40,24 +42,6 @@ def split(n: int, k: int, i: int) -> slice:
     """Block ``i`` of ``k`` of a dimension of size ``n`` (ceil division, as documented)."""
     c = -(-n // k)
     return slice(min(i * c, n), min((i + 1) * c, n))
-
-
-def reference(weights: Sequence[np.ndarray], microbatches: Sequence[np.ndarray]
-              ) -> tuple[list[float], list[np.ndarray]]:
-    """Per-microbatch losses and the summed weight gradients, float64 numpy."""
-    grads = [np.zeros_like(w) for w in weights]
-    losses = []
-    for x in microbatches:
-        acts = [np.asarray(x, np.float64)]
-        for w in weights:
-            acts.append(np.tanh(acts[-1] @ w))
-        losses.append(0.5 * float(np.sum(acts[-1] ** 2)))
-        dy = acts[-1]
-        for s in reversed(range(len(weights))):
-            dz = dy * (1.0 - acts[s + 1] ** 2)
-            grads[s] += acts[s].T @ dz
-            dy = dz @ weights[s].T
-    return losses, grads
 
 
 def reference_inputs(weights: Sequence[np.ndarray], x: np.ndarray, stage: int) -> np.ndarray:
