@@ -57,7 +57,7 @@ from .errors import (
 from .nvtx import range_end, range_start
 from .pipeline import Stage, StepState, check_pipeline, launch_step
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
-from .watch import Recovery, hang_error, overdue, wait_all
+from .watch import Recovery, name_hang, wait_all
 from .world import Placement, World, detect_world
 
 if TYPE_CHECKING:
@@ -350,8 +350,10 @@ class Runtime:
         if out is not None:
             check_outs(plan, out, shards, self._array_types(), self.backend.is_local, xp)
         # A plan this runtime did not make may be broken (edited JSON, another tool): checked
-        # once, before anything moves, so that no destination keeps uninitialised memory.
-        self._cached(("checked", plan), lambda: plan.check() or True)
+        # once, with its graph, before anything moves, so that no destination keeps
+        # uninitialised memory.
+        graph = self._cached(("reshard", plan, stream),
+                             lambda: plan.check() or reshard_graph(plan, stream))
         await self._recovery.ready()
         check = (self._agree(self._cached(("digest", plan),
                                           lambda: hashlib.sha256(plan.to_json().encode()).digest()),
@@ -362,7 +364,6 @@ class Runtime:
         outs = BufferTable(lambda d: xp.empty(region_shape(regions[d]), dtype))
         if out is not None:
             outs.update(out)
-        graph = self._cached(("reshard", plan, stream), lambda: reshard_graph(plan, stream))
         await self._gather(lambda: launch_reshard(self.backend, plan, shards, outs,
                                                   stream=stream, tag_base=base, graph=graph),
                            what="reshard", check=check, graph=graph)
@@ -605,10 +606,8 @@ class Runtime:
         backend, dist = self.backend, self.backend.dist
         deadline = asyncio.get_running_loop().time() + min(1.0, backend.timeout)
         while not isinstance(dist.broken, RankFailed):
-            hung = overdue(backend, backend.timeout)
-            if hung:
-                err = hang_error(hung, graph, backend.timeout)
-                backend.note_failure(err)
+            err = name_hang(backend, graph)
+            if err is not None:
                 return err
             if asyncio.get_running_loop().time() >= deadline:
                 return timeout

@@ -77,6 +77,17 @@ def overdue(backend: Backend, timeout: float) -> list[Busy]:
             and now >= b.hung_at(timeout + (0.0 if b.category == "compute" else COMM_SLACK_S))]
 
 
+def name_hang(backend: Backend, graph: StepGraph | None) -> StageTimeout | None:
+    """The error naming the ops running past their bound now, recorded as the backend's
+    failure (which aborts the rest of the work at once); None when there are none."""
+    hung = overdue(backend, backend.timeout)
+    if not hung:
+        return None
+    err = hang_error(hung, graph, backend.timeout)
+    backend.note_failure(err)
+    return err
+
+
 async def wait_all(backend: Backend, events: Sequence[Any], graph: StepGraph | None) -> None:
     """Await every event at once; raise the first failure, or a :class:`StageTimeout` as
     soon as an op runs longer than the backend's ``timeout``."""
@@ -92,10 +103,8 @@ async def wait_all(backend: Backend, events: Sequence[Any], graph: StepGraph | N
                 if t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
             if pending:
-                hung = overdue(backend, timeout)
-                if hung:
-                    err = hang_error(hung, graph, timeout)
-                    backend.note_failure(err)  # aborts the rest of the work at once
+                err = name_hang(backend, graph)
+                if err is not None:
                     raise err
     finally:
         for t in tasks:

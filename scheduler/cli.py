@@ -24,6 +24,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .cli_common import (
     Case,
@@ -125,9 +126,7 @@ COMMANDS = {
 
 
 def trace_main(argv: Sequence[str]) -> int:
-    from .kineto import is_kineto, read_kineto
-    from .nsys import device_figures, figures_text, is_sqlite, read_sqlite, timeline_work
-    from .timeline import Timeline
+    from .nsys import device_figures, figures_text
 
     p = parser("overlap trace", "Summarize a trace: ours (runtime or simulator, Chrome "
                "JSON), an Nsight Systems capture (its SQLite export, or a .nsys-rep), or a "
@@ -146,21 +145,11 @@ def trace_main(argv: Sequence[str]) -> int:
     if not args.file.is_file():
         print(f"error: no such file: {args.file}", file=sys.stderr)
         return 2
-    tl = None
     try:
-        if args.file.suffix == ".nsys-rep":
-            work = read_sqlite(_exported(args.file))
-        elif is_sqlite(args.file):
-            work = read_sqlite(args.file)
-        elif _json_of(args.file) is not None and is_kineto(_json_of(args.file)):
-            work = read_kineto(args.file)  # a PyTorch profiler trace
-        else:
-            tl = Timeline.from_chrome_trace(args.file)
-            work = timeline_work(tl)
+        work, tl = _read_trace(args.file)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    figures = device_figures(work)
     if args.action == "plot":
         from .nsys import plot_work
 
@@ -170,6 +159,7 @@ def trace_main(argv: Sequence[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
+    figures = device_figures(work)
     if args.json:
         out: dict = {"devices": {str(d): f for d, f in figures.items()}}
         if tl is not None:  # our own traces: the timeline's figures too
@@ -186,17 +176,26 @@ def trace_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _json_of(path: Path) -> object:
-    """The file's JSON, or None when it is not JSON (cached: read once per run)."""
-    if path not in _JSON:
-        try:
-            _JSON[path] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            _JSON[path] = None
-    return _JSON[path]
+def _read_trace(path: Path) -> tuple[list[Any], Any]:
+    """The GPU work of a trace of any source, and our own Timeline when it is one of ours
+    (ValueError naming the file otherwise)."""
+    from .kineto import is_kineto, kineto_work
+    from .nsys import is_sqlite, read_sqlite, timeline_work
+    from .timeline import Timeline
 
-
-_JSON: dict[Path, object] = {}
+    if path.suffix == ".nsys-rep":
+        return read_sqlite(_exported(path)), None
+    if is_sqlite(path):
+        return read_sqlite(path), None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"path: {path} is not a trace written by overlap: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if is_kineto(data):
+        return kineto_work(data), None  # a PyTorch profiler trace
+    tl = Timeline.from_chrome_json(data, path)
+    return timeline_work(tl), tl
 
 
 def _exported(report: Path) -> Path:

@@ -35,6 +35,11 @@ def read_kineto(path: str | Path) -> list[GpuWork]:
         raise ValueError(f"{path}: not a readable JSON trace ({exc})") from None
     if not is_kineto(data):
         raise ValueError(f"{path}: not a PyTorch profiler trace (no GPU work in it)")
+    return kineto_work(data)
+
+
+def kineto_work(data: dict[str, Any]) -> list[GpuWork]:
+    """:func:`read_kineto` of a trace already parsed (one that :func:`is_kineto`)."""
     events = [e for e in data["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
     ranges: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
     launches: dict[Any, tuple[tuple[Any, Any], float]] = {}

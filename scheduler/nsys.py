@@ -58,10 +58,9 @@ def read_sqlite(path: str | Path) -> list[GpuWork]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        if f.read(16) != b"SQLite format 3\x00":
-            raise ValueError(f"{path}: not an SQLite file (an Nsight Systems capture exports "
-                             "to one with `nsys export --type sqlite`)")
+    if not is_sqlite(path):
+        raise ValueError(f"{path}: not an SQLite file (an Nsight Systems capture exports "
+                         "to one with `nsys export --type sqlite`)")
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:

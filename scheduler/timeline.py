@@ -220,9 +220,18 @@ class Timeline:
         """Read back a trace written by :meth:`to_chrome_trace` (simulated or measured)."""
         try:
             data = json.loads(Path(path).read_text())
-            return cls._from_events(data["traceEvents"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError) as exc:
             raise ValueError(f"path: {path} is not a trace written by overlap: "
+                             f"{type(exc).__name__}: {exc}") from None
+        return cls.from_chrome_json(data, path)
+
+    @classmethod
+    def from_chrome_json(cls, data: Any, source: str | Path) -> Timeline:
+        """:meth:`from_chrome_trace` of JSON already parsed (from ``source``)."""
+        try:
+            return cls._from_events(data["traceEvents"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"path: {source} is not a trace written by overlap: "
                              f"{type(exc).__name__}: {exc}") from None
 
     @classmethod
