@@ -6,6 +6,10 @@ interleaves, while a start/end range is closed explicitly by whoever opened it. 
 training step, ``step N``, from launch to the end of its last op), each with its colour;
 messages are the op labels ("F s1 mb3 on device 5", "reshard s1→s2 mb3 #0 on device 5", ...).
 
+Other profilers can receive the same ranges: :func:`add_sink` registers a pair of start/end
+functions (the torch adapter registers ``torch.profiler.record_function``'s, so a PyTorch
+profiler trace is attributed like an Nsight capture).
+
 Free when unused: without the ``nvtx`` package, or with ``NVTX_DISABLE`` set in the
 environment, both functions are no-ops; with the package but no profiler attached, a range
 costs about 0.2 µs (measured here).
@@ -40,11 +44,34 @@ def _load() -> tuple[Callable[..., Any], Callable[[Any], None]]:
 _start, _end = _load()
 
 
+# Extra receivers of every range: (start(message, category) -> handle, end(handle)).
+_sinks: list[tuple[Callable[[str, str], Any], Callable[[Any], None]]] = []
+
+
+class _Ranges(tuple):
+    """The handles of one range in NVTX and in each sink (the sinks' after NVTX's)."""
+
+
+def add_sink(start: Callable[[str, str], Any], end: Callable[[Any], None]) -> None:
+    """Open every later range in another profiler as well (once per pair)."""
+    if (start, end) not in _sinks:
+        _sinks.append((start, end))
+
+
 def range_start(message: str, category: str) -> Any:
     """Open a range; pass the result to :func:`range_end`."""
-    return _start(message, category)
+    handle = _start(message, category)
+    if not _sinks:
+        return handle
+    return _Ranges((handle, *(start(message, category) for start, _ in _sinks)))
 
 
 def range_end(handle: Any) -> None:
+    if isinstance(handle, _Ranges):
+        nvtx_handle, *others = handle
+        for (_, end), h in zip(reversed(_sinks[:len(others)]), reversed(others)):
+            if h is not None:
+                end(h)
+        handle = nvtx_handle
     if handle is not None:
         _end(handle)

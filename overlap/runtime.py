@@ -11,6 +11,7 @@ afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import sys
@@ -18,7 +19,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -56,6 +57,7 @@ from .errors import (
 )
 from .nvtx import range_end, range_start
 from .pipeline import Stage, StepState, check_pipeline, launch_step
+from .profiling import profile_window
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
 from .watch import Recovery, name_hang, wait_all
 from .world import Placement, World, detect_world
@@ -246,6 +248,11 @@ class Runtime:
             or ``srun``).
         placement: which rank drives which device (several processes only); by default equal
             contiguous blocks of device ids (``Placement.blocks``).
+        profile_steps: the training steps a profiler should record (counting from 0), as a
+            ``range`` or ``"A:B"``: the runtime starts the profiler (``cudaProfilerStart``)
+            before step A and stops it after step B-1, for ``nsys profile
+            --capture-range=cudaProfilerApi``. Default: ``$OVERLAP_PROFILE_STEPS`` (set by
+            ``overlap profile --steps``), else no window. See also :meth:`capture`.
 
     In a multi-process job every process makes the same calls with the same arguments; each
     runs only its own devices' parts (see README, "Running on several processes and hosts").
@@ -255,10 +262,13 @@ class Runtime:
                  emulate_links: bool | str = False,
                  compute_time: Callable[[int, str], float] | None = None,
                  timeout: float = 30.0, world: World | None = None,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None,
+                 profile_steps: range | str | None = None) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
         check_seconds("timeout", timeout)  # before any thread or process is started
+        self._profile_window = profile_window(profile_steps)
+        self._capturing = False
         if world is not None and not isinstance(world, World):
             raise TypeError(f"world: expected an overlap.world.World, got "
                             f"{type(world).__name__}")
@@ -418,8 +428,12 @@ class Runtime:
                  if self.world.distributed else None)
         self.backend.start_trace()
         state = StepState()
+        index = self._steps
         self._steps += 1
-        step_range = range_start(f"step {self._steps}", "step")  # Nsight: one range a step
+        window = self._profile_window
+        if window is not None and index == window.start:
+            self._profiler(True)
+        step_range = range_start(f"step {index}", "step")  # Nsight: one range a step
         try:
             await self._gather(lambda: launch_step(self.backend, graph, stages, boundaries,
                                                    input_sharding, microbatches,
@@ -427,6 +441,8 @@ class Runtime:
                                what="train_step", check=check, graph=graph)
         finally:
             range_end(step_range)
+            if window is not None and index == window.stop - 1:
+                self._profiler(False)
             self._last_trace = (self.backend.trace or [], graph)
             self.backend.trace = None
         if not self.world.distributed:
@@ -646,6 +662,26 @@ class Runtime:
             raise OverlapRuntimeError(f"this process's runtime failed earlier ({broken}); a "
                                       "multi-process job cannot continue after a failure")
 
+    # ---- profiling -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Record what runs inside the block with the profiler (``cudaProfilerStart`` /
+        ``Stop``: ``nsys profile --capture-range=cudaProfilerApi`` records only this) — for
+        windows that are not whole training steps (``profile_steps``). A no-op on the CPU
+        backend."""
+        self._check_open()
+        self._profiler(True)
+        try:
+            yield
+        finally:
+            self._profiler(False)
+
+    def _profiler(self, on: bool) -> None:
+        if on != self._capturing:
+            self._capturing = on
+            self.backend.profiler(on)
+
     # ---- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
@@ -664,6 +700,8 @@ class Runtime:
         if not self._closed:
             self._closed = True
             self._finalizer.detach()
+            with contextlib.suppress(Exception):  # a window left open ends with the runtime
+                self._profiler(False)
             if self.backend.dist is not None:
                 self.backend.dist.close(error, handled)
             _shut_down(self.backend, self._sync)

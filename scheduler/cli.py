@@ -20,11 +20,9 @@ A JSON case file (``examples/cases/plan_case.json``) holds ``cluster`` (fields o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from .cli_common import (
     Case,
@@ -122,102 +120,9 @@ COMMANDS = {
     "simulate": "compare gpipe / 1f1b / eager-1f1b / signal on a pipeline",
     "trace": "trace report FILE [--json] | plot FILE -o PNG: busy, bubble, communication and "
              "how much of it was hidden (our traces, Nsight Systems, PyTorch profiler)",
+    "profile": "profile [--steps A:B] [-o DIR] -- python train.py ...: run it under Nsight "
+               "Systems, then report",
 }
-
-
-def trace_main(argv: Sequence[str]) -> int:
-    from .nsys import device_figures, figures_text
-
-    p = parser("overlap trace", "Summarize a trace: ours (runtime or simulator, Chrome "
-               "JSON), an Nsight Systems capture (its SQLite export, or a .nsys-rep), or a "
-               "PyTorch profiler (Kineto) trace.")
-    p.add_argument("action", choices=("report", "plot"),
-                   help="report: per-device figures; plot: a PNG of per-device compute and "
-                        "communication tracks (-o)")
-    p.add_argument("file", type=Path, help="a trace written by the runtime or the simulator, "
-                   "or an Nsight Systems SQLite export")
-    p.add_argument("--json", action="store_true",
-                   help="print per-device figures as JSON: {\"devices\": {\"<device>\": "
-                        "{compute_ms, comm_ms, exposed_comm_ms, overlap_pct}}}")
-    p.add_argument("-o", "--output", type=Path, default=Path("timeline.png"),
-                   help="where plot writes its PNG")
-    args = p.parse_args(argv)
-    if not args.file.is_file():
-        print(f"error: no such file: {args.file}", file=sys.stderr)
-        return 2
-    try:
-        work, tl = _read_trace(args.file)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.action == "plot":
-        from .nsys import plot_work
-
-        try:
-            print(f"wrote {plot_work(work, args.output, title=args.file.name)}")
-        except ImportError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    figures = device_figures(work)
-    if args.json:
-        out: dict = {"devices": {str(d): f for d, f in figures.items()}}
-        if tl is not None:  # our own traces: the timeline's figures too
-            out["iteration_s"] = tl.iteration_time
-            out["bubble_fraction"] = tl.bubble_fraction
-        print(json.dumps(out, indent=1))
-        return 0
-    print(f"{args.file}:")
-    if tl is not None:
-        print(tl.report())
-    elif not work:
-        print("no GPU work in this capture (was CUDA traced? `nsys profile -t cuda,nvtx`)")
-    print(figures_text(figures))
-    return 0
-
-
-def _read_trace(path: Path) -> tuple[list[Any], Any]:
-    """The GPU work of a trace of any source, and our own Timeline when it is one of ours
-    (ValueError naming the file otherwise)."""
-    from .kineto import is_kineto, kineto_work
-    from .nsys import is_sqlite, read_sqlite, timeline_work
-    from .timeline import Timeline
-
-    if path.suffix == ".nsys-rep":
-        return read_sqlite(_exported(path)), None
-    if is_sqlite(path):
-        return read_sqlite(path), None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"path: {path} is not a trace written by overlap: "
-                         f"{type(exc).__name__}: {exc}") from None
-    if is_kineto(data):
-        return kineto_work(data), None  # a PyTorch profiler trace
-    tl = Timeline.from_chrome_json(data, path)
-    return timeline_work(tl), tl
-
-
-def _exported(report: Path) -> Path:
-    """The SQLite export of an ``.nsys-rep`` (made next to it with ``nsys`` when on PATH)."""
-    import shutil
-    import subprocess
-
-    out = report.with_suffix(".sqlite")
-    if out.is_file() and out.stat().st_mtime >= report.stat().st_mtime:
-        return out
-    nsys = shutil.which("nsys")
-    if nsys is None:
-        raise ValueError(f"{report}: a .nsys-rep is read through its SQLite export, and `nsys` "
-                         f"is not on PATH here: run `nsys export --type sqlite {report}` "
-                         "where Nsight Systems is installed (or capture with `nsys profile "
-                         "--export sqlite`), then report the .sqlite")
-    done = subprocess.run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true",
-                           "--output", str(out), str(report)], capture_output=True, text=True,
-                          timeout=600)
-    if done.returncode != 0 or not out.is_file():
-        raise ValueError(f"{report}: `nsys export` failed: {done.stderr.strip()[-500:]}")
-    return out
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -> int:
@@ -244,6 +149,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -
 
         return simulate_main(argv[1:])
     if argv[0] == "trace":
+        from .trace_cli import trace_main
+
         return trace_main(argv[1:])
+    if argv[0] == "profile":
+        from .profile_cli import profile_main
+
+        return profile_main(argv[1:])
     print(f"{prog}: unknown command {argv[0]!r}; known: {', '.join(COMMANDS)}", file=sys.stderr)
     return 2

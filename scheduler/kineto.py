@@ -1,10 +1,17 @@
-"""Reading a PyTorch profiler (Kineto) Chrome trace the way :mod:`scheduler.nsys` reads an
-Nsight Systems export: GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) joined to
-its launch (the ``cuda_runtime`` event with the same ``args.correlation``) and attributed to
-the innermost ``user_annotation`` range (``torch.profiler.record_function``) on the launching
-thread whose message is one of the runtime's ranges (``F s1 mb3 on device 5``, ``reshard ...``);
-work inside none is communication when it is an NCCL kernel, compute otherwise, on its CUDA
-device (``args.device``). Times are microseconds in the file."""
+"""Reading a PyTorch profiler (Kineto) Chrome trace into a :class:`~scheduler.capture.Capture`,
+as :mod:`scheduler.nsys` reads an Nsight Systems export.
+
+GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) is joined to its launch (the
+``cuda_runtime`` event with the same ``args.correlation``) and attributed to the innermost
+``user_annotation`` range (``torch.profiler.record_function``) on the launching thread whose
+message is one of the runtime's ranges (``F s1 mb3 on device 5``, ``reshard ...``); work
+inside none is communication when it is an NCCL kernel, compute otherwise, on its CUDA device
+(``args.device``). Steps: ``user_annotation`` ranges ``step N`` (the runtime's, through the
+torch adapter) or ``ProfilerStep#N`` (``prof.step()``). Times are microseconds in the file.
+
+The runtime's ops run on its stream threads: record with ``overlap.torch.profiler()`` (every
+thread), or the trace holds the caller's thread only.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .nsys import GpuWork, _classify, _innermost
+from .capture import STEP, Capture, classify, innermost, step_windows
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 OUR_RANGE = ("F s", "B s", "I s", "W s", "reshard ", "grad ")
@@ -27,8 +34,8 @@ def is_kineto(data: Any) -> bool:
         for e in events)
 
 
-def read_kineto(path: str | Path) -> list[GpuWork]:
-    """Every piece of GPU work of the trace, attributed (see module doc)."""
+def read_kineto(path: str | Path) -> Capture:
+    """Every piece of GPU work of the trace, attributed, and its steps (see module doc)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -38,15 +45,18 @@ def read_kineto(path: str | Path) -> list[GpuWork]:
     return kineto_work(data)
 
 
-def kineto_work(data: dict[str, Any]) -> list[GpuWork]:
+def kineto_work(data: dict[str, Any]) -> Capture:
     """:func:`read_kineto` of a trace already parsed (one that :func:`is_kineto`)."""
     events = [e for e in data["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
     ranges: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
     launches: dict[Any, tuple[tuple[Any, Any], float]] = {}
+    steps = []
     for e in events:
-        cat, where = e.get("cat"), (e.get("pid"), e.get("tid"))
-        if cat == "user_annotation" and str(e.get("name", "")).startswith(OUR_RANGE):
-            ranges.setdefault(where, []).append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+        cat, where, name = e.get("cat"), (e.get("pid"), e.get("tid")), str(e.get("name", ""))
+        if cat == "user_annotation" and STEP.match(name):
+            steps.append((name, e["ts"] * 1e-6, (e["ts"] + e.get("dur", 0)) * 1e-6))
+        elif cat == "user_annotation" and name.startswith(OUR_RANGE):
+            ranges.setdefault(where, []).append((e["ts"], e["ts"] + e.get("dur", 0), name))
         elif cat == "cuda_runtime" and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = (where, e["ts"])
     for rs in ranges.values():
@@ -57,8 +67,8 @@ def kineto_work(data: dict[str, Any]) -> list[GpuWork]:
             continue
         args = e.get("args", {})
         launch = launches.get(args.get("correlation"))
-        label = _innermost(ranges.get(launch[0], []), launch[1]) if launch else None
+        label = innermost(ranges.get(launch[0], []), launch[1]) if launch else None
         start = e["ts"] * 1e-6
-        work.append(_classify(label, str(e.get("name", "")), int(args.get("device", 0)), start,
-                              start + e.get("dur", 0) * 1e-6))
-    return work
+        work.append(classify(label, str(e.get("name", "")), int(args.get("device", 0)), start,
+                             start + e.get("dur", 0) * 1e-6))
+    return Capture(tuple(work), step_windows(steps))

@@ -322,8 +322,14 @@ def get_elapsed_time(start_event: Event, end_event: Event) -> float:
 runtime = types.SimpleNamespace(
     getDeviceCount=lambda: DEVICES, memcpyPeerAsync=None,
     getDeviceProperties=lambda device: {"name": b"CuPy stand-in (numpy)"})
+# cupy.cuda.profiler (cupy_backends/cuda/api/runtime: cudaProfilerStart/Stop, acting on the
+# current device's context): records (call, current device).
+profiler_calls: list[tuple[str, int]] = []
+profiler = types.SimpleNamespace(
+    start=lambda: profiler_calls.append(("start", _current_device())),
+    stop=lambda: profiler_calls.append(("stop", _current_device())))
 cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=ExternalStream,
-                             Event=Event, runtime=runtime,
+                             Event=Event, runtime=runtime, profiler=profiler,
                              get_current_stream=get_current_stream,
                              get_elapsed_time=get_elapsed_time)
 

@@ -369,3 +369,53 @@ def test_a_bootstrapped_communicator_gets_the_id_type_its_cupy_takes(monkeypatch
     monkeypatch.setattr(fake_cupy, "NCCL_API", api)
     comm = bootstrap_nccl(None, [0], 0, fake_cupy.nccl, timeout=1.0)
     assert comm.rank_id() == 0 and comm.size() == 1
+
+
+# ---- capture windows (cudaProfilerStart/Stop) -------------------------------------------------
+
+
+def _toy_steps(rt, n, after_each):
+    cluster = rt.cluster
+    model = on_device(ToyMLP.build(cluster, hidden=8, batch=4))
+    mbs = [fake_cupy.asarray(np.ones((4, 8))) for _ in range(2)]
+    for _ in range(n):
+        rt.train_step_sync(model.stages(), model.boundaries(), mbs,
+                           input_sharding=model.input_sharding())
+        after_each(list(fake_cupy.profiler_calls))
+
+
+@pytest.mark.parametrize("steps, env", [(range(1, 3), None), ("1:3", None), (None, "1:3")])
+def test_profile_steps_start_the_profiler_before_a_step_and_stop_it_after(monkeypatch, steps,
+                                                                         env):
+    monkeypatch.setattr(fake_cupy, "profiler_calls", [])
+    if env is None:
+        monkeypatch.delenv("OVERLAP_PROFILE_STEPS", raising=False)
+    else:
+        monkeypatch.setenv("OVERLAP_PROFILE_STEPS", env)
+    cluster = Cluster.preset("p3.8xlarge", 4)
+    seen = []
+    with Runtime(cluster, backend="cuda", profile_steps=steps) as rt:
+        _toy_steps(rt, 4, seen.append)
+    gpus = sorted({rt.backend.physical(d) for d in range(cluster.num_devices)})
+    starts = [("start", g) for g in gpus]
+    stops = [("stop", g) for g in gpus]
+    # after step 0: nothing; step 1 ran captured; after step 2 the window closed; step 3 not.
+    assert seen == [[], starts, starts + stops, starts + stops]
+
+
+def test_capture_records_a_block_and_close_ends_an_open_window(monkeypatch):
+    monkeypatch.setattr(fake_cupy, "profiler_calls", [])
+    cluster = Cluster.preset("p3.8xlarge", 4)
+    with monkeypatch.context() as m:
+        m.setattr(fake_cupy, "DEVICES", 2)
+        with Runtime(cluster, backend="cuda") as rt:
+            with rt.capture():
+                assert fake_cupy.profiler_calls == [("start", 0), ("start", 1)]
+            assert fake_cupy.profiler_calls[2:] == [("stop", 0), ("stop", 1)]
+    fake_cupy.profiler_calls.clear()
+    rt = Runtime(cluster, backend="cuda", profile_steps=range(0, 5))
+    _toy_steps(rt, 1, lambda calls: None)
+    gpus = sorted({rt.backend.physical(d) for d in range(cluster.num_devices)})
+    rt.close()  # the window was still open: closing the runtime ends it
+    assert fake_cupy.profiler_calls == ([("start", g) for g in gpus] +
+                                        [("stop", g) for g in gpus])

@@ -41,7 +41,7 @@ CALLABLES = [
     "asarray", "array", "ascontiguousarray", "asnumpy", "empty", "zeros", "ones",
     "cuda.Stream", "cuda.ExternalStream", "cuda.Event", "cuda.Device",
     "cuda.Stream.wait_event", "cuda.Stream.launch_host_func", "cuda.Event.record",
-    "cuda.runtime.getDeviceCount",
+    "cuda.runtime.getDeviceCount", "cuda.profiler.start", "cuda.profiler.stop",
     "cuda.get_elapsed_time", "ndarray.get",
     "cuda.nccl.NcclCommunicator.send", "cuda.nccl.NcclCommunicator.recv",
     "cuda.nccl.NcclCommunicator.allReduce", "cuda.nccl.NcclCommunicator.initAll",
@@ -68,6 +68,7 @@ def test_what_the_stand_in_accepts_the_real_one_accepts(path):
                                     "initAll", "device_id", "rank_id", "size"]),
     ("cuda.nccl", ["groupStart", "groupEnd", "get_unique_id", "NcclCommunicator"]),
     ("cuda.runtime", ["getDeviceCount", "memcpyPeerAsync"]),
+    ("cuda.profiler", ["start", "stop"]),
 ])
 def test_the_backend_touches_nothing_the_real_one_lacks(path, names):
     real, fake = real_and_fake(path)

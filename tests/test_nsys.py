@@ -7,7 +7,8 @@ import sqlite3
 
 import pytest
 
-from scheduler.nsys import device_figures, read_sqlite
+from scheduler.capture import device_figures, step_figures
+from scheduler.nsys import read_sqlite
 
 MS = 1_000_000  # the export's times are nanoseconds
 
@@ -73,7 +74,7 @@ def test_work_is_attributed_to_the_innermost_overlap_range_of_its_launching_thre
                  (500 * MS, 600 * MS, 1, 9, 5, 21),   # NCCL outside any range: comm, GPU 1
                  (550 * MS, 580 * MS, 1, 7, 6, 20)],  # outside any range: compute, GPU 1
         memcpys=[(40 * MS, 90 * MS, 0, 8, 2)])        # comm, device 4
-    work = read_sqlite(f)
+    work = read_sqlite(f).work
     assert sorted((w.device, w.category, w.label) for w in work) == sorted([
         (4, "compute", "F s0 mb0 on device 4"),
         (6, "comm", "grad s1→s0 mb0 #0 on device 6"),
@@ -90,13 +91,60 @@ def test_work_is_attributed_to_the_innermost_overlap_range_of_its_launching_thre
                                         "exposed_comm_ms": 70.0, "overlap_pct": 30.0})
 
 
+def test_step_ranges_give_iteration_time_and_bubble(tmp_path, capsys):
+    import json
+
+    import overlap.cli
+
+    f = tmp_path / "steps.sqlite"
+    capture(
+        f,
+        strings=[(1, "gemm")],
+        nvtx=[*DOMAINS,
+              (0, 100 * MS, 60, "step 0", 1, None, OURS),
+              (200 * MS, 300 * MS, 60, "step 1", 1, None, OURS),
+              # another process (thread) of the same job ends step 0 later: one window
+              (5 * MS, 110 * MS, 60, "step 0", 2, None, OURS),
+              (0, 900 * MS, 60, "step 7", 1, None, OTHER),  # another domain's: ignored
+              (0, 50 * MS, 60, "F s0 mb0 on device 4", 1, None, OURS),
+              (200 * MS, 300 * MS, 60, "F s0 mb1 on device 4", 1, None, OURS),
+              (20 * MS, 30 * MS, 60, "B s1 mb0 on device 6", 2, None, OURS)],
+        runtime=[(1 * MS, 2 * MS, 1, 1), (201 * MS, 202 * MS, 1, 2), (21 * MS, 22 * MS, 2, 3),
+                 (500 * MS, 501 * MS, 3, 4)],
+        kernels=[(0, 50 * MS, 0, 7, 1, 1), (200 * MS, 300 * MS, 0, 7, 2, 1),
+                 (20 * MS, 30 * MS, 1, 7, 3, 1),
+                 (500 * MS, 600 * MS, 2, 7, 4, 1)])  # GPU 2 computes outside every step
+    cap = read_sqlite(f)
+    assert cap.steps == {0: (0.0, pytest.approx(0.11)), 1: (pytest.approx(0.2),
+                                                            pytest.approx(0.3))}
+    # Windows 110 + 100 ms; device 4 idle 60 ms of them, device 6 idle 200 ms; GPU 2 never
+    # computed inside a step and does not count.
+    want = {"steps": 2, "iteration_ms": 105.0, "bubble_pct": 100 * 260 / (210 * 2)}
+    assert step_figures(cap) == pytest.approx(want)
+    assert overlap.cli.main(["trace", "report", str(f), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {k: data[k] for k in want} == pytest.approx(want)
+    assert set(data["devices"]) == {"4", "6", "2"}
+    assert overlap.cli.main(["trace", "report", str(f)]) == 0
+    assert "2 steps: iteration 105.000 ms (mean), bubble 61.9%" in capsys.readouterr().out
+
+
+def test_a_capture_without_step_ranges_says_so(tmp_path, capsys):
+    import overlap.cli
+
+    f = tmp_path / "nosteps.sqlite"
+    capture(f, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)], kernels=[(0, MS, 0, 7, 1, 1)])
+    assert overlap.cli.main(["trace", "report", str(f)]) == 0
+    assert "no step ranges in this capture" in capsys.readouterr().out
+
+
 def test_a_capture_without_overlap_ranges_falls_back_to_kernel_names(tmp_path):
     f = tmp_path / "plain.sqlite"
     capture(f, strings=[(1, "ncclKernel_Broadcast"), (2, "gemm")],
             runtime=[(0, 1, 7, 1), (0, 1, 7, 2)],
             kernels=[(0, 10 * MS, 3, 1, 1, 1), (5 * MS, 20 * MS, 3, 2, 2, 2)],
             memsets=[(30 * MS, 31 * MS, 3, 99)])  # its launch is not in the capture
-    figures = device_figures(read_sqlite(f))
+    figures = device_figures(read_sqlite(f).work)
     assert figures == {3: pytest.approx({"compute_ms": 16.0, "comm_ms": 10.0,
                                          "exposed_comm_ms": 5.0, "overlap_pct": 50.0})}
 
@@ -104,7 +152,9 @@ def test_a_capture_without_overlap_ranges_falls_back_to_kernel_names(tmp_path):
 def test_missing_tables_read_as_empty(tmp_path):
     f = tmp_path / "empty.sqlite"
     sqlite3.connect(f).execute("CREATE TABLE StringIds (id INTEGER, value TEXT)").connection.close()
-    assert read_sqlite(f) == [] and device_figures([]) == {}
+    capture = read_sqlite(f)
+    assert capture.work == () and capture.steps == {} and device_figures([]) == {}
+    assert step_figures(capture) is None
 
 
 def test_files_that_are_no_capture_are_named(tmp_path):
@@ -150,9 +200,12 @@ def test_trace_report_json_means_the_same_for_our_own_traces(tmp_path, capsys):
     trace = sorted(tmp_path.glob("sim-*.json"))[0]
     assert overlap.cli.main(["trace", "report", str(trace), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["devices"] and data["iteration_s"] > 0
+    assert data["devices"] and data["iteration_ms"] > 0 and data["steps"] == 1
+    assert 0 <= data["bubble_pct"] <= 100
     for figures in data["devices"].values():
-        assert set(figures) == {"compute_ms", "comm_ms", "exposed_comm_ms", "overlap_pct"}
+        assert set(figures) == {"compute_ms", "comm_ms", "exposed_comm_ms", "overlap_pct",
+                                "waited_for_transfer_ms"}
+        assert 0 <= figures["waited_for_transfer_ms"] <= figures["comm_ms"] + 1e-9
         assert 0 <= figures["exposed_comm_ms"] <= figures["comm_ms"] + 1e-9
 
 
@@ -226,7 +279,7 @@ def test_a_pytorch_profiler_trace_is_attributed_like_an_nsight_capture(tmp_path,
         x("kernel", "ncclDevKernel_Broadcast", 500 * US, 100 * US, pid=1, tid=9, device=1,
           correlation=77),  # its launch is not in the trace: by name
     ])
-    work = read_kineto(f)
+    work = read_kineto(f).work
     assert sorted((w.device, w.category) for w in work) == [(1, "comm"), (4, "comm"),
                                                             (4, "compute")]
     assert overlap.cli.main(["trace", "report", str(f), "--json"]) == 0
@@ -255,3 +308,128 @@ def test_trace_plot_draws_any_source(tmp_path, capsys):
     png = tmp_path / "out" / "timeline.png"
     assert overlap.cli.main(["trace", "plot", str(f), "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pytorch_step_ranges_runtime_ones_first_else_profiler_steps(tmp_path):
+    from scheduler.kineto import read_kineto
+
+    def ann(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": tid,
+                "ts": ts, "dur": dur, "args": {}}
+
+    gpu = [{"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 0,
+            "dur": 30 * US, "args": {"device": 0, "correlation": 5}}]
+    f = tmp_path / "prof_steps.json"
+    kineto(f, [ann("ProfilerStep#3", 0, 100 * US), ann("ProfilerStep#4", 100 * US, 50 * US),
+               *gpu])
+    cap = read_kineto(f)
+    assert sorted(cap.steps) == [3, 4]
+    assert step_figures(cap) == pytest.approx({"steps": 2, "iteration_ms": 75.0,
+                                               "bubble_pct": 80.0})
+    # With the runtime's own step ranges present, those are the steps.
+    kineto(f, [ann("ProfilerStep#3", 0, 100 * US), ann("step 0", 10 * US, 40 * US, tid=2),
+               *gpu])
+    cap = read_kineto(f)
+    assert cap.steps == {0: (pytest.approx(0.01), pytest.approx(0.05))}
+    assert step_figures(cap)["bubble_pct"] == pytest.approx(50.0)
+
+
+# ---- overlap profile ---------------------------------------------------------------------------
+
+
+def _fake_nsys(tmp_path, source, *, write=True):
+    """A stand-in ``nsys`` on PATH: records its arguments and environment, runs the profiled
+    command (after nsys's own options) and writes ``source`` as the SQLite export."""
+    import stat
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    nsys = bin_dir / "nsys"
+    nsys.write_text(
+        f"#!{sys.executable}\nimport json, os, shutil, subprocess, sys\n"
+        "args = sys.argv[1:]\n"
+        f"json.dump({{'args': args, 'env': os.environ.get('OVERLAP_PROFILE_STEPS')}}, "
+        f"open({str(tmp_path / 'nsys_call.json')!r}, 'w'))\n"
+        "out = [a for a in args if a.startswith('--output=')][0].split('=', 1)[1]\n"
+        "command = [a for a in args[1:] if not a.startswith('--')]\n"
+        "rc = subprocess.run(command).returncode\n"
+        + (f"shutil.copy({str(source)!r}, out + '.sqlite')\n" if write else "")
+        + "sys.exit(rc)\n")
+    nsys.chmod(nsys.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def test_overlap_profile_runs_the_script_under_nsys_with_a_capture_window(tmp_path, capsys,
+                                                                         monkeypatch):
+    import json
+    import os
+    import sys
+
+    import overlap.cli
+
+    source = tmp_path / "made.sqlite"
+    capture(source, strings=[(1, "ncclKernel_Broadcast"), (2, "gemm")],
+            runtime=[(0, 1, 7, 1), (0, 1, 7, 2)],
+            kernels=[(0, 10 * MS, 3, 1, 1, 1), (5 * MS, 20 * MS, 3, 2, 2, 2)])
+    bin_dir = _fake_nsys(tmp_path, source)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    # The profiled script: a Runtime that reads its window from the environment.
+    script = tmp_path / "train.py"
+    script.write_text("import overlap\nfrom scheduler import Cluster\n"
+                      "rt = overlap.Runtime(Cluster.preset('p3.8xlarge', 1))\n"
+                      f"open({str(tmp_path / 'window.txt')!r}, 'w')"
+                      ".write(repr(rt._profile_window))\nrt.close()\n")
+    out = tmp_path / "prof"
+    assert overlap.cli.main(["profile", "--steps", "3:5", "-o", str(out), "--json", "--",
+                             sys.executable, str(script)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["devices"]["3"]["exposed_comm_ms"] == pytest.approx(5.0)
+    call = json.loads((tmp_path / "nsys_call.json").read_text())
+    assert call["args"][0] == "profile" and call["env"] == "3:5"
+    for flag in ("--trace=cuda,nvtx", "--export=sqlite", "--capture-range=cudaProfilerApi",
+                 "--capture-range-end=stop", f"--output={out / 'profile'}"):
+        assert flag in call["args"]
+    assert call["args"][-2:] == [sys.executable, str(script)]
+    assert (tmp_path / "window.txt").read_text() == "range(3, 5)"
+    # Without --steps: the whole run, no capture range, no window.
+    assert overlap.cli.main(["profile", "-o", str(out), "--", sys.executable, str(script)]) == 0
+    assert "exposed comm ms" in capsys.readouterr().out
+    call = json.loads((tmp_path / "nsys_call.json").read_text())
+    assert call["env"] is None and not any("capture-range" in a for a in call["args"])
+    assert (tmp_path / "window.txt").read_text() == "None"
+
+
+def test_overlap_profile_without_nsys_says_how_to_get_it(tmp_path, capsys, monkeypatch):
+    import overlap.cli
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert overlap.cli.main(["profile", "--", "python", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "`nsys` is not on PATH" in err and "nsight-systems" in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--steps", "5:3", "--", "python", "t.py"], "--steps: expected consecutive steps"),
+    (["--steps", "x", "--", "python", "t.py"], "--steps: expected 'A:B'"),
+    ([], "command: give the program to profile after --"),
+])
+def test_overlap_profile_refuses_bad_arguments(argv, match, capsys):
+    import overlap.cli
+
+    with pytest.raises(SystemExit) as exit_:
+        overlap.cli.main(["profile", *argv])
+    assert exit_.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_overlap_profile_when_nsys_writes_nothing(tmp_path, capsys, monkeypatch):
+    import os
+    import sys
+
+    import overlap.cli
+
+    bin_dir = _fake_nsys(tmp_path, None, write=False)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    rc = overlap.cli.main(["profile", "-o", str(tmp_path / "p"), "--", sys.executable, "-c",
+                           "raise SystemExit(3)"])
+    assert rc == 3 and "nsys wrote no" in capsys.readouterr().err

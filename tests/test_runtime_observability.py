@@ -58,7 +58,7 @@ def test_every_op_is_one_closed_nvtx_range(toy, ranges):
     assert any(m.startswith("grad s3→s2 mb1") for m in comm)
     assert len(compute) + len(comm) == len(spans)
     assert all(c in ("compute", "comm", "wait", "step") for _, c in opened)
-    assert [m for m, c in opened if c == "step"] == ["step 1"]
+    assert [m for m, c in opened if c == "step"] == ["step 0"]
 
 
 def test_nvtx_disable_makes_ranges_no_ops(monkeypatch):
@@ -116,7 +116,7 @@ def test_each_training_step_is_one_nvtx_range_and_categories_have_colours(ranges
         model.step(rt)
         model.step(rt)
     steps = [(i + 1, m) for i, (m, c) in enumerate(opened) if c == "step"]
-    assert [m for _, m in steps] == ["step 1", "step 2"]
+    assert [m for _, m in steps] == ["step 0", "step 1"]
     assert all(handle in closed for handle, _ in steps)  # each step's range is closed
 
     seen = {}
@@ -125,3 +125,46 @@ def test_each_training_step_is_one_nvtx_range_and_categories_have_colours(ranges
     real_start, _ = ours._load()
     real_start("F s0 mb0 on device 0", "compute")
     assert seen["domain"] == "overlap" and seen["color"] == ours.COLORS["compute"]
+
+
+# ---- capture windows ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps, err, match", [
+    ("3-5", ValueError, "profile_steps: expected 'A:B'"),
+    ("5:3", ValueError, "profile_steps: expected consecutive steps"),
+    (range(0, 6, 2), ValueError, "one capture is one contiguous window"),
+    (range(-1, 2), ValueError, "profile_steps"),
+    ([3, 4], TypeError, "profile_steps: expected a range"),
+])
+def test_a_bad_capture_window_is_refused_before_anything_starts(steps, err, match):
+    import threading
+
+    from fault_pipeline import CLUSTER
+
+    before = threading.active_count()
+    with pytest.raises(err, match=match):
+        Runtime(CLUSTER, profile_steps=steps)
+    assert threading.active_count() == before
+
+
+def test_a_bad_capture_window_in_the_environment_is_named(monkeypatch):
+    from fault_pipeline import CLUSTER
+
+    monkeypatch.setenv("OVERLAP_PROFILE_STEPS", "three")
+    with pytest.raises(ValueError, match="environment variable OVERLAP_PROFILE_STEPS"):
+        Runtime(CLUSTER)
+    with Runtime(CLUSTER, profile_steps="2") as rt:  # the argument wins over the environment
+        assert rt._profile_window == range(2, 3)
+
+
+def test_a_capture_window_on_the_cpu_backend_still_opens_step_ranges(ranges):
+    from fault_pipeline import CLUSTER, FaultyMLP
+
+    opened, _ = ranges
+    model = FaultyMLP()
+    with Runtime(CLUSTER, profile_steps="0:1") as rt:
+        model.step(rt)
+        with rt.capture():
+            model.step(rt)
+    assert [m for m, c in opened if c == "step"] == ["step 0", "step 1"]

@@ -467,6 +467,10 @@ class CpuBackend:
         self._trace_t0 = time.perf_counter()
         self.trace = []
 
+    def profiler(self, on: bool) -> None:
+        """Start or stop the device profiler's capture (CUDA: ``cudaProfilerStart/Stop``);
+        nothing on CPU, whose activity no GPU profiler records."""
+
     def span_seconds(self, mark: Any) -> float:
         """A trace mark as seconds since :meth:`start_trace` (after the work completed)."""
         return mark - self._trace_t0

@@ -249,14 +249,25 @@ class CudaBackend(CpuBackend):
         """Trace marks are CUDA events; times are measured from a reference event per GPU."""
         cp = self.xp
         self._refs = {}
-        # Only the GPUs this process drives: touching another makes a CUDA context on it (every
-        # rank of a node would make one on every GPU).
-        for g in sorted({self.physical(d) for d in range(self.num_devices) if self.is_local(d)}):
+        for g in self._local_gpus():
             with cp.cuda.Device(g):
                 ev = cp.cuda.Event()
                 ev.record(cp.cuda.Stream.null)
                 self._refs[g] = ev
         self.trace = []
+
+    def profiler(self, on: bool) -> None:
+        """``cudaProfilerStart``/``Stop`` on each GPU this process drives (the call acts on the
+        current device's context; repeating it is harmless)."""
+        cp = self.xp
+        for g in self._local_gpus():
+            with cp.cuda.Device(g):
+                (cp.cuda.profiler.start if on else cp.cuda.profiler.stop)()
+
+    def _local_gpus(self) -> list[int]:
+        # Only the GPUs this process drives: touching another makes a CUDA context on it (every
+        # rank of a node would make one on every GPU).
+        return sorted({self.physical(d) for d in range(self.num_devices) if self.is_local(d)})
 
     def span_seconds(self, mark: Any) -> float:
         gpu, event = mark

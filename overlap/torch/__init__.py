@@ -8,6 +8,9 @@
         losses = pipe.train_step_sync(rt, x, y, num_microbatches=8, schedule="eager-1f1b")
         opt.step()
 
+Profiling: ``with overlap.torch.profiler() as prof: ...`` records every runtime op as a
+``record_function`` range (``prof.export_chrome_trace(f)``, then ``overlap trace report f``).
+
 Needs PyTorch (``pip install 'overlap[torch]'``); ``import overlap`` alone never imports it.
 See :class:`TorchPipeline` for what runs where and :mod:`overlap.torch.tensors` for the
 zero-copy crossings (CPU: shared numpy memory; CUDA: DLPack on the op's stream — not yet run
@@ -25,5 +28,6 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from .pipeline import LossFn, TorchPipeline, replicate
+from .profiling import profiler
 
-__all__ = ["LossFn", "TorchPipeline", "replicate"]
+__all__ = ["LossFn", "TorchPipeline", "profiler", "replicate"]
