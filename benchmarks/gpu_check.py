@@ -27,7 +27,11 @@ What it does (each part logs to ``$OUT/gpu_check.log`` when ``OUT`` is set):
 5. a 4-stage pipeline on one GPU (4 virtual stages), matmul compute sized so a microbatch's
    compute ≈ 2 × its transfer: step time for signal (1-element boundaries, same compute),
    1f1b and eager-1f1b, and exposed communication from the CUDA-event trace — **target:
-   eager-1f1b ≤ 1.05 × signal**; the eager-1f1b trace goes to ``$OUT/gpu_pipeline.json``.
+   eager-1f1b ≤ 1.05 × signal**; the eager-1f1b trace goes to ``$OUT/gpu_pipeline.json``;
+6. a 1f1b step of that pipeline recorded by the PyTorch profiler (``overlap.torch.profiler``):
+   the exposed communication ``overlap trace report`` finds in its trace against the runtime's
+   own CUDA-event trace of the same step — **target: within 10 %**; the profiler's trace goes
+   to ``$OUT/gpu_torch_profile.json``.
 
 It prints a short table last. Each section runs on its own: one that fails or hangs (the
 test run is bounded) is reported as such and the others still run; each section's result
@@ -204,7 +208,9 @@ def completion_latency(cp) -> dict[str, float]:
     return result
 
 
-def pipeline(cp) -> dict[str, float]:
+def pipeline_runner(cp):
+    """The 4-virtual-stage pipeline on GPU 0: ``run(schedule, boundary_cols, trace=None,
+    profile=False) -> (seconds, Timeline, torch profiler or None)``, and its sizes."""
     from overlap import Runtime, Stage
     from scheduler import Boundary, Cluster, DeviceMesh, P, Sharding
 
@@ -217,8 +223,7 @@ def pipeline(cp) -> dict[str, float]:
         b = cp.empty_like(a)
         return timed(cp, lambda: b.__setitem__(Ellipsis, a))
 
-    cols = SIZES["cols"]  # 256 MiB activations
-    t_xfer = transfer_seconds(cols)
+    t_xfer = transfer_seconds(SIZES["cols"])  # 256 MiB activations
     # Matmul size so that F ≈ 2 × transfer (B does two of them).
     n = 1024 if not SELF else 16
     while True:
@@ -245,29 +250,73 @@ def pipeline(cp) -> dict[str, float]:
             return None if s == 0 else (grad if dy is None else dy)
         return b
 
-    def run(schedule: str, boundary_cols: int, trace: Path | None = None) -> tuple[float, float]:
+    def run(schedule: str, boundary_cols: int, trace: Path | None = None,
+            profile: bool = False):
         shape = (rows, boundary_cols)
         grad = cp.zeros(shape, cp.float32)
         stages = [Stage(m, fwd(s), bwd(s, grad)) for s, m in enumerate(meshes)]
         bounds = [Boundary(shape, "float32", Sharding(meshes[s], P()),
                            Sharding(meshes[s + 1], P())) for s in range(3)]
         mbs = [cp.zeros(shape, cp.float32) for _ in range(SIZES["microbatches"])]
+
+        def step():
+            rt.train_step_sync(stages, bounds, mbs, input_sharding=Sharding(meshes[0], P()),
+                               schedule=schedule)
+
+        prof = None
         with Runtime(cluster, backend="cuda") as rt:
-            seconds = device_timed(cp, lambda: rt.train_step_sync(
-                stages, bounds, mbs, input_sharding=Sharding(meshes[0], P()),
-                schedule=schedule), repeat=3)
+            seconds = device_timed(cp, step, repeat=3)
+            if profile:  # one more step, recorded (every range a record_function)
+                from overlap.torch import profiler
+
+                with profiler() as prof:
+                    step()
+                    cp.cuda.Device(0).synchronize()
             tl = rt.timeline()
             if trace is not None:
                 rt.write_trace(trace)
-        return seconds, tl.exposed_comm_fraction
+        return seconds, tl, prof
 
-    signal, _ = run("eager-1f1b", 1)
-    one, one_exp = run("1f1b", cols)
-    eager, eager_exp = run("eager-1f1b", cols,
-                           OUT / "gpu_pipeline.json" if OUT is not None else None)
-    return {"transfer_ms": t_xfer * 1e3, "matmul_n": n, "matmul_ms": t_mm * 1e3,
-            "signal": signal, "1f1b": one, "eager": eager, "1f1b_exposed": one_exp,
-            "eager_exposed": eager_exp}
+    return run, {"transfer_ms": t_xfer * 1e3, "matmul_n": n, "matmul_ms": t_mm * 1e3}
+
+
+def pipeline(cp) -> dict[str, float]:
+    run, sizes = pipeline_runner(cp)
+    cols = SIZES["cols"]
+    signal, _, _ = run("eager-1f1b", 1)
+    one, one_tl, _ = run("1f1b", cols)
+    eager, eager_tl, _ = run("eager-1f1b", cols,
+                             OUT / "gpu_pipeline.json" if OUT is not None else None)
+    return {**sizes, "signal": signal, "1f1b": one, "eager": eager,
+            "1f1b_exposed": one_tl.exposed_comm_fraction,
+            "eager_exposed": eager_tl.exposed_comm_fraction}
+
+
+def profiler_vs_events(cp) -> dict[str, float]:
+    """One 1f1b step (communication partly exposed) recorded by the PyTorch profiler: the
+    exposed communication ``overlap trace report`` finds in the profiler's trace against the
+    runtime's own CUDA-event trace of the same step — target: within 10 %."""
+    import json
+    import tempfile
+
+    from scheduler.capture import Capture, device_figures, step_figures, timeline_work
+    from scheduler.kineto import kineto_work
+
+    run, _ = pipeline_runner(cp)
+    _, tl, prof = run("1f1b", SIZES["cols"], profile=True)
+    path = (OUT or Path(tempfile.mkdtemp())) / "gpu_torch_profile.json"
+    prof.export_chrome_trace(str(path))
+    capture = kineto_work(json.loads(path.read_text()))
+    ours = device_figures(timeline_work(tl))
+    theirs = device_figures(capture.work)
+    exposed = sum(f["exposed_comm_ms"] for f in theirs.values())
+    want = sum(f["exposed_comm_ms"] for f in ours.values())
+    steps = step_figures(capture) or {}
+    return {"profiler_exposed_ms": exposed, "events_exposed_ms": want,
+            "ratio": exposed / want if want else float("nan"),
+            "profiler_devices": len(theirs), "profiler_iteration_ms":
+            steps.get("iteration_ms", float("nan")), "events_iteration_ms":
+            tl.iteration_time * 1e3, "work": len(capture.work)}
 
 
 def section(rows: list[tuple[str, str, str]], name: str, fn, started: float) -> object:
@@ -352,6 +401,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{eager_ratio:.3f} x signal (target <= 1.05: "
                      f"{'met' if eager_ratio <= 1.05 else 'NOT met'}), exposed "
                      f"{pl['eager_exposed']:.1%}"))
+    pv = section(rows, "profiler vs events", lambda: profiler_vs_events(cp), t0)
+    if pv is not None:
+        ok = abs(pv["ratio"] - 1) <= 0.10
+        rows.append(("torch profiler report", f"exposed {pv['profiler_exposed_ms']:.2f} ms",
+                     f"CUDA events {pv['events_exposed_ms']:.2f} ms: {pv['ratio']:.3f} x "
+                     f"(target within 10%: {'met' if ok else 'NOT met'}); "
+                     f"{pv['work']} pieces of GPU work, {pv['profiler_devices']} devices"))
     width = max(len(r[0]) for r in rows)
     log("\n== gpu_check ==")
     for name, value, note in rows:

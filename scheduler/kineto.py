@@ -2,7 +2,7 @@
 as :mod:`scheduler.nsys` reads an Nsight Systems export.
 
 GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) is joined to its launch (the
-``cuda_runtime`` event with the same ``args.correlation``) and attributed to the innermost
+``cuda_runtime`` or ``cuda_driver`` event with the same ``args.correlation``) and attributed to the innermost
 ``user_annotation`` range (``torch.profiler.record_function``) on the launching thread whose
 message is one of the runtime's ranges (``F s1 mb3 on device 5``, ``reshard ...``); work
 inside none is communication when it is an NCCL kernel, compute otherwise, on its CUDA device
@@ -22,6 +22,9 @@ from typing import Any
 from .capture import STEP, Capture, classify, innermost, step_windows
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# Launch calls: the runtime API's, and the driver API's (CuPy launches its kernels with
+# cuLaunchKernel; recent Kineto versions record those as "cuda_driver").
+LAUNCHES = ("cuda_runtime", "cuda_driver")
 OUR_RANGE = ("F s", "B s", "I s", "W s", "reshard ", "grad ")
 
 
@@ -30,7 +33,7 @@ def is_kineto(data: Any) -> bool:
     events, which our own traces never have)."""
     events = data.get("traceEvents") if isinstance(data, dict) else None
     return isinstance(events, list) and any(
-        isinstance(e, dict) and e.get("cat") in (*GPU_CATEGORIES, "cuda_runtime")
+        isinstance(e, dict) and e.get("cat") in (*GPU_CATEGORIES, *LAUNCHES)
         for e in events)
 
 
@@ -57,7 +60,7 @@ def kineto_work(data: dict[str, Any]) -> Capture:
             steps.append((name, e["ts"] * 1e-6, (e["ts"] + e.get("dur", 0)) * 1e-6))
         elif cat == "user_annotation" and name.startswith(OUR_RANGE):
             ranges.setdefault(where, []).append((e["ts"], e["ts"] + e.get("dur", 0), name))
-        elif cat == "cuda_runtime" and "correlation" in e.get("args", {}):
+        elif cat in LAUNCHES and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = (where, e["ts"])
     for rs in ranges.values():
         rs.sort()

@@ -272,7 +272,7 @@ def test_a_pytorch_profiler_trace_is_attributed_like_an_nsight_capture(tmp_path,
         x("user_annotation", "reshard s0→s1 mb0 #0 on device 4", 0, 100 * US, tid=20),
         x("user_annotation", "optimizer step", 10 * US, 5 * US, tid=20),  # not one of ours
         x("cuda_runtime", "cudaLaunchKernel", 10 * US, 1, tid=10, correlation=1),
-        x("cuda_runtime", "cudaMemcpyAsync", 12 * US, 1, tid=20, correlation=2),
+        x("cuda_driver", "cuMemcpyAsync", 12 * US, 1, tid=20, correlation=2),
         x("kernel", "gemm", 20 * US, 40 * US, pid=0, tid=7, device=0, correlation=1),
         x("gpu_memcpy", "Memcpy DtoD", 40 * US, 50 * US, pid=0, tid=8, device=0,
           correlation=2),
