@@ -299,7 +299,7 @@ def profiler_vs_events(cp) -> dict[str, float]:
     import json
     import tempfile
 
-    from scheduler.capture import Capture, device_figures, step_figures, timeline_work
+    from scheduler.capture import device_figures, step_figures, timeline_work
     from scheduler.kineto import kineto_work
 
     run, _ = pipeline_runner(cp)

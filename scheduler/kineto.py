@@ -2,8 +2,8 @@
 as :mod:`scheduler.nsys` reads an Nsight Systems export.
 
 GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) is joined to its launch (the
-``cuda_runtime`` or ``cuda_driver`` event with the same ``args.correlation``) and attributed to the innermost
-``user_annotation`` range (``torch.profiler.record_function``) on the launching thread whose
+``cuda_runtime`` or ``cuda_driver`` event with the same ``args.correlation``) and attributed
+to the innermost ``user_annotation`` range (``torch.profiler.record_function``) on the launching thread whose
 message is one of the runtime's ranges (``F s1 mb3 on device 5``, ``reshard ...``); work
 inside none is communication when it is an NCCL kernel, compute otherwise, on its CUDA device
 (``args.device``). Steps: ``user_annotation`` ranges ``step N`` (the runtime's, through the
