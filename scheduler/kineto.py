@@ -6,8 +6,9 @@ GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) is joined to its la
 to the innermost ``user_annotation`` range (``torch.profiler.record_function``) on the
 launching thread whose message is one of the runtime's ranges (``F s1 mb3 on device 5``,
 ``reshard ...``); work inside none is communication when it is an NCCL kernel, compute
-otherwise, on its CUDA device (``args.device``). Steps: ``user_annotation`` ranges ``step N`` (the runtime's, through the
-torch adapter) or ``ProfilerStep#N`` (``prof.step()``). Times are microseconds in the file.
+otherwise, on its CUDA device (``args.device``). Steps: ``user_annotation`` ranges ``step N``
+(the runtime's, through the torch adapter) or ``ProfilerStep#N`` (``prof.step()``). Times are
+microseconds in the file.
 
 The runtime's ops run on its stream threads: record with ``overlap.torch.profiler()`` (every
 thread), or the trace holds the caller's thread only.
