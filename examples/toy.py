@@ -82,6 +82,12 @@ class ToyMLP:
     def stages(self) -> list[Stage]:
         return [Stage(m, self._forward(s), self._backward(s)) for s, m in enumerate(self.meshes)]
 
+    def split_stages(self) -> list[Stage]:
+        """The same stages with the backward split in two — the input gradient, then the
+        weight gradient — for schedules that run them apart (``zb-h1``)."""
+        return [Stage(m, self._forward(s), self._backward(s, split=True),
+                      self._backward_weight(s)) for s, m in enumerate(self.meshes)]
+
     def boundaries(self) -> list[Boundary]:
         shape = (self.batch, self.hidden)
         m = self.meshes
@@ -105,17 +111,26 @@ class ToyMLP:
             return 0.5 * float(np.sum(y * y)) if s == 3 else y
         return forward
 
-    def _backward(self, s: int):
+    def _backward(self, s: int, split: bool = False):
         def backward(ctx: StageContext, dy: np.ndarray | None):
             x, y = ctx.saved["x"], ctx.saved["y"]
             dz = (y if dy is None else dy) * (1.0 - y * y)
             key = (s, ctx.device)
-            self.grads[key] = self.grads.get(key, 0.0) + x.T @ dz
+            if split:
+                ctx.saved["dz"] = dz  # for the weight gradient, later
+            else:
+                self.grads[key] = self.grads.get(key, 0.0) + x.T @ dz
             dx = dz @ self.weights[key].T
             if s == 1:
                 dx = ctx.all_reduce(dx)  # column-parallel: input gradient is a sum
             return dx
         return backward
+
+    def _backward_weight(self, s: int):
+        def backward_weight(ctx: StageContext) -> None:
+            key = (s, ctx.device)
+            self.grads[key] = self.grads.get(key, 0.0) + ctx.saved["x"].T @ ctx.saved.pop("dz")
+        return backward_weight
 
     # ---- training ------------------------------------------------------------------------
 

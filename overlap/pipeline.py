@@ -12,6 +12,12 @@ the mesh for every microbatch:
   Parameter gradients are the user's to accumulate (e.g. in a dict keyed by ``ctx.device``),
   ready for the user's optimizer after the step.
 
+A stage may split its backward in two, for schedules that run the weight gradient apart
+(``zb-h1``'s ``I`` and ``W``): ``Stage(mesh, forward, backward, backward_weight)`` — then
+``backward`` computes only the input gradient (keeping in ``ctx.saved`` what the weight
+gradient needs) and ``backward_weight(ctx) -> None`` accumulates the parameter gradients. A
+full backward ``B`` of such a stage calls one, then the other.
+
 ``ctx`` (:class:`StageContext`) names the device, stage, microbatch and mesh, carries
 ``ctx.saved`` — a dict shared by the F and B of the same (device, microbatch) — and offers mesh
 collectives (``ctx.all_reduce``, ``ctx.all_gather``) that run on the device's compute stream.
@@ -46,13 +52,18 @@ Forward = Callable[["StageContext", np.ndarray], Any]
 Backward = Callable[["StageContext", "np.ndarray | None"], "np.ndarray | None"]
 
 
+BackwardWeight = Callable[["StageContext"], None]
+
+
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: its mesh and its SPMD forward and backward functions."""
+    """One pipeline stage: its mesh and its SPMD forward and backward functions (and the
+    weight-gradient half of a split backward; see module doc)."""
 
     mesh: DeviceMesh
     forward: Forward
     backward: Backward
+    backward_weight: BackwardWeight | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +147,8 @@ def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
             raise TypeError(f"stages[{s}]: expected a Stage, got {type(st).__name__}")
         if not callable(st.forward) or not callable(st.backward):
             raise TypeError(f"stages[{s}]: forward and backward must be callables")
+        if st.backward_weight is not None and not callable(st.backward_weight):
+            raise TypeError(f"stages[{s}]: backward_weight must be a callable or None")
     if not isinstance(input_sharding, Sharding):
         raise TypeError(f"input_sharding: expected a Sharding, got "
                         f"{type(input_sharding).__name__}")
@@ -232,7 +245,7 @@ class _Binder:
         p = len(self.stages)
         into, out = input_channel(s, c.kind, p), output_channel(s, c.kind, p)
         stage, state, xp = self.stages[s], self.state, self.backend.xp
-        what = f"stage {s} {'forward' if c.kind == 'F' else 'backward'} (mb {i}, device {d})"
+        what = f"stage {s} {PHASES[c.kind]} (mb {i}, device {d})"
 
         def body() -> None:
             ctx = StageContext(d, s, i, c.kind, stage.mesh, state.saved.setdefault((d, i), {}),
@@ -246,8 +259,12 @@ class _Binder:
                     x = xp.array(self.microbatches[i][tuple(slice(a, z) for a, z in region)],
                                  copy=True)
                 y = stage.forward(ctx, x)
+            elif c.kind == "W":
+                y = stage.backward_weight(ctx)  # type: ignore[misc]  (checked: split stages)
             else:
                 y = stage.backward(ctx, x)
+                if c.kind == "B" and stage.backward_weight is not None:
+                    stage.backward_weight(ctx)
             if out is not None:
                 self._deliver(out, i, d, y, what)
             elif c.kind == "F":
@@ -264,6 +281,20 @@ class _Binder:
             raise ValueError(f"{what} returned {arr.shape} {arr.dtype}; this device's region of "
                              f"the boundary needs {want} {dtype}")
         self.state.sends[(channel, i, d)] = arr
+
+
+PHASES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+
+
+def check_split(stages: Sequence[Stage], kinds: set[str]) -> None:
+    """A schedule with I/W needs every stage to split its backward."""
+    if kinds & {"I", "W"}:
+        for s, st in enumerate(stages):
+            if st.backward_weight is None:
+                raise ValueError(f"stages[{s}]: the schedule splits the backward (I and W), "
+                                 "and this stage has no backward_weight (see "
+                                 "overlap.pipeline: backward then computes only the input "
+                                 "gradient)")
 
 
 def check_loss(value: Any, what: str) -> None:

@@ -56,7 +56,7 @@ from .errors import (
     RankFailed,
 )
 from .nvtx import range_end, range_start
-from .pipeline import Stage, StepState, check_pipeline, launch_step
+from .pipeline import Stage, StepState, check_pipeline, check_split, launch_step
 from .profiling import profile_window
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
 from .watch import Recovery, name_hang, wait_all
@@ -474,6 +474,8 @@ class Runtime:
             if options is not None and not isinstance(options, PlanOptions):
                 raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
             key = ("lowered", meshes, tuple(boundaries), sched, options or PlanOptions())
+        chosen = graph.schedule if graph is not None else sched
+        check_split(stages, {a.kind for acts in chosen.actions for a in acts})  # type: ignore
         hit = self._memo.pop(key, None)
         if hit is None or (graph is not None and hit[0] is not graph):
 

@@ -18,7 +18,14 @@ from .mesh import DeviceMesh
 from .plan import ReshardPlan, Transfer
 from .planner import STRATEGIES, PlanCache, PlanOptions, plan_resharding
 from .regions import Region
-from .schedules import SCHEDULES, Action, Schedule, make_schedule
+from .schedules import (
+    ALL_SCHEDULES,
+    SCHEDULES,
+    Action,
+    Schedule,
+    compute_only_time,
+    make_schedule,
+)
 from .sharding import P, Replicate, Shard, Sharding, ShardingSpec
 from .simulator import simulate
 from .timeline import Span, Timeline
@@ -33,6 +40,7 @@ def lower_bound(shape, dtype, src: Sharding, dst: Sharding, cluster: Cluster) ->
 __all__ = [
     "BALANCES",
     "COMPUTE",
+    "ALL_SCHEDULES",
     "SCHEDULES",
     "STRATEGIES",
     "Action",
@@ -67,6 +75,7 @@ __all__ = [
     "estimate",
     "lower",
     "lower_bound",
+    "compute_only_time",
     "make_schedule",
     "paper_model_time",
     "plan_report",

@@ -149,16 +149,22 @@ def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
 
 
 def input_channel(stage: int, kind: str, p: int) -> Channel | None:
-    """The channel bringing a compute its input (None at the pipeline's ends)."""
+    """The channel bringing a compute its input (None at the pipeline's ends, and for a
+    weight gradient W, which works on what its stage kept)."""
     if kind == "F":
         return Channel("fwd", stage - 1) if stage > 0 else None
+    if kind == "W":
+        return None
     return Channel("bwd", stage) if stage < p - 1 else None
 
 
 def output_channel(stage: int, kind: str, p: int) -> Channel | None:
-    """The channel taking a compute's output on (None at the pipeline's ends)."""
+    """The channel taking a compute's output on (None at the pipeline's ends, and for W:
+    the gradient leaves right after the I that makes it, while W computes)."""
     if kind == "F":
         return Channel("fwd", stage) if stage < p - 1 else None
+    if kind == "W":
+        return None
     return Channel("bwd", stage - 1) if stage > 0 else None
 
 
@@ -181,6 +187,10 @@ def _check_inputs(stages, boundaries, schedule, cluster) -> None:
                 raise ValueError(f"stages: device {dev} is in stage {owner[dev]} and stage {s}; "
                                  "stage meshes must be disjoint (one compute stream per device)")
             owner[dev] = s
+    if schedule.stages_per_rank != 1:
+        raise ValueError(f"schedule: {schedule.name} runs {schedule.stages_per_rank} stages per "
+                         "rank; the step graph lowers one stage per mesh so far (stage meshes "
+                         "are disjoint: one compute stream per device)")
     if schedule.num_stages != len(stages):
         raise ValueError(f"schedule: built for {schedule.num_stages} stages, but {len(stages)} "
                          "stage meshes were given")

@@ -1,8 +1,16 @@
-"""Pipeline schedules: per stage, the order of forward (F) and backward (B) microbatch steps.
+"""Pipeline schedules: per rank, the order of its compute actions — torch's action lists.
 
-Every schedule here has the same shape — a warm-up of ``W(s)`` forwards, then one backward and
-one forward alternating, then the remaining backwards — and differs only in ``W(s)`` for stage
-``s`` (0-based) of ``p`` stages with ``m`` microbatches:
+``Schedule.actions[rank]`` is that rank's list of :class:`Action` (``kind``, ``microbatch``,
+``stage``), with torch's letters: ``F`` forward, ``B`` full backward, ``I`` input gradient,
+``W`` weight gradient (``I`` then ``W`` is a ``B`` split in two, as in Zero Bubble). A rank
+holds ``stages_per_rank`` stages — placed ``"loop"`` (stage s on rank s mod ranks, as
+Megatron and torch interleave) or ``"v"`` (stage s on rank s for s < ranks, on rank
+2·ranks − 1 − s otherwise). With one stage per rank the rank *is* the stage, and an action may
+leave its ``stage`` out (``Action("F", 3)``).
+
+One stage per rank, full backward — a warm-up of ``W(s)`` forwards, then one backward and one
+forward alternating, then the remaining backwards (``p`` stages, ``m`` microbatches, stage
+``s`` 0-based):
 
 - ``gpipe``: ``W = m`` — every forward, then every backward.
 - ``1f1b``: ``W = min(m, p − s)`` — the least warm-up that keeps the pipeline full.
@@ -10,47 +18,80 @@ one forward alternating, then the remaining backwards — and differs only in ``
   so every forward output has slack to travel to the next stage while this one keeps
   computing, at up to ~2× the activation memory on early stages.
 
-The peak number of live activations (F ran, B not yet) of stage ``s`` is exactly ``W(s)``.
-``m < p`` is allowed.
+Their peak number of live activations (F ran, B not yet) of stage ``s`` is exactly ``W(s)``.
+
+More (schedule values, checked and simulated compute-only here; the step graph lowers the
+three above so far):
+
+- ``zb-h1`` (Zero Bubble H1, Qi et al. 2024): ``1f1b``'s warm-up, the backward split into
+  ``I`` and ``W``, and stage ``s`` holding back its first ``s`` ``W`` so that they fill the
+  cool-down bubbles: peak activations ``min(m, p)`` on every stage (1f1b's stage 0, its
+  largest), and with F = I = W a bubble a third of 1f1b's when ``m ≥ p``.
+- ``interleaved-1f1b`` (Megatron's interleaved 1F1B; ``stages_per_rank`` = v ≥ 2, ``loop``
+  placement, ``m`` a multiple of the number of ranks r): each rank runs its stages on groups
+  of r microbatches in turn; rank ``k`` warms up with ``min(m·v, 2(r − k − 1) + (v − 1)·r)``
+  forwards, then alternates forward and backward. Peak activations of the rank (over its
+  stages): that warm-up + 1, at most ``m·v``.
+
+``m < p`` is allowed wherever the schedule allows it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from .errors import check_positive_int, load_json
 
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")  # those the step graph lowers today
+SPLIT_SCHEDULES = ("zb-h1", "interleaved-1f1b")  # schedule values (see module doc)
+ALL_SCHEDULES = SCHEDULES + SPLIT_SCHEDULES
+PLACEMENTS = ("loop", "v")
 
-Kind = Literal["F", "B"]
+Kind = Literal["F", "B", "I", "W"]
+KINDS = ("F", "B", "I", "W")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One compute step of a stage: ``kind`` "F" or "B" of ``microbatch``."""
+    """One compute step: ``kind`` (F, B, I or W) of ``microbatch`` on ``stage`` (None: the
+    rank's only stage)."""
 
     kind: Kind
     microbatch: int
+    stage: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"kind: expected 'F' or 'B', got {self.kind!r}")
-        if isinstance(self.microbatch, bool) or not isinstance(self.microbatch, int):
-            raise TypeError(f"microbatch: expected an int, got {self.microbatch!r}")
-        if self.microbatch < 0:
-            raise ValueError(f"microbatch: must be >= 0, got {self.microbatch}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
+        for name in ("microbatch", "stage"):
+            v = getattr(self, name)
+            if v is None and name == "stage":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {v!r}")
+            if v < 0:
+                raise ValueError(f"{name}: must be >= 0, got {v}")
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}"
 
+    def torch_token(self, stage: int) -> str:
+        """torch's cell: ``{stage}{kind}{microbatch}`` (``1W3``)."""
+        return f"{stage}{self.kind}{self.microbatch}"
+
     @classmethod
     def parse(cls, text: str) -> Action:
+        """``F3`` (the rank's only stage) or torch's ``1F3`` (stage 1)."""
         text = text.strip()
-        if len(text) < 2 or text[0] not in "FB" or not text[1:].isdigit():
-            raise ValueError(f"action: expected F<n> or B<n>, got {text!r}")
-        return cls(text[0], int(text[1:]))  # type: ignore[arg-type]
+        k = next((i for i, c in enumerate(text) if not c.isdigit()), len(text))
+        head, kind, tail = text[:k], text[k:k + 1], text[k + 1:]
+        if kind not in KINDS or not tail.isdigit():
+            raise ValueError(f"action: expected F<n>, B<n>, I<n>, W<n> or torch's "
+                             f"<stage><kind><n>, got {text!r}")
+        return cls(kind, int(tail), int(head) if head else None)  # type: ignore[arg-type]
 
 
 def warmup(name: str, num_stages: int, num_microbatches: int, stage: int) -> int:
@@ -77,72 +118,186 @@ def _stage_actions(w: int, m: int) -> tuple[Action, ...]:
     return tuple(out)
 
 
+def _zb_h1_actions(p: int, m: int, s: int) -> tuple[Action, ...]:
+    """Stage s of zb-h1: 1f1b's warm-up; then I, a held-back W (the first s are held), F;
+    then the W still held."""
+    w = min(m, p - s)
+    out = [Action("F", i) for i in range(w)]
+    nxt_f, nxt_w = w, 0
+    for k in range(m):
+        out.append(Action("I", k))
+        if k - s >= nxt_w:
+            out.append(Action("W", nxt_w))
+            nxt_w += 1
+        if nxt_f < m:
+            out.append(Action("F", nxt_f))
+            nxt_f += 1
+    out += [Action("W", i) for i in range(nxt_w, m)]
+    return tuple(out)
+
+
+def interleaved_warmup(ranks: int, per_rank: int, m: int, rank: int) -> int:
+    """Forwards rank ``rank`` runs before its first backward in interleaved-1f1b."""
+    return min(m * per_rank, 2 * (ranks - rank - 1) + (per_rank - 1) * ranks)
+
+
+def _interleaved_actions(ranks: int, v: int, m: int, rank: int) -> tuple[Action, ...]:
+    """Rank ``rank`` of interleaved-1f1b: its k-th forward is microbatch
+    ``(k // (r·v))·r + k % r`` of its stage chunk ``(k // r) % v``; backwards go the same way
+    through the chunks in reverse."""
+
+    def nth(k: int, kind: Kind) -> Action:
+        chunk = (k // ranks) % v
+        if kind == "B":
+            chunk = v - 1 - chunk
+        return Action(kind, (k // (ranks * v)) * ranks + k % ranks, chunk * ranks + rank)
+
+    total = m * v
+    w = interleaved_warmup(ranks, v, m, rank)
+    out = [nth(k, "F") for k in range(w)]
+    for k in range(total - w):  # steady: a forward, then a backward
+        out += [nth(w + k, "F"), nth(k, "B")]
+    out += [nth(k, "B") for k in range(total - w, total)]
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """Per stage, its actions in execution order (``actions[stage]``)."""
+    """Per rank, its actions in execution order (``actions[rank]``); ``num_stages`` stages,
+    ``stages_per_rank`` of them on each rank, placed ``placement`` (see module doc)."""
 
     name: str
     num_stages: int
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    stages_per_rank: int = 1
+    placement: str = "loop"
 
     def __post_init__(self) -> None:
         check_positive_int("num_stages", self.num_stages)
         check_positive_int("num_microbatches", self.num_microbatches)
-        if len(self.actions) != self.num_stages:
-            raise ValueError(
-                f"actions: {len(self.actions)} stage lists for {self.num_stages} stages"
-            )
-        want = sorted(Action(k, i) for k in ("F", "B") for i in range(self.num_microbatches))
-        for s, acts in enumerate(self.actions):
-            if sorted(acts) != want:
-                raise ValueError(
-                    f"actions[{s}]: each microbatch needs exactly one F and one B "
-                    f"(0..{self.num_microbatches - 1}); got {' '.join(map(str, acts))}"
-                )
-            seen_f: set[int] = set()
-            for a in acts:
-                if a.kind == "F":
-                    seen_f.add(a.microbatch)
-                elif a.microbatch not in seen_f:
-                    raise ValueError(f"actions[{s}]: {a} comes before F{a.microbatch}")
+        v = check_positive_int("stages_per_rank", self.stages_per_rank)
+        if self.num_stages % v:
+            raise ValueError(f"stages_per_rank: {self.num_stages} stages do not split into "
+                             f"ranks of {v}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement: expected one of {PLACEMENTS}, got "
+                             f"{self.placement!r}")
+        if self.placement == "v" and v != 2:
+            raise ValueError(f"placement: 'v' places two stages per rank, not {v}")
+        if len(self.actions) != self.num_ranks:
+            raise ValueError(f"actions: {len(self.actions)} rank lists for {self.num_ranks} "
+                             f"ranks ({self.num_stages} stages, {v} per rank)")
+        for r, acts in enumerate(self.actions):
+            self._check_rank(r, acts)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages // self.stages_per_rank
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs ``stage``."""
+        r = self.num_ranks
+        if self.placement == "v" and stage >= r:
+            return 2 * r - 1 - stage
+        return stage % r
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s in range(self.num_stages) if self.rank_of(s) == rank)
+
+    def stage_of(self, rank: int, action: Action) -> int:
+        """The stage ``action`` of rank ``rank``'s list runs."""
+        if action.stage is not None:
+            return action.stage
+        return self.stages_of(rank)[0]  # (one stage per rank: checked)
+
+    def _check_rank(self, r: int, acts: tuple[Action, ...]) -> None:
+        mine = self.stages_of(r)
+        state: dict[tuple[int, int], str] = {}  # (stage, mb) -> kinds so far
+        for a in acts:
+            if not isinstance(a, Action):
+                raise TypeError(f"actions[{r}]: expected Actions, got {a!r}")
+            if a.stage is None and len(mine) > 1:
+                raise ValueError(f"actions[{r}]: {a} names no stage, and rank {r} runs "
+                                 f"stages {list(mine)}")
+            st = self.stage_of(r, a)
+            if st not in mine:
+                raise ValueError(f"actions[{r}]: {a.torch_token(st)} is on stage {st}, which "
+                                 f"runs on rank {self.rank_of(st) if st < self.num_stages else '-'}"
+                                 f" (rank {r} runs {list(mine)})")
+            if a.microbatch >= self.num_microbatches:
+                raise ValueError(f"actions[{r}]: {a.torch_token(st)}: microbatch beyond "
+                                 f"0..{self.num_microbatches - 1}")
+            done = state.get((st, a.microbatch), "")
+            need = {"F": "", "B": "F", "I": "F", "W": "FI"}[a.kind]
+            if done != need:
+                problem = (f"comes before {need[len(done)]}{a.microbatch} of stage {st}"
+                           if len(done) < len(need) and need.startswith(done) else
+                           f"is one too many (that microbatch ran {done} there already)")
+                raise ValueError(f"actions[{r}]: {a.torch_token(st)} {problem}")
+            state[(st, a.microbatch)] = done + a.kind
+        for st in mine:
+            for i in range(self.num_microbatches):
+                if state.get((st, i)) not in ("FB", "FIW"):
+                    raise ValueError(f"actions[{r}]: microbatch {i} of stage {st} needs an F "
+                                     f"and a B (or an I and a W); got "
+                                     f"{state.get((st, i), 'nothing')!r}")
 
     def peak_activations(self, stage: int) -> int:
-        """Most microbatches whose F has run on ``stage`` and whose B has not."""
+        """Most microbatches whose F has run on ``stage`` and whose B (or W) has not."""
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage: {stage} is not in 0..{self.num_stages - 1}")
-        live = peak = 0
-        for a in self.actions[stage]:
-            live += 1 if a.kind == "F" else -1
-            peak = max(peak, live)
-        return peak
+        r = self.rank_of(stage)
+        return _peak(a for a in self.actions[r] if self.stage_of(r, a) == stage)
+
+    def peak_rank_activations(self, rank: int) -> int:
+        """The same, over every stage of ``rank`` together."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank: {rank} is not in 0..{self.num_ranks - 1}")
+        return _peak(self.actions[rank])
 
     def to_text(self) -> str:
-        """One line per stage: ``s0: F0 F1 B0 …``."""
-        return "\n".join(
-            f"s{s}: " + " ".join(map(str, acts)) for s, acts in enumerate(self.actions)
-        )
+        """One line per rank: ``s0: F0 F1 B0 …`` (one stage per rank), else torch's cells
+        ``r0: 0F0 4F0 …``."""
+        if self.stages_per_rank == 1:
+            return "\n".join(f"s{s}: " + " ".join(map(str, acts))
+                             for s, acts in enumerate(self.actions))
+        return "\n".join(f"r{r}: " + " ".join(a.torch_token(self.stage_of(r, a)) for a in acts)
+                         for r, acts in enumerate(self.actions))
 
     @classmethod
-    def from_text(cls, text: str, name: str = "custom") -> Schedule:
+    def from_text(cls, text: str, name: str = "custom", *, stages_per_rank: int = 1,
+                  placement: str = "loop") -> Schedule:
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         actions = []
-        for s, line in enumerate(lines):
+        for r, line in enumerate(lines):
             head, _, body = line.partition(":")
-            if head.strip() != f"s{s}":
-                raise ValueError(f"text: line {s + 1} should start with 's{s}:', got {line!r}")
+            if head.strip() not in (f"s{r}", f"r{r}"):
+                raise ValueError(f"text: line {r + 1} should start with 's{r}:' or 'r{r}:', "
+                                 f"got {line!r}")
             actions.append(tuple(Action.parse(tok) for tok in body.split()))
         if not actions:
             raise ValueError("text: no stages")
-        m = sum(a.kind == "F" for a in actions[0])
-        return cls(name, len(actions), m, tuple(actions))
+        return cls._inferred(name, actions, stages_per_rank, placement)
+
+    @classmethod
+    def _inferred(cls, name: str, actions: list[tuple[Action, ...]], stages_per_rank: int,
+                  placement: str) -> Schedule:
+        """A schedule from rank lists alone: microbatches counted on rank 0's first stage."""
+        first = actions[0][0].stage if actions[0] else None
+        m = sum(a.kind == "F" and a.stage == first for a in actions[0])
+        return cls(name, len(actions) * stages_per_rank, m, tuple(actions), stages_per_rank,
+                   placement)
 
     def to_json(self) -> str:
         return json.dumps({
             "name": self.name,
             "num_stages": self.num_stages,
             "num_microbatches": self.num_microbatches,
-            "actions": [[str(a) for a in acts] for acts in self.actions],
+            "stages_per_rank": self.stages_per_rank,
+            "placement": self.placement,
+            "actions": [[str(a) if a.stage is None else a.torch_token(a.stage) for a in acts]
+                        for acts in self.actions],
         })
 
     @classmethod
@@ -156,18 +311,92 @@ class Schedule:
             num_stages=data["num_stages"],
             num_microbatches=data["num_microbatches"],
             actions=tuple(tuple(Action.parse(a) for a in acts) for acts in data["actions"]),
+            stages_per_rank=data.get("stages_per_rank", 1),
+            placement=data.get("placement", "loop"),
         )
+
+    # ---- torch.distributed.pipelining's compute-only CSV -------------------------------
+
+    def to_torch_csv(self) -> str:
+        """torch's compute-only CSV: one row per rank, a cell per action (``0F0``, ``1I3``)."""
+        return "".join(",".join(a.torch_token(self.stage_of(r, a)) for a in acts) + "\r\n"
+                       for r, acts in enumerate(self.actions))
+
+    @classmethod
+    def from_torch_csv(cls, text: str, name: str = "torch", *,
+                       placement: str | None = None) -> Schedule:
+        """Read torch's compute-only CSV (rows = ranks; empty cells — idle steps — skipped).
+        Stages per rank and placement are inferred from which rank runs which stage."""
+        import csv
+        import io
+
+        rows = [row for row in csv.reader(io.StringIO(text)) if any(c.strip() for c in row)]
+        if not rows:
+            raise ValueError("text: no ranks in the CSV")
+        actions = []
+        for r, row in enumerate(rows):
+            acts = []
+            for c, cell in enumerate(row):
+                if not cell.strip():
+                    continue
+                try:
+                    a = Action.parse(cell)
+                except ValueError:
+                    raise ValueError(f"text: rank {r}, cell {c}: {cell.strip()!r} is not a "
+                                     "compute action (F, B, I or W with its stage: torch's "
+                                     "compute-only format)") from None
+                if a.stage is None:
+                    raise ValueError(f"text: rank {r}, cell {c}: {cell.strip()!r} names no "
+                                     "stage")
+                acts.append(a)
+            actions.append(tuple(acts))
+        stages = {r: sorted({a.stage for a in acts}) for r, acts in enumerate(actions)}
+        per_rank = len(stages[0])
+        n = len(rows) * per_rank
+        if placement is None:
+            placement = "v" if per_rank == 2 and stages[0] == [0, n - 1] else "loop"
+        return cls(name, n, sum(a.kind == "F" and a.stage == stages[0][0] for a in actions[0]),
+                   tuple(actions), per_rank, placement)
 
     def __str__(self) -> str:
         return f"{self.name} (p={self.num_stages}, m={self.num_microbatches})\n{self.to_text()}"
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """The named schedule (see module doc) for ``num_stages`` × ``num_microbatches``."""
-    if name not in SCHEDULES:
-        raise ValueError(f"name: unknown schedule {name!r}; choose one of {SCHEDULES}")
+def _peak(actions: object) -> int:
+    live = peak = 0
+    for a in actions:  # type: ignore[attr-defined]
+        live += 1 if a.kind == "F" else -1 if a.kind in "BW" else 0
+        peak = max(peak, live)
+    return peak
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
+                  stages_per_rank: int | None = None) -> Schedule:
+    """The named schedule (see module doc) for ``num_stages`` × ``num_microbatches``;
+    ``stages_per_rank``: 1 by default, 2 for interleaved-1f1b."""
+    if name not in ALL_SCHEDULES:
+        raise ValueError(f"name: unknown schedule {name!r}; choose one of {ALL_SCHEDULES}")
     p = check_positive_int("num_stages", num_stages)
     m = check_positive_int("num_microbatches", num_microbatches)
+    if name == "interleaved-1f1b":
+        v = check_positive_int("stages_per_rank", 2 if stages_per_rank is None
+                               else stages_per_rank)
+        if v < 2:
+            raise ValueError("stages_per_rank: interleaved-1f1b needs at least 2 stages per "
+                             "rank (with 1 it is 1f1b)")
+        if p % v:
+            raise ValueError(f"num_stages: {p} stages do not split into ranks of {v}")
+        ranks = p // v
+        if m % ranks:
+            raise ValueError(f"num_microbatches: interleaved-1f1b runs microbatches in groups "
+                             f"of the number of ranks ({ranks}); {m} is not a multiple")
+        return Schedule(name, p, m, tuple(_interleaved_actions(ranks, v, m, r)
+                                          for r in range(ranks)), v, "loop")
+    if stages_per_rank not in (None, 1):
+        raise ValueError(f"stages_per_rank: {name} runs one stage per rank, got "
+                         f"{stages_per_rank} (interleaved-1f1b runs several)")
+    if name == "zb-h1":
+        return Schedule(name, p, m, tuple(_zb_h1_actions(p, m, s) for s in range(p)))
     actions = tuple(_stage_actions(warmup(name, p, m, s), m) for s in range(p))
     return Schedule(name, p, m, actions)
 
@@ -175,43 +404,72 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule
 def dependency_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """A global order of all (stage, action) consistent with every dependency.
 
-    F(s, i) needs F(s−1, i); B(s, i) needs B(s+1, i) (and F(s, i), earlier on its stage).
-    Stages advance in rounds, each running its next action if its dependency is done; a round
-    where none can advance means the schedule deadlocks, reported with each stage's blocker.
+    F(s, i) needs F(s−1, i); B or I (s, i) needs the B or I of (s+1, i) — the gradient — and
+    on the last stage its own F; W(s, i) needs I(s, i) (and every action what comes before it
+    on its rank). Ranks advance in rounds, each running its next action if its dependency is
+    done; a round where none can advance means the schedule deadlocks, reported with each
+    rank's blocker.
     """
-    p = schedule.num_stages
-    pos = [0] * p
-    done: set[tuple[int, Action]] = set()
+    ranks = schedule.num_ranks
+    pos = [0] * ranks
+    done: set[tuple[int, str, int]] = set()
     order: list[tuple[int, Action]] = []
     total = sum(len(a) for a in schedule.actions)
+
+    def head(r: int) -> tuple[int, Action]:
+        a = schedule.actions[r][pos[r]]
+        return schedule.stage_of(r, a), a
+
     while len(order) < total:
         ready = []
-        for s in range(p):
-            if pos[s] == len(schedule.actions[s]):
+        for r in range(ranks):
+            if pos[r] == len(schedule.actions[r]):
                 continue
-            a = schedule.actions[s][pos[s]]
-            dep = _dependency(s, a, p)
-            if dep is None or dep in done:
-                ready.append((s, a))
+            s, a = head(r)
+            if all(dep in done for dep in _needs(s, a, schedule.num_stages, done)):
+                ready.append((r, s, a))
         if not ready:
-            blocked = [
-                f"stage {s} at {schedule.actions[s][pos[s]]} waits for "
-                f"{_fmt_dep(_dependency(s, schedule.actions[s][pos[s]], p))}"
-                for s in range(p) if pos[s] < len(schedule.actions[s])
-            ]
+            blocked = [f"rank {r} at {head(r)[1].torch_token(head(r)[0])} waits for "
+                       + _fmt_needs(_needs(head(r)[0], head(r)[1], schedule.num_stages, done))
+                       for r in range(ranks) if pos[r] < len(schedule.actions[r])]
             raise ValueError("schedule deadlocks: " + "; ".join(blocked))
-        for s, a in ready:
-            pos[s] += 1
-            done.add((s, a))
+        for r, s, a in ready:
+            pos[r] += 1
+            done.add((s, a.kind, a.microbatch))
             order.append((s, a))
     return order
 
 
-def _dependency(stage: int, action: Action, p: int) -> tuple[int, Action] | None:
+def _needs(stage: int, action: Action, p: int, done: set[tuple[int, str, int]]
+           ) -> list[tuple[int, str, int]]:
+    """What ``action`` of ``stage`` waits for (a gradient from B or I: whichever ran)."""
+    i = action.microbatch
     if action.kind == "F":
-        return (stage - 1, action) if stage > 0 else None
-    return (stage + 1, action) if stage < p - 1 else None
+        return [(stage - 1, "F", i)] if stage > 0 else []
+    if action.kind == "W":
+        return [(stage, "I", i)]
+    if stage == p - 1:
+        return [(stage, "F", i)]
+    return [(stage + 1, "I" if (stage + 1, "I", i) in done else "B", i)]
 
 
-def _fmt_dep(dep: tuple[int, Action] | None) -> str:
-    return "nothing" if dep is None else f"{dep[1]} of stage {dep[0]}"
+def _fmt_needs(needs: list[tuple[int, str, int]]) -> str:
+    return " and ".join(f"{k}{i} of stage {s}" for s, k, i in needs) or "nothing"
+
+
+def compute_only_time(schedule: Schedule, durations: Mapping[str, float]) -> tuple[float, float]:
+    """(makespan, bubble): the schedule run with free communication, each action taking
+    ``durations[kind]`` (B defaults to I + W); bubble is the mean over ranks of the share of
+    the makespan they sat idle."""
+    d = {"B": durations.get("I", 0.0) + durations.get("W", 0.0), **durations}
+    free = [0.0] * schedule.num_ranks
+    end: dict[tuple[int, str, int], float] = {}
+    busy = [0.0] * schedule.num_ranks
+    for s, a in dependency_order(schedule):
+        r = schedule.rank_of(s)
+        start = max([free[r], *(end[n] for n in _needs(s, a, schedule.num_stages, end))])
+        free[r] = end[(s, a.kind, a.microbatch)] = start + d[a.kind]
+        busy[r] += d[a.kind]
+    makespan = max(free)
+    bubble = sum(1 - b / makespan for b in busy) / len(busy) if makespan else 0.0
+    return makespan, bubble

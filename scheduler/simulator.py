@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,8 @@ from .timeline import SpanTable, Timeline
 ComputeCosts = Mapping[Any, float] | Callable[[int, str], float]
 
 
-def _compute_cost_fn(compute_costs: ComputeCosts, num_stages: int) -> Callable[[int, str], float]:
+def _compute_cost_fn(compute_costs: ComputeCosts, num_stages: int,
+                     kinds: Sequence[str] = ("F", "B")) -> Callable[[int, str], float]:
     if callable(compute_costs):
         fn = compute_costs
     elif isinstance(compute_costs, Mapping):
@@ -39,7 +40,8 @@ def _compute_cost_fn(compute_costs: ComputeCosts, num_stages: int) -> Callable[[
                 return table[kind]
             raise ValueError(
                 f"compute_costs: no duration for stage {stage} {kind!r}; give "
-                "{(stage, 'F'): seconds, ...} or {'F': seconds, 'B': seconds}"
+                "{(stage, 'F'): seconds, ...} or {'F': seconds, 'B': seconds} (and 'I', 'W' "
+                "for a schedule that splits the backward)"
             )
     else:
         raise TypeError(
@@ -48,7 +50,7 @@ def _compute_cost_fn(compute_costs: ComputeCosts, num_stages: int) -> Callable[[
         )
     durations: dict[tuple[int, str], float] = {}
     for s in range(num_stages):
-        for k in ("F", "B"):
+        for k in kinds:
             v = fn(s, k)
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
                 raise TypeError(f"compute_costs: stage {s} {k!r} has duration {v!r} "
@@ -81,7 +83,8 @@ def simulate(
         raise TypeError(f"graph: expected a StepGraph, got {type(graph).__name__}")
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
-    cost_of = _compute_cost_fn(compute_costs, len(graph.stages))
+    kinds = sorted({op.body.kind for op in graph.ops if isinstance(op.body, Compute)})
+    cost_of = _compute_cost_fn(compute_costs, len(graph.stages), kinds)
     model = CostModel(cluster)
     costs = _op_costs(graph, model, cost_of, signal)
     succ, need = graph.successors

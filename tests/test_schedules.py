@@ -265,3 +265,127 @@ def test_hand_written_out_of_order_schedules():
     with pytest.raises(ValueError, match="deadlock") as info:
         dependency_order(Schedule.from_text("s0: F0 B0 F1 B1\ns1: F1 B1 F0 B0"))
     assert "stage 0" in str(info.value) and "stage 1" in str(info.value)
+
+
+# ---- split backward, several stages per rank, torch's format --------------------------------
+
+from scheduler.schedules import (  # noqa: E402
+    ALL_SCHEDULES,
+    compute_only_time,
+    interleaved_warmup,
+)
+
+UNIT = {"F": 1.0, "I": 1.0, "W": 1.0}  # F = I = W (a full B = 2)
+
+
+def test_zb_h1_keeps_1f1b_peak_memory_and_cuts_the_bubble_to_a_third():
+    for p in P_RANGE:
+        for m in M_RANGE:
+            zb = make_schedule("zb-h1", p, m)
+            assert len(dependency_order(zb)) == 3 * m * p
+            one = make_schedule("1f1b", p, m)
+            # The same peak as 1f1b's largest (stage 0's), on every stage.
+            assert [zb.peak_activations(s) for s in range(p)] == [min(m, p)] * p
+            assert max(zb.peak_activations(s) for s in range(p)) == one.peak_activations(0)
+            zb_bubble = compute_only_time(zb, UNIT)[0] - 3 * m
+            one_bubble = compute_only_time(one, UNIT)[0] - 3 * m
+            assert zb_bubble <= one_bubble, (p, m)
+            if m >= p:  # (p - 1)(F + I - W) against (p - 1)(F + I + W)
+                assert zb_bubble == pytest.approx((p - 1) * 1.0)
+                assert one_bubble == pytest.approx((p - 1) * 3.0)
+
+
+def test_interleaved_1f1b_places_stage_s_on_rank_s_mod_ranks_and_peaks_at_its_warmup():
+    for ranks in range(1, 6):
+        for v in (2, 3, 4):
+            for m in range(ranks, 5 * ranks + 1, ranks):
+                sched = make_schedule("interleaved-1f1b", ranks * v, m, stages_per_rank=v)
+                assert sched.num_ranks == ranks
+                assert [sched.rank_of(s) for s in range(ranks * v)] == [
+                    s % ranks for s in range(ranks * v)]
+                assert len(dependency_order(sched)) == 2 * m * ranks * v
+                for r in range(ranks):
+                    assert {a.stage for a in sched.actions[r]} == set(sched.stages_of(r))
+                    assert sched.peak_rank_activations(r) == min(
+                        m * v, interleaved_warmup(ranks, v, m, r) + 1)
+
+
+def test_interleaving_shrinks_the_bubble_of_1f1b():
+    # 4 ranks, 8 stages of half the work each against 4 stages of 1f1b.
+    inter = compute_only_time(make_schedule("interleaved-1f1b", 8, 8),
+                              {"F": 0.5, "B": 1.0})
+    one = compute_only_time(make_schedule("1f1b", 4, 8), {"F": 1.0, "B": 2.0})
+    assert inter[0] < one[0] and inter[1] < one[1]
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (("interleaved-1f1b", 8, 6), {}, "num_microbatches: .* multiple"),
+    (("interleaved-1f1b", 4, 4), {"stages_per_rank": 1}, "at least 2 stages per rank"),
+    (("interleaved-1f1b", 9, 3), {"stages_per_rank": 2}, "num_stages: 9 stages"),
+    (("1f1b", 4, 4), {"stages_per_rank": 2}, "stages_per_rank: 1f1b runs one stage"),
+    (("zbv-unknown", 4, 4), {}, "unknown schedule"),
+])
+def test_make_schedule_refuses_what_a_schedule_cannot_do(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_schedule(*args, **kwargs)
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([[Action("F", 0), Action("W", 0), Action("I", 0)]], "W0 comes before I0"),
+    ([[Action("F", 0), Action("I", 0), Action("B", 0)]], "B0 is one too many"),
+    ([[Action("F", 0), Action("I", 0)]], "needs an F and a B \\(or an I and a W\\)"),
+    ([[Action("F", 0, 1), Action("B", 0, 1)]], "on stage 1, which runs on rank"),
+])
+def test_split_backward_actions_are_checked(rows, match):
+    with pytest.raises(ValueError, match=match):
+        Schedule("x", 1, 1, tuple(tuple(r) for r in rows))
+
+
+def test_several_stages_per_rank_need_the_stage_named():
+    with pytest.raises(ValueError, match="names no stage"):
+        Schedule("x", 2, 1, ((Action("F", 0), Action("B", 0)),), stages_per_rank=2)
+    with pytest.raises(ValueError, match="'v' places two stages per rank"):
+        Schedule("x", 3, 1, ((),), stages_per_rank=3, placement="v")
+
+
+@pytest.mark.parametrize("name", ALL_SCHEDULES)
+def test_text_json_and_torch_csv_round_trip(name):
+    for p, m in ((2, 2), (4, 8), (6, 6)):
+        sched = make_schedule(name, p, m)
+        assert Schedule.from_json(sched.to_json()) == sched
+        back = Schedule.from_text(sched.to_text(), name,
+                                  stages_per_rank=sched.stages_per_rank)
+        assert back.actions == sched.actions
+        csv = Schedule.from_torch_csv(sched.to_torch_csv(), name)
+        assert csv.to_torch_csv() == sched.to_torch_csv()
+        assert (csv.num_stages, csv.num_microbatches, csv.stages_per_rank) == (
+            sched.num_stages, m, sched.stages_per_rank)
+
+
+def test_torch_csv_cells_and_idle_steps():
+    sched = make_schedule("zb-h1", 2, 2)
+    assert sched.to_torch_csv().splitlines() == ["0F0,0F1,0I0,0W0,0I1,0W1",
+                                            "1F0,1I0,1F1,1I1,1W0,1W1"]  # 1 W held back
+    # torch writes idle steps as empty cells: skipped.
+    text = "0F0,0F1,,0I0,0W0,0I1,0W1\r\n,1F0,1I0,1W0,1F1,1I1,1W1\r\n"
+    assert Schedule.from_torch_csv(text).actions[0][2] == Action("I", 0, 0)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "no ranks"),
+    ("0F0,0SEND_F0,0B0\r\n", "cell 1: '0SEND_F0' is not a compute action"),
+    ("F0,B0\r\n", "cell 0: 'F0' names no stage"),
+    ("0F0,0B0\r\n0F0,0B0\r\n", "on stage 0, which runs on rank 0"),
+])
+def test_torch_csv_errors_name_the_cell(text, match):
+    with pytest.raises(ValueError, match=match):
+        Schedule.from_torch_csv(text)
+
+
+def test_a_deadlock_across_ranks_names_each_ranks_blocker():
+    # Rank 0 wants stage 0's gradient before running stage 4, which that gradient comes from.
+    text = "0F0,0B0,4F0,4B0\r\n1F0,5F0,5B0,1B0\r\n2F0,6F0,6B0,2B0\r\n3F0,7F0,7B0,3B0\r\n"
+    sched = Schedule.from_torch_csv(text)
+    with pytest.raises(ValueError, match="schedule deadlocks: rank 0 at 0B0 waits for B0 of "
+                                         "stage 1; rank 1 at 5F0 waits for F0 of stage 4"):
+        dependency_order(sched)
