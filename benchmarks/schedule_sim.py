@@ -190,8 +190,36 @@ def sim_speed(stages: int = 64, microbatches: int = 256, rounds: int = 3) -> str
             f"then the spans and every metric, on first use: {spans:.2f} s more")
 
 
+def compute_only_table() -> str:
+    """Each schedule run with free communication, F = I = W = 1 (B = 2): bubble (idle
+    time per rank) and peak activations, against 1f1b in the same run."""
+    from scheduler import compute_only_time, make_schedule
+
+    unit = {"F": 1.0, "I": 1.0, "W": 1.0}
+    lines = ["compute-only schedules, F = I = W = 1 (B = 2), free communication",
+             f"{'p':>3} {'m':>4} {'schedule':<18} {'makespan':>9} {'bubble/rank':>12} "
+             f"{'vs 1f1b':>8} {'peak act.':>10}"]
+    for p, m in ((4, 8), (4, 32), (8, 16), (8, 64)):
+        base = compute_only_time(make_schedule("1f1b", p, m), unit)[0] - 3 * m
+        for name in ("1f1b", "eager-1f1b", "zb-h1"):
+            sched = make_schedule(name, p, m)
+            span = compute_only_time(sched, unit)[0]
+            peak = max(sched.peak_activations(s) for s in range(p))
+            lines.append(f"{p:>3} {m:>4} {name:<18} {span:>9.0f} {span - 3 * m:>12.0f} "
+                         f"{(span - 3 * m) / base:>8.2f} {peak:>10}")
+        # interleaved: 2 stages per rank, each half the work of a 1f1b stage
+        sched = make_schedule("interleaved-1f1b", 2 * p, m)
+        span = compute_only_time(sched, {"F": 0.5, "B": 1.0})[0]
+        peak = max(sched.peak_rank_activations(r) for r in range(p)) / 2  # half-size stages
+        lines.append(f"{p:>3} {m:>4} {'interleaved-1f1b':<18} {span:>9.1f} "
+                     f"{span - 3 * m:>12.1f} {(span - 3 * m) / base:>8.2f} {peak:>10}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     print(machine_line())
+    print(compute_only_table())
+    print()
     print(f"compute: {GPU_FLOPS / 1e12:.1f} TFLOP/s per V100 (30 % of fp16 peak), "
           f"{GPUS_PER_STAGE} GPUs per stage\n")
     for setup in (gpt3_like(), u_transformer_like()):
