@@ -38,9 +38,9 @@ def lower_bound(shape, dtype, src: Sharding, dst: Sharding, cluster: Cluster) ->
 
 
 __all__ = [
+    "ALL_SCHEDULES",
     "BALANCES",
     "COMPUTE",
-    "ALL_SCHEDULES",
     "SCHEDULES",
     "STRATEGIES",
     "Action",
@@ -72,10 +72,10 @@ __all__ = [
     "Timeline",
     "Transfer",
     "TransferOp",
+    "compute_only_time",
     "estimate",
     "lower",
     "lower_bound",
-    "compute_only_time",
     "make_schedule",
     "paper_model_time",
     "plan_report",
