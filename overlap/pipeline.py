@@ -286,7 +286,7 @@ class _Binder:
 PHASES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 
 
-def check_split(stages: Sequence[Stage], kinds: set[str]) -> None:
+def check_split(stages: Sequence[Stage], kinds: frozenset[str]) -> None:
     """A schedule with I/W needs every stage to split its backward."""
     if kinds & {"I", "W"}:
         for s, st in enumerate(stages):

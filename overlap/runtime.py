@@ -475,7 +475,7 @@ class Runtime:
                 raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
             key = ("lowered", meshes, tuple(boundaries), sched, options or PlanOptions())
         chosen = graph.schedule if graph is not None else sched
-        check_split(stages, {a.kind for acts in chosen.actions for a in acts})  # type: ignore
+        check_split(stages, chosen.kinds)  # type: ignore[union-attr]
         hit = self._memo.pop(key, None)
         if hit is None or (graph is not None and hit[0] is not graph):
 

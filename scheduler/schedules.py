@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from .errors import check_positive_int, load_json
@@ -202,14 +203,27 @@ class Schedule:
             return 2 * r - 1 - stage
         return stage % r
 
+    @cached_property
+    def _rank_stages(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, its stages: derived once (checking and ordering ask per action)."""
+        mine: list[list[int]] = [[] for _ in range(self.num_ranks)]
+        for s in range(self.num_stages):
+            mine[self.rank_of(s)].append(s)
+        return tuple(map(tuple, mine))
+
+    @cached_property
+    def kinds(self) -> frozenset[str]:
+        """The action kinds the schedule uses (``I``/``W``: a split backward)."""
+        return frozenset(a.kind for acts in self.actions for a in acts)
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(s for s in range(self.num_stages) if self.rank_of(s) == rank)
+        return self._rank_stages[rank]
 
     def stage_of(self, rank: int, action: Action) -> int:
         """The stage ``action`` of rank ``rank``'s list runs."""
         if action.stage is not None:
             return action.stage
-        return self.stages_of(rank)[0]  # (one stage per rank: checked)
+        return self._rank_stages[rank][0]  # (one stage per rank: checked)
 
     def _check_rank(self, r: int, acts: tuple[Action, ...]) -> None:
         mine = self.stages_of(r)
@@ -283,7 +297,8 @@ class Schedule:
     @classmethod
     def _inferred(cls, name: str, actions: list[tuple[Action, ...]], stages_per_rank: int,
                   placement: str) -> Schedule:
-        """A schedule from rank lists alone: microbatches counted on rank 0's first stage."""
+        """A schedule from rank lists alone: microbatches counted on the stage of rank 0's
+        first action (the constructor checks every other stage has as many)."""
         first = actions[0][0].stage if actions[0] else None
         m = sum(a.kind == "F" and a.stage == first for a in actions[0])
         return cls(name, len(actions) * stages_per_rank, m, tuple(actions), stages_per_rank,
@@ -350,13 +365,11 @@ class Schedule:
                                      "stage")
                 acts.append(a)
             actions.append(tuple(acts))
-        stages = {r: sorted({a.stage for a in acts}) for r, acts in enumerate(actions)}
-        per_rank = len(stages[0])
-        n = len(rows) * per_rank
+        first = sorted({a.stage for a in actions[0]})  # rank 0's stages
         if placement is None:
-            placement = "v" if per_rank == 2 and stages[0] == [0, n - 1] else "loop"
-        return cls(name, n, sum(a.kind == "F" and a.stage == stages[0][0] for a in actions[0]),
-                   tuple(actions), per_rank, placement)
+            n = len(rows) * len(first)
+            placement = "v" if first == [0, n - 1] else "loop"
+        return cls._inferred(name, actions, len(first), placement)
 
     def __str__(self) -> str:
         return f"{self.name} (p={self.num_stages}, m={self.num_microbatches})\n{self.to_text()}"
