@@ -48,6 +48,7 @@ script error (CI runs it; its numbers mean nothing).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import statistics
 import subprocess
@@ -208,6 +209,7 @@ def completion_latency(cp) -> dict[str, float]:
     return result
 
 
+@functools.cache  # sized once: the pipeline and profiler sections share it
 def pipeline_runner(cp):
     """The 4-virtual-stage pipeline on GPU 0: ``run(schedule, boundary_cols, trace=None,
     profile=False) -> (seconds, Timeline, torch profiler or None)``, and its sizes."""

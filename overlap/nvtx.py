@@ -49,7 +49,7 @@ _sinks: list[tuple[Callable[[str, str], Any], Callable[[Any], None]]] = []
 
 
 class _Ranges(tuple):
-    """The handles of one range in NVTX and in each sink (the sinks' after NVTX's)."""
+    """One range's NVTX handle, then (end, handle) for each sink that opened it."""
 
 
 def add_sink(start: Callable[[str, str], Any], end: Callable[[Any], None]) -> None:
@@ -63,15 +63,14 @@ def range_start(message: str, category: str) -> Any:
     handle = _start(message, category)
     if not _sinks:
         return handle
-    return _Ranges((handle, *(start(message, category) for start, _ in _sinks)))
+    return _Ranges((handle, *((end, start(message, category)) for start, end in _sinks)))
 
 
 def range_end(handle: Any) -> None:
     if isinstance(handle, _Ranges):
-        nvtx_handle, *others = handle
-        for (_, end), h in zip(reversed(_sinks[:len(others)]), reversed(others)):
+        handle, *opened = handle
+        for end, h in reversed(opened):  # innermost first
             if h is not None:
                 end(h)
-        handle = nvtx_handle
     if handle is not None:
         _end(handle)

@@ -100,5 +100,3 @@ def is_sqlite(path: str | Path) -> bool:
             return f.read(16) == b"SQLite format 3\x00"
     except OSError:
         return False
-
-
