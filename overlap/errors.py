@@ -98,3 +98,13 @@ class DeviceTimeout(OverlapRuntimeError):
     def __init__(self, message: str, *, event: str) -> None:
         super().__init__(message)
         self.event = event
+
+
+class DeviceFault(OverlapRuntimeError):
+    """The device failed before it reached ``event`` (CUDA's error from waiting for it, e.g.
+    an illegal memory access: such errors are sticky, the GPU's context is unusable after
+    one). The cause is chained."""
+
+    def __init__(self, message: str, *, event: str) -> None:
+        super().__init__(message)
+        self.event = event

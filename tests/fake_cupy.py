@@ -17,7 +17,10 @@ compares it with the real library where that is installed. Where it models CuPy:
 - **Streams and events**: a stream belongs to the device current at its creation; an event
   records only on a stream of its own device (CUDA refuses others); a recorded event
   completes ``EVENT_LATENCY_S`` later (device work finishes after the host launched it), or
-  never once ``sticky_error`` is set (a device fault: ``cudaEventQuery`` never succeeds).
+  never once ``sticky_error`` is set (a device fault: ``Event.done`` stays False, as CuPy's
+  ``eventQuery`` returns the error unchecked, and ``synchronize()`` raises it), or never while
+  ``hung`` is set (a kernel that never ends: ``synchronize()`` blocks until it is cleared).
+  ``Event.block`` is kept: a non-blocking event's ``synchronize()`` spins a core in CUDA.
 
 Where it is kinder than CuPy, tests prove nothing: ``numpy.asarray(device_array)`` works here
 (a subclass cannot refuse it; CuPy raises), kernels run at once on the host, and memory is
@@ -38,6 +41,7 @@ __version__ = "14.2.0-fake"
 DEVICES = 1  # what runtime.getDeviceCount() says
 EVENT_LATENCY_S = 1e-3  # how long after its record an event completes
 sticky_error = False  # a device fault: no event completes any more
+hung = threading.Event()  # set: events recorded from now on never complete (an endless kernel)
 _local = threading.local()
 launches: list[str] = []  # what was enqueued where, for assertions
 waits: list[tuple[int, int]] = []  # (waiting stream, stream the event was recorded on)
@@ -220,13 +224,15 @@ class Device:
 class Stream:
     _count = 0
     ptr = 0  # (CuPy documents ``ptr`` and ``device_id`` as attributes of a stream)
-    device_id = 0
+    device_id = -1
 
     def __init__(self, null: bool = False, non_blocking: bool = False,
                  ptds: bool = False, priority: int | None = None) -> None:
         Stream._count += 1
         self.ptr = 0 if null else Stream._count
-        self.device_id = _current_device()
+        # As CuPy 14: the null and per-thread default streams belong to no device (-1, which
+        # ``Device(-1)`` refuses: seen on an H200); a created stream to the current one.
+        self.device_id = -1 if null or ptds else _current_device()
 
     def __enter__(self) -> Stream:
         self._prev = getattr(_local, "stream", None)
@@ -266,6 +272,8 @@ class Stream:
 
 
 Stream.null = Stream(null=True)
+Stream.ptds = Stream(ptds=True)
+Stream.ptds.ptr = 2  # cudaStreamPerThread, as CuPy's
 
 
 class ExternalStream(Stream):
@@ -285,20 +293,25 @@ class Event:
         self.t = 0.0
         self.device_id = _current_device()
         self.timing = not disable_timing
+        self.block = block
+        self.stuck = False
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or get_current_stream()
-        if stream.ptr != 0 and stream.device_id != self.device_id:
+        if stream.device_id >= 0 and stream.device_id != self.device_id:
             raise RuntimeError("cudaErrorInvalidResourceHandle: an event records only on a "
                                f"stream of its device ({self.device_id}), not of device "
                                f"{stream.device_id}")
         self.recorded = True
         self.stream_ptr = stream.ptr
         self.t = time.perf_counter()
+        self.stuck = hung.is_set()
 
     @property
     def done(self) -> bool:
-        return (self.recorded and not sticky_error
+        if self.stuck and not hung.is_set():
+            self.stuck = False  # the endless kernel was let go (tests clean up)
+        return (self.recorded and not sticky_error and not self.stuck
                 and time.perf_counter() >= self.t + EVENT_LATENCY_S)
 
     def synchronize(self) -> None:
@@ -328,8 +341,28 @@ profiler_calls: list[tuple[str, int]] = []
 profiler = types.SimpleNamespace(
     start=lambda: profiler_calls.append(("start", _current_device())),
     stop=lambda: profiler_calls.append(("stop", _current_device())))
+
+
+class MemoryPool:
+    """CuPy's default pool keeps freed blocks per stream ("arena") and reuses a block only on
+    its stream. The stand-in allocates from numpy; it records what is released: (GPU, stream
+    pointer), or (GPU, None) for every arena."""
+
+    def free_all_blocks(self, stream: Stream | None = None) -> None:
+        pool_releases.append((_current_device(), None if stream is None else stream.ptr))
+
+
+pool_releases: list[tuple[int, int | None]] = []
+_pool = MemoryPool()
+
+
+def get_default_memory_pool() -> MemoryPool:
+    return _pool
+
+
 cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=ExternalStream,
                              Event=Event, runtime=runtime, profiler=profiler,
+                             MemoryPool=MemoryPool,
                              get_current_stream=get_current_stream,
                              get_elapsed_time=get_elapsed_time)
 

@@ -42,7 +42,8 @@ CALLABLES = [
     "cuda.Stream", "cuda.ExternalStream", "cuda.Event", "cuda.Device",
     "cuda.Stream.wait_event", "cuda.Stream.launch_host_func", "cuda.Event.record",
     "cuda.runtime.getDeviceCount", "cuda.profiler.start", "cuda.profiler.stop",
-    "cuda.get_elapsed_time", "ndarray.get",
+    "cuda.get_elapsed_time", "ndarray.get", "get_default_memory_pool",
+    "cuda.MemoryPool.free_all_blocks", "cuda.Event.synchronize",
     "cuda.nccl.NcclCommunicator.send", "cuda.nccl.NcclCommunicator.recv",
     "cuda.nccl.NcclCommunicator.allReduce", "cuda.nccl.NcclCommunicator.initAll",
 ]
@@ -97,3 +98,11 @@ def test_the_unique_id_and_communicator_take_the_real_types():
     assert type(uid) is type(fake_cupy.get_unique_id()) and len(uid) == 128
     assert params(nccl.NcclCommunicator)[:4] == ["ndev", "commId", "rank", "config"]
     assert params(fake_cupy.NcclCommunicator)[:4] == ["ndev", "commId", "rank", "config"]
+
+
+def test_default_streams_belong_to_no_device_as_in_cupy():
+    # Seen on an H200: ``Device(Stream.null.device_id)`` is ``Device(-1)``, an invalid ordinal.
+    # The stand-in once said 0 there, which hid that crash in the backend's caller events.
+    for name in ("null", "ptds"):
+        real = getattr(cupy.cuda.Stream, name).device_id
+        assert getattr(fake_cupy.cuda.Stream, name).device_id == real

@@ -159,6 +159,9 @@ class CpuStream:
         # Set when the thread was left stuck in an op (see CpuBackend.abandon): it runs
         # nothing more, and launching on this stream raises this text.
         self.lost: str | None = None
+        # Set by an op whose device work is timed apart from the stream's marks (the CUDA
+        # loopback: the copy's start and end events): its trace span is that.
+        self.data_span: tuple[Any, Any] | None = None
 
     # ---- launching (any thread) ----------------------------------------------------------
 
@@ -236,12 +239,14 @@ class CpuStream:
                 rng = range_start(label, category)
                 trace = self.backend.trace if op is not None else None
                 t0 = self._mark() if trace is not None else None
+                self.data_span = None
                 try:
                     self._execute(fn)
                 finally:
                     range_end(rng)
                 if trace is not None:
-                    trace.append(TraceRecord(op, self.device, self.name, t0, self._mark()))
+                    start, end = self.data_span or (t0, self._mark())
+                    trace.append(TraceRecord(op, self.device, self.name, start, end))
         except BaseException as exc:
             if self.lost is not None:
                 return  # abandoned: what the stuck op did at last concerns nobody now
@@ -447,6 +452,12 @@ class CpuBackend:
     def release_to_caller(self, ends: Sequence[CpuEvent]) -> None:
         """After a call: order the caller's later device work after the call's (CUDA: its
         current streams wait for the lanes' end events). Nothing on the CPU."""
+
+    def hold(self, *buffers: Any) -> None:
+        """Called by an op done with ``buffers``: keep them alive until the device has run
+        what the op launched on its stream (CUDA: CuPy's pool would hand a freed block to
+        the next allocation while a kernel still reads it). On the CPU the work is done when
+        the op returns: nothing to keep."""
 
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         """Every device that collectives of ``namespace`` (a channel) may involve. The CPU

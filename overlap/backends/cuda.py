@@ -9,9 +9,10 @@ transfers) is enqueued on that GPU stream and the host thread moves on at once:
 - ``record`` enqueues a CUDA event on the GPU stream; ``wait_event`` makes the host thread
   wait only until the other stream has *enqueued* its record, then enqueues a device-side
   ``stream.wait_event`` — the host never waits for the GPU in the launch path.
-- Completion reaches asyncio by polling ``Event.done`` with exponential backoff (50 µs to
-  2 ms) — no thread blocks in ``synchronize()``; ``benchmarks/gpu_check.py`` measures this
-  against a waiter thread.
+- Completion reaches asyncio through waiter threads that sleep in ``synchronize()`` on
+  blocking-sync events and wake the loop (``cuda_waiters``): no polling, no spinning core.
+  Polling with backoff under uvloop's 1 ms timers saw completions up to ~1.5 ms late on an
+  H200; ``benchmarks/gpu_check.py`` measures the three ways.
 - Virtual devices map to physical GPUs round-robin (``device % num_gpus``). A collective whose
   participants share one GPU (every collective on a one-GPU machine) becomes device-to-device
   copies on the stream of the last participant to arrive ("loopback"), ordered by events
@@ -27,8 +28,8 @@ transfers) is enqueued on that GPU stream and the host thread moves on at once:
 - CuPy has no ``record_stream``: every buffer a collective reads or writes is kept alive, with
   the event that ends its use, until that event has completed.
 
-Only the one-GPU (loopback) path can run on the machines this project is tested on; the NCCL
-path has not run on multi-GPU hardware (docs/architecture.md says so too).
+The one-GPU (loopback) path has run on an H200 (``benchmarks/gpu_check.py``, 2026-11-30); the
+NCCL path has not run on multi-GPU hardware (docs/architecture.md says so too).
 """
 
 from __future__ import annotations
@@ -43,9 +44,18 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveAborted, CollectiveMismatch, DeviceTimeout, OverlapRuntimeError
+from ..errors import (
+    CollectiveAborted,
+    CollectiveMismatch,
+    DeviceFault,
+    DeviceTimeout,
+    OverlapRuntimeError,
+)
 from ..world import Placement
 from .cpu import CpuBackend, CpuEvent, CpuStream
+from .cuda_waiters import WAITERS
+
+ABORT_CHECK_S = 0.01  # how often a host wait for the GPU looks at abort and timeout
 
 
 def _cupy():
@@ -88,27 +98,42 @@ class CudaEvent(CpuEvent):
         return self.cuda_event is None or bool(self.cuda_event.done)
 
     async def wait(self) -> None:
-        """Until the GPU passes the event — bounded: after a device fault ``eventQuery``
-        never succeeds, so a wait longer than the backend's ``timeout`` since the launch (or
-        an abort) raises, naming the event."""
+        """Until the GPU passes the event — bounded: after a device fault the event may never
+        complete, so a wait longer than the backend's ``timeout`` since the launch (or an
+        abort) raises, naming the event. A waiter thread sleeps in ``synchronize()`` and
+        wakes the loop (see ``cuda_waiters``); abort and timeout are checked every
+        ``ABORT_CHECK_S`` meanwhile."""
         await super().wait()  # launched (or failed)
-        if self.cuda_event is None:
+        ev = self.cuda_event
+        if ev is None or ev.done:
             return
         backend = self.backend
-        deadline = time.perf_counter() + (backend.timeout if backend is not None else 30.0)
-        delay = 50e-6
-        while not self.cuda_event.done:
-            if backend is not None and backend.abort_reason is not None:
-                raise CollectiveAborted(f"waiting for the device to reach {self.label}: "
-                                        f"aborted ({backend.abort_reason})")
-            if time.perf_counter() > deadline:
-                raise DeviceTimeout(
-                    f"the device never reached {self.label}: its work was launched "
-                    f"{backend.timeout if backend is not None else 30.0:g} s ago (timeout) and "
-                    "has not completed — a kernel that never ends, or a device fault (after "
-                    "one, CUDA reports no event complete any more)", event=self.label)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2e-3)
+        timeout = backend.timeout if backend is not None else 30.0
+        deadline = time.perf_counter() + timeout
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        WAITERS.watch(ev, loop, done)
+        try:
+            while True:
+                left = deadline - time.perf_counter()
+                await asyncio.wait((done,), timeout=max(0.0, min(ABORT_CHECK_S, left)))
+                if done.done():
+                    if done.exception() is not None:  # CUDA's sticky error, from synchronize
+                        raise DeviceFault(f"the device failed before reaching {self.label}: "
+                                          f"{done.exception()}",
+                                          event=self.label) from done.exception()
+                    return
+                if backend is not None and backend.abort_reason is not None:
+                    raise CollectiveAborted(f"waiting for the device to reach {self.label}: "
+                                            f"aborted ({backend.abort_reason})")
+                if time.perf_counter() >= deadline:
+                    raise DeviceTimeout(
+                        f"the device never reached {self.label}: its work was launched "
+                        f"{timeout:g} s ago (timeout) and has not completed — a kernel that "
+                        "never ends, or a device fault (after one, CUDA reports no event "
+                        "complete any more)", event=self.label)
+        finally:
+            done.cancel()  # given up: the waiter thread's late answer is dropped
 
 
 class CudaStream(CpuStream):
@@ -148,7 +173,9 @@ class CudaStream(CpuStream):
             cp = _cupy()
             self._ensure()
             with cp.cuda.Device(self.gpu):
-                ev = cp.cuda.Event(disable_timing=True)  # for waits only: cheaper untimed
+                # For waits only: untimed (cheaper); blocking-sync, so a host thread waiting
+                # for it sleeps instead of spinning (see cuda_waiters).
+                ev = cp.cuda.Event(block=True, disable_timing=True)
                 ev.record(self.cuda_stream)
             event.cuda_event = ev
         event._complete(self._failed)
@@ -219,7 +246,8 @@ class CudaBackend(CpuBackend):
         cp = self.xp
         events = []
         for s in self.caller_streams():
-            with cp.cuda.Device(getattr(s, "device_id", None)):
+            # The default streams' ``device_id`` is -1 (no device: the current one's).
+            with cp.cuda.Device(s.device_id if s.device_id >= 0 else None):
                 ev = cp.cuda.Event(disable_timing=True)
                 ev.record(s)
             wrapped = CudaEvent("the caller's stream", self)
@@ -229,11 +257,14 @@ class CudaBackend(CpuBackend):
         return events
 
     def release_to_caller(self, ends: Sequence[CpuEvent]) -> None:
-        """The caller's streams wait (on the GPU) for every lane's end."""
+        """The caller's streams wait (on the GPU) for every lane's end. The call's device
+        work is done: what was kept alive for it is let go now, not at the next call's
+        first ``_keep`` (a host that ran ahead of the GPU held a whole step's buffers)."""
         for s in self.caller_streams():
             for ev in ends:
                 if isinstance(ev, CudaEvent) and ev.cuda_event is not None:
                     s.wait_event(ev.cuda_event)
+        self._keep(None)
 
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
         group = tuple(sorted(set(devices)))
@@ -281,10 +312,16 @@ class CudaBackend(CpuBackend):
     # ---- buffers in flight ---------------------------------------------------------------
 
     def _keep(self, event: Any, *buffers: Any) -> None:
-        """Keep ``buffers`` alive until ``event`` completes (CuPy has no record_stream)."""
+        """Keep ``buffers`` alive until ``event`` completes (CuPy has no record_stream), and
+        let go of those whose event has (``event`` None: only that)."""
         with self._keep_lock:
             self._keepalive = [(e, b) for e, b in self._keepalive if not e.done]
-            self._keepalive.append((event, buffers))
+            if event is not None:
+                self._keepalive.append((event, buffers))
+
+    def hold(self, *buffers: Any) -> None:
+        """Keep ``buffers`` alive until the calling op's stream has run its work so far."""
+        self._keep(self._arrive(), *buffers)
 
     # ---- collectives ---------------------------------------------------------------------
 
@@ -296,23 +333,35 @@ class CudaBackend(CpuBackend):
         ev.record(stream.cuda_stream)
         return ev
 
-    def _finish(self, done: Any) -> None:
-        """The calling participant's stream waits for the collective's device work."""
-        self._local.stream.cuda_stream.wait_event(done)
+    def _finish(self, landed: tuple[Any, Any]) -> None:
+        """The calling participant's stream waits for the collective's device work. When a
+        trace is recorded, the op's span is that work's own (its start and end events):
+        this participant's stream reached the op earlier (nothing moved until the last
+        participant's host thread arrived) and may record its end mark later (a busy host)."""
+        done, start = landed
+        stream = self._local.stream
+        stream.cuda_stream.wait_event(done)
+        if start is not None:
+            stream.data_span = ((stream.gpu, start), (stream.gpu, done))
 
     def _loopback(self, arrivals: dict[int, tuple[Any, Any]],
-                  work: Callable[[dict[int, Any]], None]) -> Any:
+                  work: Callable[[dict[int, Any]], None]) -> tuple[Any, Any]:
         """Run ``work`` on the last arriver's stream after every participant's ready event;
-        return the event that marks it done (participants then wait for it)."""
+        return the event that marks it done (participants then wait for it) and, when a
+        trace is recorded, the one that marks its start (else None)."""
         cp = self.xp
         stream = self._local.stream.cuda_stream
         for ev, _ in arrivals.values():
             stream.wait_event(ev)
+        timed = self.trace is not None  # timing events cost: only for a trace
+        start = cp.cuda.Event() if timed else None
+        if start is not None:
+            start.record(stream)
         work({d: payload for d, (_, payload) in arrivals.items()})
-        done = cp.cuda.Event(disable_timing=True)
+        done = cp.cuda.Event(disable_timing=not timed)
         done.record(stream)
         self._keep(done, *(p for _, p in arrivals.values()))
-        return done
+        return done, start
 
     def _copy(self, dst: Any, src: Any) -> None:
         """dst[...] = src on the current stream, across GPUs if need be (peer copy)."""
@@ -348,10 +397,10 @@ class CudaBackend(CpuBackend):
                     if d != root:
                         self._copy(b, bufs[root])
 
-            done = self._loopback(arrivals, work)
+            landed = self._loopback(arrivals, work)
             seconds = (0.0 if self.link_time is None else
                        self.link_time(root, [d for d in group if d != root], src.nbytes))
-            return seconds, done
+            return seconds, landed
 
         done = self.communicator(group, namespace).run(
             device, f"broadcast[{desc}] root {root}", (self._arrive(), buffer), combine)
@@ -479,6 +528,20 @@ class CudaBackend(CpuBackend):
         for c in comms:
             c.destroy()
         self._keepalive.clear()
+        self._release_pool()
+
+    def _release_pool(self) -> None:
+        """Give back the memory CuPy's pool cached for this backend's streams. The pool keeps
+        freed blocks per stream and reuses them only on that stream, so every closed runtime
+        would otherwise strand its peak (on an H200, four runtimes in a row ran out of
+        141 GB). Only free blocks go; ``cudaFree`` waits for the device first."""
+        cp = self.xp
+        pool = cp.get_default_memory_pool()
+        for s in self.streams():
+            stream = getattr(s, "cuda_stream", None)
+            if stream is not None:
+                with cp.cuda.Device(s.gpu):
+                    pool.free_all_blocks(stream=stream)
 
 
 def _nccl_op(op: Callable[[Any, Any], Any]) -> int:
