@@ -32,6 +32,7 @@ its receivers'.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
-from scheduler.lowering import channels, input_channel, output_channel
+from scheduler.graph import buffers_used, input_channel, output_channel
+from scheduler.lowering import channels
 
 from .launch import launch
 from .reshard import region_shape, transfer_op
@@ -193,7 +195,8 @@ def launch_step(
     # Groups stage collectives may use: every mesh and every mesh axis group of it.
     backend.declare_subgroups("compute", sorted({g for st in stages for g in mesh_groups(st.mesh)}))
     binder = _Binder(backend, state, stages, boundaries, microbatches,
-                     input_sharding.device_regions(microbatches[0].shape), compute_time)
+                     input_sharding.device_regions(microbatches[0].shape), compute_time,
+                     graph.buffer_users)
     return launch(backend, graph, binder)
 
 
@@ -203,16 +206,52 @@ class _Binder:
     def __init__(self, backend: Backend, state: StepState, stages: Sequence[Stage],
                  boundaries: Sequence[Boundary], microbatches: Sequence[np.ndarray],
                  in_regions: Mapping[int, Any],
-                 compute_time: Callable[[int, str], float] | None) -> None:
+                 compute_time: Callable[[int, str], float] | None,
+                 users: Mapping[tuple[object, int, int], int]) -> None:
         self.backend, self.state, self.stages = backend, state, stages
         self.boundaries, self.microbatches = boundaries, microbatches
         self.in_regions, self.compute_time = in_regions, compute_time
+        # Users left of each per-device buffer (StepGraph.buffer_users): at 0 it is dropped.
+        self._users = dict(users)
+        self._users_lock = threading.Lock()
         # Regions of every boundary's layouts, per device; buffers per (channel, microbatch).
         self.prod = [b.producer.device_regions(b.shape) for b in boundaries]
         self.cons = [b.consumer.device_regions(b.shape) for b in boundaries]
         self._buffers: dict[tuple[Channel, int], tuple[Any, ...]] = {}
 
     def __call__(self, op: Op, device: int) -> Callable[[], None]:
+        run = self._bind(op, device)
+        keys = buffers_used(op.body, len(self.stages))
+
+        def then_release() -> None:
+            run()
+            self._release(keys, device)
+        return then_release
+
+    def _release(self, keys: tuple[tuple[object, int], ...], d: int) -> None:
+        """An op is done on device d with these buffers (``buffers_used``): each is kept
+        until the device has run the op's work, and dropped after its last user — a step
+        holds only the microbatches in flight, as its schedule intends, not all of them."""
+        state, held = self.state, []
+        with self._users_lock:
+            for what, i in keys:
+                key = (what, i, d)
+                self._users[key] -= 1
+                last = self._users[key] == 0
+                if what == "saved":
+                    if last:
+                        held += state.saved.pop((d, i), {}).values()
+                    continue
+                slot = (what, i, d)
+                table: dict[Slot, Any]
+                for table in (state.sends, state.recvs):
+                    buf = table.pop(slot, None) if last else table.get(slot)
+                    if buf is not None:
+                        held.append(buf)
+        if held:
+            self.backend.hold(*held)
+
+    def _bind(self, op: Op, device: int) -> Callable[[], None]:
         body = op.body
         if isinstance(body, Compute):
             seconds = self.compute_time(body.stage, body.kind) if self.compute_time else 0.0

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import sys
 import threading
 import warnings
@@ -38,6 +39,7 @@ from scheduler import (
     Span,
     StepGraph,
     Timeline,
+    TransferOp,
     lower,
     make_schedule,
     reshard_graph,
@@ -499,11 +501,20 @@ class Runtime:
             raise OverlapRuntimeError("timeline: no train_step has run yet")
         records, graph = self._last_trace
         sec = self.backend.span_seconds
+        # A transfer moves nothing before its last participant reaches it: a receiver that
+        # got there first was waiting for its producer (a bubble, not communication), as the
+        # simulator's transfers start when sender and receivers are ready. Each participant's
+        # span starts at the latest arrival this process saw.
+        arrived: dict[int, float] = {}
+        for r in records:
+            if isinstance(graph.ops[r.op].body, TransferOp):
+                arrived[r.op] = max(arrived.get(r.op, -math.inf), sec(r.start))
         spans = []
         for r in records:
             name, stage, mb, kind = span_meta(graph.ops[r.op].body)
-            spans.append(Span(r.device, r.stream, name, sec(r.start), sec(r.end), stage, mb,
-                              kind, r.op))
+            end = sec(r.end)
+            start = min(end, max(sec(r.start), arrived.get(r.op, -math.inf)))
+            spans.append(Span(r.device, r.stream, name, start, end, stage, mb, kind, r.op))
         spans.sort(key=lambda s: (s.device, s.start))
         # A process of a multi-process job measured its own devices only.
         stage_of = {d: graph.stage_of(d) for d in graph.devices if self.backend.is_local(d)}

@@ -91,6 +91,40 @@ class Channel:
         return cls(m.group(1), int(m.group(2)))  # type: ignore[arg-type]
 
 
+def input_channel(stage: int, kind: str, p: int) -> Channel | None:
+    """The channel bringing a compute its input (None at the pipeline's ends, and for a
+    weight gradient W, which works on what its stage kept)."""
+    if kind == "F":
+        return Channel("fwd", stage - 1) if stage > 0 else None
+    if kind == "W":
+        return None
+    return Channel("bwd", stage) if stage < p - 1 else None
+
+
+def output_channel(stage: int, kind: str, p: int) -> Channel | None:
+    """The channel taking a compute's output on (None at the pipeline's ends, and for W:
+    the gradient leaves right after the I that makes it, while W computes)."""
+    if kind == "F":
+        return Channel("fwd", stage) if stage < p - 1 else None
+    if kind == "W":
+        return None
+    return Channel("bwd", stage - 1) if stage > 0 else None
+
+
+def buffers_used(body: Compute | TransferOp, p: int) -> tuple[tuple[object, int], ...]:
+    """The per-device step buffers an op uses on each of its devices, as (what, microbatch):
+    ``(channel, i)`` — what the channel brings to or takes from the device for microbatch i —
+    and, for a compute, ``("saved", i)`` — the dict its stage's F and B of i share. A
+    standalone resharding's transfers (no channel) use the caller's buffers: none."""
+    if isinstance(body, TransferOp):
+        return () if body.channel is None else ((body.channel, body.microbatch),)
+    i = body.microbatch
+    keys: list[tuple[object, int]] = [("saved", i)]
+    keys += [(ch, i) for ch in (input_channel(body.stage, body.kind, p),
+                                output_channel(body.stage, body.kind, p)) if ch is not None]
+    return tuple(keys)
+
+
 class Lane(NamedTuple):
     """A stream of a device: ``"compute"`` or a comm stream (a channel's, or a resharding's)."""
 
@@ -226,6 +260,19 @@ class StepGraph:
     def recorded(self) -> frozenset[tuple[int, int]]:
         """(op, device) pairs whose end another lane waits for: where events are recorded."""
         return frozenset((dep.op, dep.src) for op in self.ops for dep in op.waits)
+
+    @cached_property
+    def buffer_users(self) -> dict[tuple[object, int, int], int]:
+        """How many (op, device) parts use each per-device buffer of a step, by
+        :func:`buffers_used` key and device — so a runtime frees each as soon as its last user
+        is done instead of holding every microbatch's boundaries until the step ends."""
+        p = len(self.stages)
+        users: dict[tuple[object, int, int], int] = {}
+        for op in self.ops:
+            for key in buffers_used(op.body, p):
+                for d in op.devices:
+                    users[(*key, d)] = users.get((*key, d), 0) + 1
+        return users
 
     @cached_property
     def by_key(self) -> dict[str, int]:

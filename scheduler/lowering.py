@@ -24,7 +24,18 @@ from dataclasses import dataclass
 
 from .cluster import Cluster
 from .errors import ClusterError
-from .graph import COMPUTE, Channel, Compute, Dep, Op, StepGraph, lanes_of, transfer_ops
+from .graph import (
+    COMPUTE,
+    Channel,
+    Compute,
+    Dep,
+    Op,
+    StepGraph,
+    input_channel,
+    lanes_of,
+    output_channel,
+    transfer_ops,
+)
 from .mesh import DeviceMesh
 from .plan import ReshardPlan
 from .planner import PlanCache, PlanOptions
@@ -146,26 +157,6 @@ def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
             for r in op.devices:
                 to.setdefault(r, []).append(op.id)
     return StepGraph(tuple(ops), lanes_of(ops), stages, schedule, plans)
-
-
-def input_channel(stage: int, kind: str, p: int) -> Channel | None:
-    """The channel bringing a compute its input (None at the pipeline's ends, and for a
-    weight gradient W, which works on what its stage kept)."""
-    if kind == "F":
-        return Channel("fwd", stage - 1) if stage > 0 else None
-    if kind == "W":
-        return None
-    return Channel("bwd", stage) if stage < p - 1 else None
-
-
-def output_channel(stage: int, kind: str, p: int) -> Channel | None:
-    """The channel taking a compute's output on (None at the pipeline's ends, and for W:
-    the gradient leaves right after the I that makes it, while W computes)."""
-    if kind == "F":
-        return Channel("fwd", stage) if stage < p - 1 else None
-    if kind == "W":
-        return None
-    return Channel("bwd", stage - 1) if stage > 0 else None
 
 
 def _check_inputs(stages, boundaries, schedule, cluster) -> None:

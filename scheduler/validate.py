@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .graph import Compute, Lane, StepGraph, TransferOp, op_key
-from .lowering import input_channel
+from .graph import Compute, Lane, StepGraph, TransferOp, input_channel, op_key
 
 
 class ProgramError(ValueError):

@@ -490,3 +490,91 @@ def test_lowering_runs_off_the_event_loop_and_plans_are_reused(monkeypatch):
         rt.train_step_sync(toy.stages, toy.boundaries, toy.microbatches(2),
                            input_sharding=toy.input_sharding, options=PlanOptions("send_recv"))
         assert len(threads) == 3 and len(rt.plans) == 4 * len(toy.boundaries)
+
+
+def _pass_through_pipeline(keep: list, saved: list) -> tuple[list[Stage], list[Boundary]]:
+    """4 one-device stages whose F copies its input and B its gradient (nothing aliases the
+    runtime's buffers); each stage's F saves a fresh array in ``ctx.saved`` and never pops
+    it. ``keep`` gets (stage, weakref) of every boundary buffer a stage receives, ``saved``
+    (stage, weakref) of every saved array."""
+    import weakref
+
+    meshes = [DeviceMesh([d], "a") for d in range(4)]
+    shape = (8, 4)
+
+    def fwd(s):
+        def f(ctx, x):
+            if x is not None and s > 0:
+                keep.append((s, weakref.ref(x)))
+            ctx.saved["big"] = big = np.ones(shape)
+            saved.append((s, weakref.ref(big)))
+            return float(x.sum()) if s == 3 else x * 1.0
+        return f
+
+    def bwd(s):
+        def b(ctx, dy):
+            if dy is not None:
+                keep.append((s, weakref.ref(dy)))
+            return None if s == 0 else (np.ones(shape) if dy is None else dy * 1.0)
+        return b
+
+    stages = [Stage(m, fwd(s), bwd(s)) for s, m in enumerate(meshes)]
+    bounds = [Boundary(shape, "float64", Sharding(meshes[s], P()), Sharding(meshes[s + 1], P()))
+              for s in range(3)]
+    return stages, bounds
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "eager-1f1b"])
+def test_a_step_frees_each_boundary_buffer_after_its_last_user(schedule):
+    # 1F1B exists to bound activation memory: stage s holds at most min(m, warm-up + 1)
+    # microbatches. The runtime once kept every received activation and gradient, and every
+    # ctx.saved dict, until the step ended — all m of them — whatever the schedule.
+    keep: list = []
+    saved: list = []
+    stages, bounds = _pass_through_pipeline(keep, saved)
+    m, p = 12, 4
+    peak = {s: 0 for s in range(4)}
+    peak_saved = {s: 0 for s in range(4)}
+    orig = [st.forward for st in stages]
+
+    def watching(s):
+        def f(ctx, x):
+            # At each forward: how many of this stage's earlier buffers are still alive.
+            peak[s] = max(peak[s], sum(1 for t, r in keep if t == s and r() is not None))
+            peak_saved[s] = max(peak_saved[s],
+                                sum(1 for t, r in saved if t == s and r() is not None))
+            return orig[s](ctx, x)
+        return f
+
+    stages = [Stage(st.mesh, watching(s), st.backward) for s, st in enumerate(stages)]
+    mbs = [np.full((8, 4), float(i)) for i in range(m)]
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        rt.train_step_sync(stages, bounds, mbs, input_sharding=Sharding(stages[0].mesh, P()),
+                           schedule=schedule)
+    sched = make_schedule(schedule, p, m)
+    for s in range(p):
+        in_flight = sched.peak_activations(s)  # microbatches between their F and their B
+        assert peak_saved[s] <= in_flight, (s, peak_saved, in_flight)
+        # Activations in flight, plus the gradients landed or landing for them.
+        assert peak[s] <= 2 * in_flight, (s, peak, in_flight)
+    assert max(peak_saved.values()) < m and max(peak.values()) < m
+    assert all(r() is None for _, r in keep + saved)  # nothing outlives the step
+
+
+def test_a_transfer_span_starts_when_its_last_participant_arrived():
+    # A receiver's comm stream reaches the transfer long before its producer computed the
+    # data: that wait is a bubble, not communication. Every participant's span of one
+    # transfer starts at the same time, the latest arrival.
+    keep: list = []
+    stages, bounds = _pass_through_pipeline(keep, [])
+    with Runtime(CLUSTER, timeout=TIMEOUT,
+                 compute_time=lambda s, kind: 2e-3 if kind == "F" else 4e-3) as rt:
+        rt.train_step_sync(stages, bounds, [np.ones((8, 4))] * 4,
+                           input_sharding=Sharding(stages[0].mesh, P()), schedule="1f1b")
+        tl = rt.timeline()
+    starts: dict[int, set[float]] = {}
+    for span in tl.spans:
+        if span.stream != "compute":  # a transfer's part on one of its devices
+            starts.setdefault(span.op, set()).add(span.start)
+    assert len(starts) == 2 * 3 * 4  # every boundary, both ways, every microbatch
+    assert all(len(s) == 1 for s in starts.values()), starts
