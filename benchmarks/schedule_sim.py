@@ -213,6 +213,12 @@ def compute_only_table() -> str:
         peak = max(sched.peak_rank_activations(r) for r in range(p)) / 2  # half-size stages
         lines.append(f"{p:>3} {m:>4} {'interleaved-1f1b':<18} {span:>9.1f} "
                      f"{span - 3 * m:>12.1f} {(span - 3 * m) / base:>8.2f} {peak:>10}")
+        # zbv: 2 half-size stages per rank in a V, the backward split
+        sched = make_schedule("zbv", 2 * p, m)
+        span = compute_only_time(sched, {"F": 0.5, "I": 0.5, "W": 0.5})[0]
+        peak = max(sched.peak_rank_activations(r) for r in range(p)) / 2
+        lines.append(f"{p:>3} {m:>4} {'zbv':<18} {span:>9.1f} "
+                     f"{span - 3 * m:>12.1f} {(span - 3 * m) / base:>8.2f} {peak:>10}")
     return "\n".join(lines)
 
 

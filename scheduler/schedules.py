@@ -32,6 +32,13 @@ three above so far):
   of r microbatches in turn; rank ``k`` warms up with ``min(m·v, 2(r − k − 1) + (v − 1)·r)``
   forwards, then alternates forward and backward. Peak activations of the rank (over its
   stages): that warm-up + 1, at most ``m·v``.
+- ``zbv`` (Zero Bubble V, Qi et al.; ``num_stages`` = 2 × ranks, ``v`` placement): the
+  backward split, each rank's two stages on the way down and back up the V, listed by
+  running the ranks greedily in unit time (see ``_zbv_actions``). Peak activations of a rank:
+  ``min(2m, 2·ranks)`` half-size stages — 1f1b's peak for the same model. With F = I = W
+  (per half stage, ``m ≥ ranks``, up to 8 ranks checked) its bubble is ``ranks − 1`` to
+  ``ranks + 3`` units, against zb-h1's ``2(ranks − 1)`` and 1f1b's ``6(ranks − 1)``;
+  torch's ZBVZeroBubble is as short or at most 2 units shorter where compared.
 
 ``m < p`` is allowed wherever the schedule allows it.
 """
@@ -47,7 +54,7 @@ from typing import Literal
 from .errors import check_positive_int, load_json
 
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")  # those the step graph lowers today
-SPLIT_SCHEDULES = ("zb-h1", "interleaved-1f1b")  # schedule values (see module doc)
+SPLIT_SCHEDULES = ("zb-h1", "interleaved-1f1b", "zbv")  # schedule values (see module doc)
 ALL_SCHEDULES = SCHEDULES + SPLIT_SCHEDULES
 PLACEMENTS = ("loop", "v")
 
@@ -160,6 +167,68 @@ def _interleaved_actions(ranks: int, v: int, m: int, rank: int) -> tuple[Action,
         out += [nth(w + k, "F"), nth(k, "B")]
     out += [nth(k, "B") for k in range(total - w, total)]
     return tuple(out)
+
+
+def _zbv_actions(ranks: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """zbv: two stages per rank in a V (rank k runs stages k and 2·ranks − 1 − k), the
+    backward split, listed by running the ranks in unit time steps (F = I = W = 1, free
+    communication) and letting each free rank take, in this order: the ready I of its
+    oldest microbatch (the gradient's path is the critical one), the ready F of its second
+    chunk, the ready F of its first chunk, a held-back W. A rank keeps at most
+    ``2·ranks`` microbatches between F and W — 1f1b's peak: as many full-stage activations
+    as ranks — and its first chunk stops one short of that, so the second chunk's forward,
+    which leads to the loss and so to every backward, always finds room."""
+    cap = 2 * ranks
+    stages = [(k, 2 * ranks - 1 - k) for k in range(ranks)]  # (chunk 0, chunk 1)
+    p = 2 * ranks
+    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) -> end time
+    nxt = {(s, kind): 0 for s in range(p) for kind in "FI"}  # next microbatch per (stage, kind)
+    held: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]  # (stage, mb) awaiting W
+    live = [0] * ranks
+    out: list[list[Action]] = [[] for _ in range(ranks)]
+    t = 0
+
+    def ready(stage: int, kind: str) -> bool:
+        i = nxt[(stage, kind)]
+        if i >= m:
+            return False
+        if kind == "F":
+            need = (stage - 1, "F", i) if stage > 0 else None
+        else:
+            need = (stage, "F", i) if stage == p - 1 else (stage + 1, "I", i)
+            if (stage, "F", i) not in done or done[(stage, "F", i)] > t:
+                return False
+        return need is None or done.get(need, t + 1) <= t
+
+    while any(len(acts) < 3 * m * 2 for acts in out):
+        for k, (first, second) in enumerate(stages):
+            choice: tuple[str, int] | None = None
+            for stage in sorted((first, second), key=lambda s: (nxt[(s, "I")], -s)):
+                if ready(stage, "I"):
+                    choice = ("I", stage)
+                    break
+            if choice is None and live[k] < cap and ready(second, "F"):
+                choice = ("F", second)
+            if choice is None and live[k] < cap - 1 and ready(first, "F"):
+                choice = ("F", first)
+            if choice is None and held[k]:
+                stage, i = held[k].pop(0)
+                out[k].append(Action("W", i, stage))
+                live[k] -= 1
+                continue
+            if choice is None:
+                continue  # idle this step
+            kind, stage = choice
+            i = nxt[(stage, kind)]
+            nxt[(stage, kind)] += 1
+            done[(stage, kind, i)] = t + 1
+            out[k].append(Action(kind, i, stage))  # type: ignore[arg-type]
+            if kind == "F":
+                live[k] += 1
+            else:
+                held[k].append((stage, i))
+        t += 1
+    return tuple(map(tuple, out))
 
 
 @dataclass(frozen=True)
@@ -386,7 +455,7 @@ def _peak(actions: object) -> int:
 def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
                   stages_per_rank: int | None = None) -> Schedule:
     """The named schedule (see module doc) for ``num_stages`` × ``num_microbatches``;
-    ``stages_per_rank``: 1 by default, 2 for interleaved-1f1b."""
+    ``stages_per_rank``: 1 by default, 2 for interleaved-1f1b (2 or more) and zbv (2)."""
     if name not in ALL_SCHEDULES:
         raise ValueError(f"name: unknown schedule {name!r}; choose one of {ALL_SCHEDULES}")
     p = check_positive_int("num_stages", num_stages)
@@ -405,9 +474,16 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
                              f"of the number of ranks ({ranks}); {m} is not a multiple")
         return Schedule(name, p, m, tuple(_interleaved_actions(ranks, v, m, r)
                                           for r in range(ranks)), v, "loop")
+    if name == "zbv":
+        if stages_per_rank not in (None, 2):
+            raise ValueError(f"stages_per_rank: zbv runs two stages per rank (a V), got "
+                             f"{stages_per_rank}")
+        if p % 2:
+            raise ValueError(f"num_stages: zbv places two stages per rank in a V; {p} is odd")
+        return Schedule(name, p, m, _zbv_actions(p // 2, m), 2, "v")
     if stages_per_rank not in (None, 1):
         raise ValueError(f"stages_per_rank: {name} runs one stage per rank, got "
-                         f"{stages_per_rank} (interleaved-1f1b runs several)")
+                         f"{stages_per_rank} (interleaved-1f1b and zbv run several)")
     if name == "zb-h1":
         return Schedule(name, p, m, tuple(_zb_h1_actions(p, m, s) for s in range(p)))
     actions = tuple(_stage_actions(warmup(name, p, m, s), m) for s in range(p))

@@ -310,6 +310,28 @@ def test_interleaved_1f1b_places_stage_s_on_rank_s_mod_ranks_and_peaks_at_its_wa
                         m * v, interleaved_warmup(ranks, v, m, r) + 1)
 
 
+def test_zbv_places_a_v_keeps_1f1b_peak_memory_and_cuts_zb_h1s_bubble():
+    # 2r half-size stages on r ranks: the same model as 1f1b's r stages.
+    for ranks in range(1, 9):
+        for m in M_RANGE:
+            zbv = make_schedule("zbv", 2 * ranks, m)
+            assert (zbv.num_ranks, zbv.stages_per_rank, zbv.placement) == (ranks, 2, "v")
+            for r in range(ranks):
+                assert zbv.stages_of(r) == (r, 2 * ranks - 1 - r)
+                assert {a.stage for a in zbv.actions[r]} == {r, 2 * ranks - 1 - r}
+                assert zbv.peak_rank_activations(r) <= min(2 * m, 2 * ranks)
+            assert max(map(zbv.peak_rank_activations, range(ranks))) == min(2 * m, 2 * ranks)
+            assert len(dependency_order(zbv)) == 3 * m * 2 * ranks  # no deadlock
+            bubble = compute_only_time(zbv, UNIT)[0] - 6 * m  # half stages: F = I = W = 1
+            zb = compute_only_time(make_schedule("zb-h1", ranks, m),
+                                   {"F": 2.0, "I": 2.0, "W": 2.0})[0] - 6 * m
+            one = compute_only_time(make_schedule("1f1b", ranks, m),
+                                    {"F": 2.0, "B": 4.0})[0] - 6 * m
+            assert bubble <= zb <= one, (ranks, m)
+            if m >= ranks:
+                assert bubble <= ranks + 3 and (ranks == 1 or bubble <= 0.8 * zb), (ranks, m)
+
+
 def test_interleaving_shrinks_the_bubble_of_1f1b():
     # 4 ranks, 8 stages of half the work each against 4 stages of 1f1b.
     inter = compute_only_time(make_schedule("interleaved-1f1b", 8, 8),
@@ -324,6 +346,8 @@ def test_interleaving_shrinks_the_bubble_of_1f1b():
     (("interleaved-1f1b", 9, 3), {"stages_per_rank": 2}, "num_stages: 9 stages"),
     (("1f1b", 4, 4), {"stages_per_rank": 2}, "stages_per_rank: 1f1b runs one stage"),
     (("zbv-unknown", 4, 4), {}, "unknown schedule"),
+    (("zbv", 5, 4), {}, "num_stages: zbv .* 5 is odd"),
+    (("zbv", 8, 4), {"stages_per_rank": 4}, "stages_per_rank: zbv runs two"),
 ])
 def test_make_schedule_refuses_what_a_schedule_cannot_do(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -354,7 +378,8 @@ def test_text_json_and_torch_csv_round_trip(name):
         sched = make_schedule(name, p, m)
         assert Schedule.from_json(sched.to_json()) == sched
         back = Schedule.from_text(sched.to_text(), name,
-                                  stages_per_rank=sched.stages_per_rank)
+                                  stages_per_rank=sched.stages_per_rank,
+                                  placement=sched.placement)
         assert back.actions == sched.actions
         csv = Schedule.from_torch_csv(sched.to_torch_csv(), name)
         assert csv.to_torch_csv() == sched.to_torch_csv()

@@ -22,7 +22,7 @@ from scheduler.schedules import (  # noqa: E402
 
 def _sizes(name):
     for ranks in (1, 2, 3, 4):
-        v = 2 if name == "interleaved-1f1b" else 1
+        v = 2 if name in ("interleaved-1f1b", "zbv") else 1
         for m in range(1, 9):
             if name == "interleaved-1f1b" and m % ranks:
                 continue
@@ -85,3 +85,8 @@ def test_torchs_own_schedules_read_back_as_ours(cls, v_shape, ranks, m):
     assert len(dependency_order(sched)) == sum(map(len, sched.actions))  # no deadlock
     makespan, bubble = compute_only_time(sched, {"F": 1.0, "I": 1.0, "W": 1.0})
     assert makespan >= 3 * m * 2 and 0 <= bubble < 1  # a rank computes 2 stages × m × 3
+    if cls is ts.ScheduleZBVZeroBubble:  # ours: as short, within 2 units, at the same peak
+        ours = make_schedule("zbv", 2 * ranks, m)
+        assert compute_only_time(ours, {"F": 1.0, "I": 1.0, "W": 1.0})[0] <= makespan + 2
+        assert max(map(ours.peak_rank_activations, range(ranks))) <= max(
+            map(sched.peak_rank_activations, range(ranks)))
