@@ -578,3 +578,23 @@ def test_a_transfer_span_starts_when_its_last_participant_arrived():
             starts.setdefault(span.op, set()).add(span.start)
     assert len(starts) == 2 * 3 * 4  # every boundary, both ways, every microbatch
     assert all(len(s) == 1 for s in starts.values()), starts
+
+
+def test_a_schedule_by_name_is_made_once_per_size(monkeypatch):
+    # Making and checking a schedule is ~0.06 s at 64 stages × 256 microbatches: a step by
+    # name must not pay it every call.
+    import overlap.runtime as runtime_module
+
+    made = []
+    real = runtime_module.make_schedule
+    monkeypatch.setattr(runtime_module, "make_schedule",
+                        lambda *a, **k: made.append(a) or real(*a, **k))
+    runtime_module._named_schedule.cache_clear()
+    toy = ToyMLP()
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        for _ in range(3):
+            _step(rt, toy, toy.microbatches(3), schedule="1f1b")
+        _step(rt, toy, toy.microbatches(4), schedule="1f1b")
+    assert made == [("1f1b", 4, 3), ("1f1b", 4, 4)]
+    with pytest.raises(ValueError, match="unknown schedule"):
+        runtime_module._schedule("nope", 4, 3)
