@@ -514,15 +514,17 @@ class Runtime:
         # got there first was waiting for its producer (a bubble, not communication), as the
         # simulator's transfers start when sender and receivers are ready. Each participant's
         # span starts at the latest arrival this process saw.
+        # (Only this process's participants are seen: across processes a transfer's spans
+        # start where this process's part of it did.)
+        timed = [(r, sec(r.start), sec(r.end)) for r in records]
         arrived: dict[int, float] = {}
-        for r in records:
+        for r, start, _ in timed:
             if isinstance(graph.ops[r.op].body, TransferOp):
-                arrived[r.op] = max(arrived.get(r.op, -math.inf), sec(r.start))
+                arrived[r.op] = max(arrived.get(r.op, -math.inf), start)
         spans = []
-        for r in records:
+        for r, start, end in timed:
             name, stage, mb, kind = span_meta(graph.ops[r.op].body)
-            end = sec(r.end)
-            start = min(end, max(sec(r.start), arrived.get(r.op, -math.inf)))
+            start = min(end, max(start, arrived.get(r.op, -math.inf)))
             spans.append(Span(r.device, r.stream, name, start, end, stage, mb, kind, r.op))
         spans.sort(key=lambda s: (s.device, s.start))
         # A process of a multi-process job measured its own devices only.

@@ -501,3 +501,89 @@ def test_a_step_lets_go_of_its_buffers_when_it_returns():
                            schedule="1f1b")
         assert len(seen) == 4 * 6 + 3 * 6
         assert [r for r in seen if r() is not None] == []
+
+
+def test_a_stage_collective_leaves_its_computes_span_alone():
+    # A compute's own all_reduce runs a loopback copy with its own start and end events;
+    # only a transfer op's span is its copy's (review, 2026-11-30: F measured 0.04 ms).
+    cluster = Cluster(1, 2, nic_gbps=400.0)
+    mesh = DeviceMesh([[0, 1]], ("host", "gpu"))
+
+    def fwd(ctx, x):
+        time.sleep(0.02)  # the op lasts at least this long, whatever the machine's load
+        return ctx.all_reduce(x.sum().reshape(1))[0] * 0
+
+    from overlap import Stage
+
+    mbs = [fake_cupy.ones((4, 2), np.float32)]
+    with Runtime(cluster, backend="cuda") as rt:
+        rt.train_step_sync([Stage(mesh, fwd, lambda ctx, dy: None)], [], mbs,
+                           input_sharding=Sharding(mesh, P()))
+        spans = [s for s in rt.timeline().spans if s.kind == "F"]
+    assert len(spans) == 2 and all(s.end - s.start >= 0.02 for s in spans)
+
+
+def test_a_loopback_across_two_gpus_times_its_copy_on_the_gpu_that_ran_it(monkeypatch):
+    # Devices 0, 1, 2 on 2 GPUs (0, 1, 0): not all distinct, so a loopback on the last
+    # arriver's stream; every participant's span must name that stream's GPU.
+    monkeypatch.setattr(fake_cupy, "DEVICES", 2)
+    monkeypatch.setattr(fake_cupy.runtime, "memcpyPeerAsync", lambda *a: None)
+    cluster = Cluster(1, 3, nic_gbps=400.0)
+    mesh = DeviceMesh([[0, 1, 2]], ("host", "gpu"))
+    src, dst = Sharding(DeviceMesh([[0]], ("host", "gpu")), P()), Sharding(mesh, P())
+    plan = plan_resharding((4,), "float32", src, dst, cluster)
+    from overlap.backends.cuda import CudaBackend
+
+    seen = []
+    real = CudaBackend._finish
+
+    def finish(self, landed):
+        real(self, landed)
+        span = self._local.stream.data_span
+        if span is not None:
+            seen.append([(gpu, ev.device_id) for gpu, ev in span])
+
+    monkeypatch.setattr(CudaBackend, "_finish", finish)
+    with Runtime(cluster, backend="cuda") as rt:
+        rt.backend.start_trace()
+        rt.reshard_sync(plan, {0: fake_cupy.arange(4, dtype=np.float32)})
+    assert seen and all(gpu == dev for pairs in seen for gpu, dev in pairs)
+
+
+def test_waits_stuck_on_endless_kernels_never_starve_later_ones():
+    # Waiter threads stuck in synchronize() (kernels that never end) once left later waits
+    # queued behind them, failing with DeviceTimeout on events that had completed.
+    import asyncio
+    import threading
+
+    from overlap.backends.cuda import CudaEvent
+    from overlap.backends.cuda_waiters import WAITER_THREADS
+
+    gate = threading.Event()
+
+    class Endless:
+        done = False
+
+        def synchronize(self):
+            gate.wait()
+
+    backend = type("B", (), {"timeout": 0.3, "abort_reason": None})()
+
+    async def wait(cuda_event):
+        ev = CudaEvent("x", backend)
+        ev.cuda_event = cuda_event
+        ev._complete()
+        await ev.wait()
+
+    async def main():
+        for _ in range(WAITER_THREADS + 1):
+            with pytest.raises(DeviceTimeout):
+                await wait(Endless())
+        soon = fake_cupy.Event(block=True)
+        soon.record(fake_cupy.cuda.Stream())
+        await wait(soon)  # completes 1 ms after its record: no DeviceTimeout
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()

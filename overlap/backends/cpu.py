@@ -245,7 +245,9 @@ class CpuStream:
                 finally:
                     range_end(rng)
                 if trace is not None:
-                    start, end = self.data_span or (t0, self._mark())
+                    # (A compute's own collectives set it too: its span stays the op's.)
+                    span = self.data_span if category == "comm" else None
+                    start, end = span or (t0, self._mark())
                     trace.append(TraceRecord(op, self.device, self.name, start, end))
         except BaseException as exc:
             if self.lost is not None:

@@ -99,8 +99,8 @@ class CudaEvent(CpuEvent):
 
     async def wait(self) -> None:
         """Until the GPU passes the event — bounded: after a device fault the event may never
-        complete, so a wait longer than the backend's ``timeout`` since the launch (or an
-        abort) raises, naming the event. A waiter thread sleeps in ``synchronize()`` and
+        complete, so a wait longer than the backend's ``timeout`` (from the call) or an abort
+        raises, naming the event. A waiter thread sleeps in ``synchronize()`` and
         wakes the loop (see ``cuda_waiters``); abort and timeout are checked every
         ``ABORT_CHECK_S`` meanwhile."""
         await super().wait()  # launched (or failed)
@@ -117,6 +117,8 @@ class CudaEvent(CpuEvent):
             while True:
                 left = deadline - time.perf_counter()
                 await asyncio.wait((done,), timeout=max(0.0, min(ABORT_CHECK_S, left)))
+                if not done.done() and ev.done:  # (waiter threads may all be stuck elsewhere)
+                    return
                 if done.done():
                     if done.exception() is not None:  # CUDA's sticky error, from synchronize
                         raise DeviceFault(f"the device failed before reaching {self.label}: "
@@ -333,24 +335,25 @@ class CudaBackend(CpuBackend):
         ev.record(stream.cuda_stream)
         return ev
 
-    def _finish(self, landed: tuple[Any, Any]) -> None:
+    def _finish(self, landed: tuple[Any, Any, int]) -> None:
         """The calling participant's stream waits for the collective's device work. When a
         trace is recorded, the op's span is that work's own (its start and end events):
         this participant's stream reached the op earlier (nothing moved until the last
         participant's host thread arrived) and may record its end mark later (a busy host)."""
-        done, start = landed
+        done, start, gpu = landed
         stream = self._local.stream
         stream.cuda_stream.wait_event(done)
-        if start is not None:
-            stream.data_span = ((stream.gpu, start), (stream.gpu, done))
+        if start is not None:  # (the events are the last arriver's GPU's, maybe not ours)
+            stream.data_span = ((gpu, start), (gpu, done))
 
     def _loopback(self, arrivals: dict[int, tuple[Any, Any]],
-                  work: Callable[[dict[int, Any]], None]) -> tuple[Any, Any]:
+                  work: Callable[[dict[int, Any]], None]) -> tuple[Any, Any, int]:
         """Run ``work`` on the last arriver's stream after every participant's ready event;
-        return the event that marks it done (participants then wait for it) and, when a
-        trace is recorded, the one that marks its start (else None)."""
+        return the event that marks it done (participants then wait for it), when a trace
+        is recorded the one that marks its start (else None), and their GPU."""
         cp = self.xp
-        stream = self._local.stream.cuda_stream
+        me = self._local.stream
+        stream = me.cuda_stream
         for ev, _ in arrivals.values():
             stream.wait_event(ev)
         timed = self.trace is not None  # timing events cost: only for a trace
@@ -361,7 +364,7 @@ class CudaBackend(CpuBackend):
         done = cp.cuda.Event(disable_timing=not timed)
         done.record(stream)
         self._keep(done, *(p for _, p in arrivals.values()))
-        return done, start
+        return done, start, me.gpu
 
     def _copy(self, dst: Any, src: Any) -> None:
         """dst[...] = src on the current stream, across GPUs if need be (peer copy)."""

@@ -24,29 +24,35 @@ import threading
 from typing import Any
 
 WAITER_THREADS = 4  # several: one event that completes late does not delay the others'
+MAX_WAITER_THREADS = 64  # spares, started while every thread is busy (stuck kernels)
 
 
 class EventWaiters:
     """``watch(event, loop, future)``: ``future`` gets ``None`` (or the exception
-    ``event.synchronize()`` raised, e.g. a device fault) once the GPU has passed ``event``."""
+    ``event.synchronize()`` raised, e.g. a device fault) once the GPU has passed ``event``.
+
+    ``threads`` wait at once; when every one is busy — stuck behind kernels that never end,
+    say — a job starts one more (up to ``MAX_WAITER_THREADS``), so one stuck wait never
+    delays another's answer. (The awaiting side also looks at ``event.done`` itself.)"""
 
     def __init__(self, threads: int = WAITER_THREADS) -> None:
         self._jobs: queue.SimpleQueue[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future]] = (
             queue.SimpleQueue())
         self._threads = threads
         self._started = 0
+        self._idle = 0
         self._lock = threading.Lock()
 
     def watch(self, event: Any, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
-        self._start()
-        self._jobs.put((event, loop, future))
-
-    def _start(self) -> None:
         with self._lock:  # started on first use: importing overlap starts no thread
-            while self._started < self._threads:
+            want = self._threads if self._started < self._threads else self._started + 1
+            if self._idle == 0 and self._started < min(want, MAX_WAITER_THREADS):
                 self._started += 1
+                self._idle += 1
                 threading.Thread(target=self._serve, name=f"cuda-event-waiter-{self._started}",
                                  daemon=True).start()
+            self._idle -= 1  # (a thread takes this job; negative: jobs are queued)
+        self._jobs.put((event, loop, future))
 
     def _serve(self) -> None:
         while True:
@@ -58,6 +64,8 @@ class EventWaiters:
                 error = exc
             with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: nobody waits
                 loop.call_soon_threadsafe(_settle, future, error)
+            with self._lock:
+                self._idle += 1
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
