@@ -19,8 +19,9 @@ gradient needs) and ``backward_weight(ctx) -> None`` accumulates the parameter g
 full backward ``B`` of such a stage calls one, then the other.
 
 ``ctx`` (:class:`StageContext`) names the device, stage, microbatch and mesh, carries
-``ctx.saved`` — a dict shared by the F and B of the same (device, microbatch) — and offers mesh
-collectives (``ctx.all_reduce``, ``ctx.all_gather``) that run on the device's compute stream.
+``ctx.saved`` — a dict shared by the F and B of the same (stage, device, microbatch) — and
+offers mesh collectives (``ctx.all_reduce``, ``ctx.all_gather``) that run on the device's
+compute stream.
 
 The runtime lowers the schedule to its step graph (``scheduler.lower``) and launches every
 op of it at once through the one launcher (:mod:`overlap.launch`; the host never waits on a
@@ -131,12 +132,12 @@ Slot = tuple[Channel, int, int]  # (channel, microbatch, device): one device's b
 @dataclass
 class StepState:
     """Buffers of one step: per (channel, microbatch, device) what a device sends and what
-    it receives; the losses; the (device, microbatch) dicts F and B share."""
+    it receives; the losses; the (stage, device, microbatch) dicts F and B share."""
 
     sends: dict[Slot, np.ndarray] = field(default_factory=dict)
     recvs: dict[Slot, np.ndarray] = field(default_factory=dict)
     losses: dict[int, Any] = field(default_factory=dict)  # as returned (may live on a GPU)
-    saved: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    saved: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
 
 
 def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
@@ -238,9 +239,9 @@ class _Binder:
                 key = (what, i, d)
                 self._users[key] -= 1
                 last = self._users[key] == 0
-                if what == "saved":
+                if not isinstance(what, Channel):  # ("saved", stage)
                     if last:
-                        held += state.saved.pop((d, i), {}).values()
+                        held += state.saved.pop((what[1], d, i), {}).values()  # type: ignore[index]
                     continue
                 slot = (what, i, d)
                 table: dict[Slot, Any]
@@ -287,8 +288,8 @@ class _Binder:
         what = f"stage {s} {PHASES[c.kind]} (mb {i}, device {d})"
 
         def body() -> None:
-            ctx = StageContext(d, s, i, c.kind, stage.mesh, state.saved.setdefault((d, i), {}),
-                               self.backend)
+            ctx = StageContext(d, s, i, c.kind, stage.mesh,
+                               state.saved.setdefault((s, d, i), {}), self.backend)
             # The input: what the channel brought this device (its buffer is made here when
             # its region is empty: nothing arrives), or stage 0's own copy of the microbatch.
             x = None if into is None else self._buffers_of(into, i)[4][d]

@@ -114,12 +114,13 @@ def output_channel(stage: int, kind: str, p: int) -> Channel | None:
 def buffers_used(body: Compute | TransferOp, p: int) -> tuple[tuple[object, int], ...]:
     """The per-device step buffers an op uses on each of its devices, as (what, microbatch):
     ``(channel, i)`` — what the channel brings to or takes from the device for microbatch i —
-    and, for a compute, ``("saved", i)`` — the dict its stage's F and B of i share. A
-    standalone resharding's transfers (no channel) use the caller's buffers: none."""
+    and, for a compute of stage s, ``(("saved", s), i)`` — the dict that stage's F and B of i
+    share (a device may run several stages). A standalone resharding's transfers (no
+    channel) use the caller's buffers: none."""
     if isinstance(body, TransferOp):
         return () if body.channel is None else ((body.channel, body.microbatch),)
     i = body.microbatch
-    keys: list[tuple[object, int]] = [("saved", i)]
+    keys: list[tuple[object, int]] = [(("saved", body.stage), i)]
     keys += [(ch, i) for ch in (input_channel(body.stage, body.kind, p),
                                 output_channel(body.stage, body.kind, p)) if ch is not None]
     return tuple(keys)

@@ -159,6 +159,32 @@ def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
     return StepGraph(tuple(ops), lanes_of(ops), stages, schedule, plans)
 
 
+def _check_meshes(stages: tuple[DeviceMesh, ...], schedule: Schedule, cluster: Cluster) -> None:
+    """The stages of one rank (the schedule's placement) share that rank's mesh; stages of
+    different ranks share no device (one compute stream per device runs its rank's list)."""
+    rank_mesh: dict[int, tuple[int, DeviceMesh]] = {}  # rank -> (its first stage, mesh)
+    owner: dict[int, tuple[int, int]] = {}  # device -> (rank, first stage on it)
+    for s, mesh in enumerate(stages):
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"stages[{s}]: expected a DeviceMesh, got {type(mesh).__name__}")
+        r = schedule.rank_of(s)
+        first, want = rank_mesh.setdefault(r, (s, mesh))
+        if mesh != want:
+            raise ValueError(f"stages[{s}]: {schedule.name} runs stage {s} on rank {r} with "
+                             f"stage {first}, so it needs stage {first}'s mesh {want!r}, got "
+                             f"{mesh!r}")
+        for dev in mesh.device_ids:
+            if dev >= cluster.num_devices:
+                raise ClusterError(f"stages[{s}]: device {dev} is outside the cluster "
+                                   f"(devices 0..{cluster.num_devices - 1})")
+            other, t = owner.setdefault(dev, (r, s))
+            if other != r:
+                raise ValueError(f"stages: device {dev} is in stage {t} and stage {s}, which "
+                                 f"run on different ranks ({other} and {r}); meshes of "
+                                 "different ranks must be disjoint (one compute stream per "
+                                 "device)")
+
+
 def _check_inputs(stages, boundaries, schedule, cluster) -> None:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule: expected a Schedule, got {type(schedule).__name__}")
@@ -166,25 +192,10 @@ def _check_inputs(stages, boundaries, schedule, cluster) -> None:
         raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
     if not stages:
         raise ValueError("stages: need at least one stage mesh")
-    owner: dict[int, int] = {}
-    for s, mesh in enumerate(stages):
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"stages[{s}]: expected a DeviceMesh, got {type(mesh).__name__}")
-        for dev in mesh.device_ids:
-            if dev >= cluster.num_devices:
-                raise ClusterError(f"stages[{s}]: device {dev} is outside the cluster "
-                                   f"(devices 0..{cluster.num_devices - 1})")
-            if dev in owner:
-                raise ValueError(f"stages: device {dev} is in stage {owner[dev]} and stage {s}; "
-                                 "stage meshes must be disjoint (one compute stream per device)")
-            owner[dev] = s
-    if schedule.stages_per_rank != 1:
-        raise ValueError(f"schedule: {schedule.name} runs {schedule.stages_per_rank} stages per "
-                         "rank; the step graph lowers one stage per mesh so far (stage meshes "
-                         "are disjoint: one compute stream per device)")
     if schedule.num_stages != len(stages):
         raise ValueError(f"schedule: built for {schedule.num_stages} stages, but {len(stages)} "
                          "stage meshes were given")
+    _check_meshes(stages, schedule, cluster)
     if len(boundaries) != len(stages) - 1:
         raise ValueError(f"boundaries: {len(stages)} stages need {len(stages) - 1} boundaries, "
                          f"got {len(boundaries)}")

@@ -20,8 +20,8 @@ forward alternating, then the remaining backwards (``p`` stages, ``m`` microbatc
 
 Their peak number of live activations (F ran, B not yet) of stage ``s`` is exactly ``W(s)``.
 
-More (schedule values, checked and simulated compute-only here; the step graph lowers the
-three above so far):
+More, all lowered to the step graph and run by the runtime like the three above (a rank's
+stages share its mesh: the step graph runs the rank's list on its devices' compute streams):
 
 - ``zb-h1`` (Zero Bubble H1, Qi et al. 2024): ``1f1b``'s warm-up, the backward split into
   ``I`` and ``W``, and stage ``s`` holding back its first ``s`` ``W`` so that they fill the
@@ -53,7 +53,7 @@ from typing import Literal
 
 from .errors import check_positive_int, load_json
 
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")  # those the step graph lowers today
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")  # one stage per rank, full backward
 SPLIT_SCHEDULES = ("zb-h1", "interleaved-1f1b", "zbv")  # schedule values (see module doc)
 ALL_SCHEDULES = SCHEDULES + SPLIT_SCHEDULES
 PLACEMENTS = ("loop", "v")

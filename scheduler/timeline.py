@@ -179,16 +179,18 @@ class Timeline:
                               if s.stream != "compute"])
 
     def peak_activations(self, stage: int) -> int:
-        """Most microbatches with F done and B not yet, on the stage's first device."""
-        devs = [d for d in self.devices if self.stage_of[d] == stage]
-        if not devs:
+        """Most microbatches with F done and B (or W) not yet, on the stage's first device
+        (a device may run several stages: only this stage's computes count)."""
+        spans = [s for s in self.spans if s.stage == stage and s.stream == "compute"]
+        if not spans:
             raise ValueError(f"stage: no device runs stage {stage}")
+        first = min(s.device for s in spans)
         # Spans of one stream are kept in program order (ties in time keep their order).
-        ops = [s.kind == "B" for s in self.spans_of(devs[0]) if s.stream == "compute"]
         live = peak = 0
-        for is_b in ops:
-            live += -1 if is_b else 1
-            peak = max(peak, live)
+        for s in spans:
+            if s.device == first:
+                live += {"F": 1, "B": -1, "W": -1}.get(s.kind, 0)  # (I frees nothing)
+                peak = max(peak, live)
         return peak
 
     def summary(self) -> dict[str, float]:

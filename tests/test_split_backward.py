@@ -54,13 +54,6 @@ def test_a_split_schedule_needs_split_stages():
                            input_sharding=model.input_sharding(), schedule="zb-h1")
 
 
-def test_several_stages_per_rank_are_refused_by_the_lowering_for_now():
-    model = ToyMLP.build(CLUSTER, hidden=8, batch=4)
-    with pytest.raises(ValueError, match="runs 2 stages per rank"):
-        lower(model.meshes, model.boundaries(),
-              make_schedule("interleaved-1f1b", 4, 2, stages_per_rank=2), CLUSTER)
-
-
 def test_zb_h1_hides_the_gradient_transfer_under_the_weight_gradient_in_simulation():
     # A transfer about as long as a W: with zb-h1 the gradient travels while W computes.
     cluster = Cluster.preset("p3.8xlarge", 4)
