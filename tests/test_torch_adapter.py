@@ -87,6 +87,56 @@ def test_losses_and_gradients_match_plain_torch(schedule, m):
     _assert_grads(pipe, ref, atol=1e-12)
 
 
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_the_split_backward_matches_plain_torch(m):
+    # zb-h1: I computes the input's gradient with the graph kept, W the parameters' after.
+    pipe, ref = _pipe()
+    x, y = _batch(2 * m)
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        losses = pipe.train_step_sync(rt, x, y, num_microbatches=m, schedule="zb-h1")
+        kinds = {s.kind for s in rt.timeline().spans if s.stream == "compute"}
+    assert kinds == {"F", "I", "W"}
+    np.testing.assert_allclose(losses, _reference(ref, x, y, m), rtol=0, atol=1e-12)
+    _assert_grads(pipe, ref, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule, m", [("interleaved-1f1b", 4), ("interleaved-1f1b", 8),
+                                         ("zbv", 1), ("zbv", 3), ("zbv", 8)])
+def test_several_modules_per_rank_match_plain_torch(schedule, m):
+    # 8 stages on the 4 meshes: stage s on the mesh of the schedule's rank for it (loop for
+    # interleaved-1f1b, a V for zbv, which also splits the backward).
+    from scheduler import make_schedule
+
+    sched = make_schedule(schedule, 8, m)
+    widths = (6, 8, 5, 7, 6, 8, 5, 7, 4)
+    torch.manual_seed(3)
+    mods = [nn.Sequential(nn.Linear(widths[s], widths[s + 1]), nn.Tanh()).double()
+            for s in range(8)]
+    ref = nn.Sequential(*(copy.deepcopy(mod) for mod in mods))
+    meshes = [MESHES[sched.rank_of(s)] for s in range(8)]
+    pipe = TorchPipeline([replicate(mod, len(mesh.device_ids)) for mod, mesh in
+                          zip(mods, meshes)], meshes, nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2 * m, 6, generator=g, dtype=torch.float64)
+    y = torch.randn(2 * m, 4, generator=g, dtype=torch.float64)
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        losses = pipe.train_step_sync(rt, x, y, num_microbatches=m, schedule=sched)
+    np.testing.assert_allclose(losses, _reference(ref, x, y, m), rtol=0, atol=1e-12)
+    _assert_grads(pipe, ref, atol=1e-12)
+
+
+def test_a_shared_mesh_the_schedule_does_not_place_together_is_named():
+    pipe, _ = _pipe()
+    pipe2 = TorchPipeline([replicate(_stage(s, torch.float64), len(MESHES[s % 2].device_ids))
+                           for s in range(4)], [MESHES[s % 2] for s in range(4)],
+                          nn.functional.mse_loss)
+    x, y = _batch(4)
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt, pytest.raises(
+            ValueError, match="stage 0 and stage 2, which run on different ranks"):
+        pipe2.train_step_sync(rt, x, y, num_microbatches=2, schedule="1f1b")
+    assert pipe  # (the 4-mesh pipeline is unaffected)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_float32_sgd_steps_track_plain_torch(schedule):
     """Several optimizer steps with the user's own SGD and zero_grad, in float32."""
@@ -330,9 +380,9 @@ def _bad_construction(what: str):
         loss = None
     elif what == "meshes not a sequence":
         meshes = MESHES[0]
-    elif what == "overlapping meshes":
-        meshes[2] = MESHES[1]
-        mods[2] = replicate(_stage(2, torch.float64), 2)
+    elif what == "overlapping meshes":  # partly: device 4 of meshes[1]'s [4, 5]
+        meshes[2] = CLUSTER.mesh([1], gpus=1)
+        mods[2] = _stage(2, torch.float64)
     elif what == "mesh not a DeviceMesh":
         meshes[1] = [4, 5]
     elif what == "module split over devices":

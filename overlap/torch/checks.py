@@ -21,11 +21,13 @@ def check_meshes(meshes: Any) -> tuple[DeviceMesh, ...]:
     seen: dict[int, int] = {}
     for s, m in enumerate(meshes):
         for d in m.device_ids:
-            if d in seen:
-                # One module per device: two stages on one device would share its streams.
-                raise ValueError(f"meshes[{s}]: device {d} is already in meshes[{seen[d]}]; "
-                                 f"the adapter needs disjoint stage meshes")
-            seen[d] = s
+            t = seen.setdefault(d, s)
+            if t != s and meshes[t] != m:
+                # Stages of one rank share its mesh (a schedule with several stages per rank
+                # checks which); partly overlapping meshes belong to no placement.
+                raise ValueError(f"meshes[{s}]: device {d} is also in meshes[{t}], a "
+                                 f"different mesh; stage meshes are disjoint, or the same "
+                                 f"mesh for stages of one rank")
     return tuple(meshes)
 
 

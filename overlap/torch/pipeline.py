@@ -7,6 +7,13 @@ without a copy; the last stage applies ``loss_fn`` and returns the loss. Backwar
 and returns the input's ``.grad``. Parameter gradients therefore accumulate in ``.grad`` over
 the step's microbatches, exactly as repeated ``loss.backward()`` calls would, and the user's
 optimizer and ``zero_grad`` work unchanged.
+
+Schedules that split the backward (``zb-h1``, ``zbv``) get stages whose ``I`` computes only the
+input's gradient (``torch.autograd.grad``, keeping the graph) and whose ``W`` then
+accumulates the parameters' (``torch.autograd.backward(..., inputs=params)``), so the gradient
+leaves for the previous stage before the weight gradient is computed. Autograd walks the
+stage's graph twice for that, as torch's own split (without its hooks that keep the
+intermediate gradients) would.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from torch import nn
 from scheduler import Boundary, DeviceMesh, P, PlanOptions, Schedule, Sharding
 
 from ..pipeline import Stage, StageContext
-from ..runtime import Runtime
+from ..runtime import Runtime, _schedule
 from .checks import check_count, check_meshes, check_modules, module_device_dtype
 from .tensors import from_torch, numpy_dtype, op_stream, to_torch
 
@@ -42,7 +49,8 @@ class TorchPipeline:
             modules, one per device of the stage's mesh in ``mesh.device_ids`` order. Each
             device needs its own module object (replicas: ``copy.deepcopy``), identical
             at the start; the stage's output must be one tensor.
-        meshes: each stage's device mesh (disjoint).
+        meshes: each stage's device mesh: disjoint, except that stages of one rank of a
+            schedule with several stages per rank (``interleaved-1f1b``, ``zbv``) share it.
         loss_fn: ``loss_fn(output, target)`` (or ``loss_fn(output)`` when a step gets no
             targets) on the last stage's output; returns the microbatch's scalar loss.
 
@@ -69,6 +77,10 @@ class TorchPipeline:
         self.stages: tuple[Stage, ...] = tuple(
             Stage(mesh, self._forward(s), self._backward(s)) for s, mesh in enumerate(self.meshes)
         )
+        # For schedules with I and W: the same forwards, the backward in two.
+        self.split_stages: tuple[Stage, ...] = tuple(
+            Stage(mesh, self._forward(s), self._backward_input(s), self._backward_weight(s))
+            for s, mesh in enumerate(self.meshes))
         self._targets: list[torch.Tensor] | None = None
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
         self._boundaries: dict[Any, tuple[Boundary, ...]] = {}
@@ -97,11 +109,13 @@ class TorchPipeline:
         after a failed step they hold a partial sum — zero them before the next one.
         """
         mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches)
+        split = bool(_schedule(schedule, len(self.meshes), len(mbs)).kinds & {"I", "W"})
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("TorchPipeline: a step is already running on this pipeline")
         self._targets = tgts
         try:
-            return await rt.train_step(self.stages, boundaries, mbs,
+            return await rt.train_step(self.split_stages if split else self.stages, boundaries,
+                                       mbs,
                                        input_sharding=self.input_sharding, schedule=schedule,
                                        options=options)
         finally:
@@ -272,6 +286,37 @@ class TorchPipeline:
                 dx = xt.grad if xt.grad is not None else torch.zeros_like(xt)
                 return from_torch(dx, ctx)
         return backward
+
+
+    def _backward_input(self, s: int) -> Callable[[StageContext, Any], Any]:
+        """``I``: the input's gradient only; the graph and the incoming gradient are kept
+        for ``W`` (stage 0's input needs none: its ``I`` leaves everything to ``W``)."""
+        def backward_input(ctx: StageContext, dy: Any) -> Any:
+            xt, out = ctx.saved["x"], ctx.saved["out"]
+            with op_stream(ctx):
+                grad = None if dy is None else to_torch(dy, ctx)
+                ctx.saved["grad"] = grad
+                if s == 0:
+                    return None
+                dx = None
+                if out.requires_grad:
+                    dx, = torch.autograd.grad(out, (xt,), grad, retain_graph=True,
+                                              allow_unused=True)
+                return from_torch(dx if dx is not None else torch.zeros_like(xt), ctx)
+        return backward_input
+
+    def _backward_weight(self, s: int) -> Callable[[StageContext], None]:
+        """``W``: the parameters' gradients, added to their ``.grad``; frees the graph."""
+        modules = self._by_device[s]
+
+        def backward_weight(ctx: StageContext) -> None:
+            out, grad = ctx.saved.pop("out"), ctx.saved.pop("grad")
+            ctx.saved.pop("x")
+            params = [p for p in modules[ctx.device].parameters() if p.requires_grad]
+            if params and out.requires_grad:
+                with op_stream(ctx):
+                    torch.autograd.backward(out, grad, inputs=params)
+        return backward_weight
 
 
 def replicate(module: nn.Module, n: int) -> list[nn.Module]:
