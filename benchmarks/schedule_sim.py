@@ -37,6 +37,7 @@ from scheduler import (
     PlanCache,
     PlanOptions,
     Sharding,
+    auto_schedule,
     estimate,
     lower,
     make_schedule,
@@ -144,6 +145,41 @@ def run_setup(setup: Setup) -> tuple[str, bool]:
     return "\n".join(lines), ok or not applies
 
 
+def schedule_strategy_table(setup: Setup) -> str:
+    """Each schedule × {send_recv, broadcast, signal}: iteration, bubble, exposed forward and
+    backward communication (shares of the iteration, mean over devices), peak activations
+    (largest stage). The split schedules take I = W = F (B = 2F); auto is chosen per
+    strategy (its signal row: broadcast's choice with latency-only transfers)."""
+    cluster, stages, boundaries = pipeline(setup)
+    costs = {"F": setup.fwd_s, "B": setup.bwd_s, "I": setup.fwd_s, "W": setup.fwd_s}
+    cache = PlanCache(cluster)
+    p, m = setup.stages, setup.microbatches
+    lines = [f"== {setup.name}: {p} stages × {m} microbatches; F {setup.fwd_s * 1e3:.1f} ms, "
+             f"I = W = F ==",
+             f"{'schedule':<28}{'strategy':<11}{'iteration s':>12}{'bubble':>8}"
+             f"{'exp. fwd':>10}{'exp. bwd':>10}{'peak act.':>10}{'/ signal':>10}"]
+    for name in ("1f1b", "eager-1f1b", "zb-h1", "auto"):
+        signal_t = None
+        for strategy in ("signal", "broadcast", "send_recv"):
+            options = PlanOptions(strategy="broadcast" if strategy == "signal" else strategy)
+            if name == "auto":
+                choice = auto_schedule(stages, boundaries, m, cluster, costs, options,
+                                       cache=cache)
+                sched, graph = choice.schedule, choice.graph
+            else:
+                sched = make_schedule(name, p, m)
+                graph = lower(stages, boundaries, sched, cluster, options, cache=cache)
+            tl = simulate(graph, cluster, costs, signal=strategy == "signal")
+            signal_t = signal_t or tl.iteration_time
+            label = sched.name if name == "auto" else name
+            peak = max(sched.peak_activations(s) for s in range(p))
+            lines.append(f"{label:<28}{strategy:<11}{tl.iteration_time:>12.3f}"
+                         f"{tl.bubble_fraction:>8.1%}{tl.exposed_fraction('fwd'):>10.2%}"
+                         f"{tl.exposed_fraction('bwd'):>10.2%}{peak:>10}"
+                         f"{tl.iteration_time / signal_t:>10.3f}")
+    return "\n".join(lines)
+
+
 def bare_loop(events: int, width: int) -> float:
     """Seconds for a bare ``heapq`` event loop: ``events`` times, pop the earliest (time,
     priority, count, payload) entry and push its successor, over a heap of ``width`` pending
@@ -231,6 +267,9 @@ def main() -> int:
     for setup in (gpt3_like(), u_transformer_like()):
         text, _ = run_setup(setup)
         print(text)
+        print()
+    for setup in (gpt3_like(), u_transformer_like()):
+        print(schedule_strategy_table(setup))
         print()
     print(sim_speed())
     return 0

@@ -8,6 +8,7 @@ and timelines. See DESIGN.md and docs/architecture.md.
 
 from __future__ import annotations
 
+from .auto import AutoChoice, auto_schedule
 from .balance import BALANCES
 from .cluster import Cluster
 from .cost import CostModel, estimate, lower_bound_for, paper_model_time, plan_report
@@ -44,6 +45,7 @@ __all__ = [
     "SCHEDULES",
     "STRATEGIES",
     "Action",
+    "AutoChoice",
     "Boundary",
     "Channel",
     "Cluster",
@@ -72,6 +74,7 @@ __all__ = [
     "Timeline",
     "Transfer",
     "TransferOp",
+    "auto_schedule",
     "compute_only_time",
     "estimate",
     "lower",

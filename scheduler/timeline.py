@@ -121,8 +121,9 @@ class Timeline:
         return dict(by_device)
 
     @cached_property
-    def _exposed(self) -> dict[int, float]:
-        return {d: _exposed_on(spans, self.inputs) for d, spans in self._by_device.items()}
+    def _exposed(self) -> dict[tuple[int, str | None], float]:
+        return {(d, direction): _exposed_on(spans, self.inputs, DIRECTIONS[direction])
+                for d, spans in self._by_device.items() for direction in DIRECTIONS}
 
     def spans_of(self, device: int) -> list[Span]:
         return self._by_device.get(device, [])
@@ -150,23 +151,32 @@ class Timeline:
             return 0.0
         return sum(1.0 - self.busy_fraction(d) for d in self.devices) / len(self.devices)
 
-    def exposed_comm(self, device: int) -> float:
-        """Seconds the device's compute stream sat waiting for a transfer still in flight.
+    def exposed_comm(self, device: int, direction: str | None = None) -> float:
+        """Seconds the device's compute stream sat waiting for a transfer still in flight;
+        ``direction`` ``"fwd"``: only before forwards (activations), ``"bwd"``: only before
+        backwards (gradients), None: both.
 
         For every compute that waits for transfers (its ``inputs``: the resharding that
         brings an F after stage 0 its activation, a B before the last stage its gradient),
         the idle gap before it on the compute stream, intersected with the time the device
         spent on those transfers. Measured and simulated timelines use the same definition.
         """
-        return self._exposed.get(device, 0.0)
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction: expected 'fwd', 'bwd' or None, got {direction!r}")
+        return self._exposed.get((device, direction), 0.0)
 
     @property
     def exposed_comm_fraction(self) -> float:
         """Mean over devices of exposed communication / iteration time."""
+        return self.exposed_fraction()
+
+    def exposed_fraction(self, direction: str | None = None) -> float:
+        """Mean over devices of exposed communication (of ``direction``, see
+        :meth:`exposed_comm`) / iteration time."""
         t = self.iteration_time
         if t <= 0 or not self.devices:
             return 0.0
-        return sum(self.exposed_comm(d) for d in self.devices) / len(self.devices) / t
+        return sum(self.exposed_comm(d, direction) for d in self.devices) / len(self.devices) / t
 
     def streams(self, device: int) -> tuple[str, ...]:
         """The device's streams in the timeline: "compute" first, then its comm channels."""
@@ -340,8 +350,16 @@ def save_png(plt: Any, fig: Any, path: str | Path) -> Path:
     return path
 
 
-def _exposed_on(spans: list[Span], inputs: Mapping[int, tuple[int, ...]]) -> float:
-    """See :meth:`Timeline.exposed_comm` (spans of one device, in program order per stream)."""
+# Which computes' waits count, per direction: a forward waits for activations, a backward
+# (or input gradient) for gradients.
+DIRECTIONS: dict[str | None, frozenset[str]] = {
+    None: frozenset("FBIW"), "fwd": frozenset("F"), "bwd": frozenset("BI")}
+
+
+def _exposed_on(spans: list[Span], inputs: Mapping[int, tuple[int, ...]],
+                kinds: frozenset[str] = DIRECTIONS[None]) -> float:
+    """See :meth:`Timeline.exposed_comm` (spans of one device, in program order per stream);
+    only the waits of computes of ``kinds`` count."""
     window: dict[int, tuple[float, float]] = {}
     for s in spans:
         if s.stream != "compute":
@@ -350,7 +368,7 @@ def _exposed_on(spans: list[Span], inputs: Mapping[int, tuple[int, ...]]) -> flo
                                                                max(w[1], s.end))
     exposed, prev_end = 0.0, 0.0
     for s in sorted((s for s in spans if s.stream == "compute"), key=lambda s: s.start):
-        ws = [window[j] for j in inputs.get(s.op, ()) if j in window]
+        ws = [window[j] for j in inputs.get(s.op, ()) if j in window] if s.kind in kinds else []
         if ws:
             start, end = min(w[0] for w in ws), max(w[1] for w in ws)
             exposed += max(0.0, min(s.start, end) - max(prev_end, start))
