@@ -38,6 +38,7 @@ from overlap.backends.cpu import CpuBackend
 from scheduler import (
     Cluster,
     Timeline,
+    auto_schedule,
     estimate,
     lower,
     make_schedule,
@@ -145,7 +146,7 @@ def toy_table(steps: int = 2) -> str:
     fwd = 2 * slowest
 
     def compute_time(stage: int, kind: str) -> float:
-        return fwd if kind == "F" else 2 * fwd
+        return 2 * fwd if kind == "B" else fwd  # (I = W = F: the split backward's halves)
 
     rng = np.random.default_rng(0)
     mbs = [rng.standard_normal((model.batch, model.hidden)) for _ in range(32)]
@@ -154,19 +155,27 @@ def toy_table(steps: int = 2) -> str:
              f"microbatches, boundary {model.batch}×{model.hidden} float64 ({mib:.2f} MiB), "
              f"slowest transfer {slowest * 1e3:.2f} ms, F {fwd * 1e3:.2f} ms, B "
              f"{2 * fwd * 1e3:.2f} ms (emulated) ==",
-             f"{'row':<12} {'measured ms':>12} {'/ signal':>9} {'simulated ms':>13} "
+             f"{'row':<26} {'measured ms':>12} {'/ signal':>9} {'simulated ms':>13} "
              f"{'measured/simulated':>19} {'per-op mean':>12} {'median':>7} {'exposed':>8}"]
     results = {}
     for label, schedule, links in (("signal", "eager-1f1b", "signal"), ("1f1b", "1f1b", True),
-                                   ("eager-1f1b", "eager-1f1b", True)):
-        graph = lower(model.meshes, model.boundaries(), make_schedule(schedule, 4, len(mbs)),
-                      cluster)
+                                   ("eager-1f1b", "eager-1f1b", True), ("zb-h1", "zb-h1", True),
+                                   ("auto", "auto", True)):
+        if schedule == "auto":
+            graph = auto_schedule(model.meshes, model.boundaries(), len(mbs), cluster,
+                                  compute_time).graph
+            label = f"auto: {graph.schedule.name}"  # type: ignore[union-attr]
+        else:
+            graph = lower(model.meshes, model.boundaries(),
+                          make_schedule(schedule, 4, len(mbs)), cluster)
+        split = "I" in graph.schedule.kinds  # type: ignore[union-attr]
         with Runtime(cluster, emulate_links=links, compute_time=compute_time) as rt:
             measured = []
             for _ in range(steps + 1):  # the first step starts the threads
                 model.zero_grad()
                 t0 = time.perf_counter()
-                rt.train_step_sync(model.stages(), model.boundaries(), mbs,
+                rt.train_step_sync(model.split_stages() if split else model.stages(),
+                                   model.boundaries(), mbs,
                                    input_sharding=model.input_sharding(), graph=graph)
                 measured.append(time.perf_counter() - t0)
             tl = rt.timeline()
@@ -175,7 +184,7 @@ def toy_table(steps: int = 2) -> str:
                           tl.exposed_comm_fraction, *per_op_error(tl, sim))
     signal = results["signal"][0]
     for label, (meas, sim, exposed, mean_err, median_err) in results.items():
-        lines.append(f"{label:<12} {meas * 1e3:>12.1f} {meas / signal:>9.3f} {sim * 1e3:>13.1f} "
+        lines.append(f"{label:<26} {meas * 1e3:>12.1f} {meas / signal:>9.3f} {sim * 1e3:>13.1f} "
                      f"{meas / sim:>19.3f} {mean_err:>12.1%} {median_err:>7.1%} {exposed:>8.1%}")
     eager = results["eager-1f1b"][0] / signal
     worst = max(abs(r[0] / r[1] - 1) for r in results.values())

@@ -41,6 +41,7 @@ from scheduler import (
     StepGraph,
     Timeline,
     TransferOp,
+    auto_schedule,
     lower,
     make_schedule,
     reshard_graph,
@@ -424,11 +425,13 @@ class Runtime:
         ``boundaries[s]`` is the activation stage ``s`` hands to ``s + 1`` (shape and dtype per
         microbatch, producer and consumer layouts); ``input_sharding`` is how stage 0 holds each
         microbatch. Stage functions accumulate parameter gradients themselves (see
-        :mod:`overlap.pipeline`). ``schedule``: a name of ``scheduler.SCHEDULES`` (default
-        ``"eager-1f1b"``) or a :class:`~scheduler.Schedule`; ``options``: how boundaries are
-        planned. The step graph is lowered off the event loop and cached per configuration;
-        or pass ``graph``, lowered by the caller (``scheduler.lower``: the very graph one
-        simulated), instead of ``schedule`` and ``options``.
+        :mod:`overlap.pipeline`). ``schedule``: a name of ``scheduler.ALL_SCHEDULES`` (default
+        ``"eager-1f1b"``), ``"auto"`` (:func:`scheduler.auto_schedule` with ``compute_time``
+        or the last step's measured compute times, chosen once per configuration), or a
+        :class:`~scheduler.Schedule`; ``options``: how boundaries are planned. The step graph
+        is lowered off the event loop and cached per configuration; or pass ``graph``,
+        lowered by the caller (``scheduler.lower``: the very graph one simulated), instead of
+        ``schedule`` and ``options``.
         """
         self._check_open()
         check_pipeline(stages, boundaries, input_sharding, microbatches, self._array_types())
@@ -474,6 +477,8 @@ class Runtime:
         """The step's graph and its digest: the caller's (checked), or lowered — and planned
         — in a worker thread (seconds of planning never block the event loop), cached."""
         meshes = tuple(st.mesh for st in stages)
+        if schedule == "auto" and graph is None:
+            return await self._auto_graph(stages, boundaries, num_microbatches, options)
         if graph is not None:
             if schedule is not None or options is not None:
                 raise ValueError("graph: give a step graph, or a schedule and options to "
@@ -500,6 +505,71 @@ class Runtime:
             hit = await asyncio.to_thread(make)
         self._remember(key, hit)
         return hit
+
+    async def _auto_graph(self, stages: Sequence[Stage], boundaries: Sequence[Boundary],
+                          num_microbatches: int, options: PlanOptions | None
+                          ) -> tuple[StepGraph, bytes]:
+        """``schedule="auto"``: :func:`scheduler.auto_schedule` over the step's stages with
+        the runtime's compute costs, chosen once per pipeline, microbatch count and options
+        (planned off the event loop, like a lowering), then reused."""
+        if options is not None and not isinstance(options, PlanOptions):
+            raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
+        meshes = tuple(st.mesh for st in stages)
+        key = ("auto", meshes, tuple(boundaries), num_microbatches, options or PlanOptions())
+        hit = self._memo.pop(key, None)
+        if hit is None:
+            costs = self._auto_costs(stages)
+
+            def make() -> tuple[StepGraph, bytes]:
+                choice = auto_schedule(meshes, boundaries, num_microbatches, self.cluster,
+                                       costs, key[4], cache=self.plans)
+                log.info("schedule 'auto' chose %s (%.3g s simulated)", choice.schedule.name,
+                         choice.seconds)
+                g = choice.graph
+                return g, (g.digest() if self.world.distributed else b"")
+
+            hit = await asyncio.to_thread(make)
+        self._remember(key, hit)
+        return hit
+
+    def _auto_costs(self, stages: Sequence[Stage]) -> Callable[[int, str], float]:
+        """Seconds per (stage, kind) for ``auto``: ``compute_time`` when given, else the last
+        step's measured means (one process only: processes measure different devices and
+        must choose alike). The backward is split only where every stage can and I/W costs
+        are known."""
+        split = all(st.backward_weight is not None for st in stages)
+        table: dict[tuple[int, str], float] | None = None
+        if self.compute_time is None:
+            table = self._measured_costs(tuple(st.mesh for st in stages))
+            if table is None:
+                raise ValueError(
+                    "schedule: 'auto' chooses from compute costs; give Runtime(compute_time="
+                    "...), or run a step of this pipeline with another schedule first (its "
+                    "measured times are used; one process only), or pass "
+                    "scheduler.auto_schedule(...).schedule")
+        fn = self.compute_time
+
+        def cost(stage: int, kind: str) -> float:
+            if kind in ("I", "W") and not split:
+                raise KeyError(kind)  # (auto_schedule then keeps the full backward)
+            return fn(stage, kind) if table is None else table[(stage, kind)]
+        return cost
+
+    def _measured_costs(self, meshes: tuple[DeviceMesh, ...]
+                        ) -> dict[tuple[int, str], float] | None:
+        if self.world.distributed or self._last_trace is None:
+            return None
+        if self._last_trace[1].stages != meshes:
+            return None
+        spans: dict[tuple[int, str], list[float]] = {}
+        for sp in self.timeline().spans:
+            if sp.stream == "compute":
+                spans.setdefault((sp.stage, sp.kind), []).append(sp.end - sp.start)
+        table = {key: sum(v) / len(v) for key, v in spans.items()}
+        for s in range(len(meshes)):
+            if (s, "B") not in table and (s, "I") in table:
+                table[(s, "B")] = table[(s, "I")] + table.get((s, "W"), 0.0)
+        return table
 
     def timeline(self) -> Timeline:
         """What the last :meth:`train_step` ran where and when (measured), as a Timeline —

@@ -66,3 +66,45 @@ def test_zb_h1_hides_the_gradient_transfer_under_the_weight_gradient_in_simulati
         results[name] = simulate(graph, cluster, costs)
     assert results["zb-h1"].iteration_time < results["1f1b"].iteration_time
     assert results["zb-h1"].bubble_fraction < results["1f1b"].bubble_fraction
+
+
+def test_schedule_auto_on_the_runtime_chooses_once_and_trains_like_numpy(monkeypatch):
+    import overlap.runtime as runtime_module
+
+    calls = []
+    real = runtime_module.auto_schedule
+    monkeypatch.setattr(runtime_module, "auto_schedule",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    model = ToyMLP.build(CLUSTER, hidden=8, batch=4)
+    mbs = _mbs(4)
+    times = {"F": 1e-3, "B": 2e-3, "I": 1e-3, "W": 1e-3}
+    with Runtime(CLUSTER, timeout=20, compute_time=lambda s, k: times[k]) as rt:
+        for _ in range(2):
+            model.zero_grad()
+            losses = rt.train_step_sync(model.split_stages(), model.boundaries(), mbs,
+                                        input_sharding=model.input_sharding(), schedule="auto")
+        chosen = rt.timeline()
+    assert len(calls) == 1  # chosen once, then reused
+    assert {s.kind for s in chosen.spans if s.stream == "compute"} <= {"F", "B", "I", "W"}
+    ref_losses, ref_grads = reference_step(model.full_weights, mbs)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-10)
+    model.check_against(model.full_weights, ref_grads)
+
+
+def test_schedule_auto_without_costs_uses_the_last_steps_or_says_what_it_needs():
+    model = ToyMLP.build(CLUSTER, hidden=8, batch=4)
+    mbs = _mbs(3)
+    with Runtime(CLUSTER, timeout=20) as rt:
+        with pytest.raises(ValueError, match="schedule: 'auto' chooses from compute costs"):
+            rt.train_step_sync(model.stages(), model.boundaries(), mbs,
+                               input_sharding=model.input_sharding(), schedule="auto")
+        rt.train_step_sync(model.stages(), model.boundaries(), mbs,
+                           input_sharding=model.input_sharding(), schedule="1f1b")
+        model.zero_grad()
+        losses = rt.train_step_sync(model.stages(), model.boundaries(), mbs,
+                                    input_sharding=model.input_sharding(), schedule="auto")
+        kinds = {s.kind for s in rt.timeline().spans if s.stream == "compute"}
+    assert kinds == {"F", "B"}  # no backward_weight: the backward stays whole
+    ref_losses, ref_grads = reference_step(model.full_weights, mbs)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-10)
+    model.check_against(model.full_weights, ref_grads)

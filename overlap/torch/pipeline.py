@@ -109,7 +109,9 @@ class TorchPipeline:
         after a failed step they hold a partial sum — zero them before the next one.
         """
         mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches)
-        split = bool(_schedule(schedule, len(self.meshes), len(mbs)).kinds & {"I", "W"})
+        # ("auto" gets the fused backward: it then chooses among unsplit schedules.)
+        split = schedule != "auto" and bool(
+            _schedule(schedule, len(self.meshes), len(mbs)).kinds & {"I", "W"})
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("TorchPipeline: a step is already running on this pipeline")
         self._targets = tgts
