@@ -9,8 +9,8 @@ boundaries (the simulator the runtime is checked against):
   ready backward (or input gradient) of its oldest microbatch, else a ready forward while it
   keeps fewer than its cap of microbatches, else a held-back weight gradient — so a weight
   gradient fills the time a gradient spends travelling, and a forward the time an activation
-  does. Caps from 1f1b's ``p − s`` up by ``k = 0 … p − 1`` more microbatches per stage
-  (1f1b's memory to eager-1f1b's), with and without the split backward.
+  does. Caps from 1f1b's ``p − s`` up by ``k = 0 … p + 1`` more microbatches per stage
+  (1f1b's memory to a little past eager-1f1b's), with and without the split backward.
 
 The fastest candidate that fits ``max_activations`` wins; among those within 0.5 % of it the
 one with the least activation memory (summed peaks). It is never slower in simulation than
@@ -146,7 +146,7 @@ def _candidates(p: int, m: int, duration: Callable[[int, str], float], fwd_s: li
         yield name, make_schedule(name, p, m)
     for use_split in (False, True) if split else (False,):
         seen = set()
-        for k in range(p):
+        for k in range(p + 2):  # (a little past eager-1f1b's: small p gains from it)
             want = [min(m, p - s + k) for s in range(p)]
             if caps is not None:
                 want = [min(w, c) for w, c in zip(want, caps)]
