@@ -621,12 +621,17 @@ def paper_model_time(plan: ReshardPlan, cluster: Cluster) -> float:
     every transfer earlier in the plan that shares a device with them is over.
     This is a yardstick to compare with the paper, not the project's cost model.
     """
+    return paper_model_transfers(plan.transfers, cluster)
+
+
+def paper_model_transfers(transfers: Sequence[Transfer], cluster: Cluster) -> float:
+    """:func:`paper_model_time` of a list of transfers (a plan's, or a candidate's)."""
     model = CostModel(cluster)
     nic_free: dict[int, float] = defaultdict(float)
     dev_free: dict[int, float] = defaultdict(float)
     ends: list[float] = []
     makespan = 0.0
-    for t in plan.transfers:
+    for t in transfers:
         not_before = max((ends[j] for j in t.after), default=0.0)
         hops = model.chain(t.sender, t.receivers)
         nics = {cluster.nic_of(h.src) for h in hops if h.network} | {
