@@ -44,6 +44,28 @@ def scale_row() -> str:
     return "\n".join(lines)
 
 
+def scale_table(hosts: tuple[int, ...] = (128, 256, 512, 1024)) -> str:
+    """broadcast + auto on the scale case at growing cluster sizes: planning time, transfers,
+    and the plan's ratio to the lower bound under both models (issue 16's table)."""
+    lines = [f"{'hosts (GPUs)':<14}{'plan s':>8}{'transfers':>11}{'cost model':>12}"
+             f"{'paper model':>13}{'estimate s':>12}"]
+    for n in hosts:
+        case = scale_case(n)
+        lb = lower_bound(case.shape, case.dtype, case.src, case.dst, case.cluster)
+        t0 = time.perf_counter()
+        plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
+                               PlanOptions(strategy="broadcast", balance="auto"))
+        secs = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        est = estimate(plan, case.cluster)
+        est_secs = time.perf_counter() - t1
+        lines.append(f"{f'{n} ({8 * n})':<14}{secs:>8.2f}{len(plan.transfers):>11}"
+                     f"{est / lb:>12.3f}{paper_model_time(plan, case.cluster) / lb:>13.3f}"
+                     f"{est_secs:>12.2f}")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def paper_table() -> list[CaseResult]:
     paper = [run_case(c) for c in paper_suite()]
     print("== paper suite (5 x p3.8xlarge, int32) ==")
@@ -72,7 +94,8 @@ def random_table(num_cases: int, seed: int) -> list[CaseResult]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", choices=("paper", "scale", "random", "all"), default="all")
+    ap.add_argument("--suite", choices=("paper", "scale", "scale-table", "random", "all"),
+                    default="all")
     ap.add_argument("--random", type=int, default=48, help="random cases")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -85,6 +108,9 @@ def main() -> int:
     if args.suite in ("scale", "all"):
         print("\n== scale row ==")
         print(scale_row())
+    if args.suite == "scale-table":
+        print("== scale table: broadcast + auto, ratios to the lower bound ==")
+        scale_table()
     if args.suite in ("random", "all"):
         print()
         results += random_table(args.random, args.seed)

@@ -39,12 +39,15 @@ def paper_suite() -> list[Case]:
     return cases
 
 
-def scale_case() -> Case:
-    """128 DGX H100 hosts: (64, 8) mesh -> (64, 8) mesh, fully sharded -> differently sharded."""
-    cluster = Cluster.preset("dgx-h100", 128)
-    src = Sharding(cluster.mesh(range(64)), ShardingSpec("host", "gpu", None))
-    dst = Sharding(cluster.mesh(range(64, 128)), ShardingSpec(("host", "gpu"), None, None))
-    return Case("scale dgx-h100 ×128", (8192, 8192, 64), "float32", src, dst, cluster)
+def scale_case(num_hosts: int = 128) -> Case:
+    """``num_hosts`` DGX H100 hosts (128 by default): the first half's (h/2, 8) mesh, fully
+    sharded, -> the second half's, differently sharded."""
+    half = num_hosts // 2
+    cluster = Cluster.preset("dgx-h100", num_hosts)
+    src = Sharding(cluster.mesh(range(half)), ShardingSpec("host", "gpu", None))
+    dst = Sharding(cluster.mesh(range(half, num_hosts)),
+                   ShardingSpec(("host", "gpu"), None, None))
+    return Case(f"scale dgx-h100 ×{num_hosts}", (8192, 8192, 64), "float32", src, dst, cluster)
 
 
 _SPEC_CHOICES: tuple[object, ...] = (None, "host", "gpu", ("host", "gpu"), ("gpu", "host"))
