@@ -46,6 +46,7 @@ from scheduler import (
     make_schedule,
     reshard_graph,
 )
+from scheduler.auto import check_caps
 from scheduler.errors import PlanError, check_seconds
 from scheduler.lowering import channels, plan_mismatch
 from scheduler.timeline import span_meta
@@ -419,6 +420,7 @@ class Runtime:
         schedule: str | Schedule | None = None,
         options: PlanOptions | None = None,
         graph: StepGraph | None = None,
+        max_activations: int | Sequence[int] | None = None,
     ) -> list[float]:
         """Run one training step (forward and backward of every microbatch); return the losses.
 
@@ -427,7 +429,8 @@ class Runtime:
         microbatch. Stage functions accumulate parameter gradients themselves (see
         :mod:`overlap.pipeline`). ``schedule``: a name of ``scheduler.ALL_SCHEDULES`` (default
         ``"eager-1f1b"``), ``"auto"`` (:func:`scheduler.auto_schedule` with ``compute_time``
-        or the last step's measured compute times, chosen once per configuration), or a
+        or the last step's measured compute times, chosen once per configuration, within
+        ``max_activations`` microbatches kept per stage when given), or a
         :class:`~scheduler.Schedule`; ``options``: how boundaries are planned. The step graph
         is lowered off the event loop and cached per configuration; or pass ``graph``,
         lowered by the caller (``scheduler.lower``: the very graph one simulated), instead of
@@ -435,8 +438,11 @@ class Runtime:
         """
         self._check_open()
         check_pipeline(stages, boundaries, input_sharding, microbatches, self._array_types())
+        if max_activations is not None and schedule != "auto":
+            raise ValueError("max_activations: only schedule='auto' chooses under a cap; a "
+                             "named schedule's peaks are fixed (Schedule.peak_activations)")
         graph, digest = await self._step_graph(stages, boundaries, len(microbatches), schedule,
-                                               options, graph)
+                                               options, graph, max_activations)
         await self._recovery.ready()
         check = (self._agree(digest, "train_step: the step graph")
                  if self.world.distributed else None)
@@ -472,13 +478,15 @@ class Runtime:
 
     async def _step_graph(self, stages: Sequence[Stage], boundaries: Sequence[Boundary],
                           num_microbatches: int, schedule: str | Schedule | None,
-                          options: PlanOptions | None, graph: StepGraph | None
+                          options: PlanOptions | None, graph: StepGraph | None,
+                          max_activations: int | Sequence[int] | None = None
                           ) -> tuple[StepGraph, bytes]:
         """The step's graph and its digest: the caller's (checked), or lowered — and planned
         — in a worker thread (seconds of planning never block the event loop), cached."""
         meshes = tuple(st.mesh for st in stages)
         if schedule == "auto" and graph is None:
-            return await self._auto_graph(stages, boundaries, num_microbatches, options)
+            return await self._auto_graph(stages, boundaries, num_microbatches, options,
+                                          max_activations)
         if graph is not None:
             if schedule is not None or options is not None:
                 raise ValueError("graph: give a step graph, or a schedule and options to "
@@ -507,7 +515,8 @@ class Runtime:
         return hit
 
     async def _auto_graph(self, stages: Sequence[Stage], boundaries: Sequence[Boundary],
-                          num_microbatches: int, options: PlanOptions | None
+                          num_microbatches: int, options: PlanOptions | None,
+                          max_activations: int | Sequence[int] | None
                           ) -> tuple[StepGraph, bytes]:
         """``schedule="auto"``: :func:`scheduler.auto_schedule` over the step's stages with
         the runtime's compute costs, chosen once per pipeline, microbatch count and options
@@ -515,14 +524,16 @@ class Runtime:
         if options is not None and not isinstance(options, PlanOptions):
             raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
         meshes = tuple(st.mesh for st in stages)
-        key = ("auto", meshes, tuple(boundaries), num_microbatches, options or PlanOptions())
+        cap = check_caps(max_activations, len(stages))  # bad caps named before any work
+        key = ("auto", meshes, tuple(boundaries), num_microbatches, options or PlanOptions(),
+               None if cap is None else tuple(cap))
         hit = self._memo.pop(key, None)
         if hit is None:
             costs = self._auto_costs(stages)
 
             def make() -> tuple[StepGraph, bytes]:
                 choice = auto_schedule(meshes, boundaries, num_microbatches, self.cluster,
-                                       costs, key[4], cache=self.plans)
+                                       costs, key[4], max_activations=cap, cache=self.plans)
                 log.info("schedule 'auto' chose %s (%.3g s simulated)", choice.schedule.name,
                          choice.seconds)
                 g = choice.graph

@@ -111,7 +111,7 @@ def auto_schedule(stages: Sequence[DeviceMesh], boundaries: Sequence[Boundary],
     between F and B per stage: one number for all, or one per stage); see module doc. The
     backward is split only when ``compute_costs`` gives ``I`` and ``W``."""
     p, m = len(stages), num_microbatches
-    caps = _caps(max_activations, p)
+    caps = check_caps(max_activations, p)
     cache = cache if cache is not None else PlanCache(cluster)
     options = options or PlanOptions()
     kinds = ["F", "B"]
@@ -168,9 +168,13 @@ def _has_split(costs: ComputeCosts, p: int) -> bool:
     return all(k in table or all((s, k) in table for s in range(p)) for k in ("I", "W"))
 
 
-def _caps(max_activations: int | Sequence[int] | None, p: int) -> list[int] | None:
+def check_caps(max_activations: int | Sequence[int] | None, p: int) -> list[int] | None:
+    """``max_activations`` checked, as one cap per stage (None: no cap)."""
     if max_activations is None:
         return None
+    if not isinstance(max_activations, (int, Sequence)) or isinstance(max_activations, str):
+        raise TypeError(f"max_activations: expected an int or one int per stage, got "
+                        f"{type(max_activations).__name__}")
     caps = ([max_activations] * p if isinstance(max_activations, int)
             else list(max_activations))
     if len(caps) != p:
@@ -184,4 +188,4 @@ def _caps(max_activations: int | Sequence[int] | None, p: int) -> list[int] | No
     return caps
 
 
-__all__ = ["AutoChoice", "auto_schedule", "comm_aware_actions"]
+__all__ = ["AutoChoice", "auto_schedule", "check_caps", "comm_aware_actions"]

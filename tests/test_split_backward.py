@@ -108,3 +108,36 @@ def test_schedule_auto_without_costs_uses_the_last_steps_or_says_what_it_needs()
     ref_losses, ref_grads = reference_step(model.full_weights, mbs)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-10)
     model.check_against(model.full_weights, ref_grads)
+
+
+def test_schedule_auto_on_the_runtime_keeps_within_max_activations():
+    model = ToyMLP.build(CLUSTER, hidden=8, batch=4)
+    mbs = _mbs(6)
+    times = {"F": 1e-3, "B": 2e-3, "I": 1e-3, "W": 1e-3}
+    with Runtime(CLUSTER, timeout=20, compute_time=lambda s, k: times[k]) as rt:
+        losses = rt.train_step_sync(model.split_stages(), model.boundaries(), mbs,
+                                    input_sharding=model.input_sharding(), schedule="auto",
+                                    max_activations=2)
+        tl = rt.timeline()
+    assert max(tl.peak_activations(s) for s in range(4)) <= 2
+    ref_losses, ref_grads = reference_step(model.full_weights, mbs)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-10)
+    model.check_against(model.full_weights, ref_grads)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"schedule": "1f1b", "max_activations": 2}, ValueError, "max_activations: only schedule"),
+    ({"schedule": "auto", "max_activations": 0}, ValueError, "stage 0 allows 0"),
+    ({"schedule": "auto", "max_activations": [2, 2]}, ValueError, "2 caps for 4 stages"),
+    ({"schedule": "auto", "max_activations": 2.5}, TypeError, "max_activations: expected"),
+])
+def test_a_bad_max_activations_is_named_before_any_work(kwargs, exc, match):
+    model = ToyMLP.build(CLUSTER, hidden=8, batch=4)
+    ran = []
+    stages = [type(st)(st.mesh, lambda ctx, x, f=st.forward: ran.append(1) or f(ctx, x),
+                       st.backward, st.backward_weight) for st in model.split_stages()]
+    with Runtime(CLUSTER, timeout=20, compute_time=lambda s, k: 1e-3) as rt, \
+            pytest.raises(exc, match=match):
+        rt.train_step_sync(stages, model.boundaries(), _mbs(3),
+                           input_sharding=model.input_sharding(), **kwargs)
+    assert ran == []

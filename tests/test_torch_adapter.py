@@ -125,6 +125,21 @@ def test_several_modules_per_rank_match_plain_torch(schedule, m):
     _assert_grads(pipe, ref, atol=1e-12)
 
 
+def test_auto_after_a_measured_step_matches_plain_torch_within_its_cap():
+    pipe, ref = _pipe()
+    x, y = _batch(12)
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        pipe.train_step_sync(rt, x, y, num_microbatches=6, schedule="1f1b")  # measured
+        for mod in pipe.parameters():
+            mod.grad = None
+        losses = pipe.train_step_sync(rt, x, y, num_microbatches=6, schedule="auto",
+                                      max_activations=2)
+        peaks = [rt.timeline().peak_activations(s) for s in range(4)]
+    assert max(peaks) <= 2
+    np.testing.assert_allclose(losses, _reference(ref, x, y, 6), rtol=0, atol=1e-12)
+    _assert_grads(pipe, ref, atol=1e-12)
+
+
 def test_a_shared_mesh_the_schedule_does_not_place_together_is_named():
     pipe, _ = _pipe()
     pipe2 = TorchPipeline([replicate(_stage(s, torch.float64), len(MESHES[s % 2].device_ids))

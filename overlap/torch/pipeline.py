@@ -100,10 +100,12 @@ class TorchPipeline:
     async def train_step(self, rt: Runtime, inputs: torch.Tensor,
                          targets: torch.Tensor | None = None, *, num_microbatches: int,
                          schedule: str | Schedule = "eager-1f1b",
-                         options: PlanOptions | None = None) -> list[float]:
+                         options: PlanOptions | None = None,
+                         max_activations: int | Sequence[int] | None = None) -> list[float]:
         """One step: split ``inputs`` (and ``targets``) into ``num_microbatches`` along dim 0,
         run forward and backward of each on ``rt``; return the per-microbatch losses
-        (``schedule`` and ``options`` as for :meth:`overlap.Runtime.train_step`).
+        (``schedule``, ``options`` and ``max_activations`` as for
+        :meth:`overlap.Runtime.train_step`).
 
         Gradients are *added* to ``.grad`` (call ``zero_grad`` between steps, as in torch);
         after a failed step they hold a partial sum — zero them before the next one.
@@ -119,7 +121,7 @@ class TorchPipeline:
             return await rt.train_step(self.split_stages if split else self.stages, boundaries,
                                        mbs,
                                        input_sharding=self.input_sharding, schedule=schedule,
-                                       options=options)
+                                       options=options, max_activations=max_activations)
         finally:
             self._targets = None
             self._busy.release()
