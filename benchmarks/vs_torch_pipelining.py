@@ -9,6 +9,8 @@ step included in every measured step.
   over microbatches, as on our side). A step is timed on rank 0 between two barriers.
 - overlap: ``TorchPipeline`` on ``Runtime(cluster)`` with the CPU backend — 4 virtual devices,
   one per stage, each a thread of this one process — schedules 1f1b and eager-1f1b.
+- overlap under ``mpiexec -n 4`` (when mpi4py and mpiexec are installed: the ``mpi`` extra):
+  the same script's model, one stage per process, MPI between them; rank 0's step times.
 
 Both sides get the same core budget (the whole machine) and the same torch intra-op threads
 per stage (``--threads``, default 1: 4 stage workers on 2 cores are already oversubscribed).
@@ -25,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +45,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from scheduler import Cluster
-from scheduler.cli import machine_line
+from scheduler.cli_common import machine_line
 
 STAGES = 4
 CORES = os.cpu_count() or 1
@@ -150,6 +154,44 @@ def run_overlap(schedule: str, cfg: dict) -> tuple[list[float], list[float], lis
     return times[cfg["warmup"]:], cpu[cfg["warmup"]:], first_losses
 
 
+def _mpiexec() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return None
+    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
+        shutil.which("mpiexec")
+
+
+def run_overlap_mpi(schedule: str, cfg: dict) -> tuple[list[float], list[float], list[float]]:
+    """overlap on 4 MPI processes (this script's ``--mpi-worker`` mode under ``mpiexec``):
+    rank 0's step times, CPU seconds per step summed over the ranks, step-0 losses."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.json")
+        subprocess.run([_mpiexec(), "-n", str(STAGES), sys.executable, __file__,  # type: ignore[list-item]
+                        "--mpi-worker", json.dumps({**cfg, "schedule": schedule}), out],
+                       env=env, check=True, timeout=1800, capture_output=True)
+        cpu = [sum(c) for c in zip(*(json.loads(Path(f"{out}.cpu{r}").read_text())
+                                      for r in range(STAGES)))]
+        return (json.loads(Path(out).read_text()), cpu,
+                json.loads(Path(out + ".losses").read_text()))
+
+
+def _mpi_worker(cfg_json: str, out: str) -> None:
+    from mpi4py import MPI
+
+    cfg = json.loads(cfg_json)
+    times, cpu, losses = run_overlap(cfg["schedule"], cfg)
+    rank = MPI.COMM_WORLD.Get_rank()
+    Path(f"{out}.cpu{rank}").write_text(json.dumps(cpu))
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+        Path(out + ".losses").write_text(json.dumps(losses))
+
+
 def run_single(cfg: dict, threads: int) -> list[float]:
     """Yardstick, not a contender: the 4 stages as one model in one process (no pipeline),
     ``threads`` intra-op threads, microbatches one after another. With one thread it is the
@@ -183,6 +225,9 @@ def _mem_gib() -> int:
 
 ROWS = (("torch Schedule1F1B", "torch", "1f1b"), ("torch ScheduleGPipe", "torch", "gpipe"),
         ("overlap 1f1b", "overlap", "1f1b"), ("overlap eager-1f1b", "overlap", "eager-1f1b"))
+MPI_ROWS = (("overlap mpi 1f1b", "overlap-mpi", "1f1b"),
+            ("overlap mpi eager-1f1b", "overlap-mpi", "eager-1f1b"))
+RUNNERS = {"torch": run_torch, "overlap": run_overlap, "overlap-mpi": run_overlap_mpi}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,16 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mpi-worker", nargs=2, metavar=("CFG", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.mpi_worker:
+        _mpi_worker(*args.mpi_worker)
+        return 0
+    rows = ROWS + (MPI_ROWS if _mpiexec() else ())
     cfg = {"width": args.width, "batch": args.batch, "microbatches": args.microbatches,
            "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "lr": 0.01}
-    samples: dict[str, list[float]] = {label: [] for label, _, _ in ROWS}
-    cpus: dict[str, list[float]] = {label: [] for label, _, _ in ROWS}
+    samples: dict[str, list[float]] = {label: [] for label, _, _ in rows}
+    cpus: dict[str, list[float]] = {label: [] for label, _, _ in rows}
     first: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        for label, side, schedule in ROWS:
-            run = run_torch if side == "torch" else run_overlap
-            times, cpu, losses = run(schedule, cfg)
+        for label, side, schedule in rows:
+            times, cpu, losses = RUNNERS[side](schedule, cfg)
             samples[label].extend(times)
             cpus[label].extend(cpu)
             first[label] = losses
@@ -220,16 +269,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.__version__}")
     print(f"torch: {STAGES} gloo processes x {args.threads} intra-op thread(s); overlap: 1 "
           f"process, {STAGES} device compute threads x {args.threads} intra-op thread(s) "
-          f"(+ comm stream threads); same cores for both")
+          f"(+ comm stream threads); same cores for both"
+          + ("; overlap mpi: 4 processes under mpiexec, rank 0's times"
+             if len(rows) > len(ROWS) else "; (mpiexec not found: no multi-process rows)"))
     print(f"median ms/step over {args.rounds} rounds x {args.steps} steps after {args.warmup} "
           f"warm-up steps; step-0 losses agree across all rows to {worst:.2g}")
     print(f"{'row':<22} {'ms/step':>9} {'min':>8} {'max':>8} {'CPU ms':>8} {'cores busy':>10}"
           f"   ratio ours/theirs")
     theirs = {"1f1b": med["torch Schedule1F1B"], "eager-1f1b": med["torch Schedule1F1B"]}
-    for label, side, schedule in ROWS:
+    for label, side, schedule in rows:
         v = samples[label]
         ratio = ""
-        if side == "overlap":
+        if side != "torch":
             ratio = (f"{med[label] / theirs[schedule]:.3f} vs Schedule1F1B, "
                      f"{med[label] / med['torch ScheduleGPipe']:.3f} vs ScheduleGPipe")
         c = statistics.median(cpus[label]) * 1e3
@@ -245,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     best_theirs = min(med["torch Schedule1F1B"], med["torch ScheduleGPipe"])
     print(f"target ours/theirs <= 1.0 (best of ours vs best of theirs): {best / best_theirs:.3f}"
           f" -> {'met' if best <= best_theirs else 'NOT met'}")
+    if len(rows) > len(ROWS):
+        best_mpi = min(med["overlap mpi 1f1b"], med["overlap mpi eager-1f1b"])
+        print(f"target multi-process ours/theirs <= 1.0 (issue 17): "
+              f"{best_mpi / best_theirs:.3f} -> "
+              f"{'met' if best_mpi <= best_theirs else 'NOT met'}")
     return 0
 
 
