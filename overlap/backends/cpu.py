@@ -196,10 +196,21 @@ class CpuStream:
                 raise OverlapRuntimeError(f"device {self.device} stream {self.name!r} is closed")
             self._queue.append(item)
             if self._thread is None:
-                self._thread = threading.Thread(
+                thread = threading.Thread(
                     target=self._run, name=f"overlap-d{self.device}-{self.name}", daemon=True
                 )
-                self._thread.start()
+                self._thread = thread
+                try:
+                    thread.start()
+                except BaseException:
+                    # Ctrl-C while starting it (start() waits, in Python, for the thread to
+                    # run): one that did not get going is forgotten, so the stream counts as
+                    # idle (reset() drops its queue) and the next launch starts a thread —
+                    # else the stream looked stuck in queued work for good. (One that did
+                    # start and finds it is not the stream's thread exits at once.)
+                    if not thread.is_alive():
+                        self._thread = None
+                    raise
             self._cv.notify()
 
     # ---- the worker ----------------------------------------------------------------------
@@ -277,7 +288,10 @@ class CpuStream:
                 return Busy(self.device, self.name, f"wait for {payload.label}", None, "wait",
                             since, waiting=True)
             if self._queue and self._thread is not None:
-                # Queued work a live thread is about to take: draining, not stuck.
+                # Queued work a live thread is about to take: draining, not stuck. Kick it
+                # too: a Ctrl-C landing inside the launcher's notify() (Python code) can lose
+                # the wakeup, and the thread would sleep on beside its queue for good.
+                self._cv.notify()
                 return Busy(self.device, self.name, "queued work", None, "queue",
                             time.perf_counter(), waiting=True)
             return None
