@@ -243,10 +243,9 @@ class _Binder:
                     if last:
                         held += state.saved.pop((what[1], d, i), {}).values()  # type: ignore[index]
                     continue
-                slot = (what, i, d)
                 table: dict[Slot, Any]
-                for table in (state.sends, state.recvs):
-                    buf = table.pop(slot, None) if last else table.get(slot)
+                for table in (state.sends, state.recvs):  # (key is the slot: channel, i, d)
+                    buf = table.pop(key, None) if last else table.get(key)
                     if buf is not None:
                         held.append(buf)
         if held:

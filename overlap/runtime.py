@@ -484,9 +484,11 @@ class Runtime:
         """The step's graph and its digest: the caller's (checked), or lowered — and planned
         — in a worker thread (seconds of planning never block the event loop), cached."""
         meshes = tuple(st.mesh for st in stages)
+        if graph is None and options is not None and not isinstance(options, PlanOptions):
+            raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
         if schedule == "auto" and graph is None:
-            return await self._auto_graph(stages, boundaries, num_microbatches, options,
-                                          max_activations)
+            return await self._auto_graph(stages, meshes, boundaries, num_microbatches,
+                                          options, max_activations)
         if graph is not None:
             if schedule is not None or options is not None:
                 raise ValueError("graph: give a step graph, or a schedule and options to "
@@ -495,8 +497,6 @@ class Runtime:
             key: Any = ("given", id(graph))
         else:
             sched = _schedule(schedule, len(stages), num_microbatches)
-            if options is not None and not isinstance(options, PlanOptions):
-                raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
             key = ("lowered", meshes, tuple(boundaries), sched, options or PlanOptions())
         chosen = graph.schedule if graph is not None else sched
         check_split(stages, chosen.kinds)  # type: ignore[union-attr]
@@ -514,22 +514,20 @@ class Runtime:
         self._remember(key, hit)
         return hit
 
-    async def _auto_graph(self, stages: Sequence[Stage], boundaries: Sequence[Boundary],
-                          num_microbatches: int, options: PlanOptions | None,
+    async def _auto_graph(self, stages: Sequence[Stage], meshes: tuple[DeviceMesh, ...],
+                          boundaries: Sequence[Boundary], num_microbatches: int,
+                          options: PlanOptions | None,
                           max_activations: int | Sequence[int] | None
                           ) -> tuple[StepGraph, bytes]:
         """``schedule="auto"``: :func:`scheduler.auto_schedule` over the step's stages with
         the runtime's compute costs, chosen once per pipeline, microbatch count and options
         (planned off the event loop, like a lowering), then reused."""
-        if options is not None and not isinstance(options, PlanOptions):
-            raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
-        meshes = tuple(st.mesh for st in stages)
         cap = check_caps(max_activations, len(stages))  # bad caps named before any work
         key = ("auto", meshes, tuple(boundaries), num_microbatches, options or PlanOptions(),
                None if cap is None else tuple(cap))
         hit = self._memo.pop(key, None)
         if hit is None:
-            costs = self._auto_costs(stages)
+            costs = self._auto_costs(stages, meshes)
 
             def make() -> tuple[StepGraph, bytes]:
                 choice = auto_schedule(meshes, boundaries, num_microbatches, self.cluster,
@@ -543,7 +541,8 @@ class Runtime:
         self._remember(key, hit)
         return hit
 
-    def _auto_costs(self, stages: Sequence[Stage]) -> Callable[[int, str], float]:
+    def _auto_costs(self, stages: Sequence[Stage], meshes: tuple[DeviceMesh, ...]
+                    ) -> Callable[[int, str], float]:
         """Seconds per (stage, kind) for ``auto``: ``compute_time`` when given, else the last
         step's measured means (one process only: processes measure different devices and
         must choose alike). The backward is split only where every stage can and I/W costs
@@ -551,7 +550,7 @@ class Runtime:
         split = all(st.backward_weight is not None for st in stages)
         table: dict[tuple[int, str], float] | None = None
         if self.compute_time is None:
-            table = self._measured_costs(tuple(st.mesh for st in stages))
+            table = self._measured_costs(meshes)
             if table is None:
                 raise ValueError(
                     "schedule: 'auto' chooses from compute costs; give Runtime(compute_time="

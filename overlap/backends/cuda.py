@@ -357,8 +357,9 @@ class CudaBackend(CpuBackend):
         for ev, _ in arrivals.values():
             stream.wait_event(ev)
         timed = self.trace is not None  # timing events cost: only for a trace
-        start = cp.cuda.Event() if timed else None
-        if start is not None:
+        start = None
+        if timed:
+            start = cp.cuda.Event()
             start.record(stream)
         work({d: payload for d, (_, payload) in arrivals.items()})
         done = cp.cuda.Event(disable_timing=not timed)
@@ -541,10 +542,9 @@ class CudaBackend(CpuBackend):
         cp = self.xp
         pool = cp.get_default_memory_pool()
         for s in self.streams():
-            stream = getattr(s, "cuda_stream", None)
-            if stream is not None:
+            if s.cuda_stream is not None:  # (made on the stream's first op)
                 with cp.cuda.Device(s.gpu):
-                    pool.free_all_blocks(stream=stream)
+                    pool.free_all_blocks(stream=s.cuda_stream)
 
 
 def _nccl_op(op: Callable[[Any, Any], Any]) -> int:
