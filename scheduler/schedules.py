@@ -26,7 +26,9 @@ stages share its mesh: the step graph runs the rank's list on its devices' compu
 - ``zb-h1`` (Zero Bubble H1, Qi et al. 2024): ``1f1b``'s warm-up, the backward split into
   ``I`` and ``W``, and stage ``s`` holding back its first ``s`` ``W`` so that they fill the
   cool-down bubbles: peak activations ``min(m, p)`` on every stage (1f1b's stage 0, its
-  largest), and with F = I = W a bubble a third of 1f1b's when ``m ≥ p``.
+  largest), and with F = I = W a bubble a third of 1f1b's when ``m ≥ p``. At that memory
+  its steady state hides the boundary transfers (T each way) only while ``T ≤ W / 2``: a
+  microbatch holds one of stage 0's ``p`` slots for ``p·F + p·I + W + 2(p − 1)·T`` at least.
 - ``interleaved-1f1b`` (Megatron's interleaved 1F1B; ``stages_per_rank`` = v ≥ 2, ``loop``
   placement, ``m`` a multiple of the number of ranks r): each rank runs its stages on groups
   of r microbatches in turn; rank ``k`` warms up with ``min(m·v, 2(r − k − 1) + (v − 1)·r)``

@@ -8,7 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from toy import ToyMLP
 
-from scheduler import Cluster, PlanOptions, lower, make_schedule, simulate
+from scheduler import (
+    Boundary,
+    Cluster,
+    P,
+    PlanOptions,
+    Sharding,
+    estimate,
+    lower,
+    make_schedule,
+    plan_resharding,
+    simulate,
+)
 from scheduler.auto import auto_schedule, comm_aware_actions
 from scheduler.schedules import SCHEDULES, Schedule, dependency_order
 
@@ -85,3 +96,48 @@ def test_a_cap_nothing_can_meet_is_refused_naming_the_stage(cap, exc, match):
     with pytest.raises(exc, match=match):
         auto_schedule(model.meshes, model.boundaries(), 4, CLUSTER, COSTS,
                       max_activations=cap)
+
+
+def _chain(p: int):
+    cluster = Cluster.preset("p3.8xlarge", p)
+    meshes = [cluster.mesh([h]) for h in range(p)]
+    boundaries = [Boundary((1024, 4096), "float16", Sharding(meshes[s], P()),
+                           Sharding(meshes[s + 1], P())) for s in range(p - 1)]
+    seconds = estimate(plan_resharding(boundaries[0].shape, boundaries[0].dtype,
+                                       boundaries[0].producer, boundaries[0].consumer, cluster,
+                                       PlanOptions(strategy="broadcast")), cluster)
+    return cluster, meshes, boundaries, seconds
+
+
+def _exposed_bwd(schedule, cluster, meshes, boundaries, costs) -> tuple[float, float]:
+    graph = lower(meshes, boundaries, schedule, cluster, PlanOptions(strategy="broadcast"))
+    tl = simulate(graph, cluster, costs)
+    return sum(tl.exposed_comm(d, "bwd") for d in graph.devices), tl.iteration_time
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("ratio", [0.3, 0.45, 0.6, 0.8])
+def test_zb_h1_hides_gradient_transfers_when_they_take_at_most_half_a_w(p, ratio):
+    # At zb-h1's memory (p activations on stage 0, each held from its F to its W) a microbatch
+    # holds a slot of stage 0 for at least H = p·F + p·I + W + 2(p − 1)·T, and stage 0 starts
+    # one every F + I + W in a compute-bound steady state: p slots hold that rate only while
+    # 2(p − 1)·T ≤ (p − 1)·W, i.e. T ≤ W / 2, for every p. Below it, gradient waits come only
+    # from the ramps (the same for 8 more microbatches); above it, they grow with every
+    # microbatch — and no list within zb-h1's memory (auto with max_activations=p) beats
+    # m·H / p.
+    cluster, meshes, boundaries, t = _chain(p)
+    w = t / ratio
+    costs = {"F": w, "I": w, "W": w, "B": 2 * w}
+    m = 2 * p + 4
+    short = _exposed_bwd(make_schedule("zb-h1", p, m), cluster, meshes, boundaries, costs)
+    long = _exposed_bwd(make_schedule("zb-h1", p, m + 8), cluster, meshes, boundaries, costs)
+    if ratio <= 0.5:
+        assert long[0] == pytest.approx(short[0], rel=1e-6)
+        assert long[1] - short[1] == pytest.approx(8 * 3 * w, rel=1e-6)
+    else:
+        assert long[0] - short[0] > 8 * 0.5 * (2 * t - w)  # at least half the shortfall each
+        hold = 2 * p * w + w + 2 * (p - 1) * t
+        for mb in (m, m + 8):
+            choice = auto_schedule(meshes, boundaries, mb, cluster, costs,
+                                   PlanOptions(strategy="broadcast"), max_activations=p)
+            assert choice.seconds >= mb * hold / p
