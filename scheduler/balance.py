@@ -16,7 +16,8 @@ Receiving-side load is fixed by the receivers; the balancers move sending-side l
   busy NICs start first, and keeps whichever of its candidates (and those of ``size``,
   ``greedy`` and ``search``) is fastest under the worse of two models: the project's cost
   model and the paper's sequential one (a plan tuned to one model of the network can be poor
-  under the other, and which one real NICs follow is not known).
+  under the other, and which one real NICs follow is not known). Independent host groups
+  are planned apart and identical ones once (``scheduler.components``).
 """
 
 from __future__ import annotations
@@ -25,30 +26,17 @@ import heapq
 import random
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .cluster import Cluster
+from .components import plan_by_class
 from .cost import NIC_IN, NIC_OUT, CostModel, paper_model_transfers
 from .plan import Transfer
-from .regions import Region, is_empty, split_region, volume
+from .regions import is_empty, split_region, volume
+from .sends import Assignment, Pieces, Send
 
 BALANCES = ("none", "size", "greedy", "search", "auto")
 
-Assignment = list[tuple[int, Region, int]]  # (send index, piece, sender), in launch order
-# What the planner gets back, in launch order: (send index, piece, sender, receivers, after),
-# ``after`` naming earlier entries of the same list that must end first.
-Pieces = list[tuple[int, Region, int, tuple[int, ...], tuple[int, ...]]]
-
-
-@dataclass(frozen=True)
-class Send:
-    """A box that must cross the network: any of ``holders`` may send it to ``receivers``."""
-
-    region: Region
-    nbytes: int
-    holders: tuple[int, ...]
-    receivers: tuple[int, ...]
 
 
 class _Ports:
@@ -101,9 +89,16 @@ def balance_sends(
     """Senders, pieces and launch order for ``sends``, launched after the ``before`` work."""
     if not sends:
         return [], {}
-    ready = _ready_times(before, cluster)
     if mode == "auto":
-        return _auto(sends, cluster, seed=seed, budget=budget, before=before, ready=ready)
+        def plan_one(part: list[Send], local: list[Transfer], share: int
+                     ) -> tuple[Pieces, dict[str, Any]]:
+            return _auto(part, cluster, seed=seed, budget=share, before=local,
+                         ready=_ready_times(local, cluster))
+
+        # Host groups that share nothing are planned apart, identical ones once.
+        return (plan_by_class(sends, before, cluster, budget, plan_one)
+                or plan_one(list(sends), list(before), budget))
+    ready = _ready_times(before, cluster)
     ports = _Ports(sends, cluster, ready)
     stats: dict[str, Any] = {}
     if mode == "none":

@@ -47,9 +47,9 @@ class PlanOptions:
         seed: seeds the randomized balancers; same inputs, same plan.
         budget: work units (search nodes, candidate evaluations) the balancer may spend in
             all; never wall-clock time, so a plan does not depend on machine load. (``auto``
-            divides it among its candidates; 600 000 gives each of its ~28 candidates about
-            what the older whole-budget-per-candidate scheme gave the best ones, and still
-            returns the 4,096-piece scale case's first candidate uncosted.)
+            divides it among its candidates and among classes of independent host groups;
+            600 000 gives each of its ~28 candidates about what the older
+            whole-budget-per-candidate scheme gave the best ones.)
     """
 
     strategy: str = "broadcast"

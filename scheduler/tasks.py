@@ -69,6 +69,27 @@ def _dim_tiles(regions: dict[int, Region], dim: int) -> list[tuple[int, int]]:
     return sorted({r[dim] for r in regions.values()})
 
 
+def _overlaps(s_tiles: list[tuple[int, int]], d_tiles: list[tuple[int, int]]
+              ) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
+    """Each overlap of a source tile and a destination tile of one dimension, with both,
+    ordered by source tile then start. Tiles of a dimension are sorted; each side's tiles are
+    disjoint, so a sweep finds them in time linear in the tiles and overlaps (a double loop
+    took seconds at 8,192 GPUs)."""
+    out = []
+    first = 0
+    for s in s_tiles:
+        while first < len(d_tiles) and d_tiles[first][1] <= s[0]:
+            first += 1  # ends before this source tile, so before every later one too
+        k = first
+        while k < len(d_tiles) and d_tiles[k][0] < s[1]:
+            t = d_tiles[k]
+            lo, hi = max(s[0], t[0]), min(s[1], t[1])
+            if lo < hi:
+                out.append(((lo, hi), s, t))
+            k += 1
+    return out
+
+
 def unit_tasks(
     shape: Sequence[int], dtype: object, src: Sharding, dst: Sharding, cluster: Cluster
 ) -> list[UnitTask]:
@@ -97,13 +118,7 @@ def unit_tasks(
     for d in range(len(shape)):
         s_tiles = [t for t in _dim_tiles(src_regions, d) if t[1] > t[0]]
         d_tiles = [t for t in _dim_tiles(dst_regions, d) if t[1] > t[0]]
-        cells = []
-        for s in s_tiles:
-            for t in d_tiles:
-                lo, hi = max(s[0], t[0]), min(s[1], t[1])
-                if lo < hi:
-                    cells.append(((lo, hi), s, t))
-        per_dim.append(cells)
+        per_dim.append(_overlaps(s_tiles, d_tiles))
     out = []
     for combo in itertools.product(*per_dim):
         region = tuple(c[0] for c in combo)
