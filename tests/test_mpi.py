@@ -296,6 +296,28 @@ def test_nccl_bootstrap_refuses_a_rank_outside_its_members():
         bootstrap_nccl(None, [1, 1], 1, None)
 
 
+def test_every_cross_rank_hop_is_timed_in_order(tmp_path):
+    """``MpiBackend.hop_timings`` (what benchmarks/mpi_step_profile.py reads): each hop of
+    the plan's broadcast appears on its sender and on its receiver, with the same tag and
+    bytes, and the marks come in order on the host's one clock (a relay sends what landed)."""
+    done, _ = mpiexec(4, "hops", str(tmp_path))
+    assert done.returncode == 0, verdicts(done.stderr)
+    sent, received = {}, {}
+    for r, arrays in enumerate(outputs(tmp_path, 4)):
+        for tag, prev, nxt, nbytes, posted, landed, finished, polls in arrays["hops"]:
+            assert polls >= 1 and posted <= finished
+            if prev >= 0:
+                assert posted <= landed <= finished
+                received[(int(tag), int(prev), r)] = (nbytes, landed)
+            if nxt >= 0:  # the root sends when it starts; a relay what landed
+                sent[(int(tag), r, int(nxt))] = (nbytes, posted if prev < 0 else landed)
+    # Rank 0's device broadcasts to one device on each of ranks 1, 2 and 3.
+    assert sorted(k[2] for k in received) == [1, 2, 3]
+    assert set(sent) == set(received)
+    for key, (nbytes, landed) in received.items():
+        assert sent[key][0] == nbytes and sent[key][1] <= landed, key
+
+
 # ---- ranks that leave, and the fault matrix across processes -------------------------------
 
 

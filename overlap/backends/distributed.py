@@ -361,6 +361,9 @@ def _cancel(reqs: Sequence[Any]) -> None:
             r.Wait()
 
 
+LISTEN_TICK_S = 0.02
+
+
 class _Control:
     """A thread per process listening for failure and exit notices from other ranks, and
     answering "how many calls have you made?" queries."""
@@ -373,6 +376,11 @@ class _Control:
         self.MPI = dist.MPI
         self.exiting: set[int] = set()
         self.replies: dict[int, int] = {}
+        # Seconds between looks for a notice. A notice needs no hurry (a failed rank is named
+        # within a second), and every look costs CPU a busy peer on the same cores needs:
+        # ``benchmarks/mpi_step_profile.py`` measured 1.1-1.5 ms per rank per 60 ms step at
+        # 2 ms (docs/benchmarks.md).
+        self.tick = LISTEN_TICK_S
         # Sends in flight, with their bytes (kept alive until MPI is done with them).
         self._pending: list[tuple[Any, bytes]] = []
         self._lock = threading.Lock()
@@ -386,7 +394,7 @@ class _Control:
         status = MPI.Status()
         while not self._stop.is_set():
             if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                self._stop.wait(0.002)
+                self._stop.wait(self.tick)
                 continue
             source, tag = status.Get_source(), status.Get_tag()
             buf = bytearray(status.Get_count(MPI.BYTE))

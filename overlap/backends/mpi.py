@@ -60,7 +60,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -95,6 +95,9 @@ class MpiBackend(CpuBackend):
         self._channels: dict[str, Any] = {"compute": comm.Dup()}
         self._group_ids: dict[tuple[str, tuple[int, ...]], int] = {}
         self._local_comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
+        # Set to a list to time every cross-rank hop this rank takes part in (a
+        # ``HopTiming`` each; ``benchmarks/mpi_step_profile.py``); None: not timed.
+        self.hop_timings: list[HopTiming] | None = None
 
     # ---- communicators -------------------------------------------------------------------
 
@@ -243,10 +246,13 @@ class MpiBackend(CpuBackend):
         landed = 0
         status = MPI.Status()
         started = time.perf_counter()
+        seen = None  # when the last piece was seen landed (receivers)
         attempt = 0
+        polls = 0
         try:
             while True:
                 moved = False
+                polls += 1
                 while landed < len(recvs) and recvs[landed].Test(status):
                     got = status.Get_count(MPI.BYTE)
                     if got != pieces[landed].nbytes:
@@ -258,7 +264,12 @@ class MpiBackend(CpuBackend):
                     landed += 1
                     landed_to(min(n, landed * step))
                     moved = True
+                    if landed == len(recvs):
+                        seen = time.perf_counter()
                 if landed == len(recvs) and MPI.Request.Testall(sends):
+                    if self.hop_timings is not None:
+                        self.hop_timings.append(HopTiming(
+                            tag, prev, nxt, n, started, seen, time.perf_counter(), polls))
                     return
                 if moved:
                     attempt = 0
@@ -331,6 +342,21 @@ class MpiBackend(CpuBackend):
             for i, d in enumerate(by_rank[r]):
                 parts[d] = inbox[r][i]
         return parts
+
+class HopTiming(NamedTuple):
+    """One rank's part in one hop of a transfer, in ``time.perf_counter`` seconds (one clock
+    for every process of a host): posted its receive or send, saw the last piece land
+    (receivers; None on the root), saw its part complete; ``polls``: tests it made."""
+
+    tag: int
+    prev: int | None  # the rank it receives from (None: the root)
+    nxt: int | None  # the rank it sends to
+    nbytes: int
+    posted: float
+    landed: float | None
+    done: float
+    polls: int
+
 
 # The constants of the piece-size model, measured on the 2-core machine of
 # docs/benchmarks.md (4 ranks): shared-memory copies move ~10 GB/s, and a piece costs
@@ -418,4 +444,4 @@ class _Relay:
                 backend.dist.check(what, time.perf_counter(), "", None)
 
 
-__all__ = ["Backoff", "MpiBackend"]
+__all__ = ["Backoff", "HopTiming", "MpiBackend"]

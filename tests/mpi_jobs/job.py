@@ -172,6 +172,14 @@ def main() -> int:
                 rt.close()
                 time.sleep(60)  # idle: the others must not wait for it
             rt.reshard_sync(plan, shards)
+        elif mode == "hops":  # every cross-rank hop of one resharding, timed
+            plan, shards = small_plan(cluster, rt)
+            rt.backend.hop_timings = []
+            rt.reshard_sync(plan, shards)
+            saved["hops"] = np.array(
+                [[h.tag, -1 if h.prev is None else h.prev, -1 if h.nxt is None else h.nxt,
+                  h.nbytes, h.posted, -1.0 if h.landed is None else h.landed, h.done, h.polls]
+                 for h in rt.backend.hop_timings], dtype=np.float64).reshape(-1, 8)
         elif mode == "reshard":
             if cases.get("chunk_bytes") is not None:  # many pieces even for small tensors
                 rt.backend.chunk_bytes = int(cases["chunk_bytes"])

@@ -1,0 +1,326 @@
+"""Where a multi-process training step's time goes (a benchmark, not a test).
+
+The toy pipeline of ``vs_torch_pipelining.py`` (4 stages of ``Linear(W, W) -> ReLU ->
+Linear(W, W)``, batch 256 in 8 microbatches, SGD), one stage per process under ``mpiexec -n
+4``, the CPU backend over MPI. Every rank measures its own side of each step:
+
+- **phases**: the call to its first op (graph from the cache, the call's agreement posted, the
+  launch), its compute ops, its last op to the return (the drain, the agreement's end, the
+  shared losses);
+- **CPU per step by thread**: compute streams, comm streams (the transfers' MPI polling),
+  the main thread (launch and optimizer), the event loop, the failure-notice listener —
+  read from ``/proc/self/task/*/schedstat``;
+- **each hop of each transfer** (``MpiBackend.hop_timings``): both sides posted → the
+  receiver saw the message land (its polling's delay included) → the op returned → the
+  compute that consumes it started (when its stream was idle);
+- **raw MPI** between two ranks in the same job, for the boundary's message size: a blocking
+  ``Send``/``Recv`` ping-pong (MPICH spins) and ``Irecv`` + ``Test`` with the backend's
+  backoff (what a transfer does), as the floor a message sets.
+
+    python benchmarks/mpi_step_profile.py [--widths 64 1024] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from vs_torch_pipelining import STAGES, _mpiexec, make_batches, make_stages
+
+from scheduler.cli_common import machine_line
+
+MICROBATCHES, BATCH = 8, 256
+# How often each rank's failure listener looks for a notice: the default, and the 2 ms it
+# looked every before (issue 17).
+VARIANTS = ("listener 20 ms", "listener 2 ms")
+TICKS = {"listener 20 ms": 0.02, "listener 2 ms": 0.002}
+
+
+# ---- the worker (one per rank, under mpiexec) --------------------------------------------
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each live thread of this process, by thread name."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            ns = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        out[names.get(int(tid), f"thread {tid}")] = ns / 1e9
+    return out
+
+
+def role(name: str) -> str:
+    if name.startswith("overlap-d") and name.endswith("-compute"):
+        return "compute streams"
+    if name.startswith("overlap-d"):
+        return "comm streams"
+    if name == "MainThread":
+        return "main (launch, optimizer)"
+    if name.startswith(("uvloop", "asyncio")):
+        return "event loop"
+    if name == "overlap-mpi-control":
+        return "failure listener"
+    return "other"
+
+
+def step_record(rt, t_call: float, t_ret: float, hops) -> dict:
+    tl = rt.timeline()
+    t0 = rt.backend._trace_t0  # span times are seconds after this perf_counter mark
+    spans = sorted(tl.spans, key=lambda s: s.start)
+    compute = [s for s in spans if s.stream == "compute"]
+    # A received transfer's consumer: F of the next stage (fwd), the backward of the
+    # previous one (bwd); the gap counts only when the compute stream was idle meanwhile.
+    # And a sent one's producer: F (fwd) or the backward (bwd) of its own stage.
+    handoff, launch = [], []
+    for x in spans:
+        if x.stream == "compute":
+            continue
+        stage = x.stage + 1 if x.kind == "fwd" else x.stage - 1
+        kinds = ("F",) if x.kind == "fwd" else ("B", "I")
+        for i, c in enumerate(compute):
+            if c.device != x.device or c.microbatch != x.microbatch:
+                continue
+            if c.stage == stage and c.kind in kinds:
+                prev_end = max((p.end for p in compute[:i] if p.device == c.device),
+                               default=-1.0)
+                if c.start >= x.end and c.start >= prev_end:
+                    handoff.append(c.start - max(x.end, prev_end))
+            elif c.stage == x.stage and c.kind in (("F",) if x.kind == "fwd" else ("B", "I")) \
+                    and x.start >= c.end:
+                launch.append(x.start - c.end)
+    return {
+        "wall": t_ret - t_call,
+        "pre": spans[0].start + t0 - t_call,
+        "post": t_ret - (spans[-1].end + t0),
+        "compute": sum(s.end - s.start for s in compute),
+        "handoff": handoff,
+        "launch": launch,
+        "hops": [list(h) for h in hops],
+    }
+
+
+def raw_pingpong(comm, nbytes: int, rounds: int, poll) -> dict[str, float]:
+    """Ranks 0 and 1: one-way time of an ``nbytes`` message, blocking and polled."""
+    import numpy as np
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    buf = np.zeros(max(1, nbytes), np.uint8)
+    out: dict[str, float] = {}
+    for mode in ("blocking", "polled"):
+        comm.Barrier()
+        if rank > 1:
+            continue
+        peer = 1 - rank
+        times = []
+        for k in range(rounds + 3):
+            t0 = time.perf_counter()
+            for turn in (0, 1):
+                if turn == rank:
+                    comm.Send(buf, peer, 7)
+                elif mode == "blocking":
+                    comm.Recv(buf, peer, 7)
+                else:
+                    req, attempt = comm.Irecv(buf, peer, 7), 0
+                    while not req.Test():
+                        poll.pause(attempt)
+                        attempt += 1
+            if k >= 3:
+                times.append((time.perf_counter() - t0) / 2)
+        out[mode] = statistics.median(times)
+    del MPI
+    return out
+
+
+def worker(cfg: dict, out: str) -> None:
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+
+    import overlap
+    from overlap.torch import TorchPipeline
+    from scheduler import Cluster
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    cluster = Cluster.preset("p3.8xlarge", num_hosts=STAGES)
+    meshes = [cluster.mesh([h], gpus=1) for h in range(STAGES)]
+    pipe = TorchPipeline(make_stages(cfg["width"]), meshes, nn.functional.mse_loss)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    steps, warmup = cfg["steps"], cfg["warmup"]
+    # Variants take turns, step by step, so the shared machine's drift hits both alike.
+    records: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
+    span = dict.fromkeys(VARIANTS, 0.0)
+    batches = make_batches(warmup + steps * len(VARIANTS), BATCH, cfg["width"])
+    with overlap.Runtime(cluster) as rt:
+        backend = rt.backend
+        control = backend.dist.control
+        for k, (x, y) in enumerate(batches):
+            variant = VARIANTS[k % len(VARIANTS)]
+            control.tick = TICKS[variant]
+            backend.hop_timings = []
+            cpu0, c0 = thread_cpu(), time.perf_counter()
+            opt.zero_grad()
+            t_call = time.perf_counter()
+            pipe.train_step_sync(rt, x, y, num_microbatches=MICROBATCHES, schedule="1f1b")
+            t_ret = time.perf_counter()
+            opt.step()
+            cpu1, c1 = thread_cpu(), time.perf_counter()
+            if k < warmup:
+                continue
+            records[variant].append(step_record(rt, t_call, t_ret, backend.hop_timings))
+            span[variant] += (c1 - c0) / steps
+            for name, secs in cpu1.items():
+                r = role(name)
+                cpu[variant][r] = cpu[variant].get(r, 0.0) + (secs - cpu0.get(name, 0.0)) / steps
+        control.tick = TICKS[VARIANTS[0]]
+        backend.hop_timings = None
+        nbytes = BATCH // MICROBATCHES * cfg["width"] * 4
+        raw = raw_pingpong(backend.dist.comm, nbytes, 50, backend.dist.poll)
+    result = {"rank": rank, "records": records, "cpu": cpu, "span": span, "raw": raw,
+              "nbytes": nbytes}
+    gathered = comm.gather(result, root=0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def p90(values: list[float]) -> float:
+    return sorted(values)[int(0.9 * (len(values) - 1))] if values else float("nan")
+
+
+def hop_latencies(ranks: list[dict]) -> dict[str, list[float]]:
+    """Match each receive to its send (same tag, same pair of ranks, same step)."""
+    out: dict[str, list[float]] = {"both posted -> landed seen": [], "receive posted early by": [],
+                                   "landed seen -> op returned": [], "sender: posted -> done": [],
+                                   "polls per receive": []}
+    steps = len(ranks[0]["records"])
+    for k in range(steps):
+        sends: dict[tuple[int, int, int], list] = {}
+        for r in ranks:
+            for tag, prev, nxt, _, posted, _, done, _ in r["records"][k]["hops"]:
+                if prev is None and nxt is not None:
+                    sends[(tag, r["rank"], nxt)] = [posted, done]
+        for r in ranks:
+            for tag, prev, _, _, posted, landed, done, polls in r["records"][k]["hops"]:
+                if prev is None or (tag, prev, r["rank"]) not in sends:
+                    continue
+                s_posted, s_done = sends[(tag, prev, r["rank"])]
+                out["both posted -> landed seen"].append(landed - max(posted, s_posted))
+                out["receive posted early by"].append(max(0.0, s_posted - posted))
+                out["landed seen -> op returned"].append(done - landed)
+                out["sender: posted -> done"].append(s_done - s_posted)
+                out["polls per receive"].append(polls)
+    return out
+
+
+def report(width: int, ranks: list[dict]) -> str:
+    out, steps = [], {}
+    for v in VARIANTS:
+        view = [{**r, "records": r["records"][v], "cpu": r["cpu"][v], "span": r["span"][v]}
+                for r in ranks]
+        out.append(variant_report(f"width {width}, {v}", view))
+        steps[v] = (med([x["wall"] for x in view[0]["records"]]),
+                    sum(sum(r["cpu"].values()) for r in view))
+    (a_step, a_cpu), (b_step, b_cpu) = (steps[v] for v in VARIANTS)
+    out.append(f"{VARIANTS[0]} / {VARIANTS[1]}, same run: rank 0's step {a_step / b_step:.3f}, "
+               f"CPU of all ranks {a_cpu / b_cpu:.3f}")
+    return "\n".join(out)
+
+
+def variant_report(title: str, ranks: list[dict]) -> str:
+    ms = 1e3
+    lines = [f"== {title}: 4 ranks, 1f1b, {MICROBATCHES} microbatches, "
+             f"{len(ranks[0]['records'])} steps (medians) =="]
+    lines.append(f"{'rank':<6}{'step ms':>9}{'to 1st op':>11}{'compute':>9}{'after last':>12}"
+                 f"{'CPU ms/step':>13}")
+    for r in ranks:
+        recs = r["records"]
+        lines.append(f"{r['rank']:<6}{med([x['wall'] for x in recs]) * ms:>9.1f}"
+                     f"{med([x['pre'] for x in recs]) * ms:>11.2f}"
+                     f"{med([x['compute'] for x in recs]) * ms:>9.1f}"
+                     f"{med([x['post'] for x in recs]) * ms:>12.2f}"
+                     f"{sum(r['cpu'].values()) * ms:>13.1f}")
+    roles = sorted({k for r in ranks for k in r["cpu"]},
+                   key=lambda k: -sum(r["cpu"].get(k, 0) for r in ranks))
+    total = sum(sum(r["cpu"].values()) for r in ranks)
+    span = med([r["span"] for r in ranks])
+    lines.append(f"CPU per step, all ranks: {total * ms:.1f} ms in {span * ms:.1f} ms of wall "
+                 f"(steps with their optimizer step) on {os.cpu_count()} cores "
+                 f"= {total / span:.2f} cores busy")
+    for k in roles:
+        per = [r["cpu"].get(k, 0.0) * ms for r in ranks]
+        lines.append(f"  {k:<26}{sum(per):>7.1f} ms  (per rank: "
+                     f"{', '.join(f'{v:.1f}' for v in per)})")
+    lat = hop_latencies(ranks)
+    lines.append(f"per transfer hop ({len(lat['polls per receive'])} matched), median / p90:")
+    for k, v in lat.items():
+        unit, scale = ("", 1) if k.startswith("polls") else (" µs", 1e6)
+        lines.append(f"  {k:<30}{med(v) * scale:>8.0f} / {p90(v) * scale:<8.0f}{unit}")
+    sent = [h for r in ranks for x in r["records"] for h in x["launch"]]
+    lines.append(f"  {'producer ends -> send op runs':<30}{med(sent) * 1e6:>8.0f} / "
+                 f"{p90(sent) * 1e6:<8.0f} µs")
+    hand = [h for r in ranks for x in r["records"] for h in x["handoff"]]
+    lines.append(f"  {'op returned -> consumer runs':<30}{med(hand) * 1e6:>8.0f} / "
+                 f"{p90(hand) * 1e6:<8.0f} µs   (its compute stream idle meanwhile)")
+    raw = ranks[0]["raw"]
+    lines.append(f"raw MPI, {ranks[0]['nbytes']} B one way (ranks 0-1, same job): blocking "
+                 f"{raw['blocking'] * 1e6:.0f} µs (spins), Irecv + Test with the backoff "
+                 f"{raw['polled'] * 1e6:.0f} µs")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", type=int, nargs="+", default=[64, 1024])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--worker", nargs=2, metavar=("CFG", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker[0]), args.worker[1])
+        return 0
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        print("needs mpi4py and mpiexec (pip install -e '.[mpi]')")
+        return 1
+    print(machine_line())
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+    for width in args.widths:
+        cfg = {"width": width, "steps": args.steps, "warmup": args.warmup}
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "profile.json")
+            subprocess.run([mpiexec, "-n", str(STAGES), sys.executable, __file__, "--worker",
+                            json.dumps(cfg), out], env=env, check=True, timeout=900,
+                           capture_output=True)
+            print(report(width, json.loads(Path(out).read_text())))
+            print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
