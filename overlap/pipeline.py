@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
+from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph, TransferOp
 from scheduler.graph import buffers_used, input_channel, output_channel
 from scheduler.lowering import channels
 
@@ -190,9 +190,16 @@ def launch_step(
     seconds each compute must take at least (compute emulation: the stream stays busy, as a
     GPU kernel of that length would keep it)."""
     state = StepState() if state is None else state
-    for channel, b, _, _ in channels(boundaries):  # one communicator each (CUDA, MPI)
-        backend.declare_group(str(channel),
-                              (*b.producer.mesh.device_ids, *b.consumer.mesh.device_ids))
+    # One communicator per channel stream (CUDA, MPI): a channel's, and one per lane > 0 of
+    # its plan (every process declares them in the same order).
+    lanes: dict[str, set[str]] = {}
+    for op in graph.ops:
+        if isinstance(op.body, TransferOp) and op.body.channel is not None:
+            lanes.setdefault(str(op.body.channel), set()).add(op.stream)
+    for channel, b, _, _ in channels(boundaries):
+        for name in sorted(lanes.get(str(channel), {str(channel)})):
+            backend.declare_group(name, (*b.producer.mesh.device_ids,
+                                         *b.consumer.mesh.device_ids))
     # Groups stage collectives may use: every mesh and every mesh axis group of it.
     backend.declare_subgroups("compute", sorted({g for st in stages for g in mesh_groups(st.mesh)}))
     binder = _Binder(backend, state, stages, boundaries, microbatches,
@@ -261,7 +268,7 @@ class _Binder:
         src, dst, dtype, shards, outs = self._buffers_of(channel, body.microbatch)
         t = body.transfer
         return transfer_op(self.backend, t.region, t.sender, t.receivers, device, src, dst,
-                           shards, outs, dtype, str(body), str(channel), op.id)
+                           shards, outs, dtype, str(body), op.stream, op.id)
 
     def _buffers_of(self, channel: Channel, microbatch: int) -> tuple[Any, ...]:
         """What every transfer of one (channel, microbatch) reads and writes — the regions per

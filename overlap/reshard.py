@@ -150,13 +150,15 @@ def launch_reshard(
         graph = reshard_graph(plan, stream)
     src = plan.src.device_regions(plan.shape)
     dst = plan.dst.device_regions(plan.shape)
-    backend.declare_group(stream, (*src, *dst))
+    # One namespace per comm stream (a lane's own communicator), in one order everywhere.
+    for name in sorted({op.stream for op in graph.ops}):
+        backend.declare_group(name, (*src, *dst))
     dtype = np.dtype(plan.dtype)
 
     def bind(op: Op, device: int) -> Callable[[], None]:
         t = op.body.transfer  # type: ignore[union-attr]
         return transfer_op(backend, t.region, t.sender, t.receivers, device, src, dst, shards,
-                           outs, dtype, f"#{op.id}", stream, tag_base + op.id)
+                           outs, dtype, f"#{op.id}", op.stream, tag_base + op.id)
 
     return launch(backend, graph, bind)
 

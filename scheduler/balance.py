@@ -112,7 +112,7 @@ def balance_sends(
         assignment = _list_schedule(assignment, sends, ports, budget=budget)
     else:
         raise ValueError(f"balance: unknown {mode!r}; choose one of {BALANCES}")
-    return [(i, piece, dev, sends[i].receivers, ()) for i, piece, dev in assignment], stats
+    return [(i, piece, dev, sends[i].receivers, (), 0) for i, piece, dev in assignment], stats
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -420,8 +420,8 @@ def _list_schedule_once(assignment, sends, ports, rule) -> tuple[float, list[int
 
 def _transfers(pieces: Pieces, itemsize: Sequence[int]) -> list[Transfer]:
     return [
-        Transfer(piece, dev, receivers, volume(piece) * itemsize[i], after)
-        for i, piece, dev, receivers, after in pieces
+        Transfer(piece, dev, receivers, volume(piece) * itemsize[i], after, lane)
+        for i, piece, dev, receivers, after, lane in pieces
     ]
 
 
@@ -432,7 +432,8 @@ def _replay(
     the paper's sequential model (:func:`~scheduler.cost.paper_model_transfers`)."""
     shift = len(before)
     transfers = list(before) + [
-        Transfer(t.region, t.sender, t.receivers, t.nbytes, tuple(j + shift for j in t.after))
+        Transfer(t.region, t.sender, t.receivers, t.nbytes, tuple(j + shift for j in t.after),
+                 t.lane)
         for t in _transfers(pieces, itemsize)
     ]
     return (max(x.end for x in CostModel(cluster).run(transfers)),
@@ -482,7 +483,7 @@ def _nic_exclusive(pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]) ->
     model = CostModel(cluster)
     last_on: dict[tuple[str, int], int] = {}
     out: Pieces = []
-    for k, (i, piece, dev, receivers, _) in enumerate(pieces):
+    for k, (i, piece, dev, receivers, _, lane) in enumerate(pieces):
         t_devices = {dev, *receivers}
         deps = []
         cost = model.cost_of(dev, receivers, volume(piece) * itemsize[i])
@@ -493,7 +494,36 @@ def _nic_exclusive(pieces: Pieces, cluster: Cluster, itemsize: Sequence[int]) ->
             if j is not None and t_devices.isdisjoint({out[j][2], *out[j][3]}):
                 deps.append(j)
             last_on[p] = k
-        out.append((i, piece, dev, receivers, tuple(sorted(set(deps)))))
+        out.append((i, piece, dev, receivers, tuple(sorted(set(deps))), lane))
+    return out
+
+
+MAX_LANES = 8  # comm streams a device may run side by side for one resharding
+
+
+def _lanes_for(pieces: Pieces) -> int:
+    """How many lanes would let a device run all its pieces at once (at most MAX_LANES):
+    the most pieces any device takes part in."""
+    count: dict[int, int] = defaultdict(int)
+    for _, _, dev, receivers, _, _ in pieces:
+        for d in (dev, *receivers):
+            count[d] += 1
+    return min(MAX_LANES, max(count.values(), default=1))
+
+
+def _with_lanes(pieces: Pieces, lanes: int) -> Pieces:
+    """The same pieces in the same order, spread over ``lanes`` comm streams per device: each
+    takes the lane its devices have used least so far (the lowest on a tie), so pieces of one
+    device run side by side and their latencies overlap; ``after`` is dropped (lanes, not
+    exclusive ports, shape this variant)."""
+    used: dict[tuple[int, int], int] = defaultdict(int)
+    out: Pieces = []
+    for i, piece, dev, receivers, _, _ in pieces:
+        devices = (dev, *receivers)
+        lane = min(range(lanes), key=lambda k: (max(used[(d, k)] for d in devices), k))
+        for d in devices:
+            used[(d, lane)] += 1
+        out.append((i, piece, dev, receivers, (), lane))
     return out
 
 
@@ -554,14 +584,14 @@ def _auto(
     candidates = ((label, name, build, len(vsends)) for label, vsends, origin in variants
                   for name, build in _auto_builders(vsends, origin, cluster, ready, seed))
     most = _AUTO_CANDIDATES * len(variants)
-    # The budget is shared: costing a candidate draws its 3 replays of k pieces (3 (k^2 // 64
+    # The budget is shared: costing a candidate draws its 5 replays of k pieces (5 (k^2 // 64
     # + k) units) from what is left, and building it gets an even part of the rest.
     left = budget
     best: tuple[tuple[float, float, int], str, Pieces] | None = None
     first: Pieces | None = None
     estimates: dict[str, float] = {}
     for n, (label, name, build, k) in enumerate(candidates):
-        costing = 3 * (k * k // 64 + k)
+        costing = 5 * (k * k // 64 + k)
         if first is not None and left < costing:
             break
         building = max(1, (left - costing) // max(1, most - n))
@@ -571,11 +601,14 @@ def _auto(
             first = cand
             if left < 0:
                 return first, {"auto_choice": f"{label}/{name} (uncosted: over budget)"}
-        for suffix, ordered in (
-            ("", cand),
-            ("+exclusive", _nic_exclusive(cand, cluster, itemsize)),
-            ("+fluid", _fluid_order(cand, cluster, itemsize, ready)),
-        ):
+        fluid = _fluid_order(cand, cluster, itemsize, ready)
+        lanes = _lanes_for(cand)
+        variants = [("", cand), ("+exclusive", _nic_exclusive(cand, cluster, itemsize)),
+                    ("+fluid", fluid)]
+        if lanes > 1:  # a device's pieces side by side: latencies paid at once
+            variants += [(f"+lanes{lanes}", _with_lanes(cand, lanes)),
+                         (f"+fluid+lanes{lanes}", _with_lanes(fluid, lanes))]
+        for suffix, ordered in variants:
             t, paper = _replay(ordered, cluster, itemsize, before)
             estimates[f"{label}/{name}{suffix}"] = t
             # Good under both models: the worse of the two (one lower bound judges both;
@@ -607,7 +640,8 @@ def _auto_builders(vsends: list[Send], origin: list[int], cluster: Cluster,
     ports = _Ports(vsends, cluster, ready)
 
     def lift(assignment: Assignment) -> Pieces:
-        return [(origin[i], piece, dev, vsends[i].receivers, ()) for i, piece, dev in assignment]
+        return [(origin[i], piece, dev, vsends[i].receivers, (), 0)
+                for i, piece, dev in assignment]
 
     base = _split_assignment(vsends, ports, passes=8, min_piece=0.02)
     yield "split", lambda b: lift(_list_schedule(base, vsends, ports, budget=b))

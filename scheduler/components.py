@@ -116,12 +116,12 @@ def rename(pieces: Pieces, rep: Component, comp: Component,
     devmap = dict(zip(rep.devices, comp.devices))
     sendmap = dict(zip(rep.sends, comp.sends))
     out: Pieces = []
-    for i, piece, dev, receivers, after in pieces:
+    for i, piece, dev, receivers, after, lane in pieces:
         j = sendmap[i]
         src, dst = sends[i].region, sends[j].region
         moved = tuple((b0 + a - a0, b0 + b - a0)
                       for (a, b), (a0, _), (b0, _) in zip(piece, src, dst))
-        out.append((j, moved, devmap[dev], tuple(devmap[r] for r in receivers), after))
+        out.append((j, moved, devmap[dev], tuple(devmap[r] for r in receivers), after, lane))
     return out
 
 
@@ -131,9 +131,9 @@ def interleave(parts: Sequence[Pieces]) -> Pieces:
     order = sorted(((k, c) for c, p in enumerate(parts) for k in range(len(p))))
     position = {key: n for n, key in enumerate(order)}
     return [
-        (i, piece, dev, receivers, tuple(position[(a, c)] for a in after))
+        (i, piece, dev, receivers, tuple(position[(a, c)] for a in after), lane)
         for k, c in order
-        for i, piece, dev, receivers, after in (parts[c][k],)
+        for i, piece, dev, receivers, after, lane in (parts[c][k],)
     ]
 
 
@@ -157,7 +157,7 @@ def plan_by_class(
         local, stats = plan_one([sends[i] for i in rep.sends],
                                 [before[j] for j in rep.before], share)
         # plan_one numbers sends 0..n-1 within the component: back to the planner's indices.
-        pieces = [(rep.sends[i], piece, dev, recv, after) for i, piece, dev, recv, after in local]
+        pieces = [(rep.sends[i], *rest) for i, *rest in local]
         for comp in group:
             parts[comp] = pieces if comp is rep else rename(pieces, rep, comp, sends)
         choice = str(stats.get("auto_choice", "?"))

@@ -150,10 +150,13 @@ class CostModel:
     # ---- many transfers ------------------------------------------------------------------
 
     def run(self, transfers: Sequence[Transfer]) -> list[TransferTiming]:
-        """Start and end time of every transfer, launched in order on per-device streams."""
+        """Start and end time of every transfer, launched in order on per-device streams
+        (one per lane)."""
         return self.run_costs(
             [self.transfer_cost(t) for t in transfers],
-            [t.devices for t in transfers],
+            # A device's streams: one FIFO per lane (lanes of a device run side by side).
+            [t.devices if not t.lane else tuple((d, t.lane) for d in t.devices)
+             for t in transfers],
             after=[t.after for t in transfers],
         )
 

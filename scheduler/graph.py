@@ -16,7 +16,9 @@ devices, on their lanes of the channel's stream. Dependencies are explicit:
   ``dst`` waits for the end of ``op`` recorded on its lane on device ``src``. A data
   dependency is an event on one device (a compute waits for the transfers that deliver its
   input there; a transfer's sender waits for the compute that produced what it sends);
-  a plan's ``Transfer.after`` is one between the two transfers' senders.
+  a plan's ``Transfer.after`` is one between the two transfers' senders (or on the later
+  sender alone, when it took part in the earlier transfer). A transfer on lane k > 0 runs on
+  stream ``<stream>.<k>`` of each participant (:func:`lane_stream`).
 
 Op ids are positions in ``ops``; the lowering numbers ops in one global launch order (a
 dependency order), so they are stable for the same inputs and name the same op in the
@@ -463,10 +465,20 @@ def transfer_ops(plan: ReshardPlan, channel: Channel | None, microbatch: int, st
         if ready is not None and t.sender in ready:
             waits.append(ready[t.sender])
         for j in t.after:
-            waits.append(Dep(first_id + j, plan.transfers[j].sender, t.sender))
-        ops.append(Op(first_id + k, TransferOp(channel, microbatch, k, t), stream, t.devices,
-                      tuple(waits)))
+            # The sender's own part when it took part (what it forwards landed there), else
+            # the earlier transfer's sender (an order between NICs).
+            earlier = plan.transfers[j]
+            src = t.sender if t.sender in earlier.devices else earlier.sender
+            waits.append(Dep(first_id + j, src, t.sender))
+        ops.append(Op(first_id + k, TransferOp(channel, microbatch, k, t), lane_stream(stream, t),
+                      t.devices, tuple(waits)))
     return ops
+
+
+def lane_stream(stream: str, t: Transfer) -> str:
+    """The comm stream transfer ``t`` runs on: ``stream`` itself for lane 0, else
+    ``stream.<lane>`` (its own FIFO on every participant, and its own communicator)."""
+    return f"{stream}.{t.lane}" if t.lane else stream
 
 
 def lanes_of(ops: Iterable[Op]) -> dict[Lane, tuple[int, ...]]:

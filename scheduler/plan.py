@@ -25,7 +25,14 @@ class Transfer:
     destination buffer. ``after`` names earlier transfers (plan indices) that must end before
     this one starts, beyond the FIFO order of each device's stream: the planner uses it to
     keep a NIC serving one transfer at a time where its schedule says so (a runtime waits on
-    their completion events).
+    their completion events; on the sender's own part of a transfer it took part in).
+
+    ``lane``: the comm stream of each participant that runs it — transfers on different
+    lanes of a device run side by side (as NCCL operations on different streams do), so a
+    device that receives many small pieces from different senders pays their latencies at
+    once instead of one after another; the transfers of one lane run in plan order. A sender
+    that forwards what an earlier transfer brought it must be on that transfer's lane or
+    name it in ``after`` (:meth:`ReshardPlan.check`).
     """
 
     region: Region
@@ -33,6 +40,7 @@ class Transfer:
     receivers: tuple[int, ...]
     nbytes: int
     after: tuple[int, ...] = ()
+    lane: int = 0
 
     @property
     def is_local_copy(self) -> bool:
@@ -52,6 +60,7 @@ class Transfer:
             "receivers": list(self.receivers),
             "nbytes": self.nbytes,
             **({"after": list(self.after)} if self.after else {}),
+            **({"lane": self.lane} if self.lane else {}),
         }
 
     @classmethod
@@ -62,6 +71,7 @@ class Transfer:
             receivers=tuple(int(r) for r in data["receivers"]),
             nbytes=int(data["nbytes"]),
             after=tuple(int(j) for j in data.get("after", ())),
+            lane=int(data.get("lane", 0)),
         )
 
     def __str__(self) -> str:
@@ -69,7 +79,8 @@ class Transfer:
             return f"copy {fmt_region(self.region)} on {self.sender} ({self.nbytes} B)"
         to = ",".join(map(str, self.receivers))
         dep = f" after {','.join(map(str, self.after))}" if self.after else ""
-        return f"{fmt_region(self.region)} {self.sender} -> {to} ({self.nbytes} B){dep}"
+        lane = f" lane {self.lane}" if self.lane else ""
+        return f"{fmt_region(self.region)} {self.sender} -> {to} ({self.nbytes} B){dep}{lane}"
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,7 @@ class ReshardPlan:
 
         held: dict[int, np.ndarray] = {}
         got: dict[int, np.ndarray] = {}
+        brought: dict[int, list[tuple[int, int, tuple[slice, ...]]]] = {}  # (i, lane, cells)
 
         def holding(dev: int) -> np.ndarray:
             if dev not in held:
@@ -148,6 +160,7 @@ class ReshardPlan:
             box = cells(t.region)
             if not holding(t.sender)[box].all():
                 raise PlanError(f"transfer {i} ({t}): sender {t.sender} does not hold the region")
+            _check_lane(i, t, box, brought.get(t.sender, ()))
             if len(set(t.receivers)) != len(t.receivers):
                 raise PlanError(f"transfer {i} ({t}): repeated receiver")
             if t.sender in t.receivers and not t.is_local_copy:
@@ -162,6 +175,8 @@ class ReshardPlan:
                 g = got.setdefault(r, np.zeros(grid, dtype=np.int32))
                 g[box] += 1
                 holding(r)[box] = True
+                if r != t.sender:
+                    brought.setdefault(r, []).append((i, t.lane, box))
         for dev, region in dst_regions.items():
             want = np.zeros(grid, dtype=np.int32)
             want[cells(region)] = 1
@@ -228,6 +243,21 @@ class ReshardPlan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _check_lane(i: int, t: Transfer, box: tuple[slice, ...],
+                brought: Sequence[tuple[int, int, tuple[slice, ...]]]) -> None:
+    """Transfer ``i`` runs on a valid lane, after every earlier transfer on another lane
+    that brought its sender part of what it sends (``brought``: (index, lane, cells))."""
+    if isinstance(t.lane, bool) or not isinstance(t.lane, int) or t.lane < 0:
+        raise PlanError(f"transfer {i} ({t}): lane must be an int >= 0, got {t.lane!r}")
+    for j, lane, where in brought:
+        overlaps = all(x.start < y.stop and y.start < x.stop for x, y in zip(where, box))
+        if lane != t.lane and j not in t.after and overlaps:
+            raise PlanError(
+                f"transfer {i} ({t}): sender {t.sender} forwards what transfer {j} brought it "
+                f"on lane {lane}, but runs on lane {t.lane} without waiting for it (put it on "
+                f"lane {lane}, or name {j} in 'after')")
 
 
 def fmt_bytes(n: float) -> str:

@@ -90,15 +90,20 @@ def plan_resharding(
                                    budget=options.budget, before=parts.before)
     transfers = list(parts.before)
     offset = len(transfers)
-    for _, region, sender, receivers, after in ordered:
+    for _, region, sender, receivers, after, lane in ordered:
         transfers.append(
             Transfer(region, sender, receivers, volume(region) * dt.itemsize,
-                     tuple(offset + j for j in after))
+                     tuple(offset + j for j in after), lane)
         )
+    brought: dict[int, list[int]] = {}  # send index -> the plan's transfers of it
+    for k, entry in enumerate(ordered):
+        brought.setdefault(entry[0], []).append(offset + k)
     for idx, region, local in parts.after:
-        # The all-gather step of local_allgather: the slice's receiver forwards it on-host.
+        # The all-gather step of local_allgather: the slice's receiver forwards it on-host,
+        # once what it forwards has landed (on whichever lane that came).
         owner = parts.sends[idx].receivers[0]
-        transfers.append(Transfer(region, owner, local, volume(region) * dt.itemsize))
+        transfers.append(Transfer(region, owner, local, volume(region) * dt.itemsize,
+                                  tuple(brought.get(idx, ()))))
     return ReshardPlan(
         shape=tuple(int(n) for n in shape),
         dtype=dt.name,

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from .regions import Region
 
 Assignment = list[tuple[int, Region, int]]  # (send index, piece, sender), in launch order
-# What the planner gets back, in launch order: (send index, piece, sender, receivers, after),
-# ``after`` naming earlier entries of the same list that must end first.
-Pieces = list[tuple[int, Region, int, tuple[int, ...], tuple[int, ...]]]
+# What the planner gets back, in launch order: (send index, piece, sender, receivers, after,
+# lane), ``after`` naming earlier entries of the same list that must end first, ``lane`` the
+# comm stream it runs on (``Transfer.lane``).
+Pieces = list[tuple[int, Region, int, tuple[int, ...], tuple[int, ...], int]]
 
 
 @dataclass(frozen=True)

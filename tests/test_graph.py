@@ -136,8 +136,9 @@ def test_one_transfer_op_per_plan_transfer(lowered, name):
             ops = [graph.ops[i] for i in transfers_of(graph, channel, mb)]
             assert [op.body.transfer for op in ops] == list(plan.transfers)
             assert [op.body.index for op in ops] == list(range(len(plan.transfers)))
-            for op in ops:
-                assert op.stream == str(channel)
+            for op in ops:  # the channel's stream, or its lane's
+                lane = op.body.transfer.lane
+                assert op.stream == (f"{channel}.{lane}" if lane else str(channel))
                 assert op.devices == op.body.transfer.devices
         assert plan.src.mesh == graph.stages[channel.src_stage]
         assert plan.dst.mesh == graph.stages[channel.dst_stage]
@@ -173,10 +174,13 @@ def test_lanes_per_device(lowered, name):
     for d in graph.devices:
         s = graph.stage_of(d)
         want = {f"{k}{b}" for k in ("fwd", "bwd") for b in (s - 1, s) if 0 <= b < NUM_STAGES - 1}
-        assert list(graph.program(d)) == [COMPUTE, *sorted(want)]
+        streams = list(graph.program(d))
+        assert streams[0] == COMPUTE and streams[1:] == sorted(streams[1:])
+        # A channel's stream, and one per lane of its plan ("fwd0.2"): named after it.
+        assert {x.split(".")[0] for x in streams[1:]} == want
         for stream, ids in graph.program(d).items():
             if stream != COMPUTE:
-                assert {str(graph.ops[i].body.channel) for i in ids} == {stream}
+                assert {str(graph.ops[i].body.channel) for i in ids} == {stream.split(".")[0]}
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -350,7 +354,8 @@ def test_reshard_graph_is_the_plan_in_order():
                            cluster)
     graph = reshard_graph(plan, "comm")
     assert [op.body.transfer for op in graph.ops] == list(plan.transfers)
-    assert all(op.stream == "comm" and op.body.channel is None for op in graph.ops)
+    assert all(op.stream == (f"comm.{op.body.transfer.lane}" if op.body.transfer.lane
+                             else "comm") and op.body.channel is None for op in graph.ops)
     assert graph.plans == {None: plan}
     validate(graph)
     assert StepGraph.from_json(graph.to_json()) == graph

@@ -695,7 +695,9 @@ def test_simulating_a_resharding_is_the_plans_estimate():
         tl = simulate(reshard_graph(plan), cluster, {})
         assert tl.iteration_time == approx(estimate(plan, cluster))
         assert {s.op for s in tl.spans} == set(range(len(plan.transfers)))
-        assert all(s.stream == "comm" and s.kind == "comm" for s in tl.spans)
+        lanes = {t.lane for t in plan.transfers}
+        assert {s.stream for s in tl.spans} == {f"comm.{k}" if k else "comm" for k in lanes}
+        assert all(s.kind == "comm" for s in tl.spans)
 
 
 def test_spans_carry_op_ids_and_exposed_comm_follows_edges():
