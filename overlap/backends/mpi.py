@@ -13,7 +13,8 @@ pipeline boundary in each direction, each stream name a standalone resharding us
 stage collectives, one for the runtime's own small messages and one for failure notices; all
 are duplicates of ``COMM_WORLD`` created on the main thread in the same order on every rank.
 A pipeline of p stages uses 2 (p − 1) + 3 of them whatever its plans' device sets (plus one
-for the NCCL bootstrap on the GPU flavour).
+for the NCCL bootstrap on the GPU flavour), and one more per lane above 0 a channel's plan
+uses (``Transfer.lane``: a lane is a stream of its own, so a namespace of its own).
 
 **Matching by tag, not by order.** Within a channel every transfer has a global index (the
 resharding's id × transfers per plan + its index in the plan); it is the MPI tag of its
