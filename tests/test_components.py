@@ -11,7 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_properties import paint
 
-from scheduler import Cluster, PlanOptions, Sharding, ShardingSpec, estimate, plan_resharding
+from scheduler import (
+    Cluster,
+    PlanOptions,
+    Sharding,
+    ShardingSpec,
+    estimate,
+    lower_bound,
+    plan_resharding,
+)
 from scheduler.components import interleave
 from scheduler.tasks import _overlaps
 
@@ -115,3 +123,16 @@ def test_interleaving_keeps_each_wait_on_the_same_piece():
         tag, k = region[0]
         assert all(a < n for a in after)
         assert [merged[a][1][0] for a in after] == ([(tag, k - 1)] if k else [])
+
+
+def test_the_scale_case_plans_exactly_with_lanes_at_256_gpus():
+    # The scale benchmark's case (docs/benchmarks.md) at 32 DGX hosts: every transfer's
+    # sender holds its region, every destination GPU gets its region once, on 8 lanes.
+    cluster, src, dst = _case("dgx-h100", 16, (8192, 512, 4), ("gpu", None), ("host", "gpu"),
+                              (None, None), same_hosts=False)
+    plan = plan_resharding((8192, 512, 4), "float32", src, dst, cluster, PlanOptions())
+    plan.check()
+    assert (plan.stats["components"], plan.stats["classes"]) == (16, 1)
+    assert len(plan.transfers) == 16 * 64 and {t.lane for t in plan.transfers} == set(range(8))
+    assert estimate(plan, cluster) <= 1.01 * lower_bound((8192, 512, 4), "float32", src, dst,
+                                                         cluster)
