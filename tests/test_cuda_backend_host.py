@@ -18,6 +18,7 @@ from toy import ToyMLP, reference_step
 
 from overlap import Runtime, StreamError
 from overlap.errors import DeviceFault, DeviceTimeout
+from overlap.reshard import region_shape
 from scheduler import (
     SCHEDULES,
     STRATEGIES,
@@ -587,3 +588,33 @@ def test_waits_stuck_on_endless_kernels_never_starve_later_ones():
         asyncio.run(main())
     finally:
         gate.set()
+
+
+def test_a_laned_plan_runs_on_nccl_with_a_communicator_per_lane(monkeypatch):
+    # Four GPUs: devices 0 and 1 each send a piece to devices 2 and 3, on two lanes; each
+    # lane is a stream of its own on every GPU, with its own NCCL communicator. (The
+    # stand-in's NCCL issues calls but moves no bytes: the data itself is checked on the CPU
+    # backend, tests/test_lanes.py, and on a GPU by gpu_check.)
+    import dataclasses
+
+    monkeypatch.setattr(fake_cupy, "DEVICES", 4)
+    cluster = Cluster(2, 2, nic_gbps=100.0)
+    src = Sharding(DeviceMesh([0, 1], "x"), P("x"))
+    dst = Sharding(DeviceMesh([2, 3], "x"), P(None, "x"))
+    shape = (8, 6)
+    plan = plan_resharding(shape, "float32", src, dst, cluster, PlanOptions(balance="none"))
+    plan = dataclasses.replace(plan, transfers=tuple(
+        dataclasses.replace(t, lane=k % 2) for k, t in enumerate(plan.transfers)))
+    plan.check()
+    with Runtime(cluster, backend="cuda") as rt:
+        rt.backend.start_trace()
+        rt.reshard_sync(plan, {d: fake_cupy.zeros(region_shape(r), np.float32)
+                               for d, r in src.device_regions(shape).items()})
+        streams = {(r.device, r.stream) for r in rt.backend.trace}
+        namespaces = {ns for ns, _ in rt.backend._nccl}
+    lanes = {(d, "comm.1" if t.lane else "comm") for t in plan.transfers for d in t.devices}
+    assert streams == lanes and {s for _, s in lanes} == {"comm", "comm.1"}
+    assert namespaces == {"comm", "comm.1"}  # a communicator per lane
+    sends = [c for c in fake_cupy.nccl_calls if c[0] == "send"]
+    assert len(sends) == len(plan.transfers)
+    assert fake_cupy.concurrent_issue == []  # still one NCCL call at a time per GPU
