@@ -20,6 +20,7 @@ from scheduler import (
     ReshardPlan,
     Sharding,
     ShardingSpec,
+    StepGraph,
     Transfer,
     estimate,
     lower_bound,
@@ -110,6 +111,7 @@ def test_each_lane_is_a_stream_of_its_own_in_the_step_graph():
     validate(graph)
     assert {lane.stream for lane in graph.lanes if lane.device == 4} == {
         "comm", "comm.1", "comm.2", "comm.3"}
+    assert StepGraph.from_json(graph.to_json()) == graph  # the lanes survive a round trip
 
 
 def test_the_planner_uses_lanes_where_latencies_dominate():
