@@ -160,7 +160,7 @@ class ReshardPlan:
             box = cells(t.region)
             if not holding(t.sender)[box].all():
                 raise PlanError(f"transfer {i} ({t}): sender {t.sender} does not hold the region")
-            _check_lane(i, t, box, brought.get(t.sender, ()))
+            _check_lane(i, t, box, src_regions.get(t.sender), brought.get(t.sender, ()))
             if len(set(t.receivers)) != len(t.receivers):
                 raise PlanError(f"transfer {i} ({t}): repeated receiver")
             if t.sender in t.receivers and not t.is_local_copy:
@@ -245,12 +245,16 @@ class ReshardPlan:
         return self.summary()
 
 
-def _check_lane(i: int, t: Transfer, box: tuple[slice, ...],
+def _check_lane(i: int, t: Transfer, box: tuple[slice, ...], own: Region | None,
                 brought: Sequence[tuple[int, int, tuple[slice, ...]]]) -> None:
     """Transfer ``i`` runs on a valid lane, after every earlier transfer on another lane
-    that brought its sender part of what it sends (``brought``: (index, lane, cells))."""
+    that brought its sender part of what it sends (``brought``: (index, lane, cells)). A
+    sender whose source region (``own``) holds the region reads that, as the runtime does:
+    then no earlier transfer matters."""
     if isinstance(t.lane, bool) or not isinstance(t.lane, int) or t.lane < 0:
         raise PlanError(f"transfer {i} ({t}): lane must be an int >= 0, got {t.lane!r}")
+    if own is not None and contains(own, t.region):
+        return
     for j, lane, where in brought:
         overlaps = all(x.start < y.stop and y.start < x.stop for x, y in zip(where, box))
         if lane != t.lane and j not in t.after and overlaps:

@@ -171,3 +171,21 @@ def test_a_pipeline_with_laned_plans_trains_like_the_unlaned_one():
     assert l0 == l1 and sorted(g0) == sorted(g1)
     for k in g0:
         np.testing.assert_array_equal(g0[k], g1[k])
+
+
+def test_a_sender_that_holds_the_region_itself_needs_no_wait_across_lanes():
+    # Device 1 holds the tensor in the source layout and also receives it (on lane 1): it
+    # sends from its own shard (as the runtime does), so its lane-0 send waits for nothing.
+    src = Sharding(DeviceMesh([0, 1], "x"), ShardingSpec())
+    dst = Sharding(DeviceMesh([1, 2], "x"), ShardingSpec())
+    region = ((0, 8),)
+    plan = ReshardPlan((8,), "float32", src, dst, (
+        Transfer(region, 0, (1,), 32, lane=1),
+        Transfer(region, 1, (2,), 32),
+    ), "send_recv", "none")
+    plan.check()
+    glob = np.arange(8, dtype=np.float32)
+    with Runtime(Cluster(3, 1, nic_gbps=10.0)) as rt:
+        out = rt.reshard_sync(plan, {0: glob.copy(), 1: glob.copy()})
+    for d in (1, 2):
+        np.testing.assert_array_equal(out[d], glob)
