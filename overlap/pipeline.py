@@ -226,6 +226,7 @@ class _Binder:
         self.prod = [b.producer.device_regions(b.shape) for b in boundaries]
         self.cons = [b.consumer.device_regions(b.shape) for b in boundaries]
         self._buffers: dict[tuple[Channel, int], tuple[Any, ...]] = {}
+        self._make_lock = threading.Lock()  # a receive buffer is made once (see _Lazy)
 
     def __call__(self, op: Op, device: int) -> Callable[[], None]:
         run = self._bind(op, device)
@@ -282,8 +283,11 @@ class _Binder:
                         else (self.cons[b], self.prod[b]))
             dtype = np.dtype(self.boundaries[b].dtype)
             outs = _Lazy(self.state.recvs, key,
-                         lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype))
-            buffers = self._buffers[key] = (src, dst, dtype, _Lazy(self.state.sends, key), outs)
+                         lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype),
+                         self._make_lock)
+            # (setdefault: one value even when two threads got here first at once)
+            buffers = self._buffers.setdefault(
+                key, (src, dst, dtype, _Lazy(self.state.sends, key), outs))
         return buffers
 
     def _compute(self, c: Compute, d: int) -> Callable[[], None]:
@@ -388,16 +392,22 @@ def _emulated(fn: Callable[[], None], seconds: float) -> Callable[[], None]:
 
 class _Lazy(Mapping):
     """device -> buffer of one (channel, microbatch), read when the transfer runs (after the
-    compute); with ``make``, a missing buffer is created on first use."""
+    compute); with ``make``, a missing buffer is created on first use — under ``lock``: the
+    lanes of a channel are threads of their own, and two of one device may ask first at once
+    (a second buffer would lose what landed in the first)."""
 
     def __init__(self, table: dict[Slot, Any], key: tuple[Channel, int],
-                 make: Callable[[int], Any] | None = None) -> None:
+                 make: Callable[[int], Any] | None = None,
+                 lock: threading.Lock | None = None) -> None:
         self.table, self.key, self.make = table, key, make
+        self.lock = lock or threading.Lock()
 
     def __getitem__(self, d: int) -> Any:
         key = (*self.key, d)
         if key not in self.table and self.make is not None:
-            self.table[key] = self.make(d)
+            with self.lock:
+                if key not in self.table:
+                    self.table[key] = self.make(d)
         return self.table[key]
 
     def __iter__(self):

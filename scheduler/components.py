@@ -15,6 +15,7 @@ with the number of distinct classes, not with the cluster.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -137,6 +138,15 @@ def interleave(parts: Sequence[Pieces]) -> Pieces:
     ]
 
 
+def _local_work(comp: Component, before: Sequence[Transfer]) -> list[Transfer]:
+    """``comp``'s local work, its ``after`` renumbered within it (an order on hosts outside
+    the component cannot change its timing: they share nothing)."""
+    position = {j: k for k, j in enumerate(comp.before)}
+    return [dataclasses.replace(before[j], after=tuple(
+                position[a] for a in before[j].after if a in position))
+            if before[j].after else before[j] for j in comp.before]
+
+
 def plan_by_class(
     sends: Sequence[Send], before: Sequence[Transfer], cluster: Cluster, budget: int,
     plan_one: Callable[[list[Send], list[Transfer], int], tuple[Pieces, dict]],
@@ -154,8 +164,7 @@ def plan_by_class(
     for group in groups:
         rep = group[0]
         share = max(1, budget * len(rep.sends) // total)
-        local, stats = plan_one([sends[i] for i in rep.sends],
-                                [before[j] for j in rep.before], share)
+        local, stats = plan_one([sends[i] for i in rep.sends], _local_work(rep, before), share)
         # plan_one numbers sends 0..n-1 within the component: back to the planner's indices.
         pieces = [(rep.sends[i], *rest) for i, *rest in local]
         for comp in group:

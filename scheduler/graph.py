@@ -497,6 +497,9 @@ def reshard_graph(plan: ReshardPlan, stream: str = "comm") -> StepGraph:
     if not isinstance(stream, str) or not stream or stream == COMPUTE:
         raise ValueError(f"stream: expected a comm stream name other than {COMPUTE!r}, "
                          f"got {stream!r}")
+    if re.fullmatch(r".*\.\d+", stream):
+        raise ValueError(f"stream: {stream!r} ends like a lane's stream (<name>.<lane>); "
+                         "choose a name without a '.<number>' suffix")
     ops = transfer_ops(plan, None, 0, stream, 0)
     return StepGraph(tuple(ops), lanes_of(ops), plans={None: plan})
 

@@ -175,8 +175,7 @@ class ReshardPlan:
                 g = got.setdefault(r, np.zeros(grid, dtype=np.int32))
                 g[box] += 1
                 holding(r)[box] = True
-                if r != t.sender:
-                    brought.setdefault(r, []).append((i, t.lane, box))
+                brought.setdefault(r, []).append((i, t.lane, box))  # local copies too
         for dev, region in dst_regions.items():
             want = np.zeros(grid, dtype=np.int32)
             want[cells(region)] = 1

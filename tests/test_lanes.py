@@ -189,3 +189,55 @@ def test_a_sender_that_holds_the_region_itself_needs_no_wait_across_lanes():
         out = rt.reshard_sync(plan, {0: glob.copy(), 1: glob.copy()})
     for d in (1, 2):
         np.testing.assert_array_equal(out[d], glob)
+
+
+def test_a_forward_must_also_wait_for_its_senders_own_local_copy_on_another_lane():
+    # Device 0 holds half the tensor and forwards all of it: the half it copies locally into
+    # its destination buffer (lane 1) must land first (found by review: it was not checked).
+    src = Sharding(DeviceMesh([0, 1], "x"), ShardingSpec("x"))
+    dst = Sharding(DeviceMesh([0, 2], "x"), ShardingSpec())
+    lo, hi, whole = ((0, 4),), ((4, 8),), ((0, 8),)
+    transfers = [Transfer(lo, 0, (0,), 16, lane=1), Transfer(hi, 1, (0,), 16),
+                 Transfer(whole, 0, (2,), 32)]
+    plan = ReshardPlan((8,), "float32", src, dst, tuple(transfers), "send_recv", "none")
+    with pytest.raises(PlanError, match="forwards what transfer 0 brought it on lane 1"):
+        plan.check()
+    transfers[2] = dataclasses.replace(transfers[2], after=(0,))
+    dataclasses.replace(plan, transfers=tuple(transfers)).check()
+
+
+def test_stream_names_that_look_like_a_lane_are_refused():
+    with pytest.raises(ValueError, match="ends like a lane's stream"):
+        reshard_graph(gather_plan(lanes=False), "comm.1")
+
+
+def test_two_lanes_of_one_device_make_its_receive_buffer_once(monkeypatch):
+    # Each lane is a thread; two of one device may ask for the (channel, microbatch) buffer
+    # first at once. A slow allocation (a device allocator can release the GIL) widens that
+    # window: a second buffer would lose what landed in the first (found by review).
+    import time as _time
+
+    from toy_mlp import CLUSTER, ToyMLP
+
+    from scheduler import lower, make_schedule
+
+    empty = np.empty
+
+    def run(slow: bool) -> list[float]:
+        toy = ToyMLP()
+        sched = make_schedule("1f1b", 4, 4)
+        base = lower(toy.meshes, toy.boundaries, sched, CLUSTER)
+        plans = {ch: dataclasses.replace(plan, transfers=tuple(
+            dataclasses.replace(t, lane=0 if t.is_local_copy else k % 3 + 1)
+            for k, t in enumerate(plan.transfers))) for ch, plan in base.plans.items()}
+        graph = lower(toy.meshes, toy.boundaries, sched, CLUSTER, plans=plans)
+        with Runtime(CLUSTER) as rt:
+            if slow:
+                monkeypatch.setattr(rt.backend.xp, "empty",
+                                    lambda *a, **k: (_time.sleep(0.005), empty(*a, **k))[1])
+            return rt.train_step_sync(toy.stages, toy.boundaries, toy.microbatches(4),
+                                      input_sharding=toy.input_sharding, graph=graph)
+
+    want = run(slow=False)
+    for _ in range(3):
+        assert run(slow=True) == want
