@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
-NEEDS = {"vs_torch_pipelining.py": "torch"}
+NEEDS = {"vs_torch_pipelining.py": "torch", "mpi_step_profile.py": "torch"}
 
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=[p.name for p in BENCHMARKS])
