@@ -141,6 +141,25 @@ def one_process(plans: list, spec: Path, chunk_bytes: int | None = None
     return single
 
 
+@pytest.mark.parametrize("n", [4, 2])
+def test_laned_plans_across_processes_equal_one_process_bit_for_bit(tmp_path, n):
+    """Every transfer that crosses devices moved to a lane of its own (1-3): each lane is a
+    stream and a communicator of its own on every rank, and the data arrives as in one
+    process (with 2 ranks, two devices of a rank share each lane's namespace)."""
+    import dataclasses
+
+    plans = [dataclasses.replace(p, transfers=tuple(
+        t if t.is_local_copy or t.after else dataclasses.replace(t, lane=k % 3 + 1)
+        for k, t in enumerate(p.transfers))) for p in fixed_plans()]
+    for p in plans:
+        p.check()
+    assert any(t.lane for p in plans for t in p.transfers)
+    single = one_process(plans, tmp_path / "cases.json")
+    done, _ = mpiexec(n, "reshard", str(tmp_path), str(tmp_path / "cases.json"))
+    assert done.returncode == 0, verdicts(done.stderr)
+    assert_same_as_single(outputs(tmp_path, n), single)
+
+
 @pytest.mark.parametrize("n,chunk", [(4, None), (2, None), (2, 5)])
 def test_strided_destinations_across_processes(tmp_path, n, chunk):
     single = one_process(fixed_plans(), tmp_path / "cases.json", chunk)
