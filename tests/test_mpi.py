@@ -337,6 +337,20 @@ def test_every_cross_rank_hop_is_timed_in_order(tmp_path):
         assert sent[key][0] == nbytes and sent[key][1] <= landed, key
 
 
+def test_a_receive_posted_long_before_its_send_polls_less_once_it_knows_the_wait(tmp_path):
+    """Rank 0 sends ~30 ms after the others post their receives, six calls in a row. From
+    the second call a receive sleeps through half the wait it saw before (instead of testing
+    every 20-200 µs all along): far fewer tests — and none of that without the adaptive wait."""
+    polls = {}
+    for mode in ("adaptive", "backoff"):
+        done, _ = mpiexec(2, "early", str(tmp_path), mode)
+        assert done.returncode == 0, verdicts(done.stderr)
+        polls[mode] = outputs(tmp_path, 2)[1]["polls"]  # rank 1's receives (2 hops a call)
+        assert len(polls[mode]) == 12
+    # The last two calls: the wait is learned by then.
+    assert np.median(polls["adaptive"][-4:]) < 0.8 * np.median(polls["backoff"][-4:]), polls
+
+
 # ---- ranks that leave, and the fault matrix across processes -------------------------------
 
 

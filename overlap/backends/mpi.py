@@ -41,7 +41,10 @@ on every rank, so results are bit-for-bit those of the one-process backend.
 (20 µs doubling to 200 µs); the asyncio loop never calls a blocking MPI function. Blocking MPI
 calls busy-poll inside the library, which on a machine with fewer cores than ranks starves
 the very processes that must make progress; ``benchmarks/mpi_reshard.py`` measures this
-choice against spinning and against a fixed sleep.
+choice against spinning and against a fixed sleep. A receive is usually posted long before
+its sender sends (it waits for the pipeline), so it first sleeps through half the wait that
+receives from that peer on that communicator saw before (``adaptive_wait``; measured in
+``benchmarks/mpi_step_profile.py``: half the tests, −5 % CPU).
 
 **Failures.** A rank whose step fails tells every other rank (``RankFailed`` there, naming it
 and its error); a control thread per process listens for that. After a failure across
@@ -99,6 +102,10 @@ class MpiBackend(CpuBackend):
         # Set to a list to time every cross-rank hop this rank takes part in (a
         # ``HopTiming`` each; ``benchmarks/mpi_step_profile.py``); None: not timed.
         self.hop_timings: list[HopTiming] | None = None
+        # How long receives from a peer on a communicator waited for their first piece
+        # (a moving average): the next one sleeps through a part of that before it polls.
+        self._early: dict[tuple[int, int], float] = {}
+        self.adaptive_wait = True  # False: poll with the backoff from the start
 
     # ---- communicators -------------------------------------------------------------------
 
@@ -250,6 +257,11 @@ class MpiBackend(CpuBackend):
         seen = None  # when the last piece was seen landed (receivers)
         attempt = 0
         polls = 0
+        key = (id(comm), -1 if prev is None else prev)
+        # A receive is usually posted long before its sender sends (it waits for the
+        # pipeline): once, it sleeps through half the usual wait instead of testing all along.
+        quiet = (started + 0.5 * self._early.get(key, 0.0)
+                 if recvs and self.adaptive_wait else 0.0)
         try:
             while True:
                 moved = False
@@ -263,6 +275,9 @@ class MpiBackend(CpuBackend):
                     if nxt is not None:
                         sends.append(comm.Isend(pieces[landed], nxt, tag))
                     landed += 1
+                    if landed == 1 and recvs:
+                        waited = time.perf_counter() - started
+                        self._early[key] = 0.5 * (self._early.get(key, waited) + waited)
                     landed_to(min(n, landed * step))
                     moved = True
                     if landed == len(recvs):
@@ -278,6 +293,10 @@ class MpiBackend(CpuBackend):
                 who = (f"rank {prev} never sent it" if landed < len(recvs)
                        else f"rank {nxt} never received it")
                 self.dist.check(what, started, who, prev if landed < len(recvs) else nxt)
+                left = quiet - time.perf_counter() if landed == 0 else 0.0
+                if left > 0:
+                    time.sleep(min(2e-3, left))  # (in slices: the check above runs between)
+                    continue
                 self.dist.poll.pause(attempt)
                 attempt += 1
         except BaseException:

@@ -172,6 +172,16 @@ def main() -> int:
                 rt.close()
                 time.sleep(60)  # idle: the others must not wait for it
             rt.reshard_sync(plan, shards)
+        elif mode == "early":  # receives posted ~30 ms before rank 0 sends, six times
+            plan, shards = small_plan(cluster, rt)
+            rt.backend.adaptive_wait = sys.argv[3] == "adaptive"
+            rt.backend.hop_timings = []
+            for _ in range(6):
+                if rank == 0:
+                    time.sleep(0.03)
+                rt.reshard_sync(plan, shards)
+            saved["polls"] = np.array([h.polls for h in rt.backend.hop_timings
+                                       if h.prev is not None], dtype=np.int64)
         elif mode == "hops":  # every cross-rank hop of one resharding, timed
             plan, shards = small_plan(cluster, rt)
             rt.backend.hop_timings = []
