@@ -44,9 +44,10 @@ import numpy as np
 from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph, TransferOp
 from scheduler.graph import buffers_used, input_channel, output_channel
 from scheduler.lowering import channels
+from scheduler.regions import region_shape
 
 from .launch import launch
-from .reshard import region_shape, transfer_op
+from .reshard import transfer_op
 
 if TYPE_CHECKING:
     from .backends import Backend, Event

@@ -20,16 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from scheduler import Op, ReshardPlan, StepGraph, reshard_graph
-from scheduler.regions import Region, contains
+from scheduler.regions import Region, contains, region_shape
 
 from .launch import launch
 
 if TYPE_CHECKING:
     from .backends import Backend, Event
-
-
-def region_shape(region: Region) -> tuple[int, ...]:
-    return tuple(b - a for a, b in region)
 
 
 def _local(outer: Region, inner: Region) -> tuple[slice, ...]:

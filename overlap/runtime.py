@@ -49,6 +49,7 @@ from scheduler import (
 from scheduler.auto import check_caps
 from scheduler.errors import PlanError, check_seconds
 from scheduler.lowering import channels, plan_mismatch
+from scheduler.regions import region_shape
 from scheduler.timeline import span_meta
 from scheduler.validate import validate
 
@@ -63,7 +64,7 @@ from .errors import (
 from .nvtx import range_end, range_start
 from .pipeline import Stage, StepState, check_pipeline, check_split, launch_step
 from .profiling import profile_window
-from .reshard import BufferTable, check_outs, check_shards, launch_reshard, region_shape
+from .reshard import BufferTable, check_outs, check_shards, launch_reshard
 from .watch import Recovery, name_hang, wait_all
 from .world import Placement, World, detect_world
 

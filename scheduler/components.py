@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .cluster import Cluster
 from .plan import Transfer
-from .regions import Region
+from .regions import region_shape
 from .sends import Pieces, Send
 
 
@@ -75,10 +75,6 @@ def components(sends: Sequence[Send], before: Sequence[Transfer],
     return out
 
 
-def _extents(region: Region) -> tuple[int, ...]:
-    return tuple(b - a for a, b in region)
-
-
 def signature(comp: Component, sends: Sequence[Send], before: Sequence[Transfer],
               cluster: Cluster) -> tuple:
     """Equal for two components exactly when one is the other with its hosts renamed: each
@@ -91,13 +87,11 @@ def signature(comp: Component, sends: Sequence[Send], before: Sequence[Transfer]
     def local(devs: Sequence[int]) -> tuple[int, ...]:
         return tuple(hosts[d // g] * g + d % g for d in devs)
 
-    position = {j: k for k, j in enumerate(comp.before)}
     return (
-        tuple((_extents(sends[i].region), sends[i].nbytes, local(sends[i].holders),
+        tuple((region_shape(sends[i].region), sends[i].nbytes, local(sends[i].holders),
                local(sends[i].receivers)) for i in comp.sends),
-        tuple((_extents(before[j].region), before[j].nbytes, local((before[j].sender,)),
-               local(before[j].receivers), tuple(position.get(a, -1) for a in before[j].after))
-              for j in comp.before),
+        tuple((region_shape(t.region), t.nbytes, local((t.sender,)), local(t.receivers),
+               t.after) for t in _local_work(comp, before)),
     )
 
 

@@ -13,6 +13,11 @@ def volume(region: Region) -> int:
     return math.prod(max(0, b - a) for a, b in region)
 
 
+def region_shape(region: Region) -> tuple[int, ...]:
+    """The box's extent along each dim (the shape of an array that holds it)."""
+    return tuple(b - a for a, b in region)
+
+
 def is_empty(region: Region) -> bool:
     return any(b <= a for a, b in region)
 

@@ -18,7 +18,6 @@ from toy import ToyMLP, reference_step
 
 from overlap import Runtime, StreamError
 from overlap.errors import DeviceFault, DeviceTimeout
-from overlap.reshard import region_shape
 from scheduler import (
     SCHEDULES,
     STRATEGIES,
@@ -31,6 +30,7 @@ from scheduler import (
     make_schedule,
     plan_resharding,
 )
+from scheduler.regions import region_shape
 
 
 def on_device(model: ToyMLP) -> ToyMLP:
