@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PlanError, load_json
-from .regions import Region, contains, fmt_region, volume
+from .regions import Region, contains, fmt_region, intersect, volume
 from .sharding import Sharding
 
 
@@ -138,7 +138,7 @@ class ReshardPlan:
 
         held: dict[int, np.ndarray] = {}
         got: dict[int, np.ndarray] = {}
-        brought: dict[int, list[tuple[int, int, tuple[slice, ...]]]] = {}  # (i, lane, cells)
+        brought: dict[int, list[tuple[int, int, Region]]] = {}  # (i, lane, region)
 
         def holding(dev: int) -> np.ndarray:
             if dev not in held:
@@ -160,7 +160,7 @@ class ReshardPlan:
             box = cells(t.region)
             if not holding(t.sender)[box].all():
                 raise PlanError(f"transfer {i} ({t}): sender {t.sender} does not hold the region")
-            _check_lane(i, t, box, src_regions.get(t.sender), brought.get(t.sender, ()))
+            _check_lane(i, t, src_regions.get(t.sender), brought.get(t.sender, ()))
             if len(set(t.receivers)) != len(t.receivers):
                 raise PlanError(f"transfer {i} ({t}): repeated receiver")
             if t.sender in t.receivers and not t.is_local_copy:
@@ -175,7 +175,7 @@ class ReshardPlan:
                 g = got.setdefault(r, np.zeros(grid, dtype=np.int32))
                 g[box] += 1
                 holding(r)[box] = True
-                brought.setdefault(r, []).append((i, t.lane, box))  # local copies too
+                brought.setdefault(r, []).append((i, t.lane, t.region))  # local copies too
         for dev, region in dst_regions.items():
             want = np.zeros(grid, dtype=np.int32)
             want[cells(region)] = 1
@@ -244,10 +244,10 @@ class ReshardPlan:
         return self.summary()
 
 
-def _check_lane(i: int, t: Transfer, box: tuple[slice, ...], own: Region | None,
-                brought: Sequence[tuple[int, int, tuple[slice, ...]]]) -> None:
+def _check_lane(i: int, t: Transfer, own: Region | None,
+                brought: Sequence[tuple[int, int, Region]]) -> None:
     """Transfer ``i`` runs on a valid lane, after every earlier transfer on another lane
-    that brought its sender part of what it sends (``brought``: (index, lane, cells)). A
+    that brought its sender part of what it sends (``brought``: (index, lane, region)). A
     sender whose source region (``own``) holds the region reads that, as the runtime does:
     then no earlier transfer matters."""
     if isinstance(t.lane, bool) or not isinstance(t.lane, int) or t.lane < 0:
@@ -255,8 +255,7 @@ def _check_lane(i: int, t: Transfer, box: tuple[slice, ...], own: Region | None,
     if own is not None and contains(own, t.region):
         return
     for j, lane, where in brought:
-        overlaps = all(x.start < y.stop and y.start < x.stop for x, y in zip(where, box))
-        if lane != t.lane and j not in t.after and overlaps:
+        if lane != t.lane and j not in t.after and intersect(where, t.region) is not None:
             raise PlanError(
                 f"transfer {i} ({t}): sender {t.sender} forwards what transfer {j} brought it "
                 f"on lane {lane}, but runs on lane {t.lane} without waiting for it (put it on "
