@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph, TransferOp
+from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
 from scheduler.graph import buffers_used, input_channel, output_channel
 from scheduler.lowering import channels
 from scheduler.regions import region_shape
@@ -193,12 +193,8 @@ def launch_step(
     state = StepState() if state is None else state
     # One communicator per channel stream (CUDA, MPI): a channel's, and one per lane > 0 of
     # its plan (every process declares them in the same order).
-    lanes: dict[str, set[str]] = {}
-    for op in graph.ops:
-        if isinstance(op.body, TransferOp) and op.body.channel is not None:
-            lanes.setdefault(str(op.body.channel), set()).add(op.stream)
     for channel, b, _, _ in channels(boundaries):
-        for name in sorted(lanes.get(str(channel), {str(channel)})):
+        for name in graph.comm_streams.get(channel, (str(channel),)):
             backend.declare_group(name, (*b.producer.mesh.device_ids,
                                          *b.consumer.mesh.device_ids))
     # Groups stage collectives may use: every mesh and every mesh axis group of it.

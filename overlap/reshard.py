@@ -147,7 +147,7 @@ def launch_reshard(
     src = plan.src.device_regions(plan.shape)
     dst = plan.dst.device_regions(plan.shape)
     # One namespace per comm stream (a lane's own communicator), in one order everywhere.
-    for name in sorted({op.stream for op in graph.ops}):
+    for name in graph.comm_streams.get(None, (stream,)):
         backend.declare_group(name, (*src, *dst))
     dtype = np.dtype(plan.dtype)
 

@@ -278,6 +278,17 @@ class StepGraph:
         return users
 
     @cached_property
+    def comm_streams(self) -> dict[Channel | None, tuple[str, ...]]:
+        """Per plan (a channel, or None: a standalone resharding's) the comm streams its
+        transfers run on — its own and one per lane above 0 — sorted: a runtime declares a
+        communicator for each, in this one order on every process."""
+        streams: dict[Channel | None, set[str]] = {}
+        for op in self.ops:
+            if isinstance(op.body, TransferOp):
+                streams.setdefault(op.body.channel, set()).add(op.stream)
+        return {k: tuple(sorted(v)) for k, v in streams.items()}
+
+    @cached_property
     def by_key(self) -> dict[str, int]:
         """Op id by :attr:`Op.key`."""
         return {op.key: op.id for op in self.ops}
