@@ -343,13 +343,13 @@ class Schedule:
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage: {stage} is not in 0..{self.num_stages - 1}")
         r = self.rank_of(stage)
-        return _peak(a for a in self.actions[r] if self.stage_of(r, a) == stage)
+        return peak_live(a for a in self.actions[r] if self.stage_of(r, a) == stage)
 
     def peak_rank_activations(self, rank: int) -> int:
         """The same, over every stage of ``rank`` together."""
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank: {rank} is not in 0..{self.num_ranks - 1}")
-        return _peak(self.actions[rank])
+        return peak_live(self.actions[rank])
 
     def to_text(self) -> str:
         """One line per rank: ``s0: F0 F1 B0 …`` (one stage per rank), else torch's cells
@@ -456,7 +456,9 @@ class Schedule:
         return f"{self.name} (p={self.num_stages}, m={self.num_microbatches})\n{self.to_text()}"
 
 
-def _peak(actions: object) -> int:
+def peak_live(actions: object) -> int:
+    """Most microbatches alive at once along ``actions`` (anything with a ``kind``, in
+    order): an F adds one, a B or W frees one, an I frees nothing."""
     live = peak = 0
     for a in actions:  # type: ignore[attr-defined]
         live += 1 if a.kind == "F" else -1 if a.kind in "BW" else 0

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, overload
 
 from .graph import Compute, Op, TransferOp
+from .schedules import peak_live
 
 
 class Span(NamedTuple):
@@ -122,8 +123,8 @@ class Timeline:
 
     @cached_property
     def _exposed(self) -> dict[tuple[int, str | None], float]:
-        return {(d, direction): _exposed_on(spans, self.inputs, DIRECTIONS[direction])
-                for d, spans in self._by_device.items() for direction in DIRECTIONS}
+        """(device, direction) -> exposed seconds, each worked out when first asked."""
+        return {}
 
     def spans_of(self, device: int) -> list[Span]:
         return self._by_device.get(device, [])
@@ -163,7 +164,12 @@ class Timeline:
         """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction: expected 'fwd', 'bwd' or None, got {direction!r}")
-        return self._exposed.get((device, direction), 0.0)
+        key = (device, direction)
+        if key not in self._exposed:
+            spans = self._by_device.get(device)
+            self._exposed[key] = (0.0 if spans is None else
+                                  _exposed_on(spans, self.inputs, DIRECTIONS[direction]))
+        return self._exposed[key]
 
     @property
     def exposed_comm_fraction(self) -> float:
@@ -195,13 +201,9 @@ class Timeline:
         if not spans:
             raise ValueError(f"stage: no device runs stage {stage}")
         first = min(s.device for s in spans)
-        # Spans of one stream are kept in program order (ties in time keep their order).
-        live = peak = 0
-        for s in spans:
-            if s.device == first:
-                live += {"F": 1, "B": -1, "W": -1}.get(s.kind, 0)  # (I frees nothing)
-                peak = max(peak, live)
-        return peak
+        # Spans of one stream are kept in program order (ties in time keep their order); the
+        # count is the schedule's own (I frees nothing).
+        return peak_live(s for s in spans if s.device == first)
 
     def summary(self) -> dict[str, float]:
         return {

@@ -275,7 +275,7 @@ class MpiBackend(CpuBackend):
                     if nxt is not None:
                         sends.append(comm.Isend(pieces[landed], nxt, tag))
                     landed += 1
-                    if landed == 1 and recvs:
+                    if landed == 1:
                         waited = time.perf_counter() - started
                         self._early[key] = 0.5 * (self._early.get(key, waited) + waited)
                     landed_to(min(n, landed * step))
