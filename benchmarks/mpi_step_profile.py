@@ -42,24 +42,26 @@ from vs_torch_pipelining import STAGES, _mpiexec, make_batches, make_stages
 from scheduler.cli_common import machine_line
 
 MICROBATCHES, BATCH = 8, 256
-# A receive's first wait: sleeping through half the usual wait for its sender (the default),
-# or polling with the backoff from the start (before).
-VARIANTS = ("adaptive wait", "backoff only")
+# Who runs a transfer: any thread that needs it — the producer posts a send, the consumer
+# sees a receive land (``CpuBackend.helping``, the default) — or only its comm stream's own
+# thread (before: three thread hand-offs per hop).
+VARIANTS = ("helpers", "own threads")
 
 
 # ---- the worker (one per rank, under mpiexec) --------------------------------------------
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds so far of each live thread of this process, by thread name."""
+def thread_cpu() -> dict[str, tuple[float, int]]:
+    """CPU seconds so far of each live thread of this process, by thread name, and how many
+    times it was given a CPU (schedstat's third field: every wake-up counts one)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, int]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            ns = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
+            ns, _, runs = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:3]
+        except (OSError, ValueError):
             continue  # ended meanwhile
-        out[names.get(int(tid), f"thread {tid}")] = ns / 1e9
+        out[names.get(int(tid), f"thread {tid}")] = (int(ns) / 1e9, int(runs))
     return out
 
 
@@ -166,13 +168,14 @@ def worker(cfg: dict, out: str) -> None:
     # Variants take turns, step by step, so the shared machine's drift hits both alike.
     records: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     cpu: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
+    wakes: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
     span = dict.fromkeys(VARIANTS, 0.0)
     batches = make_batches(warmup + steps * len(VARIANTS), BATCH, cfg["width"])
     with overlap.Runtime(cluster) as rt:
         backend = rt.backend
         for k, (x, y) in enumerate(batches):
             variant = VARIANTS[k % len(VARIANTS)]
-            backend.adaptive_wait = variant == VARIANTS[0]
+            backend.helping = variant == VARIANTS[0]
             backend.hop_timings = []
             cpu0, c0 = thread_cpu(), time.perf_counter()
             opt.zero_grad()
@@ -185,14 +188,17 @@ def worker(cfg: dict, out: str) -> None:
                 continue
             records[variant].append(step_record(rt, t_call, t_ret, backend.hop_timings))
             span[variant] += (c1 - c0) / steps
-            for name, secs in cpu1.items():
+            for name, (secs, runs) in cpu1.items():
                 r = role(name)
-                cpu[variant][r] = cpu[variant].get(r, 0.0) + (secs - cpu0.get(name, 0.0)) / steps
-        backend.adaptive_wait = True
+                was, ran = cpu0.get(name, (0.0, 0))
+                cpu[variant][r] = cpu[variant].get(r, 0.0) + (secs - was) / steps
+                wakes[variant][r] = wakes[variant].get(r, 0.0) + (runs - ran) / steps
+        backend.helping = True
         backend.hop_timings = None
         nbytes = BATCH // MICROBATCHES * cfg["width"] * 4
         raw = raw_pingpong(backend.dist.comm, nbytes, 50, backend.dist.poll)
-    result = {"rank": rank, "records": records, "cpu": cpu, "span": span, "raw": raw,
+    result = {"rank": rank, "records": records, "cpu": cpu, "wakes": wakes, "span": span,
+              "raw": raw,
               "nbytes": nbytes}
     gathered = comm.gather(result, root=0)
     if rank == 0:
@@ -238,8 +244,8 @@ def hop_latencies(ranks: list[dict]) -> dict[str, list[float]]:
 def report(width: int, ranks: list[dict]) -> str:
     out, steps = [], {}
     for v in VARIANTS:
-        view = [{**r, "records": r["records"][v], "cpu": r["cpu"][v], "span": r["span"][v]}
-                for r in ranks]
+        view = [{**r, "records": r["records"][v], "cpu": r["cpu"][v], "span": r["span"][v],
+                 "wakes": r["wakes"][v]} for r in ranks]
         out.append(variant_report(f"width {width}, {v}", view))
         steps[v] = (med([x["wall"] for x in view[0]["records"]]),
                     sum(sum(r["cpu"].values()) for r in view))
@@ -271,8 +277,9 @@ def variant_report(title: str, ranks: list[dict]) -> str:
                  f"= {total / span:.2f} cores busy")
     for k in roles:
         per = [r["cpu"].get(k, 0.0) * ms for r in ranks]
+        runs = sum(r["wakes"].get(k, 0.0) for r in ranks)
         lines.append(f"  {k:<26}{sum(per):>7.1f} ms  (per rank: "
-                     f"{', '.join(f'{v:.1f}' for v in per)})")
+                     f"{', '.join(f'{v:.1f}' for v in per)}), {runs:.0f} wake-ups")
     lat = hop_latencies(ranks)
     lines.append(f"per transfer hop ({len(lat['polls per receive'])} matched), median / p90:")
     for k, v in lat.items():

@@ -16,14 +16,25 @@ only orders NIC use, never data).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler import COMPUTE, Op, StepGraph
 
 if TYPE_CHECKING:
     from .backends import Backend, Event
 
-Bind = Callable[[Op, int], Callable[[], None]]  # (op, device) -> that device's part of it
+Bind = Callable[[Op, int], Callable[[], Any]]  # (op, device) -> that device's part of it
+
+
+def stepped(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Mark ``fn`` as a stepped op's body: it returns an iterator of steps (see
+    ``CpuStream.launch``); :func:`launch` launches it so."""
+    fn.stepped = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_stepped(fn: Callable[[], Any]) -> bool:
+    return getattr(fn, "stepped", False) is True
 
 
 def launch(backend: Backend, graph: StepGraph, bind: Bind) -> list[Event]:
@@ -55,7 +66,9 @@ def launch(backend: Backend, graph: StepGraph, bind: Bind) -> list[Event]:
             for dep in op.waits:
                 if dep.dst == d and backend.is_local(dep.src):
                     stream.wait_event(event(dep.op, dep.src))
-            stream.launch(f"{op.body} on device {d}", bind(op, d), category=category, op=i)
+            fn = bind(op, d)
+            stream.launch(f"{op.body} on device {d}", fn, category=category, op=i,
+                          stepped=is_stepped(fn))
             if (i, d) in recorded:
                 stream.record(event=event(i, d))
         ends.append(stream.record(f"{lane} end"))

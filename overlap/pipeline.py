@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,7 @@ from scheduler.graph import buffers_used, input_channel, output_channel
 from scheduler.lowering import channels
 from scheduler.regions import region_shape
 
-from .launch import launch
+from .launch import is_stepped, launch, stepped
 from .reshard import transfer_op
 
 if TYPE_CHECKING:
@@ -225,9 +225,14 @@ class _Binder:
         self._buffers: dict[tuple[Channel, int], tuple[Any, ...]] = {}
         self._make_lock = threading.Lock()  # a receive buffer is made once (see _Lazy)
 
-    def __call__(self, op: Op, device: int) -> Callable[[], None]:
+    def __call__(self, op: Op, device: int) -> Callable[[], Any]:
         run = self._bind(op, device)
         keys = buffers_used(op.body, len(self.stages))
+        if is_stepped(run):
+            def steps_then_release() -> Iterator[float]:
+                yield from run()
+                self._release(keys, device)
+            return stepped(steps_then_release)
 
         def then_release() -> None:
             run()
@@ -256,7 +261,7 @@ class _Binder:
         if held:
             self.backend.hold(*held)
 
-    def _bind(self, op: Op, device: int) -> Callable[[], None]:
+    def _bind(self, op: Op, device: int) -> Callable[[], Any]:
         body = op.body
         if isinstance(body, Compute):
             seconds = self.compute_time(body.stage, body.kind) if self.compute_time else 0.0

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from scheduler import Op, ReshardPlan, StepGraph, reshard_graph
 from scheduler.regions import Region, contains, region_shape
 
-from .launch import launch
+from .launch import launch, stepped
 
 if TYPE_CHECKING:
     from .backends import Backend, Event
@@ -184,19 +184,35 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
         return local_copy
 
     group = (sender, *receivers)
+    # A part the backend runs as steps (MPI across ranks: post, then test) is a stepped op:
+    # the producer's thread may post it, the consumer's thread see it land (CpuStream.launch).
+    is_steps = backend.steps_broadcast(group, device)
 
-    def op() -> None:
+    def move(buf: Any) -> Iterator[float]:
+        if is_steps:
+            return backend.broadcast_steps(group, device, sender, buf, desc, namespace, tag)
+        backend.broadcast(group, device, sender, buf, desc, namespace, tag)
+        return iter(())
+
+    def steps() -> Iterator[float]:
         if device == sender:
             buf = holding(device)  # pack (free when contiguous; ascontiguousarray would
             if not buf.flags.c_contiguous:  # make a 0-d region 1-d)
                 buf = buf.copy(order="C")
-            backend.broadcast(group, device, sender, buf, desc, namespace, tag)
+            yield from move(buf)
             return
         view = outs[device][_local(dst[device], region)]
         if view.flags.c_contiguous or backend.receives_strided(group):
-            backend.broadcast(group, device, sender, view, desc, namespace, tag)  # in place
+            yield from move(view)  # in place
         else:
             buf = xp.empty(shape, dtype)
-            backend.broadcast(group, device, sender, buf, desc, namespace, tag)
+            yield from move(buf)
             view[...] = buf  # unpack
+
+    if is_steps:
+        return stepped(steps)
+
+    def op() -> None:
+        for _ in steps():  # (a broadcast that blocks: no step to wait between)
+            pass
     return op

@@ -351,6 +351,27 @@ def test_a_receive_posted_long_before_its_send_polls_less_once_it_knows_the_wait
     assert np.median(polls["adaptive"][-4:]) < 0.8 * np.median(polls["backoff"][-4:]), polls
 
 
+def test_producers_post_and_consumers_complete_transfers_themselves(tmp_path):
+    """With helpers (the default), a send is begun by the compute thread whose output it
+    sends, and a receive its consumer waits for is completed by that consumer's thread — no
+    hand-off to and from a comm thread; without them, only comm threads run transfers. The
+    training is the same bit for bit either way."""
+    runs = {}
+    for mode in ("on", "off"):
+        done, _ = mpiexec(4, "helpers", str(tmp_path), mode)
+        assert done.returncode == 0, verdicts(done.stderr)
+        runs[mode] = outputs(tmp_path, 4)
+    on = np.concatenate([r["threads"] for r in runs["on"]])
+    off = np.concatenate([r["threads"] for r in runs["off"]])
+    assert len(on) == len(off) > 0
+    assert on[:, 0].any() and on[:, 1].any(), "no transfer began or ended on a compute thread"
+    assert not off.any(), "a compute thread ran a transfer with helpers off"
+    for a, b in zip(runs["on"], runs["off"]):
+        for key in a:
+            if key != "threads":
+                assert a[key].tobytes() == b[key].tobytes(), key
+
+
 # ---- ranks that leave, and the fault matrix across processes -------------------------------
 
 

@@ -27,7 +27,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -85,10 +85,11 @@ class TraceRecord(NamedTuple):
 class CpuEvent:
     """A point in a stream's work; completes (or fails) when the stream gets there."""
 
-    __slots__ = ("_callbacks", "_done", "_error", "_lock", "label")
+    __slots__ = ("_callbacks", "_done", "_error", "_lock", "_stream", "label")
 
     def __init__(self, label: str = "") -> None:
         self.label = label
+        self._stream: CpuStream | None = None  # the stream it is recorded on (helpers use it)
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -139,8 +140,39 @@ class CpuEvent:
         return f"CpuEvent({self.label!r}, {state})"
 
 
+# A stepped op (see ``CpuStream.launch``): each step returns — yields — the perf_counter time
+# worth stepping it again; it ends when the iterator does.
+Steps = Iterator[float]
+
+
+class _Parked:
+    """A stepped op under way at the head of its stream."""
+
+    __slots__ = ("category", "label", "op", "rng", "steps", "t0", "until")
+
+    def __init__(self, label: str, steps: Steps, category: str, op: int | None, rng: Any,
+                 t0: Any) -> None:
+        self.label, self.steps, self.category, self.op = label, steps, category, op
+        self.rng, self.t0 = rng, t0
+        self.until = 0.0  # no step before this perf_counter time (what the last one yielded)
+
+
+_PLAIN = object()  # _advance stopped at a plain op: only the stream's own thread runs it
+
+
+def _close(steps: Steps) -> None:
+    """End a stepped op early (a generator's ``finally`` and ``except`` run: its requests are
+    cancelled)."""
+    close = getattr(steps, "close", None)
+    if close is not None:
+        close()
+
+
 class CpuStream:
     """A FIFO of operations run by one worker thread (started on first use)."""
+
+    # How long a helper waits when the stream's own thread holds it for a step.
+    _HELP_RETRY_S = 20e-6
 
     def __init__(self, backend: CpuBackend, device: int, name: str) -> None:
         self.backend = backend
@@ -156,6 +188,10 @@ class CpuStream:
         self._failed: BaseException | None = None
         self._closing = False
         self._current: tuple[str, Any, float] | None = None  # (kind, payload, since) running
+        self._drive = threading.Lock()  # held by whoever advances the stream (see _advance)
+        self._parked: _Parked | None = None  # the stepped op at the head, under way
+        self._helpers = 0  # threads stepping it while they wait for what follows (help)
+        self._wait_rng: Any = None  # the NVTX range of the pending wait at the head
         # Set when the thread was left stuck in an op (see CpuBackend.abandon): it runs
         # nothing more, and launching on this stream raises this text.
         self.lost: str | None = None
@@ -166,13 +202,21 @@ class CpuStream:
     # ---- launching (any thread) ----------------------------------------------------------
 
     def launch(self, label: str, fn: Callable[[], Any], *, category: str = "compute",
-               op: int | None = None) -> None:
+               op: int | None = None, stepped: bool = False) -> None:
         """Run ``fn()`` on this stream after everything launched before it.
 
         ``category`` ("compute" or "comm") labels the NVTX range; ``op`` (a step-graph op
         id) puts the op in the backend's trace when one is recorded.
+
+        ``stepped``: ``fn()`` returns an iterator of steps (:data:`Steps`). Each step does a
+        bounded piece of host work and never blocks: where it must wait for something
+        outside (a message) it yields the ``perf_counter`` time worth trying again. Then the
+        op need not run on the stream's own thread: on a backend that allows it
+        (``CpuBackend.helping``) the thread that completes the event this stream waits for
+        starts it (a send is posted by the producer, no hand-off), and a thread that waits
+        for an event recorded after it steps it (a receive is completed by its consumer).
         """
-        self._put(("op", (label, fn, category, op)))
+        self._put(("op", (label, fn, category, op, stepped)))
 
     def record(self, label: str = "", *, event: CpuEvent | None = None) -> CpuEvent:
         """An event that completes when the stream reaches this point.
@@ -181,6 +225,7 @@ class CpuStream:
         told to wait for it, as a step graph launched lane by lane needs).
         """
         ev = event if event is not None else CpuEvent(label or f"d{self.device}/{self.name}")
+        ev._stream = self
         self._put(("record", ev))
         return ev
 
@@ -211,70 +256,255 @@ class CpuStream:
                     if not thread.is_alive():
                         self._thread = None
                     raise
-            self._cv.notify()
+            if len(self._queue) == 1 and self._parked is None:
+                # Only a thread idle for want of work needs waking: one busy, or stopped by
+                # the head (a wait, a parked op), finds the tail when it gets there — a
+                # launch of a whole step would otherwise wake it once per item.
+                self._cv.notify()
 
     # ---- the worker ----------------------------------------------------------------------
+    #
+    # Whoever holds ``_drive`` advances the stream from its head (``_advance``): the stream's
+    # own thread, or — on a backend that allows it, and only through records, finished waits
+    # and stepped ops — a helper thread (see ``launch``). Waits never block inside
+    # ``_advance``: a wait whose event is pending stops it, and the event's completion kicks
+    # the stream (``_kick``).
 
     def _run(self) -> None:
         me = threading.current_thread()
         while True:
             with self._lock:
-                while not self._queue and not self._closing:
+                while not self._queue and self._parked is None and not self._closing:
                     self._cv.wait()
-                if not self._queue or self._thread is not me:
+                if (not self._queue and self._parked is None) or self._thread is not me:
                     return  # closed, or abandoned while it was stuck: run nothing more
-                kind, payload = self._queue.popleft()
-                # What runs, since when — a tuple (cheap: every op pays it); busy() makes the
-                # Busy value when someone asks.
-                self._current = (kind, payload, time.perf_counter())
+            with self._drive:
+                if self._thread is not me:
+                    return
+                blocked = self._advance(own=True)
+            self._pause(blocked)
+
+    def _advance(self, own: bool, upto: CpuEvent | None = None) -> Any:
+        """Run what can run now from the head: records, waits whose event completed, stepped
+        ops' steps and (``own``: on the stream's thread) plain ops. Returns what stops it:
+        None (nothing queued), the parked stepped op, the event a pending wait waits for, or
+        ``_PLAIN`` (a plain op, which only the stream's thread runs). A helper waiting for
+        ``upto`` begins no op once it recorded that (returns ``_PLAIN``): the waiter's own
+        work comes first; the rest is the stream thread's business."""
+        begin = True
+        while True:
+            parked = self._parked
+            if parked is not None:
+                # A thread that waits for what follows steps it (see ``help``): the stream's
+                # own thread leaves it to that one, so that the waiter sees it land.
+                if (own and self._helpers) or not self._step(parked):
+                    return parked
+                continue
+            with self._lock:
+                if not self._queue or self.lost is not None:
+                    return None
+                kind, payload = self._queue[0]
+                if kind == "op" and not own and (not payload[4] or begin is False):
+                    return _PLAIN
+                pending = kind == "wait" and self._failed is None and not payload._done.is_set()
+                if not pending:
+                    self._queue.popleft()
+                    if kind != "wait" or self._current is None:
+                        # What runs, since when — a tuple (cheap: every op pays it); busy()
+                        # makes the Busy value when someone asks.
+                        self._current = (kind, payload, time.perf_counter())
+                else:
+                    begins = self._current is None
+                    if begins:  # a wait begins: since now
+                        self._current = (kind, payload, time.perf_counter())
+            if pending:
+                if begins:
+                    self._wait_rng = range_start(f"wait {payload.label} (device {self.device})",
+                                                 "wait")
+                    payload.add_done_callback(self._kick)  # (may run at once: not under _lock)
+                if self.backend.abort_reason is None or payload._done.is_set():
+                    return payload
+                with self._lock:
+                    self._queue.popleft()  # aborted: the wait fails the stream
             try:
                 self._run_item(kind, payload)
             finally:
-                self._current = None  # (one store: busy() sees the item or nothing)
+                if self._parked is None:
+                    self._current = None  # (one store: busy() sees the item or nothing)
+            if payload is upto:
+                begin = False  # (records and finished waits after it still run: they are cheap)
 
     def _run_item(self, kind: str, payload: Any) -> None:
         if kind == "record":
             self._on_record(payload)
             return
+        rng = None
+        if kind == "wait":
+            rng, self._wait_rng = self._wait_rng, None
         if self._failed is not None:
+            range_end(rng)
             return  # a failed stream skips work until reset()
         try:
             if kind == "wait":
-                rng = range_start(f"wait {payload.label} (device {self.device})", "wait")
+                if rng is None:
+                    rng = range_start(f"wait {payload.label} (device {self.device})", "wait")
                 try:
+                    if not payload._done.is_set():  # (only when aborted: see _advance)
+                        self.backend._check_abort(f"device {self.device} stream {self.name!r} "
+                                                  f"waiting for {payload.label}")
                     self._wait_for(payload)
                 finally:
                     range_end(rng)
-            else:
-                label, fn, category, op = payload
-                rng = range_start(label, category)
-                trace = self.backend.trace if op is not None else None
-                t0 = self._mark() if trace is not None else None
-                self.data_span = None
-                try:
-                    self._execute(fn)
-                finally:
-                    range_end(rng)
-                if trace is not None:
-                    # (A compute's own collectives set it too: its span stays the op's.)
-                    span = self.data_span if category == "comm" else None
-                    start, end = span or (t0, self._mark())
-                    trace.append(TraceRecord(op, self.device, self.name, start, end))
+                return
+            label, fn, category, op, stepped = payload
+            if stepped:
+                self._start(label, fn, category, op)
+                return
+            rng = range_start(label, category)
+            trace = self.backend.trace if op is not None else None
+            t0 = self._mark() if trace is not None else None
+            self.data_span = None
+            try:
+                self._execute(fn)
+            finally:
+                range_end(rng)
+            if trace is not None:
+                # (A compute's own collectives set it too: its span stays the op's.)
+                span = self.data_span if category == "comm" else None
+                start, end = span or (t0, self._mark())
+                trace.append(TraceRecord(op, self.device, self.name, start, end))
         except BaseException as exc:
-            if self.lost is not None:
-                return  # abandoned: what the stuck op did at last concerns nobody now
-            op = payload[0] if kind == "op" else f"wait {payload.label}"
-            if isinstance(exc, OverlapRuntimeError):
-                self._failed = exc
-            else:
-                err = StreamError(
-                    f"device {self.device} stream {self.name!r}: {op} failed: "
-                    f"{type(exc).__name__}: {exc}",
-                    device=self.device, stream=self.name, op=op,
-                )
-                err.__cause__ = exc
-                self._failed = err
-            self.backend.note_failure(self._failed)
+            self._fail(exc, payload[0] if kind == "op" else f"wait {payload.label}")
+
+    def _fail(self, exc: BaseException, op: str) -> None:
+        if self.lost is not None:
+            return  # abandoned: what the stuck op did at last concerns nobody now
+        if isinstance(exc, OverlapRuntimeError):
+            self._failed = exc
+        else:
+            err = StreamError(
+                f"device {self.device} stream {self.name!r}: {op} failed: "
+                f"{type(exc).__name__}: {exc}",
+                device=self.device, stream=self.name, op=op,
+            )
+            err.__cause__ = exc
+            self._failed = err
+        self.backend.note_failure(self._failed)
+
+    # ---- stepped ops ---------------------------------------------------------------------
+
+    def _start(self, label: str, fn: Callable[[], Steps], category: str,
+               op: int | None) -> None:
+        """Begin a stepped op: it stays parked at the head until its steps are done. (Host
+        code only: no ``_execute`` context, so it may run on any thread.)"""
+        rng = range_start(label, category)
+        trace = self.backend.trace if op is not None else None
+        t0 = self._mark() if trace is not None else None
+        try:
+            steps = iter(fn())
+        except BaseException:
+            range_end(rng)
+            raise
+        self._parked = _Parked(label, steps, category, op, rng, t0)
+
+    def _step(self, p: _Parked) -> bool:
+        """Take a step of the parked op if it is worth trying now; True once it is over."""
+        if time.perf_counter() < p.until and self.backend.abort_reason is None:
+            return False
+        try:
+            p.until = next(p.steps)
+            # Its steps should see an abort themselves (naming what they waited for); one
+            # that does not is ended here, so that no wait outlives abort().
+            reason = self.backend.abort_reason
+            if reason is None:
+                return False
+            _close(p.steps)
+            raise CollectiveAborted(f"{p.label} on device {self.device}: aborted ({reason})")
+        except StopIteration:
+            self._parked = None
+            range_end(p.rng)
+            trace = self.backend.trace if p.op is not None else None
+            if trace is not None:
+                trace.append(TraceRecord(p.op, self.device, self.name, p.t0, self._mark()))
+        except BaseException as exc:
+            self._parked = None
+            range_end(p.rng)
+            self._fail(exc, p.label)
+        self._current = None
+        return True
+
+    def _pause(self, blocked: Any) -> None:
+        """The stream's thread, stopped by ``blocked`` (see ``_advance``), waits."""
+        if isinstance(blocked, _Parked):
+            with self._lock:
+                # While a waiter steps it (``help``; its steps see aborts too), this thread
+                # only waits for that one to leave.
+                left = _POLL_S if self._helpers else blocked.until - time.perf_counter()
+                if left > 0 and self._parked is blocked:
+                    self._cv.wait(min(left, _POLL_S))
+        elif isinstance(blocked, CpuEvent):
+            src = blocked._stream
+            if self.backend.helping and src is not None and src is not self:
+                src.help(blocked, self)
+            with self._lock:
+                if not blocked._done.is_set() and self._queue and self._queue[0][1] is blocked:
+                    self._cv.wait(_POLL_S)  # (kicked when it completes; aborts within this)
+
+    def _kick(self, _: CpuEvent | None = None) -> None:
+        """An event this stream waits for completed: advance the stream right here, on the
+        completing thread, where the backend allows helpers; else wake its thread."""
+        if (self.backend.helping and threading.current_thread() is not self._thread
+                and self._drive.acquire(blocking=False)):
+            try:
+                blocked = self._advance(own=False)
+            finally:
+                self._drive.release()
+            if blocked is None or isinstance(blocked, CpuEvent):
+                return  # nothing for its thread now (a new wait kicks it in turn)
+            self._wake_if_needed()
+            return
+        with self._lock:
+            self._cv.notify()
+
+    def _wake_if_needed(self) -> None:
+        """After a helper advanced this stream: wake its thread where work is left — a parked
+        op to step (MPI's rendezvous needs both sides to progress: a receive polled only when
+        its consumer comes would hold its sender up), an op to begin (a plain op only it may
+        run; a stepped one, so that a receive is posted before its sender sends)."""
+        with self._lock:
+            if self._parked is not None or self._queue:
+                self._cv.notify()
+
+    def help(self, event: CpuEvent, waiter: CpuStream) -> None:
+        """Called by ``waiter``'s thread, which waits for ``event``, recorded on this stream:
+        step this stream's parked op meanwhile (and run what follows it, up to the event) —
+        the waiter sees the message land itself, one thread hand-off fewer. Returns when the
+        event completed, or when the stream needs its own thread (a plain op, a wait)."""
+        with self._lock:
+            self._helpers += 1
+        try:
+            while not event._done.is_set() and self.backend.abort_reason is None:
+                parked = self._parked
+                if parked is None:
+                    return
+                if not self._drive.acquire(blocking=False):
+                    time.sleep(self._HELP_RETRY_S)  # its thread is taking a step
+                    continue
+                try:
+                    blocked = self._advance(own=False, upto=event)
+                finally:
+                    self._drive.release()
+                if not isinstance(blocked, _Parked):
+                    return
+                left = blocked.until - time.perf_counter()
+                if left > 0:
+                    with waiter._lock:  # (woken early if this stream's thread completes it)
+                        if not event._done.is_set():
+                            waiter._cv.wait(min(left, _POLL_S))
+        finally:
+            with self._lock:
+                self._helpers -= 1
+            self._wake_if_needed()  # its thread takes over where it has work
 
     def busy(self) -> Busy | None:
         """What the thread is doing (None: idle, nothing queued)."""
@@ -283,7 +513,7 @@ class CpuStream:
             if current is not None and current[0] != "record":
                 kind, payload, since = current
                 if kind == "op":
-                    label, _, category, op = payload
+                    label, _, category, op, _ = payload
                     return Busy(self.device, self.name, label, op, category, since)
                 return Busy(self.device, self.name, f"wait for {payload.label}", None, "wait",
                             since, waiting=True)
@@ -326,6 +556,14 @@ class CpuStream:
             pending = list(self._queue)
             self._queue.clear()
             self._failed = None
+            parked, self._parked = self._parked, None
+            rng, self._wait_rng = self._wait_rng, None
+            self._current = None
+        range_end(rng)
+        if parked is not None:  # (its steps failed on the abort: normally none is left)
+            range_end(parked.rng)
+            with contextlib.suppress(BaseException):
+                _close(parked.steps)
         for kind, payload in pending:
             if kind == "record":
                 payload._complete(CollectiveAborted("work dropped by reset()"))
@@ -443,6 +681,10 @@ class CpuBackend:
     name = "cpu"
     xp = np  # the array module stage functions and transfers use
     stream_class: type[CpuStream] = CpuStream
+    # Whether threads that complete or wait for an event may advance another stream through
+    # its stepped ops (see ``CpuStream.launch``): only a backend that launches stepped ops
+    # gains from it (the MPI one); elsewhere every stream runs on its own thread only.
+    helping = False
 
     def current_stream(self) -> Any:
         """The native stream of the calling op (None: CPU streams are threads)."""
@@ -453,6 +695,19 @@ class CpuBackend:
         destination (one copy lands the data in place); where the transport needs contiguous
         memory (NCCL) receivers stage and unpack."""
         return True
+
+    def steps_broadcast(self, devices: Sequence[int], device: int) -> bool:
+        """Whether ``device``'s part of a broadcast among ``devices`` runs as a stepped op
+        (:meth:`broadcast_steps`; see ``CpuStream.launch``). Not in one process: a
+        collective there is a rendezvous of threads, which blocks."""
+        return False
+
+    def broadcast_steps(self, devices: Sequence[int], device: int, root: int,
+                        buffer: np.ndarray, desc: str, namespace: str = "",
+                        tag: int | None = None) -> Steps:
+        """:meth:`broadcast` as steps, for a part :meth:`steps_broadcast` allows."""
+        raise OverlapRuntimeError(f"broadcast[{desc}]: device {device}'s part is not stepped "
+                                  "on this backend")
 
     def new_event(self, label: str = "") -> CpuEvent:
         """An event to record later (``stream.record(event=...)``) that others may already be

@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -80,6 +80,7 @@ class MpiBackend(CpuBackend):
     """Virtual devices of one rank of an MPI job (see module doc)."""
 
     name = "cpu"
+    helping = True  # its cross-rank transfers are stepped ops (see steps_broadcast)
 
     def __init__(self, num_devices: int, *, world: World, placement: Placement,
                  timeout: float = 30.0, poll: Backoff | None = None,
@@ -147,12 +148,35 @@ class MpiBackend(CpuBackend):
 
     # ---- collectives ---------------------------------------------------------------------
 
-    def broadcast(self, devices: Sequence[int], device: int, root: int, buffer: np.ndarray,
-                  desc: str, namespace: str = "", tag: int | None = None) -> None:
+    def steps_broadcast(self, devices: Sequence[int], device: int) -> bool:
+        """Stepped where the broadcast spans ranks and ``device`` is its rank's only
+        participant: nothing to rendezvous locally, so its part is MPI requests posted, then
+        tested — steps that never block (see ``CpuStream.launch``)."""
+        group = set(devices)
+        return (len(self.placement.ranks_of(tuple(group))) > 1
+                and sum(1 for d in group if self.is_local(d)) == 1)
+
+    def broadcast_steps(self, devices: Sequence[int], device: int, root: int,
+                        buffer: np.ndarray, desc: str, namespace: str = "",
+                        tag: int | None = None) -> Iterator[float]:
+        if not self.steps_broadcast((root, *devices), device):
+            raise OverlapRuntimeError(f"broadcast[{desc}]: device {device}'s part is not "
+                                      "stepped (it shares its rank with other participants)")
+        hop = self._hop(devices, root, desc, namespace, tag)
+        if device == root and not buffer.flags.c_contiguous:
+            raise OverlapRuntimeError(f"{hop.what}: the root's buffer is not contiguous")
+        # Where the bytes land: the buffer, or a staging copy when it is a strided view.
+        landing = buffer if buffer.flags.c_contiguous else np.empty(buffer.shape, buffer.dtype)
+        data = landing.reshape(-1).view(np.uint8)
+        yield from self._chain_steps(hop, data, lambda upto: None)
+        if landing is not buffer:
+            np.copyto(buffer, landing)
+
+    def _hop(self, devices: Sequence[int], root: int, desc: str, namespace: str,
+             tag: int | None) -> _Hop:
+        """This rank's place in a broadcast's chain over ranks (the plan's receiver order)."""
         order = tuple(dict.fromkeys((root, *devices)))
         chain = self.placement.ranks_of(order)
-        if chain == (self.rank,):
-            return super().broadcast(devices, device, root, buffer, desc, namespace)
         what = f"broadcast[{desc}] root {root}"
         if tag is None:
             raise OverlapRuntimeError(f"{what}: spans ranks {list(chain)} and needs a tag")
@@ -165,6 +189,24 @@ class MpiBackend(CpuBackend):
         # Pipeline stages after the first hop: more hops, and the local copies on a rank
         # that fans out (they follow the pieces landing there).
         stages = len(chain) - 1 + (1 if any(k > 1 for k in per_rank[1:]) else 0)
+        return _Hop(what, comm, chain[me - 1] if me else None,
+                    chain[me + 1] if me + 1 < len(chain) else None, self._tag(tag), stages)
+
+    def _piece(self, hop: _Hop, nbytes: int) -> int:
+        if self.chunk_bytes is not None and hop.stages > 1:
+            return self.chunk_bytes
+        return piece_bytes(nbytes, hop.stages)
+
+    def broadcast(self, devices: Sequence[int], device: int, root: int, buffer: np.ndarray,
+                  desc: str, namespace: str = "", tag: int | None = None) -> None:
+        order = tuple(dict.fromkeys((root, *devices)))
+        if self.placement.ranks_of(order) == (self.rank,):
+            return super().broadcast(devices, device, root, buffer, desc, namespace)
+        if self.steps_broadcast(order, device):
+            _drive(self.broadcast_steps(devices, device, root, buffer, desc, namespace, tag))
+            return None
+        hop = self._hop(devices, root, desc, namespace, tag)
+        what = hop.what
 
         def combine(bufs: dict[int, np.ndarray]) -> tuple[float, _Relay]:
             leader = root if root in bufs else next(d for d in order if d in bufs)
@@ -179,18 +221,16 @@ class MpiBackend(CpuBackend):
 
         # The rendezvous of this rank's participants only picks the leader and shares buffers;
         # the leader then moves the bytes while the others copy each piece as it lands.
-        relay: _Relay = self._local_part(namespace, group).run(device, what, buffer, combine)
+        local = self._local_part(namespace, tuple(sorted(order)))
+        relay: _Relay = local.run(device, what, buffer, combine)
         if device != relay.leader:
             relay.follow(device, self, what)
             return None
         data = relay.source.reshape(-1).view(np.uint8)
         try:
-            if me == 0:
+            if hop.prev is None:
                 relay.publish(data.nbytes)  # the root holds it all already
-            self._chain(comm, data, chain[me - 1] if me else None,
-                        chain[me + 1] if me + 1 < len(chain) else None, self._tag(tag), what,
-                        self.chunk_bytes if self.chunk_bytes is not None and stages > 1
-                        else piece_bytes(data.nbytes, stages), relay.publish)
+            _drive(self._chain_steps(hop, data, relay.publish))
         except BaseException as exc:
             relay.fail(exc)
             raise
@@ -240,13 +280,15 @@ class MpiBackend(CpuBackend):
 
     # ---- MPI point-to-point, polled ------------------------------------------------------
 
-    def _chain(self, comm: Any, data: np.ndarray, prev: int | None, nxt: int | None, tag: int,
-               what: str, step: int, landed_to: Callable[[int], None]) -> None:
-        """Receive ``data`` from ``prev`` (unless this rank is the root) and pass it on to
-        ``nxt``, in pieces of ``step`` bytes (both ends of a hop cut the same), each forwarded
-        as soon as it has landed; ``landed_to(k)``: the first k bytes are here."""
-        MPI = self.MPI
+    def _chain_steps(self, hop: _Hop, data: np.ndarray,
+                     landed_to: Callable[[int], None]) -> Iterator[float]:
+        """Receive ``data`` from ``hop.prev`` (unless this rank is the root) and pass it on to
+        ``hop.next``, in pieces (both ends of a hop cut the same), each forwarded as soon as it
+        has landed; ``landed_to(k)``: the first k bytes are here. Steps (see
+        ``CpuStream.launch``): post, then test, yielding when to test again."""
+        MPI, comm, prev, nxt, tag, what = self.MPI, hop.comm, hop.prev, hop.next, hop.tag, hop.what
         n = data.nbytes
+        step = self._piece(hop, n)
         pieces = [data[i:i + step] for i in range(0, n, step)] or [data[:0]]
         recvs = [comm.Irecv(p, prev, tag) for p in pieces] if prev is not None else []
         sends = ([comm.Isend(p, nxt, tag) for p in pieces]
@@ -293,11 +335,12 @@ class MpiBackend(CpuBackend):
                 who = (f"rank {prev} never sent it" if landed < len(recvs)
                        else f"rank {nxt} never received it")
                 self.dist.check(what, started, who, prev if landed < len(recvs) else nxt)
-                left = quiet - time.perf_counter() if landed == 0 else 0.0
+                now = time.perf_counter()
+                left = quiet - now if landed == 0 else 0.0
                 if left > 0:
-                    time.sleep(min(2e-3, left))  # (in slices: the check above runs between)
+                    yield now + min(2e-3, left)  # (in slices: the check above runs between)
                     continue
-                self.dist.poll.pause(attempt)
+                yield now + self.dist.poll.delay(attempt)
                 attempt += 1
         except BaseException:
             _cancel(recvs[landed:])
@@ -362,6 +405,27 @@ class MpiBackend(CpuBackend):
             for i, d in enumerate(by_rank[r]):
                 parts[d] = inbox[r][i]
         return parts
+
+def _drive(steps: Iterator[float]) -> None:
+    """Run a stepped op's steps on this thread, sleeping between them as they ask."""
+    for until in steps:
+        left = until - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+class _Hop(NamedTuple):
+    """A rank's place in one broadcast's chain: the rank it receives from and the one it
+    passes the data on to (None: it is the root, the last), the message tag, and the stages
+    of the pipeline the pieces go through (for their size)."""
+
+    what: str
+    comm: Any
+    prev: int | None
+    next: int | None
+    tag: int
+    stages: int
+
 
 class HopTiming(NamedTuple):
     """One rank's part in one hop of a transfer, in ``time.perf_counter`` seconds (one clock

@@ -24,6 +24,9 @@ Every rank runs this same script (as a user's would). Modes:
 - ``leave OUT RANK HOW``: after one resharding call, rank RANK leaves — ``exit``
   (``sys.exit(0)``) or ``close`` (closes its runtime, then idles) — while the others make a
   second call (their timeout: 30 s, which must not be what finds it).
+- ``helpers OUT on|off``: the toy pipeline (1f1b, two steps) with the MPI backend's helpers on
+  or off; each rank also saves, per stepped transfer, whether a compute thread took its first
+  and its last step (``threads``).
 - ``faults OUT``: the fault matrix of ``tests/fault_pipeline.py`` on two ranks: for every
   planted fault, a runtime, the faulty step, close, then a fresh runtime's clean step; each
   rank writes what it saw per fault to ``OUT/faults<r>.json`` and exits 0.
@@ -36,6 +39,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +79,23 @@ def run_toy(rt: Runtime, schedule: str, steps: int = 2, fault=None) -> dict[str,
         if d in rt.local_devices:
             out[f"{schedule}/weight/{s}/{d}"] = w
     return out
+
+
+def watch_steps() -> list[tuple[str, str]]:
+    """From now on, the names of the threads that take the first and the last step of every
+    stepped transfer of this process (a list it fills)."""
+    from overlap.backends.mpi import MpiBackend
+
+    seen: list[tuple[str, str]] = []
+    steps = MpiBackend.broadcast_steps
+
+    def watched(self, *args, **kwargs):
+        first = threading.current_thread().name
+        yield from steps(self, *args, **kwargs)
+        seen.append((first, threading.current_thread().name))
+
+    MpiBackend.broadcast_steps = watched
+    return seen
 
 
 def arange_shards(plan: ReshardPlan, devices=None) -> dict[int, np.ndarray]:
@@ -182,6 +203,12 @@ def main() -> int:
                 rt.reshard_sync(plan, shards)
             saved["polls"] = np.array([h.polls for h in rt.backend.hop_timings
                                        if h.prev is not None], dtype=np.int64)
+        elif mode == "helpers":  # which threads start and end the stepped transfers
+            rt.backend.helping = sys.argv[3] == "on"
+            threads = watch_steps()
+            saved.update(run_toy(rt, "1f1b", steps=2))
+            saved["threads"] = np.array([[first.endswith("-compute"), last.endswith("-compute")]
+                                         for first, last in threads], dtype=bool).reshape(-1, 2)
         elif mode == "hops":  # every cross-rank hop of one resharding, timed
             plan, shards = small_plan(cluster, rt)
             rt.backend.hop_timings = []

@@ -1,0 +1,231 @@
+"""Stepped ops on CPU streams (``CpuStream.launch(..., stepped=True)``): steps that never
+block, run in stream order; where the backend allows helpers, the thread that completes the
+event a stream waits for starts its stepped op, and a thread that waits for an event
+recorded after one steps it (the MPI backend's transfers: no thread hand-off per hop).
+
+Who ran a step is read from ``threading.current_thread()`` inside it. Hand-offs are proven
+with ``threading.Event``s and the helper count the stream keeps, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from overlap.backends import cpu
+from overlap.backends.cpu import Busy, CpuBackend, CpuEvent
+from overlap.errors import CollectiveAborted, OverlapRuntimeError, StreamError
+from overlap.launch import is_stepped, stepped
+
+SETTLE_S = 5.0
+
+
+def settle(ev: CpuEvent) -> CpuEvent:
+    deadline = time.monotonic() + SETTLE_S
+    while not ev.done():
+        assert time.monotonic() < deadline, f"{ev!r} did not complete within {SETTLE_S:g} s"
+        time.sleep(0.002)
+    return ev
+
+
+def until(cond, what: str) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def backend():
+    made: list[CpuBackend] = []
+
+    def make(helping: bool) -> CpuBackend:
+        b = CpuBackend(2, timeout=10.0)
+        b.helping = helping
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.abort("test teardown")
+        b.close()
+
+
+def gated(gate: threading.Event, log: list, *, first: str = "", last: str = "",
+          every: float = 0.002):
+    """A stepped op: notes the thread of its first step (``first``), then waits for
+    ``gate`` (yielding when to look again), notes the thread of its last step (``last``)."""
+    def steps():
+        if first:
+            log.append((first, threading.current_thread().name))
+        while not gate.is_set():
+            yield time.perf_counter() + every
+        if last:
+            log.append((last, threading.current_thread().name))
+    return steps
+
+
+def test_a_stepped_op_keeps_its_place_in_the_stream(backend):
+    b = backend(helping=False)
+    s = b.stream(0, "comm")
+    log: list = []
+    gate = threading.Event()
+    s.launch("before", lambda: log.append("before"))
+    s.launch("stepped", gated(gate, log, first="first", last="last"), stepped=True)
+    s.launch("after", lambda: log.append("after"))
+    done = s.record("end")
+    until(lambda: len(log) == 2, "the stepped op began")
+    assert not done.done()  # it yields until the gate opens; nothing after it runs
+    assert log[1][0] == "first" and "after" not in log
+    gate.set()
+    assert settle(done).error is None
+    assert [x if isinstance(x, str) else x[0] for x in log] == ["before", "first", "last",
+                                                               "after"]
+
+
+def test_without_helping_every_step_runs_on_the_streams_own_thread(backend):
+    b = backend(helping=False)
+    comm, compute = b.stream(0, "comm"), b.stream(0, "compute")
+    log: list = []
+    gate = threading.Event()
+    produced = compute.record("produced")
+    comm.wait_event(produced)
+    comm.launch("send", gated(gate, log, first="first", last="last"), stepped=True)
+    landed = comm.record("landed")
+    compute.wait_event(landed)
+    compute.launch("consume", lambda: log.append(("consume", threading.current_thread().name)))
+    gate.set()
+    settle(compute.record("end"))
+    names = dict(log)
+    assert names["first"] == names["last"] == "overlap-d0-comm"
+
+
+def test_the_thread_that_completes_an_event_starts_the_stepped_op_waiting_for_it(
+        backend, monkeypatch):
+    # The comm stream's own thread never wakes on its own meanwhile: only the producer's
+    # completion can start the op (a 10 s look-in instead of 20 ms).
+    monkeypatch.setattr(cpu, "_POLL_S", 10.0)
+    b = backend(helping=True)
+    comm, compute = b.stream(0, "comm"), b.stream(0, "compute")
+    log: list = []
+    go = threading.Event()
+    produced = b.new_event("produced")
+    comm.wait_event(produced)
+    comm.launch("send", gated(threading.Event(), log, first="first"), stepped=True)
+    until(lambda: comm.busy() is not None and comm.busy().waiting, "the comm stream waits")
+    compute.launch("produce", go.wait)
+    compute.record(event=produced)
+    go.set()
+    until(lambda: log, "the send began")
+    assert log == [("first", "overlap-d0-compute")]
+
+
+def test_a_thread_waiting_for_what_follows_a_stepped_op_completes_it(backend):
+    b = backend(helping=True)
+    comm, compute = b.stream(0, "comm"), b.stream(0, "compute")
+    log: list = []
+    gate = threading.Event()
+    comm.launch("receive", gated(gate, log, first="first", last="last"), stepped=True)
+    landed = comm.record("landed")
+    compute.wait_event(landed)
+    compute.launch("consume", lambda: log.append(("consume", threading.current_thread().name)))
+    end = compute.record("end")
+    # Once the compute stream's thread helps (it waits for ``landed``), the comm stream's
+    # own thread leaves the op to it: the step that sees the gate open is the helper's.
+    until(lambda: comm._helpers == 1, "the compute stream's thread helps")
+    gate.set()
+    assert settle(end).error is None
+    names = dict(log)
+    assert names["first"] == "overlap-d0-comm"  # posted by its own stream's thread
+    assert names["last"] == names["consume"] == "overlap-d0-compute"
+
+
+def test_a_failing_step_fails_its_stream_and_whoever_waits(backend):
+    b = backend(helping=True)
+    comm, compute = b.stream(0, "comm"), b.stream(0, "compute")
+
+    def steps():
+        yield 0.0
+        raise ValueError("the peer sent garbage")
+
+    comm.launch("receive #3", steps, stepped=True)
+    landed = comm.record("landed")
+    compute.wait_event(landed)
+    compute.launch("consume", lambda: None)
+    end = compute.record("end")
+    err = settle(landed).error
+    assert isinstance(err, StreamError) and "receive #3" in str(err)
+    assert "the peer sent garbage" in str(err) and err.op == "receive #3"
+    assert settle(end).error is err
+    assert err in b.failures
+
+
+@pytest.mark.parametrize("helping", [False, True])
+def test_abort_ends_a_stepped_op_that_never_looks_at_it(backend, helping):
+    b = backend(helping=helping)
+    s = b.stream(1, "comm")
+    ended = threading.Event()
+
+    def steps():
+        try:
+            while True:
+                yield time.perf_counter() + 0.001
+        finally:
+            ended.set()  # its requests would be cancelled here
+
+    s.launch("receive #9", steps, stepped=True)
+    done = s.record("done")
+    until(lambda: s.busy() is not None and s.busy().op is None and not s.busy().waiting,
+          "the op is under way")
+    b.abort("a peer failed")
+    err = settle(done).error
+    assert isinstance(err, CollectiveAborted) and "receive #9" in str(err)
+    assert "a peer failed" in str(err) and ended.is_set()
+
+
+def test_busy_names_a_stepped_op_under_way(backend):
+    b = backend(helping=True)
+    s = b.stream(1, "comm")
+    gate = threading.Event()
+    s.launch("receive #4 on device 1", gated(gate, []), category="comm", op=4, stepped=True)
+    until(lambda: s.busy() is not None and s.busy().op == 4, "the op is under way")
+    busy = s.busy()
+    assert isinstance(busy, Busy) and not busy.waiting
+    assert (busy.label, busy.category, busy.device) == ("receive #4 on device 1", "comm", 1)
+    gate.set()
+    settle(s.record("end"))
+    assert s.busy() is None
+
+
+def test_a_stepped_op_is_traced_from_its_first_step_to_its_last(backend):
+    b = backend(helping=True)
+    b.start_trace()
+    s = b.stream(0, "comm")
+    gate, log = threading.Event(), []
+    s.launch("receive", gated(gate, log, first="first"), category="comm", op=11, stepped=True)
+    until(lambda: log, "the op is under way")
+    opened = time.perf_counter()
+    gate.set()
+    settle(s.record("end"))
+    (rec,) = b.trace
+    assert rec.op == 11 and rec.stream == "comm" and rec.start < opened <= rec.end
+
+
+def test_one_process_backends_step_nothing():
+    b = CpuBackend(2)
+    try:
+        assert b.helping is False and not b.steps_broadcast((0, 1), 0)
+        with pytest.raises(OverlapRuntimeError, match="not stepped"):
+            next(iter(b.broadcast_steps((0, 1), 0, 0, None, "x")))
+    finally:
+        b.close()
+
+
+def test_stepped_marks_a_body_for_launch():
+    def body():
+        yield 0.0
+
+    assert not is_stepped(body)
+    assert stepped(body) is body and is_stepped(body)
