@@ -480,6 +480,8 @@ class CpuStream:
         step this stream's parked op meanwhile (and run what follows it, up to the event) —
         the waiter sees the message land itself, one thread hand-off fewer. Returns when the
         event completed, or when the stream needs its own thread (a plain op, a wait)."""
+        if self._parked is None:
+            return  # nothing to step (its thread runs a plain op, or waits itself)
         with self._lock:
             self._helpers += 1
         try:
