@@ -48,7 +48,7 @@ def launch(backend: Backend, graph: StepGraph, bind: Bind) -> list[Event]:
             ev = events[(op, device)] = backend.new_event(f"{graph.ops[op]} on device {device}")
         return ev
 
-    recorded = graph.recorded
+    recorded, labels = graph.recorded, graph.labels
     # What the caller launched before this call (its inputs, an optimizer step) comes first:
     # every lane starts with a wait on the caller's stream (a GPU's; nothing on the CPU).
     entry = backend.caller_events()
@@ -67,7 +67,7 @@ def launch(backend: Backend, graph: StepGraph, bind: Bind) -> list[Event]:
                 if dep.dst == d and backend.is_local(dep.src):
                     stream.wait_event(event(dep.op, dep.src))
             fn = bind(op, d)
-            stream.launch(f"{op.body} on device {d}", fn, category=category, op=i,
+            stream.launch(f"{labels[i]} on device {d}", fn, category=category, op=i,
                           stepped=is_stepped(fn))
             if (i, d) in recorded:
                 stream.record(event=event(i, d))

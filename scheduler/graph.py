@@ -260,6 +260,12 @@ class StepGraph:
         object.__setattr__(self, "data_inputs", inputs)
 
     @cached_property
+    def labels(self) -> tuple[str, ...]:
+        """Each op's body as text (``str(op.body)``), by op id: made once per graph, not at
+        every launch of it."""
+        return tuple(str(op.body) for op in self.ops)
+
+    @cached_property
     def recorded(self) -> frozenset[tuple[int, int]]:
         """(op, device) pairs whose end another lane waits for: where events are recorded."""
         return frozenset((dep.op, dep.src) for op in self.ops for dep in op.waits)

@@ -216,6 +216,7 @@ def test_data_dependencies_are_waits_on_one_device(lowered, name):
             want |= {(base + j, graph.plans[ch].transfers[j].sender, t.sender) for j in t.after}
             assert set(op.waits) == want
     assert graph.recorded == {(d.op, d.src) for op in graph.ops for d in op.waits}
+    assert graph.labels == tuple(str(op.body) for op in graph.ops)
     for c, ins in graph.data_inputs.items():
         assert set(ins) == {d.op for d in graph.ops[c].waits}
 

@@ -37,8 +37,15 @@ pipeline's fill; the optimum is sqrt(bytes / bandwidth × (stages − 1) / overh
 All-reduce and all-gather exchange every rank's contributions and reduce them in device order
 on every rank, so results are bit-for-bit those of the one-process backend.
 
-**Progress.** The waiting stream thread polls its requests (``Test``) with exponential backoff
-(20 µs doubling to 200 µs); the asyncio loop never calls a blocking MPI function. Blocking MPI
+**Progress.** A transfer whose device is its rank's only participant is a stepped op
+(:meth:`MpiBackend.broadcast_steps`, see ``CpuStream.launch``): a first step posts its
+requests, later ones ``Test`` them, with exponential backoff (20 µs doubling to 200 µs)
+between. Whoever needs it steps it (``helping``): the producer's thread posts a send as soon
+as it records its output; the consumer's thread, waiting for the receive, sees it land and
+runs on at once; the stream's own thread steps it while no one else does — someone must,
+since a rendezvous send completes only once the receiving process called into MPI. With
+several participants on the rank, the stream thread polls after the local rendezvous. The
+asyncio loop never calls a blocking MPI function. Blocking MPI
 calls busy-poll inside the library, which on a machine with fewer cores than ranks starves
 the very processes that must make progress; ``benchmarks/mpi_reshard.py`` measures this
 choice against spinning and against a fixed sleep. A receive is usually posted long before
@@ -107,6 +114,7 @@ class MpiBackend(CpuBackend):
         # (a moving average): the next one sleeps through a part of that before it polls.
         self._early: dict[tuple[int, int], float] = {}
         self.adaptive_wait = True  # False: poll with the backoff from the start
+        self._stepped: dict[tuple[frozenset[int], int], bool] = {}  # steps_broadcast's answers
 
     # ---- communicators -------------------------------------------------------------------
 
@@ -152,9 +160,13 @@ class MpiBackend(CpuBackend):
         """Stepped where the broadcast spans ranks and ``device`` is its rank's only
         participant: nothing to rendezvous locally, so its part is MPI requests posted, then
         tested — steps that never block (see ``CpuStream.launch``)."""
-        group = set(devices)
-        return (len(self.placement.ranks_of(tuple(group))) > 1
-                and sum(1 for d in group if self.is_local(d)) == 1)
+        key = (frozenset(devices), device)
+        known = self._stepped.get(key)
+        if known is None:  # (asked for every transfer part at every launch: kept)
+            group = key[0]
+            known = self._stepped[key] = (len(self.placement.ranks_of(tuple(group))) > 1
+                                          and sum(1 for d in group if self.is_local(d)) == 1)
+        return known
 
     def broadcast_steps(self, devices: Sequence[int], device: int, root: int,
                         buffer: np.ndarray, desc: str, namespace: str = "",
