@@ -7,15 +7,19 @@ Linear(W, W)``, batch 256 in 8 microbatches, SGD), one stage per process under `
 - **phases**: the call to its first op (graph from the cache, the call's agreement posted, the
   launch), its compute ops, its last op to the return (the drain, the agreement's end, the
   shared losses);
-- **CPU per step by thread**: compute streams, comm streams (the transfers' MPI polling),
-  the main thread (launch and optimizer), the event loop, the failure-notice listener —
-  read from ``/proc/self/task/*/schedstat``;
+- **CPU and wake-ups per step by thread**: compute streams, comm streams (the transfers'
+  MPI polling), the main thread (launch and optimizer), the event loop, the failure-notice
+  listener — read from ``/proc/self/task/*/schedstat`` (time on CPU, timeslices);
 - **each hop of each transfer** (``MpiBackend.hop_timings``): both sides posted → the
   receiver saw the message land (its polling's delay included) → the op returned → the
   compute that consumes it started (when its stream was idle);
 - **raw MPI** between two ranks in the same job, for the boundary's message size: a blocking
   ``Send``/``Recv`` ping-pong (MPICH spins) and ``Irecv`` + ``Test`` with the backend's
   backoff (what a transfer does), as the floor a message sets.
+
+Two variants take turns step by step in the same job: transfers run by whoever needs them
+(``helpers``: the producer's thread posts a send, the consumer's thread completes a
+receive; the default) and by their comm stream's thread alone (``own threads``).
 
     python benchmarks/mpi_step_profile.py [--widths 64 1024] [--steps 8]
 """
