@@ -229,3 +229,74 @@ def test_stepped_marks_a_body_for_launch():
 
     assert not is_stepped(body)
     assert stepped(body) is body and is_stepped(body)
+
+
+def test_a_stepped_op_under_way_when_a_trace_starts_stays_out_of_it(backend):
+    """As a plain op does: the trace a call starts holds its own ops only (a stepped op of
+    an earlier call, finishing meanwhile, would have no start in it)."""
+    b = backend(helping=True)
+    s = b.stream(0, "comm")
+    gate, log = threading.Event(), []
+    s.launch("receive #3 (earlier call)", gated(gate, log, first="first"), category="comm",
+             op=3, stepped=True)
+    until(lambda: log, "the op is under way")
+    b.start_trace()
+    gate.set()
+    settle(s.record("end"))
+    assert b.trace == []
+
+
+def test_a_stream_whose_head_a_helper_took_still_sees_abort(backend, monkeypatch):
+    """The stream's thread goes idle (nothing queued, nothing parked) in the instant a
+    helper holds the stepped op it popped but has not parked yet; work launched while the
+    op is parked must still wake it, or its untimed wait misses every abort."""
+    b = backend(helping=True)
+    comm, compute = b.stream(0, "comm"), b.stream(0, "compute")
+    produced, later = b.new_event("produced"), b.new_event("later")
+    launched: list = []
+
+    def steps():  # one step, while parked: the next call's work is launched meanwhile
+        comm.wait_event(later)  # (never completes: only an abort ends the wait)
+        comm.launch("next", lambda: None)
+        launched.append(comm.record("next end"))
+        return
+        yield  # (a generator: a stepped op's body)
+
+    real_start = cpu.range_start
+
+    def start(message: str, category: str):
+        if message == "send":  # the helper, between popping the op and parking it
+            until(lambda: comm._idle, "the comm thread goes idle")
+        return real_start(message, category)
+
+    monkeypatch.setattr(cpu, "range_start", start)
+    comm.wait_event(produced)
+    comm.launch("send", steps, stepped=True)
+    until(lambda: comm.busy() is not None and comm.busy().waiting, "the comm stream waits")
+    compute.record(event=produced)  # its completion starts the send on this thread
+    # (Not through busy(): it wakes a thread it finds idle beside queued work.)
+    until(lambda: launched and comm._current is not None and comm._current[1] is later
+          and not comm._drive.locked(),
+          "the helper left the comm stream waiting for the next call's event")
+    b.abort("a peer failed")
+    err = settle(launched[0]).error
+    assert isinstance(err, CollectiveAborted) and "a peer failed" in str(err)
+
+
+def test_abandoning_a_stream_ends_its_stepped_op(backend):
+    b = backend(helping=False)
+    s = b.stream(0, "comm")
+    ended, log = threading.Event(), []
+
+    def steps():
+        log.append("first")
+        try:
+            while True:
+                yield time.perf_counter() + 60.0  # (its thread does not step it meanwhile)
+        finally:
+            ended.set()  # its requests would be cancelled here
+
+    s.launch("receive #5", steps, category="comm", op=5, stepped=True)
+    until(lambda: s._parked is not None and s._parked.until > 0, "the op is parked")
+    b.abandon([s.busy()], "given up")
+    assert ended.is_set() and s.lost == "given up"

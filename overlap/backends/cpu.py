@@ -148,12 +148,13 @@ Steps = Iterator[float]
 class _Parked:
     """A stepped op under way at the head of its stream."""
 
-    __slots__ = ("category", "label", "op", "rng", "steps", "t0", "until")
+    __slots__ = ("category", "label", "op", "rng", "steps", "t0", "trace", "until")
 
     def __init__(self, label: str, steps: Steps, category: str, op: int | None, rng: Any,
-                 t0: Any) -> None:
+                 trace: list[TraceRecord] | None, t0: Any) -> None:
         self.label, self.steps, self.category, self.op = label, steps, category, op
-        self.rng, self.t0 = rng, t0
+        # The trace it was started under (None: none recorded then), as a plain op keeps it.
+        self.rng, self.trace, self.t0 = rng, trace, t0
         self.until = 0.0  # no step before this perf_counter time (what the last one yielded)
 
 
@@ -188,6 +189,7 @@ class CpuStream:
         self._failed: BaseException | None = None
         self._closing = False
         self._current: tuple[str, Any, float] | None = None  # (kind, payload, since) running
+        self._idle = False  # the thread waits for work (untimed: only _put wakes it)
         self._drive = threading.Lock()  # held by whoever advances the stream (see _advance)
         self._parked: _Parked | None = None  # the stepped op at the head, under way
         self._helpers = 0  # threads stepping it while they wait for what follows (help)
@@ -256,10 +258,12 @@ class CpuStream:
                     if not thread.is_alive():
                         self._thread = None
                     raise
-            if len(self._queue) == 1 and self._parked is None:
+            if self._idle:
                 # Only a thread idle for want of work needs waking: one busy, or stopped by
                 # the head (a wait, a parked op), finds the tail when it gets there — a
-                # launch of a whole step would otherwise wake it once per item.
+                # launch of a whole step would otherwise wake it once per item. (Not "the
+                # queue was empty": a helper may have taken the head while this thread
+                # went idle, and its untimed wait would then miss aborts.)
                 self._cv.notify()
 
     # ---- the worker ----------------------------------------------------------------------
@@ -275,7 +279,11 @@ class CpuStream:
         while True:
             with self._lock:
                 while not self._queue and self._parked is None and not self._closing:
-                    self._cv.wait()
+                    self._idle = True  # (what _put looks at to wake it)
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._idle = False
                 if (not self._queue and self._parked is None) or self._thread is not me:
                     return  # closed, or abandoned while it was stuck: run nothing more
             with self._drive:
@@ -405,7 +413,7 @@ class CpuStream:
         except BaseException:
             range_end(rng)
             raise
-        self._parked = _Parked(label, steps, category, op, rng, t0)
+        self._parked = _Parked(label, steps, category, op, rng, trace, t0)
 
     def _step(self, p: _Parked) -> bool:
         """Take a step of the parked op if it is worth trying now; True once it is over."""
@@ -423,9 +431,8 @@ class CpuStream:
         except StopIteration:
             self._parked = None
             range_end(p.rng)
-            trace = self.backend.trace if p.op is not None else None
-            if trace is not None:
-                trace.append(TraceRecord(p.op, self.device, self.name, p.t0, self._mark()))
+            if p.trace is not None:
+                p.trace.append(TraceRecord(p.op, self.device, self.name, p.t0, self._mark()))
         except BaseException as exc:
             self._parked = None
             range_end(p.rng)
@@ -558,17 +565,23 @@ class CpuStream:
             pending = list(self._queue)
             self._queue.clear()
             self._failed = None
-            parked, self._parked = self._parked, None
-            rng, self._wait_rng = self._wait_rng, None
             self._current = None
-        range_end(rng)
-        if parked is not None:  # (its steps failed on the abort: normally none is left)
-            range_end(parked.rng)
-            with contextlib.suppress(BaseException):
-                _close(parked.steps)
+        self._drop_parked()  # (its steps failed on the abort: normally none is left)
         for kind, payload in pending:
             if kind == "record":
                 payload._complete(CollectiveAborted("work dropped by reset()"))
+
+    def _drop_parked(self) -> None:
+        """End the stepped op under way, if any, and the pending wait's range: its generator
+        closed (its requests cancelled), its NVTX ranges ended."""
+        with self._lock:
+            parked, self._parked = self._parked, None
+            rng, self._wait_rng = self._wait_rng, None
+        range_end(rng)
+        if parked is not None:
+            range_end(parked.rng)
+            with contextlib.suppress(BaseException):
+                _close(parked.steps)
 
     def _abandon(self, reason: str) -> None:
         """Leave the thread stuck in its op: it is a daemon (it cannot keep the process
@@ -579,6 +592,7 @@ class CpuStream:
             pending = list(self._queue)
             self._queue.clear()
             self._thread = None
+        self._drop_parked()
         for kind, payload in pending:
             if kind == "record":
                 payload._complete(CollectiveAborted(reason))
