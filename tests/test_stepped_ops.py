@@ -300,3 +300,29 @@ def test_abandoning_a_stream_ends_its_stepped_op(backend):
     until(lambda: s._parked is not None and s._parked.until > 0, "the op is parked")
     b.abandon([s.busy()], "given up")
     assert ended.is_set() and s.lost == "given up"
+
+
+def test_a_producer_begins_its_send_even_while_the_one_before_is_under_way(backend):
+    """The wait behind a parked op kicks its stream too: the producer's thread steps the
+    op before (whatever it said about when to look again) and, once it is over, begins the
+    next send itself."""
+    b = backend(helping=True)
+    comm, compute = b.stream(0, "comm"), b.stream(0, "compute")
+    first_sent, log = threading.Event(), []
+    e1, e2 = b.new_event("F0"), b.new_event("F1")
+
+    def send0():
+        log.append(("begun", threading.current_thread().name))
+        while not first_sent.is_set():
+            yield time.perf_counter() + 60.0  # (its own thread will not look again soon)
+
+    comm.wait_event(e1)
+    comm.launch("send 0", send0, stepped=True)
+    comm.wait_event(e2)
+    comm.launch("send 1", gated(threading.Event(), log, first="send 1"), stepped=True)
+    compute.record(event=e1)
+    until(lambda: comm._parked is not None and comm._parked.until > 0, "send 0 is under way")
+    first_sent.set()  # its receiver took it; nobody has looked yet
+    compute.record(event=e2)
+    until(lambda: len(log) == 2, "send 1 began")
+    assert log[1] == ("send 1", "overlap-d0-compute")

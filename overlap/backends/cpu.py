@@ -190,6 +190,7 @@ class CpuStream:
         self._closing = False
         self._current: tuple[str, Any, float] | None = None  # (kind, payload, since) running
         self._idle = False  # the thread waits for work (untimed: only _put wakes it)
+        self._hooked: CpuEvent | None = None  # a wait's event hooked early (see _hook_next)
         self._drive = threading.Lock()  # held by whoever advances the stream (see _advance)
         self._parked: _Parked | None = None  # the stepped op at the head, under way
         self._helpers = 0  # threads stepping it while they wait for what follows (help)
@@ -292,21 +293,24 @@ class CpuStream:
                 blocked = self._advance(own=True)
             self._pause(blocked)
 
-    def _advance(self, own: bool, upto: CpuEvent | None = None) -> Any:
+    def _advance(self, own: bool, upto: CpuEvent | None = None, kicked: bool = False) -> Any:
         """Run what can run now from the head: records, waits whose event completed, stepped
         ops' steps and (``own``: on the stream's thread) plain ops. Returns what stops it:
         None (nothing queued), the parked stepped op, the event a pending wait waits for, or
         ``_PLAIN`` (a plain op, which only the stream's thread runs). A helper waiting for
         ``upto`` begins no op once it recorded that (returns ``_PLAIN``): the waiter's own
-        work comes first; the rest is the stream thread's business."""
+        work comes first; the rest is the stream thread's business. ``kicked``: work behind
+        a parked op just became ready — worth a step of it at once, whenever it said."""
         begin = True
         while True:
             parked = self._parked
             if parked is not None:
                 # A thread that waits for what follows steps it (see ``help``): the stream's
                 # own thread leaves it to that one, so that the waiter sees it land.
-                if (own and self._helpers) or not self._step(parked):
+                if (own and self._helpers) or not self._step(parked, kicked):
+                    self._hook_next()
                     return parked
+                kicked = False
                 continue
             with self._lock:
                 if not self._queue or self.lost is not None:
@@ -329,7 +333,8 @@ class CpuStream:
                 if begins:
                     self._wait_rng = range_start(f"wait {payload.label} (device {self.device})",
                                                  "wait")
-                    payload.add_done_callback(self._kick)  # (may run at once: not under _lock)
+                    if payload is not self._hooked:  # (hooked already behind a parked op)
+                        payload.add_done_callback(self._kick)  # (may run at once: no lock held)
                 if self.backend.abort_reason is None or payload._done.is_set():
                     return payload
                 with self._lock:
@@ -415,9 +420,10 @@ class CpuStream:
             raise
         self._parked = _Parked(label, steps, category, op, rng, trace, t0)
 
-    def _step(self, p: _Parked) -> bool:
-        """Take a step of the parked op if it is worth trying now; True once it is over."""
-        if time.perf_counter() < p.until and self.backend.abort_reason is None:
+    def _step(self, p: _Parked, now: bool = False) -> bool:
+        """Take a step of the parked op if it is worth trying now (``now``: whatever it said);
+        True once it is over."""
+        if not now and time.perf_counter() < p.until and self.backend.abort_reason is None:
             return False
         try:
             p.until = next(p.steps)
@@ -457,13 +463,32 @@ class CpuStream:
                 if not blocked._done.is_set() and self._queue and self._queue[0][1] is blocked:
                     self._cv.wait(_POLL_S)  # (kicked when it completes; aborts within this)
 
+    def _hook_next(self) -> None:
+        """Behind a parked op, the next wait's event kicks this stream too (once): its
+        completion means work is ready behind the op — the kick steps the op at once and, if
+        it is over, begins that work on the completing thread (a producer posts its send even
+        while the send before it is still under way)."""
+        if not self.backend.helping:
+            return
+        with self._lock:
+            ev = None
+            for kind, payload in self._queue:
+                if kind != "record":
+                    if kind == "wait" and not payload._done.is_set():
+                        ev = payload
+                    break
+            if ev is None or ev is self._hooked:
+                return
+            self._hooked = ev
+        ev.add_done_callback(self._kick)
+
     def _kick(self, _: CpuEvent | None = None) -> None:
         """An event this stream waits for completed: advance the stream right here, on the
         completing thread, where the backend allows helpers; else wake its thread."""
         if (self.backend.helping and threading.current_thread() is not self._thread
                 and self._drive.acquire(blocking=False)):
             try:
-                blocked = self._advance(own=False)
+                blocked = self._advance(own=False, kicked=True)
             finally:
                 self._drive.release()
             if blocked is None or isinstance(blocked, CpuEvent):

@@ -314,6 +314,7 @@ class MpiBackend(CpuBackend):
         key = (id(comm), -1 if prev is None else prev)
         # A receive is usually posted long before its sender sends (it waits for the
         # pipeline): once, it sleeps through half the usual wait instead of testing all along.
+        # (The same for sends, which wait for their receiver, changed nothing: measured.)
         quiet = (started + 0.5 * self._early.get(key, 0.0)
                  if recvs and self.adaptive_wait else 0.0)
         try:
