@@ -1,7 +1,10 @@
 """The CPU backend: virtual devices in one process that behave like CUDA streams + NCCL.
 
 - A **stream** is a worker thread draining a FIFO of operations: work launched on one stream
-  runs in launch order; different streams run concurrently.
+  runs in launch order; different streams run concurrently. A **stepped** op (one whose
+  steps never block: an MPI transfer's post, then tests) may be run by other threads where
+  the backend allows it — the one that completes the event it waits for, the one that waits
+  for the event after it (``CpuStream.launch``) — still in its stream's order.
 - An **event** is recorded on a stream and completes when the stream reaches it; another
   stream may wait for it (``wait_event``), and asyncio code may await it — the host never
   blocks to find out.
