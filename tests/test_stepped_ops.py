@@ -326,3 +326,30 @@ def test_a_producer_begins_its_send_even_while_the_one_before_is_under_way(backe
     compute.record(event=e2)
     until(lambda: len(log) == 2, "send 1 began")
     assert log[1] == ("send 1", "overlap-d0-compute")
+
+
+def test_a_blocking_mpi_wait_sleeps_no_longer_than_an_abort_allows():
+    """Where an MPI transfer runs its steps on one thread (several participants on its
+    rank), a step's long "not before" (a learned wait of seconds) is slept in short pieces
+    that end once the backend is aborted; the next step then raises."""
+    from overlap.backends.mpi import _drive
+
+    class Aborted(Exception):
+        pass
+
+    class Backend:
+        abort_reason = None
+
+    backend = Backend()
+
+    def steps():
+        while True:
+            if backend.abort_reason is not None:
+                raise Aborted(backend.abort_reason)
+            yield time.perf_counter() + 600.0
+
+    threading.Timer(0.05, setattr, (backend, "abort_reason", "a peer failed")).start()
+    started = time.monotonic()
+    with pytest.raises(Aborted, match="a peer failed"):
+        _drive(steps(), backend)
+    assert time.monotonic() - started < SETTLE_S  # not the step's 600 s

@@ -215,7 +215,8 @@ class MpiBackend(CpuBackend):
         if self.placement.ranks_of(order) == (self.rank,):
             return super().broadcast(devices, device, root, buffer, desc, namespace)
         if self.steps_broadcast(order, device):
-            _drive(self.broadcast_steps(devices, device, root, buffer, desc, namespace, tag))
+            _drive(self.broadcast_steps(devices, device, root, buffer, desc, namespace, tag),
+                   self)
             return None
         hop = self._hop(devices, root, desc, namespace, tag)
         what = hop.what
@@ -242,7 +243,7 @@ class MpiBackend(CpuBackend):
         try:
             if hop.prev is None:
                 relay.publish(data.nbytes)  # the root holds it all already
-            _drive(self._chain_steps(hop, data, relay.publish))
+            _drive(self._chain_steps(hop, data, relay.publish), self)
         except BaseException as exc:
             relay.fail(exc)
             raise
@@ -422,12 +423,12 @@ class MpiBackend(CpuBackend):
                 parts[d] = inbox[r][i]
         return parts
 
-def _drive(steps: Iterator[float]) -> None:
-    """Run a stepped op's steps on this thread, sleeping between them as they ask."""
+def _drive(steps: Iterator[float], backend: MpiBackend) -> None:
+    """Run a stepped op's steps on this thread, sleeping between them as they ask — at most
+    ``_POLL_S`` at a time, and no longer once the backend is aborted (the next step sees it)."""
     for until in steps:
-        left = until - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        while (left := until - time.perf_counter()) > 0 and backend.abort_reason is None:
+            time.sleep(min(left, _POLL_S))
 
 
 class _Hop(NamedTuple):
