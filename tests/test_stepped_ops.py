@@ -353,3 +353,29 @@ def test_a_blocking_mpi_wait_sleeps_no_longer_than_an_abort_allows():
     with pytest.raises(Aborted, match="a peer failed"):
         _drive(steps(), backend)
     assert time.monotonic() - started < SETTLE_S  # not the step's 600 s
+
+
+def test_work_that_became_ready_during_a_step_is_begun_at_once(backend):
+    """The event a stream's next wait waits for completes while the parked op before it is
+    taking a step (no kick is hooked yet): the op is stepped again at once — not at its own
+    "not before" — and what follows begins."""
+    b = backend(helping=True)
+    s, t = b.stream(0, "comm"), b.stream(1, "compute")
+    queued, armed, sent, log = threading.Event(), threading.Event(), threading.Event(), []
+    box: dict = {}
+
+    def send0():  # (its first step waits, in this test only, to place the interleaving)
+        assert queued.wait(SETTLE_S)  # the wait and the op behind it are queued
+        while not sent.is_set():  # (not yet, when the step begins)
+            if not armed.is_set():
+                armed.set()  # the producer finishes now, during this step
+                assert box["ready"]._done.wait(SETTLE_S)
+            yield time.perf_counter() + 60.0
+
+    s.launch("send 0", send0, stepped=True)
+    t.launch("produce", lambda: (armed.wait(SETTLE_S), sent.set()))
+    box["ready"] = t.record("produced")
+    s.wait_event(box["ready"])
+    s.launch("send 1", gated(threading.Event(), log, first="send 1"), stepped=True)
+    queued.set()
+    until(lambda: log, "send 1 began")  # (else: 60 s later)

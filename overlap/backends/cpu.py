@@ -311,7 +311,11 @@ class CpuStream:
                 # A thread that waits for what follows steps it (see ``help``): the stream's
                 # own thread leaves it to that one, so that the waiter sees it land.
                 if (own and self._helpers) or not self._step(parked, kicked):
-                    self._hook_next()
+                    if not kicked and self._hook_next():
+                        # What follows it is ready already (its event completed during this
+                        # step, or its kick found the stream held): look once more now.
+                        kicked = True
+                        continue
                     return parked
                 kicked = False
                 continue
@@ -466,24 +470,28 @@ class CpuStream:
                 if not blocked._done.is_set() and self._queue and self._queue[0][1] is blocked:
                     self._cv.wait(_POLL_S)  # (kicked when it completes; aborts within this)
 
-    def _hook_next(self) -> None:
+    def _hook_next(self) -> bool:
         """Behind a parked op, the next wait's event kicks this stream too (once): its
         completion means work is ready behind the op — the kick steps the op at once and, if
         it is over, begins that work on the completing thread (a producer posts its send even
-        while the send before it is still under way)."""
+        while the send before it is still under way). True: that event completed already
+        (while the op took its step), so the op is worth a step now."""
         if not self.backend.helping:
-            return
+            return False
         with self._lock:
             ev = None
             for kind, payload in self._queue:
                 if kind != "record":
-                    if kind == "wait" and not payload._done.is_set():
+                    if kind == "wait":
+                        if payload._done.is_set():
+                            return True
                         ev = payload
                     break
             if ev is None or ev is self._hooked:
-                return
+                return False
             self._hooked = ev
-        ev.add_done_callback(self._kick)
+        ev.add_done_callback(self._kick)  # (runs at once if it completed meanwhile)
+        return False
 
     def _kick(self, _: CpuEvent | None = None) -> None:
         """An event this stream waits for completed: advance the stream right here, on the
@@ -499,6 +507,8 @@ class CpuStream:
             self._wake_if_needed()
             return
         with self._lock:
+            # (Whoever holds the stream sees the event done when it next looks behind its
+            # parked op: _hook_next.)
             self._cv.notify()
 
     def _wake_if_needed(self) -> None:

@@ -352,10 +352,11 @@ class MpiBackend(CpuBackend):
                 now = time.perf_counter()
                 left = quiet - now if landed == 0 else 0.0
                 if left > 0:
-                    # One sleep, not 2 ms slices (20 → 14 tests a receive at width 1024,
-                    # −4 % CPU): whoever steps it waits at most 20 ms at a time, and an
-                    # abort steps it at once (CpuStream._step), so the check above still runs.
-                    yield quiet
+                    # In 2 ms slices, each a test: one sleep through the quiet would see a
+                    # message that came meanwhile only at its end, so the wait learned would
+                    # never fall below half the last one (tried: fewer tests, but a long
+                    # wait then made every later receive on the link late).
+                    yield now + min(2e-3, left)
                     continue
                 yield now + self.dist.poll.delay(attempt)
                 attempt += 1
