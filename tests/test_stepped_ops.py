@@ -114,7 +114,9 @@ def test_the_thread_that_completes_an_event_starts_the_stepped_op_waiting_for_it
     produced = b.new_event("produced")
     comm.wait_event(produced)
     comm.launch("send", gated(threading.Event(), log, first="first"), stepped=True)
-    until(lambda: comm.busy() is not None and comm.busy().waiting, "the comm stream waits")
+    # (Its wait registered — not busy()'s "queued work", which the thread has yet to take.)
+    until(lambda: comm._current is not None and comm._current[1] is produced,
+          "the comm stream waits for the producer")
     compute.launch("produce", go.wait)
     compute.record(event=produced)
     go.set()
@@ -265,14 +267,21 @@ def test_a_stream_whose_head_a_helper_took_still_sees_abort(backend, monkeypatch
     real_start = cpu.range_start
 
     def start(message: str, category: str):
-        if message == "send":  # the helper, between popping the op and parking it
-            until(lambda: comm._idle, "the comm thread goes idle")
+        if message == "send":  # the helper, between popping the op and parking it ...
+            assert threading.current_thread() is not comm._thread
+            with comm._lock:
+                comm._cv.notify()  # ... lets the comm thread look: nothing queued, nothing
+            until(lambda: comm._idle, "the comm thread goes idle")  # parked: it goes idle
         return real_start(message, category)
 
     monkeypatch.setattr(cpu, "range_start", start)
+    # The comm thread wakes only when woken (so that the helper, not it, takes the send).
+    monkeypatch.setattr(cpu, "_POLL_S", 1.0)
     comm.wait_event(produced)
     comm.launch("send", steps, stepped=True)
-    until(lambda: comm.busy() is not None and comm.busy().waiting, "the comm stream waits")
+    # (Its wait registered — not busy()'s "queued work", which the thread has yet to take.)
+    until(lambda: comm._current is not None and comm._current[1] is produced,
+          "the comm stream waits for the producer")
     compute.record(event=produced)  # its completion starts the send on this thread
     # (Not through busy(): it wakes a thread it finds idle beside queued work.)
     until(lambda: launched and comm._current is not None and comm._current[1] is later
@@ -302,10 +311,12 @@ def test_abandoning_a_stream_ends_its_stepped_op(backend):
     assert ended.is_set() and s.lost == "given up"
 
 
-def test_a_producer_begins_its_send_even_while_the_one_before_is_under_way(backend):
+def test_a_producer_begins_its_send_even_while_the_one_before_is_under_way(
+        backend, monkeypatch):
     """The wait behind a parked op kicks its stream too: the producer's thread steps the
     op before (whatever it said about when to look again) and, once it is over, begins the
     next send itself."""
+    monkeypatch.setattr(cpu, "_POLL_S", 10.0)  # (the comm thread does not look in meanwhile)
     b = backend(helping=True)
     comm, compute = b.stream(0, "comm"), b.stream(0, "compute")
     first_sent, log = threading.Event(), []
