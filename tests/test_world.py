@@ -212,3 +212,54 @@ def test_a_rank_prints_its_traceback_in_one_write(monkeypatch):
     assert rec.writes == ["".join(traceback.format_exception(type(err), err, err.__traceback__))]
     assert rec.writes[0].endswith("overlap.errors.CallMismatch: reshard: ranks [3] made a "
                                   "different call than rank 0\n")
+
+
+def test_a_wait_on_the_runtimes_messages_ends_at_once_when_aborted_past_its_timeout():
+    """A call aborted by a peer's failure notice after its timeout ran out raises at once:
+    it does not first ask the peers how far they got (the failed one never answers; the
+    call returned a second late)."""
+    from overlap.backends.distributed import Distributed
+    from overlap.errors import CollectiveAborted
+
+    class Never:
+        def Test(self) -> bool:
+            return False
+
+        def Cancel(self) -> None:
+            pass
+
+    class Backend:
+        abort_reason = "rank 0 failed"
+        timeout = 0.0  # run out already
+
+    class Control:
+        def behind(self, calls: int) -> str:
+            raise AssertionError("asked the peers")
+
+    dist = object.__new__(Distributed)
+    dist.backend, dist.control, dist.calls, dist.rank = Backend(), Control(), 3, 1
+    dist.poll, dist.grace = Backoff(), 5.0
+    with pytest.raises(CollectiveAborted, match="rank 0 failed"):
+        dist.wait_polled(Never(), "train_step: losses")
+
+
+def test_asking_the_peers_how_far_they_got_stops_waiting_once_aborted():
+    """A failure notice that arrives while this rank asks its peers is the explanation: the
+    question stops waiting for an answer a failed peer may never send."""
+    import time
+
+    from overlap.backends.distributed import _Control
+
+    class Backend:
+        abort_reason = "rank 0 failed"
+
+    class Dist:
+        backend = Backend()
+
+    control = object.__new__(_Control)
+    control.dist, control.rank, control.size, control.replies = Dist(), 1, 2, {}
+    control.tell_all = lambda tag, msg, wait: None  # (rank 0 never answers)
+    started = time.monotonic()
+    said = control.behind(3, wait=60.0)
+    assert time.monotonic() - started < 5.0  # not the 60 s it would wait for an answer
+    assert "ranks [0] do not answer" in said

@@ -199,13 +199,16 @@ class Distributed:
         try:
             while not req.Test():
                 now = time.perf_counter()
-                if now - started > self.backend.timeout:
-                    self.check(what, started, self.control.behind(self.calls), None)
                 if self.backend.abort_reason is not None and aborted_at is None:
                     aborted_at = now
                 if (aborted_at is None or through_abort is None or not through_abort()
                         or now - aborted_at >= self.grace / 2):
-                    self.check(what, now, "", None)  # the abort only: the timeout is above
+                    self.check(what, now, "", None)  # the abort only: the timeout is below
+                # (After the abort: asking the peers how far they got waits up to a second
+                # for replies a failed peer never sends — a call aborted by a peer's failure
+                # notice returned a second late.)
+                if now - started > self.backend.timeout:
+                    self.check(what, started, self.control.behind(self.calls), None)
                 pause(attempt)
                 attempt += 1
         except BaseException:
@@ -442,7 +445,10 @@ class _Control:
         self.tell_all(_QUERY, {}, wait)
         others = [r for r in range(self.size) if r != self.rank]
         deadline = time.perf_counter() + wait
-        while len(self.replies) < len(others) and time.perf_counter() < deadline:
+        # (Not past an abort: a failure notice that came meanwhile is the explanation, and
+        # a failed peer may never answer — the caller raised a second late.)
+        while (len(self.replies) < len(others) and time.perf_counter() < deadline
+               and self.dist.backend.abort_reason is None):
             time.sleep(0.005)
         late = [r for r in others if r in self.replies and self.replies[r] < calls]
         mute = [r for r in others if r not in self.replies]
