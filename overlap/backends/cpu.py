@@ -151,11 +151,11 @@ Steps = Iterator[float]
 class _Parked:
     """A stepped op under way at the head of its stream."""
 
-    __slots__ = ("category", "label", "op", "rng", "steps", "t0", "trace", "until")
+    __slots__ = ("label", "op", "rng", "steps", "t0", "trace", "until")
 
-    def __init__(self, label: str, steps: Steps, category: str, op: int | None, rng: Any,
+    def __init__(self, label: str, steps: Steps, op: int | None, rng: Any,
                  trace: list[TraceRecord] | None, t0: Any) -> None:
-        self.label, self.steps, self.category, self.op = label, steps, category, op
+        self.label, self.steps, self.op = label, steps, op
         # The trace it was started under (None: none recorded then), as a plain op keeps it.
         self.rng, self.trace, self.t0 = rng, trace, t0
         self.until = 0.0  # no step before this perf_counter time (what the last one yielded)
@@ -338,8 +338,7 @@ class CpuStream:
                         self._current = (kind, payload, time.perf_counter())
             if pending:
                 if begins:
-                    self._wait_rng = range_start(f"wait {payload.label} (device {self.device})",
-                                                 "wait")
+                    self._wait_rng = self._wait_range(payload)
                     if payload is not self._hooked:  # (hooked already behind a parked op)
                         payload.add_done_callback(self._kick)  # (may run at once: no lock held)
                 if self.backend.abort_reason is None or payload._done.is_set():
@@ -367,7 +366,7 @@ class CpuStream:
         try:
             if kind == "wait":
                 if rng is None:
-                    rng = range_start(f"wait {payload.label} (device {self.device})", "wait")
+                    rng = self._wait_range(payload)
                 try:
                     if not payload._done.is_set():  # (only when aborted: see _advance)
                         self.backend._check_abort(f"device {self.device} stream {self.name!r} "
@@ -380,9 +379,7 @@ class CpuStream:
             if stepped:
                 self._start(label, fn, category, op)
                 return
-            rng = range_start(label, category)
-            trace = self.backend.trace if op is not None else None
-            t0 = self._mark() if trace is not None else None
+            rng, trace, t0 = self._open(label, category, op)
             self.data_span = None
             try:
                 self._execute(fn)
@@ -395,6 +392,17 @@ class CpuStream:
                 trace.append(TraceRecord(op, self.device, self.name, start, end))
         except BaseException as exc:
             self._fail(exc, payload[0] if kind == "op" else f"wait {payload.label}")
+
+    def _open(self, label: str, category: str, op: int | None
+              ) -> tuple[Any, list[TraceRecord] | None, Any]:
+        """An op begins: its NVTX range, the trace it goes to (None: none recorded, or no op
+        id) and its start mark there."""
+        rng = range_start(label, category)
+        trace = self.backend.trace if op is not None else None
+        return rng, trace, self._mark() if trace is not None else None
+
+    def _wait_range(self, event: CpuEvent) -> Any:
+        return range_start(f"wait {event.label} (device {self.device})", "wait")
 
     def _fail(self, exc: BaseException, op: str) -> None:
         if self.lost is not None:
@@ -417,15 +425,13 @@ class CpuStream:
                op: int | None) -> None:
         """Begin a stepped op: it stays parked at the head until its steps are done. (Host
         code only: no ``_execute`` context, so it may run on any thread.)"""
-        rng = range_start(label, category)
-        trace = self.backend.trace if op is not None else None
-        t0 = self._mark() if trace is not None else None
+        rng, trace, t0 = self._open(label, category, op)
         try:
             steps = iter(fn())
         except BaseException:
             range_end(rng)
             raise
-        self._parked = _Parked(label, steps, category, op, rng, trace, t0)
+        self._parked = _Parked(label, steps, op, rng, trace, t0)
 
     def _step(self, p: _Parked, now: bool = False) -> bool:
         """Take a step of the parked op if it is worth trying now (``now``: whatever it said);
@@ -531,8 +537,7 @@ class CpuStream:
             self._helpers += 1
         try:
             while not event._done.is_set() and self.backend.abort_reason is None:
-                parked = self._parked
-                if parked is None:
+                if self._parked is None:
                     return
                 if not self._drive.acquire(blocking=False):
                     time.sleep(self._HELP_RETRY_S)  # its thread is taking a step
