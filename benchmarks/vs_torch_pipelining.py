@@ -10,7 +10,9 @@ step included in every measured step.
 - overlap: ``TorchPipeline`` on ``Runtime(cluster)`` with the CPU backend — 4 virtual devices,
   one per stage, each a thread of this one process — schedules 1f1b and eager-1f1b.
 - overlap under ``mpiexec -n 4`` (when mpi4py and mpiexec are installed: the ``mpi`` extra):
-  the same script's model, one stage per process, MPI between them; rank 0's step times.
+  the same script's model, one stage per process; rank 0's step times. Activations and
+  gradients go over host links (Unix sockets between the ranks of a host, the default) and,
+  in the row "MPI data", over MPI (``OVERLAP_HOST_LINKS=0``); MPI carries the control.
 
 Both sides get the same core budget (the whole machine) and the same torch intra-op threads
 per stage (``--threads``, default 1: 4 stage workers on 2 cores are already oversubscribed).
@@ -165,10 +167,13 @@ def _mpiexec() -> str | None:
 
 def run_overlap_mpi(schedule: str, cfg: dict) -> tuple[list[float], list[float], list[float]]:
     """overlap on 4 MPI processes (this script's ``--mpi-worker`` mode under ``mpiexec``):
-    rank 0's step times, CPU seconds per step summed over the ranks, step-0 losses."""
+    rank 0's step times, CPU seconds per step summed over the ranks, step-0 losses. The
+    data between ranks goes over host links (Unix sockets), or over MPI with
+    ``cfg["links"]`` False."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
     env["OPENBLAS_NUM_THREADS"] = "1"
+    env["OVERLAP_HOST_LINKS"] = "1" if cfg.get("links", True) else "0"
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.json")
         subprocess.run([_mpiexec(), "-n", str(STAGES), sys.executable, __file__,  # type: ignore[list-item]
@@ -226,8 +231,11 @@ def _mem_gib() -> int:
 ROWS = (("torch Schedule1F1B", "torch", "1f1b"), ("torch ScheduleGPipe", "torch", "gpipe"),
         ("overlap 1f1b", "overlap", "1f1b"), ("overlap eager-1f1b", "overlap", "eager-1f1b"))
 MPI_ROWS = (("overlap mpi 1f1b", "overlap-mpi", "1f1b"),
-            ("overlap mpi eager-1f1b", "overlap-mpi", "eager-1f1b"))
-RUNNERS = {"torch": run_torch, "overlap": run_overlap, "overlap-mpi": run_overlap_mpi}
+            ("overlap mpi eager-1f1b", "overlap-mpi", "eager-1f1b"),
+            ("mpi eager, MPI data", "overlap-mpi-data", "eager-1f1b"))
+RUNNERS = {"torch": run_torch, "overlap": run_overlap, "overlap-mpi": run_overlap_mpi,
+           "overlap-mpi-data": lambda schedule, cfg: run_overlap_mpi(
+               schedule, {**cfg, "links": False})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,10 +40,16 @@ import job as toy_job  # noqa: E402
 
 
 def mpiexec(n: int, *args: str, flags: tuple[str, ...] = (), guard: bool = False,
-            bound: float = JOB_BOUND_S) -> tuple[subprocess.CompletedProcess[str], float]:
+            bound: float = JOB_BOUND_S, data: str = "links", hosts: str | None = None
+            ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``data``: "links" (the default: host links between ranks of a host) or "mpi" (every
+    byte over MPI); ``hosts``: the host each rank pretends to run on (JOB_HOSTS)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_", "JOB_"))}
     env["OPENBLAS_NUM_THREADS"] = "1"
+    env["OVERLAP_HOST_LINKS"] = {"links": "1", "mpi": "0"}[data]
+    if hosts is not None:
+        env["JOB_HOSTS"] = hosts
     start = time.perf_counter()
     wrap = ["-m", "overlap.guard"] if guard else []
     done = subprocess.run([MPIEXEC, *flags, "-n", str(n), sys.executable, *wrap, str(JOB),
@@ -76,20 +82,50 @@ def assert_same_as_single(ranks: list[dict[str, np.ndarray]], single: dict[str, 
 
 # ---- results equal the one-process run -------------------------------------------------------
 
-@pytest.mark.parametrize("n", [4, 2])
-def test_toy_pipeline_equals_one_process_bit_for_bit(tmp_path, n):
-    done, _ = mpiexec(n, "toy", str(tmp_path))
-    assert done.returncode == 0, verdicts(done.stderr)
+def toy_single() -> dict[str, np.ndarray]:
     with Runtime(Cluster.preset("p3.8xlarge", num_hosts=4)) as rt:
         single: dict[str, np.ndarray] = {}
         for schedule in ("gpipe", "1f1b", "eager-1f1b"):
             single.update(toy_job.run_toy(rt, schedule))
+    return single
+
+
+def links_of(out: Path, n: int) -> list[dict | None]:
+    return [json.loads((out / f"links{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.mark.parametrize("data", ["links", "mpi"])
+@pytest.mark.parametrize("n", [4, 2])
+def test_toy_pipeline_equals_one_process_bit_for_bit(tmp_path, n, data):
+    done, _ = mpiexec(n, "toy", str(tmp_path), data=data)
+    assert done.returncode == 0, verdicts(done.stderr)
+    single = toy_single()
     ranks = outputs(tmp_path, n)
+    links = links_of(tmp_path, n)
+    if data == "links":  # one host: every rank linked to every other, the data over them
+        for r, info in enumerate(links):
+            assert info["peers"] == [q for q in range(n) if q != r]
+        assert all(info["sent"] > 0 and info["received"] > 0 for info in links)
+        assert sum(i["sent"] for i in links) == sum(i["received"] for i in links)
+    else:
+        assert links == [None] * n
     assert_same_as_single(ranks, single, replicated=("/losses",))
     for arrays in ranks:  # every process got every loss
         assert sum("/losses" in k for k in arrays) == sum("/losses" in k for k in single)
     # One line per rank ties rank, pid and devices together (the launcher reports pids).
     assert len(re.findall(rf"overlap: rank \d/{n} \(pid \d+", done.stderr)) == n
+
+
+def test_ranks_on_two_hosts_link_within_a_host_and_use_mpi_between(tmp_path):
+    """Ranks 0, 1 on one host, 2, 3 on another: links only join ranks of a host, and the
+    pipeline's hop from stage 2 to 3 (rank 1 to 2) goes over MPI — one transfer's two sides
+    of different kinds. The training is the one-process one, bit for bit."""
+    done, _ = mpiexec(4, "toy", str(tmp_path), hosts="a,a,b,b")
+    assert done.returncode == 0, verdicts(done.stderr)
+    assert_same_as_single(outputs(tmp_path, 4), toy_single(), replicated=("/losses",))
+    links = links_of(tmp_path, 4)
+    assert [i["peers"] for i in links] == [[1], [0], [3], [2]]
+    assert all(i["sent"] > 0 and i["received"] > 0 for i in links)
 
 
 # 4 devices: one per process with -n 4, two per process with -n 2.
@@ -160,10 +196,11 @@ def test_laned_plans_across_processes_equal_one_process_bit_for_bit(tmp_path, n)
     assert_same_as_single(outputs(tmp_path, n), single)
 
 
-@pytest.mark.parametrize("n,chunk", [(4, None), (2, None), (2, 5)])
-def test_strided_destinations_across_processes(tmp_path, n, chunk):
+@pytest.mark.parametrize("n,chunk,data", [(4, None, "links"), (2, None, "links"),
+                                          (2, 5, "links"), (4, None, "mpi"), (2, 5, "mpi")])
+def test_strided_destinations_across_processes(tmp_path, n, chunk, data):
     single = one_process(fixed_plans(), tmp_path / "cases.json", chunk)
-    done, _ = mpiexec(n, "reshard", str(tmp_path), str(tmp_path / "cases.json"))
+    done, _ = mpiexec(n, "reshard", str(tmp_path), str(tmp_path / "cases.json"), data=data)
     assert done.returncode == 0, verdicts(done.stderr)
     assert_same_as_single(outputs(tmp_path, n), single)
 
@@ -343,7 +380,7 @@ def test_a_receive_posted_long_before_its_send_polls_less_once_it_knows_the_wait
     every 20-200 µs all along): far fewer tests — and none of that without the adaptive wait."""
     polls = {}
     for mode in ("adaptive", "backoff"):
-        done, _ = mpiexec(2, "early", str(tmp_path), mode)
+        done, _ = mpiexec(2, "early", str(tmp_path), mode, data="mpi")
         assert done.returncode == 0, verdicts(done.stderr)
         polls[mode] = outputs(tmp_path, 2)[1]["polls"]  # rank 1's receives (2 hops a call)
         assert len(polls[mode]) == 12

@@ -390,3 +390,74 @@ def test_work_that_became_ready_during_a_step_is_begun_at_once(backend):
     s.launch("send 1", gated(threading.Event(), log, first="send 1"), stepped=True)
     queued.set()
     until(lambda: log, "send 1 began")  # (else: 60 s later)
+
+
+# ---- steps woken by what they wait for (step_waker) ---------------------------------------
+
+
+@pytest.mark.parametrize("helping", [False, True])
+def test_a_step_that_waits_on_its_waker_is_stepped_again_when_called(backend, helping,
+                                                                     monkeypatch):
+    """A step hands its waker to whatever signals completion (a host link's message) and
+    asks to be looked at only an hour later: the call has it stepped at once, by a helper
+    where allowed, else by the stream's thread (woken: it does not look in meanwhile)."""
+    monkeypatch.setattr(cpu, "_POLL_S", 10.0)
+    b = backend(helping=helping)
+    s = b.stream(0, "comm")
+    message, log = threading.Event(), []
+    assert cpu.step_waker() is None  # (outside a step)
+
+    def receive():
+        wake = cpu.step_waker()
+        assert wake is not None
+        threading.Thread(target=lambda: (message.wait(SETTLE_S), wake())).start()
+        while not message.is_set():
+            yield time.perf_counter() + 3600.0
+        log.append(threading.current_thread().name)
+
+    s.launch("receive", receive, stepped=True)
+    done = s.record("received")
+    until(lambda: s._parked is not None and s._parked.until > 0, "the receive waits")
+    message.set()
+    settle(done)
+    assert len(log) == 1
+    if not helping:
+        assert log == ["overlap-d0-comm"]
+
+
+def test_a_waker_called_during_its_step_makes_the_next_one_due_at_once(backend):
+    """The message comes after the step looked but before it yielded its hour: the call is
+    not lost — the op is due at once."""
+    b = backend(helping=False)
+    s = b.stream(0, "comm")
+    message = threading.Event()
+
+    def receive():
+        while not message.is_set():
+            message.set()  # (arrives now, after the look)
+            cpu.step_waker()()
+            yield time.perf_counter() + 3600.0
+
+    s.launch("receive", receive, stepped=True)
+    settle(s.record("received"))
+
+
+def test_a_blocking_mpi_wait_is_woken_by_its_waker():
+    """The same where an MPI transfer's steps run on one thread (``_drive``)."""
+    from overlap.backends.mpi import _drive
+
+    class Backend:
+        abort_reason = None
+
+    message = threading.Event()
+
+    def steps():
+        wake = cpu.step_waker()
+        threading.Thread(target=lambda: (message.wait(SETTLE_S), wake())).start()
+        while not message.is_set():
+            yield time.perf_counter() + 3600.0
+
+    threading.Timer(0.01, message.set).start()
+    started = time.monotonic()
+    _drive(steps(), Backend())
+    assert time.monotonic() - started < SETTLE_S  # not the step's hour

@@ -147,11 +147,32 @@ class CpuEvent:
 # worth stepping it again; it ends when the iterator does.
 Steps = Iterator[float]
 
+_stepping = threading.local()  # .wake: see step_waker
+
+
+@contextlib.contextmanager
+def waking(wake: Callable[[], None]) -> Iterator[None]:
+    """What :func:`step_waker` returns on this thread meanwhile (whoever takes a step)."""
+    outer = getattr(_stepping, "wake", None)
+    _stepping.wake = wake
+    try:
+        yield
+    finally:
+        _stepping.wake = outer
+
+
+def step_waker() -> Callable[[], None] | None:
+    """Inside a step of a stepped op: a function, callable from any thread, that has the op
+    stepped again at once (whatever time its step yielded) — for a step that waits on
+    something which signals its completion (a socket's message): it yields a late time and
+    arranges this call instead of being polled. None outside a step."""
+    return getattr(_stepping, "wake", None)
+
 
 class _Parked:
     """A stepped op under way at the head of its stream."""
 
-    __slots__ = ("label", "op", "rng", "steps", "t0", "trace", "until")
+    __slots__ = ("label", "op", "pokes", "rng", "steps", "t0", "trace", "until")
 
     def __init__(self, label: str, steps: Steps, op: int | None, rng: Any,
                  trace: list[TraceRecord] | None, t0: Any) -> None:
@@ -159,6 +180,7 @@ class _Parked:
         # The trace it was started under (None: none recorded then), as a plain op keeps it.
         self.rng, self.trace, self.t0 = rng, trace, t0
         self.until = 0.0  # no step before this perf_counter time (what the last one yielded)
+        self.pokes = 0  # step_waker calls (one during a step makes the next one due at once)
 
 
 _PLAIN = object()  # _advance stopped at a plain op: only the stream's own thread runs it
@@ -197,6 +219,7 @@ class CpuStream:
         self._drive = threading.Lock()  # held by whoever advances the stream (see _advance)
         self._parked: _Parked | None = None  # the stepped op at the head, under way
         self._helpers = 0  # threads stepping it while they wait for what follows (help)
+        self._waiters: list[CpuStream] = []  # the streams of those threads (to wake them)
         self._wait_rng: Any = None  # the NVTX range of the pending wait at the head
         # Set when the thread was left stuck in an op (see CpuBackend.abandon): it runs
         # nothing more, and launching on this stream raises this text.
@@ -305,19 +328,22 @@ class CpuStream:
         work comes first; the rest is the stream thread's business. ``kicked``: work behind
         a parked op just became ready — worth a step of it at once, whenever it said."""
         begin = True
+        looked = False  # looked once more at a parked op because what follows was ready
         while True:
             parked = self._parked
             if parked is not None:
                 # A thread that waits for what follows steps it (see ``help``): the stream's
                 # own thread leaves it to that one, so that the waiter sees it land.
                 if (own and self._helpers) or not self._step(parked, kicked):
-                    if not kicked and self._hook_next():
+                    # (Hooked by whoever leaves it parked, the kicked too: a step that waits
+                    # on a step_waker may never be looked at by its own thread.)
+                    if self._hook_next() and not looked:
                         # What follows it is ready already (its event completed during this
                         # step, or its kick found the stream held): look once more now.
-                        kicked = True
+                        kicked = looked = True
                         continue
                     return parked
-                kicked = False
+                kicked = looked = False
                 continue
             with self._lock:
                 if not self._queue or self.lost is not None:
@@ -439,7 +465,11 @@ class CpuStream:
         if not now and time.perf_counter() < p.until and self.backend.abort_reason is None:
             return False
         try:
-            p.until = next(p.steps)
+            pokes = p.pokes
+            with waking(self._poke):
+                until = next(p.steps)
+            # (Poked while it stepped: what it waits for may have come after it looked.)
+            p.until = until if p.pokes == pokes else 0.0
             # Its steps should see an abort themselves (naming what they waited for); one
             # that does not is ended here, so that no wait outlives abort().
             reason = self.backend.abort_reason
@@ -514,16 +544,38 @@ class CpuStream:
             return
         with self._lock:
             # (Whoever holds the stream sees the event done when it next looks behind its
-            # parked op: _hook_next.)
+            # parked op: _hook_next.) Threads stepping it for what follows wait on their
+            # own stream's condition: woken too.
             self._cv.notify()
+            waiters = list(self._waiters)
+        for w in waiters:
+            with w._lock:
+                w._cv.notify()
+
+    def _poke(self) -> None:
+        """The parked op's step_waker: due at once, stepped here (a helper) or by whoever
+        waits for it, woken."""
+        with self._lock:
+            p = self._parked
+            if p is None:
+                return  # (a late completion of an op over already)
+            p.pokes += 1
+            p.until = 0.0
+        self._kick()
 
     def _wake_if_needed(self) -> None:
         """After a helper advanced this stream: wake its thread where work is left — a parked
         op to step (MPI's rendezvous needs both sides to progress: a receive polled only when
         its consumer comes would hold its sender up), an op to begin (a plain op only it may
-        run; a stepped one, so that a receive is posted before its sender sends)."""
+        run; a stepped one, so that a receive is posted before its sender sends). Not for a
+        parked op that asked to be stepped only much later (it waits on a step_waker): the
+        thread, unless idle, looks at it within ``_POLL_S`` anyway."""
         with self._lock:
-            if self._parked is not None or self._queue:
+            p = self._parked
+            if p is None:
+                if self._queue:
+                    self._cv.notify()
+            elif self._idle or p.until - time.perf_counter() <= _POLL_S:
                 self._cv.notify()
 
     def help(self, event: CpuEvent, waiter: CpuStream) -> None:
@@ -535,6 +587,7 @@ class CpuStream:
             return  # nothing to step (its thread runs a plain op, or waits itself)
         with self._lock:
             self._helpers += 1
+            self._waiters.append(waiter)
         try:
             while not event._done.is_set() and self.backend.abort_reason is None:
                 if self._parked is None:
@@ -556,6 +609,7 @@ class CpuStream:
         finally:
             with self._lock:
                 self._helpers -= 1
+                self._waiters.remove(waiter)
             self._wake_if_needed()  # its thread takes over where it has work
 
     def busy(self) -> Busy | None:

@@ -68,6 +68,7 @@ cannot report and MPICH ends the others within a second: ``python -m overlap.gua
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -77,8 +78,14 @@ import numpy as np
 
 from ..errors import CollectiveAborted, CollectiveMismatch, OverlapRuntimeError
 from ..world import Placement, World
-from .cpu import _POLL_S, Communicator, CpuBackend
+from .cpu import _POLL_S, Communicator, CpuBackend, step_waker, waking
 from .distributed import Backoff, Distributed, _cancel
+from .host_links import HostLinks
+
+# A wait on a host link is woken by its message (step_waker): the step asks to be looked at
+# only this much later — to check for a timeout; aborts are seen within _POLL_S anyway.
+LINK_RECHECK_S = 5 * _POLL_S
+HOST_LINKS_ENV = "OVERLAP_HOST_LINKS"
 
 GROUP_TAG_BITS = 16  # stage collectives: tag = group id << 16 | launch position (mod 2**16)
 
@@ -91,12 +98,17 @@ class MpiBackend(CpuBackend):
 
     def __init__(self, num_devices: int, *, world: World, placement: Placement,
                  timeout: float = 30.0, poll: Backoff | None = None,
-                 chunk_bytes: int | None = None, grace: float = 5.0) -> None:
+                 chunk_bytes: int | None = None, grace: float = 5.0,
+                 host_links: bool | None = None) -> None:
         """``chunk_bytes``: the size of a broadcast's pieces; ``None`` (default) chooses it
-        per broadcast with :func:`piece_bytes`."""
+        per broadcast with :func:`piece_bytes`. ``host_links``: move transfers between
+        ranks of one host over Unix sockets (see ``host_links.py``) rather than MPI; None
+        (default): yes, unless the environment sets ``OVERLAP_HOST_LINKS=0``. Every rank
+        must pass the same."""
         if chunk_bytes is not None and (isinstance(chunk_bytes, bool)
                                         or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
             raise ValueError(f"chunk_bytes: expected an int >= 1 or None, got {chunk_bytes!r}")
+        links_on = _host_links_wanted(host_links)
         super().__init__(num_devices, timeout=timeout, placement=placement, rank=world.rank)
         self.dist = Distributed(self, world, placement, poll=poll, grace=grace)
         self.MPI = self.dist.MPI
@@ -104,7 +116,9 @@ class MpiBackend(CpuBackend):
         self.chunk_bytes = chunk_bytes
         self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))
         # Collective over every rank, in the same order everywhere (main thread).
+        self.links = HostLinks.connect(comm) if links_on else None
         self._channels: dict[str, Any] = {"compute": comm.Dup()}
+        self._channel_ids: dict[str, int] = {"compute": 0}  # the same on every rank
         self._group_ids: dict[tuple[str, tuple[int, ...]], int] = {}
         self._local_comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
         # Set to a list to time every cross-rank hop this rank takes part in (a
@@ -122,6 +136,7 @@ class MpiBackend(CpuBackend):
         """A channel: its communicator is made the first time (every rank, same order)."""
         if namespace not in self._channels:
             self._channels[namespace] = self.dist.runtime_comm.Dup()
+            self._channel_ids[namespace] = len(self._channel_ids)
 
     def declare_subgroups(self, namespace: str, groups: Sequence[Sequence[int]]) -> None:
         """Give each device group of stage collectives an id (every rank, same order)."""
@@ -201,7 +216,8 @@ class MpiBackend(CpuBackend):
         # Pipeline stages after the first hop: more hops, and the local copies on a rank
         # that fans out (they follow the pieces landing there).
         stages = len(chain) - 1 + (1 if any(k > 1 for k in per_rank[1:]) else 0)
-        return _Hop(what, comm, chain[me - 1] if me else None,
+        return _Hop(what, comm, self._channel_ids[namespace],
+                    chain[me - 1] if me else None,
                     chain[me + 1] if me + 1 < len(chain) else None, self._tag(tag), stages)
 
     def _piece(self, hop: _Hop, nbytes: int) -> int:
@@ -299,37 +315,39 @@ class MpiBackend(CpuBackend):
         ``hop.next``, in pieces (both ends of a hop cut the same), each forwarded as soon as it
         has landed; ``landed_to(k)``: the first k bytes are here. Steps (see
         ``CpuStream.launch``): post, then test, yielding when to test again."""
-        MPI, comm, prev, nxt, tag, what = self.MPI, hop.comm, hop.prev, hop.next, hop.tag, hop.what
+        MPI, prev, nxt, tag, what = self.MPI, hop.prev, hop.next, hop.tag, hop.what
+        post_recv, recv_link = self._poster(hop, prev, receive=True)
+        post_send, send_link = self._poster(hop, nxt, receive=False)
         n = data.nbytes
         step = self._piece(hop, n)
         pieces = [data[i:i + step] for i in range(0, n, step)] or [data[:0]]
-        recvs = [comm.Irecv(p, prev, tag) for p in pieces] if prev is not None else []
-        sends = ([comm.Isend(p, nxt, tag) for p in pieces]
-                 if prev is None and nxt is not None else [])
+        recvs = [post_recv(p) for p in pieces] if prev is not None else []
+        sends = [post_send(p) for p in pieces] if prev is None and nxt is not None else []
+        # Nothing to poll: every wait is for a link's message, which wakes the step.
+        woken = (recv_link or prev is None) and (send_link or nxt is None)
         landed = 0
         status = MPI.Status()
         started = time.perf_counter()
         seen = None  # when the last piece was seen landed (receivers)
-        attempt = 0
-        polls = 0
-        key = (id(comm), -1 if prev is None else prev)
+        attempt = polls = 0
+        key = (id(hop.comm), -1 if prev is None else prev)
         # A receive is usually posted long before its sender sends (it waits for the
         # pipeline): once, it sleeps through half the usual wait instead of testing all along.
         # (The same for sends, which wait for their receiver, changed nothing: measured.)
         quiet = (started + 0.5 * self._early.get(key, 0.0)
-                 if recvs and self.adaptive_wait else 0.0)
+                 if recvs and self.adaptive_wait and not recv_link else 0.0)
         try:
             while True:
                 moved = False
                 polls += 1
                 while landed < len(recvs) and recvs[landed].Test(status):
-                    got = status.Get_count(MPI.BYTE)
+                    got = recvs[landed].count if recv_link else status.Get_count(MPI.BYTE)
                     if got != pieces[landed].nbytes:
                         raise CollectiveMismatch(
                             f"{what}: rank {self.rank} received {got} bytes from rank {prev} "
                             f"where {pieces[landed].nbytes} were expected (different plans?)")
                     if nxt is not None:
-                        sends.append(comm.Isend(pieces[landed], nxt, tag))
+                        sends.append(post_send(pieces[landed]))
                     landed += 1
                     if landed == 1:
                         waited = time.perf_counter() - started
@@ -338,7 +356,8 @@ class MpiBackend(CpuBackend):
                     moved = True
                     if landed == len(recvs):
                         seen = time.perf_counter()
-                if landed == len(recvs) and MPI.Request.Testall(sends):
+                if landed == len(recvs) and (all(r.Test() for r in sends) if send_link
+                                             else MPI.Request.Testall(sends)):
                     if self.hop_timings is not None:
                         self.hop_timings.append(HopTiming(
                             tag, prev, nxt, n, started, seen, time.perf_counter(), polls))
@@ -350,6 +369,11 @@ class MpiBackend(CpuBackend):
                        else f"rank {nxt} never received it")
                 self.dist.check(what, started, who, prev if landed < len(recvs) else nxt)
                 now = time.perf_counter()
+                if woken:  # (else: polled)
+                    until = _armed(recvs[landed] if landed < len(recvs) else sends[-1], now)
+                    if until is not None:
+                        yield until
+                    continue
                 left = quiet - now if landed == 0 else 0.0
                 if left > 0:
                     # In 2 ms slices, each a test: one sleep through the quiet would see a
@@ -363,6 +387,23 @@ class MpiBackend(CpuBackend):
         except BaseException:
             _cancel(recvs[landed:])
             raise
+
+    def _poster(self, hop: _Hop, peer: int | None, receive: bool
+                ) -> tuple[Callable[[np.ndarray], Any], bool]:
+        """What posts a piece's receive from (send to) ``peer``, and whether it goes over a
+        host link (a wait woken by the message) rather than MPI (a wait polled)."""
+        links = self.links
+        if links is not None and peer is not None and links.has(peer):
+            post = links.irecv if receive else links.isend
+            return (lambda piece: post(hop.channel, peer, hop.tag, piece)), True
+        if receive:
+            return (lambda piece: hop.comm.Irecv(piece, peer, hop.tag)), False
+        return (lambda piece: hop.comm.Isend(piece, peer, hop.tag)), False
+
+    def close(self) -> None:
+        super().close()
+        if self.links is not None:
+            self.links.close()
 
     def _exchange(self, namespace: str, group: tuple[int, ...], bufs: dict[int, np.ndarray],
                   tag: int | None, what: str) -> dict[int, np.ndarray]:
@@ -426,19 +467,51 @@ class MpiBackend(CpuBackend):
 
 def _drive(steps: Iterator[float], backend: MpiBackend) -> None:
     """Run a stepped op's steps on this thread, sleeping between them as they ask — at most
-    ``_POLL_S`` at a time, and no longer once the backend is aborted (the next step sees it)."""
-    for until in steps:
+    ``_POLL_S`` at a time, and no longer once the backend is aborted (the next step sees it)
+    or a step's waker is called (see ``step_waker``)."""
+    ready = threading.Event()
+    it = iter(steps)
+    while True:
+        with waking(ready.set):
+            until = next(it, None)
+        if until is None:
+            return
         while (left := until - time.perf_counter()) > 0 and backend.abort_reason is None:
-            time.sleep(min(left, _POLL_S))
+            if ready.wait(min(left, _POLL_S)):
+                break
+        ready.clear()
+
+
+def _armed(pending: Any, now: float) -> float | None:
+    """A host link's request to wait for: have the step's waker called when it completes,
+    and the time to look anyway (for timeouts); None: it completed meanwhile, look again
+    now."""
+    wake = step_waker()
+    if wake is None:  # (steps taken by hand: poll)
+        return now + 50e-6
+    return now + LINK_RECHECK_S if pending.notify(wake) else None
+
+
+def _host_links_wanted(host_links: bool | None) -> bool:
+    if host_links is not None:
+        if not isinstance(host_links, bool):
+            raise ValueError(f"host_links: expected True, False or None, got {host_links!r}")
+        return host_links
+    value = os.environ.get(HOST_LINKS_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{HOST_LINKS_ENV}: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 class _Hop(NamedTuple):
     """A rank's place in one broadcast's chain: the rank it receives from and the one it
     passes the data on to (None: it is the root, the last), the message tag, and the stages
-    of the pipeline the pieces go through (for their size)."""
+    of the pipeline the pieces go through (for their size); the channel's communicator and
+    its id on host links."""
 
     what: str
     comm: Any
+    channel: int
     prev: int | None
     next: int | None
     tag: int

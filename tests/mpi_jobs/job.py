@@ -3,7 +3,11 @@
 Every rank runs this same script (as a user's would). Modes:
 
 - ``toy OUT``: the toy pipeline (examples/toy.py), two SGD steps per schedule; each rank saves the
-  losses it got and its own devices' gradients and weights to ``OUT/rank<r>.npz``.
+  losses it got and its own devices' gradients and weights to ``OUT/rank<r>.npz``, and its
+  host links (peers, messages) to ``OUT/links<r>.json``.
+
+Every mode: ``JOB_HOSTS=a,a,b,b`` in the environment makes rank r say it runs on the r-th
+host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all data over MPI.
 - ``reshard OUT CASES [cuda]``: every plan in the JSON file CASES, on shards made from the
   tensor ``arange`` (broadcasts cut in ``chunk_bytes`` pieces when CASES sets it); each rank
   saves its destination shards. With ``cuda``: on the CUDA
@@ -131,8 +135,28 @@ def failing(rank_to_fail: int, rt: Runtime, how: str):
     return wrap
 
 
+def pretend_hosts() -> None:
+    """``JOB_HOSTS=a,a,b,b``: rank r reports the r-th name as its host (links join only the
+    ranks of one host; the others talk over MPI)."""
+    names = os.environ.get("JOB_HOSTS")
+    if names:
+        from mpi4py import MPI
+
+        mine = names.split(",")[MPI.COMM_WORLD.Get_rank()]
+        MPI.Get_processor_name = lambda: mine
+
+
+def save_links(rt: Runtime, out_dir: Path) -> None:
+    """Which ranks this one is linked to, and how many messages went over the links."""
+    links = getattr(rt.backend, "links", None)
+    info = None if links is None else {"peers": list(links.peers), "sent": links.frames_sent,
+                                       "received": links.frames_received}
+    (out_dir / f"links{rt.world.rank}.json").write_text(json.dumps(info))
+
+
 def main() -> int:
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
+    pretend_hosts()
     cluster = Cluster.preset("p3.8xlarge", num_hosts=4)
     if mode == "reshard":
         cases = json.loads(Path(sys.argv[3]).read_text())
@@ -150,6 +174,7 @@ def main() -> int:
         if mode == "toy":
             for schedule in ("gpipe", "1f1b", "eager-1f1b"):
                 saved.update(run_toy(rt, schedule))
+            save_links(rt, out_dir)
         elif mode in ("raise", "kill"):
             run_toy(rt, "eager-1f1b", fault=failing(int(sys.argv[3]), rt, mode))
         elif mode == "differ":

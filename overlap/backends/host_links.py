@@ -1,0 +1,513 @@
+"""Byte links between the MPI ranks of one host: a Unix stream socket per pair of ranks, with
+MPI's point-to-point semantics (nonblocking send and receive, matched by channel, source and
+tag, in order), whose waits block in the kernel.
+
+Why not MPI for these bytes: MPI offers no completion a thread can sleep on. Its requests are
+polled, and on a host with fewer cores than ranks every poll is a thread wake-up (25-35 µs of
+CPU each on the 2-core machine of docs/benchmarks.md, ~1,100 per training step of 4 ranks);
+and MPICH moves messages of 8 KiB and more by rendezvous, which completes only while the
+receiving process polls. A socket needs neither: the kernel buffers what was sent (so a send
+completes at once, whether or not its receiver looks), and one thread per process sleeps in
+``epoll`` until bytes arrive — one wake-up per message, the way gloo's transport waits.
+
+Messages are frames: a header (channel, tag, payload bytes), then the payload. The process's
+link thread reads every socket: a frame whose receive is posted lands in that receive's
+buffer directly; one that comes first waits, copied, until its receive is posted (MPI's
+unexpected messages). A send writes what the socket takes at once from the caller's thread and
+leaves the rest to the link thread. A request's ``wake`` (set by whoever waits for it) is
+called on completion from the thread that completed it.
+
+Failures: a peer whose socket closed delivers what it sent before; receives still waiting for
+it then wait on (as MPI's do: the runtime's failure notices and timeouts name the rank), a
+send to it fails at once, naming it. ``close`` ends the thread within a bounded time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import selectors
+import socket
+import struct
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import CollectiveAborted, OverlapRuntimeError
+
+HEADER = struct.Struct("<IiQ")  # channel id, tag, payload bytes
+SOCKET_BUFFER_BYTES = 4 << 20  # asked of the kernel (it caps it: wmem_max)
+CONNECT_TIMEOUT_S = 30.0  # link setup: every rank of the host is inside the same call
+_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer: an error, not SIGPIPE
+_READS_PER_EVENT = 64  # frames read from one socket before the others get their turn
+
+Wake = Callable[[], None]
+
+
+class LinkRequest:
+    """One nonblocking send or receive on a link (the subset of ``mpi4py.MPI.Request`` the
+    data plane uses: ``Test``, ``Cancel``, ``Wait`` after a cancel)."""
+
+    __slots__ = ("_links", "cancelled", "count", "done", "error", "key", "nbytes", "view",
+                 "wake")
+
+    def __init__(self, links: HostLinks, key: tuple[int, int, int], view: memoryview) -> None:
+        self._links = links
+        self.key = key  # (peer, channel, tag)
+        self.view = view
+        self.nbytes = view.nbytes
+        self.done = False
+        self.cancelled = False
+        self.count = -1  # bytes the matching message carried (receives)
+        self.error: BaseException | None = None
+        self.wake: Wake | None = None
+
+    def Test(self, status: Any = None) -> bool:
+        """True once complete; raises what failed it."""
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+    def notify(self, wake: Wake) -> bool:
+        """Have ``wake()`` called when this completes; False (and no call) if it already
+        did — the caller looks again instead of waiting."""
+        with self._links._lock:
+            if self.done or self.error is not None:
+                return False
+            self.wake = wake
+            return True
+
+    def Cancel(self) -> None:
+        """Take back a receive: one not matched yet never will be; one whose message is
+        landing still receives its bytes (a frame is read whole) but never reports done."""
+        self._links._cancel(self)
+
+    def Wait(self) -> None:
+        """(After ``Cancel``: nothing to wait for — a cancelled receive is over for its
+        caller.)"""
+
+
+class _Conn:
+    """One peer's socket and its reader's and writer's state."""
+
+    def __init__(self, peer: int, sock: socket.socket) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.header = bytearray(HEADER.size)
+        self.got = 0  # bytes of the header, then of the payload, read so far
+        self.body: memoryview | None = None  # where the payload lands (None: reading a header)
+        self.frame: tuple[int, int, int] = (0, 0, 0)  # (channel, tag, bytes) being read
+        self.target: LinkRequest | None = None  # the receive it lands in (None: unexpected)
+        self.out: deque[tuple[list[memoryview], LinkRequest]] = deque()  # sends in flight
+        self.wlock = threading.Lock()  # frames are written whole, in order
+        self.writing = False  # the link thread watches it for room to write
+        self.closed: str | None = None  # why the peer cannot be written to
+        self.sent = 0  # messages sent (under wlock)
+
+
+class HostLinks:
+    """Links from this rank to ``peers`` (rank -> connected stream socket) and the thread that
+    reads them. Build it for an MPI job with :meth:`connect`."""
+
+    def __init__(self, rank: int, peers: Mapping[int, socket.socket]) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()  # matching: posted receives, unexpected messages
+        self._posted: dict[tuple[int, int, int], deque[LinkRequest]] = {}
+        self._unexpected: dict[tuple[int, int, int], deque[bytearray]] = {}
+        self._conns = {p: _Conn(p, s) for p, s in peers.items()}
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        for c in self._conns.values():
+            c.sock.setblocking(False)
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                with contextlib.suppress(OSError):
+                    c.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+            self._sel.register(c.sock, selectors.EVENT_READ, c)
+        self._want_write: list[_Conn] = []
+        self._closing = False
+        self.failure: BaseException | None = None  # what stopped the link thread, if anything
+        self.frames_received = 0  # messages read whole (for tests and benchmarks)
+        self._thread = threading.Thread(target=self._run, name=f"overlap-links-r{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, comm: Any, *, timeout: float = CONNECT_TIMEOUT_S) -> HostLinks | None:
+        """Collective over ``comm`` (every rank, main thread): link this rank to every other
+        rank on its host (same ``MPI.Get_processor_name()``). None where links cannot be
+        made on every rank that needs them: the data then goes over MPI everywhere."""
+        from mpi4py import MPI
+
+        rank, size = comm.Get_rank(), comm.Get_size()
+        hosts = comm.allgather(MPI.Get_processor_name())
+        token = comm.bcast(secrets.token_hex(8) if rank == 0 else None, root=0)
+        mates = [r for r in range(size) if r != rank and hosts[r] == hosts[rank]]
+        peers: dict[int, socket.socket] = {}
+        ok = True
+        listener = None
+        try:
+            if mates:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                listener.bind(_address(token, rank))
+                listener.listen(len(mates))
+        except OSError:
+            ok = False
+        # Everyone listens before anyone connects; a rank that cannot makes every rank fall
+        # back (links are all or nothing: both ends of a pair must agree).
+        ok = bool(comm.allreduce(int(ok), op=MPI.MIN))
+        try:
+            if ok:
+                for r in (r for r in mates if r > rank):  # lower ranks connect, higher accept
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    peers[r] = s
+                    s.settimeout(timeout)
+                    s.connect(_address(token, r))
+                    s.sendall(struct.pack("<i", rank))
+                assert listener is not None or not mates
+                for _ in (r for r in mates if r < rank):
+                    assert listener is not None
+                    listener.settimeout(timeout)
+                    s, _addr = listener.accept()
+                    s.settimeout(timeout)
+                    who = struct.unpack("<i", _read_exactly(s, 4))[0]
+                    if who not in mates or who > rank or who in peers:
+                        raise OSError(f"link from unexpected rank {who}")
+                    peers[who] = s
+        except OSError:
+            ok = False
+        finally:
+            if listener is not None:
+                listener.close()
+                if not sys.platform.startswith("linux"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(_address(token, rank))
+        ok = bool(comm.allreduce(int(ok), op=MPI.MIN))
+        if not ok:
+            for s in peers.values():
+                s.close()
+            return None
+        return cls(rank, peers)
+
+    def has(self, peer: int) -> bool:
+        return peer in self._conns
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted(self._conns))
+
+    @property
+    def frames_sent(self) -> int:
+        """Messages sent on every link (for tests and benchmarks)."""
+        return sum(c.sent for c in self._conns.values())
+
+    # ---- requests (any thread) -----------------------------------------------------------
+
+    def irecv(self, channel: int, peer: int, tag: int, buf: memoryview) -> LinkRequest:
+        """Receive the next message from ``peer`` with this channel and tag into ``buf``."""
+        req = LinkRequest(self, (peer, channel, tag), _bytes(buf))
+        self._conn(peer)
+        with self._lock:
+            early = self._unexpected.get(req.key)
+            if early:
+                data = early.popleft()
+                if not early:
+                    del self._unexpected[req.key]
+            else:
+                self._posted.setdefault(req.key, deque()).append(req)
+                return req
+        _deliver(req, memoryview(data))
+        req.done = True
+        return req
+
+    def isend(self, channel: int, peer: int, tag: int, buf: memoryview) -> LinkRequest:
+        """Send ``buf`` (which must stay untouched until the request completes)."""
+        view = _bytes(buf)
+        req = LinkRequest(self, (peer, channel, tag), view)
+        conn = self._conn(peer)
+        parts = [memoryview(HEADER.pack(channel, tag, view.nbytes)), view]
+        with conn.wlock:
+            if conn.closed is not None:
+                raise _closed(conn)
+            if not conn.out:
+                try:
+                    parts = _write(conn.sock, parts)
+                except OSError as exc:
+                    conn.closed = f"{type(exc).__name__}: {exc}"
+                    raise _closed(conn) from exc
+            conn.sent += 1
+            if not parts:
+                req.done = True
+                return req
+            conn.out.append((parts, req))
+            start = not conn.writing
+            conn.writing = True
+        if start:
+            with self._lock:
+                self._want_write.append(conn)
+            self._poke_thread()
+        return req
+
+    def _conn(self, peer: int) -> _Conn:
+        try:
+            return self._conns[peer]
+        except KeyError:
+            raise OverlapRuntimeError(f"rank {self.rank} has no link to rank {peer} "
+                                      f"(linked: {list(self.peers)})") from None
+
+    def _cancel(self, req: LinkRequest) -> None:
+        with self._lock:
+            req.cancelled = True
+            queue = self._posted.get(req.key)
+            if queue is not None and req in queue:
+                queue.remove(req)
+                if not queue:
+                    del self._posted[req.key]
+
+    # ---- the link thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                for key, mask in self._sel.select():
+                    conn = key.data
+                    if conn is None:
+                        self._drain_pokes()
+                        continue
+                    if mask & selectors.EVENT_READ:
+                        self._read(conn)
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(conn)
+        except BaseException as exc:  # a bug here must not pass for a silent link
+            self.failure = exc
+            self._fail_all(exc)
+
+    def _drain_pokes(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(4096):
+                pass
+        with self._lock:
+            wanted, self._want_write = self._want_write, []
+        for conn in wanted:
+            with contextlib.suppress(KeyError, ValueError):  # (lost meanwhile: unregistered)
+                self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _poke_thread(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def _read(self, conn: _Conn) -> None:
+        """Read what arrived on ``conn``: whole frames and the start of the next one."""
+        for _ in range(_READS_PER_EVENT):
+            target = conn.body if conn.body is not None else memoryview(conn.header)
+            want = target.nbytes - conn.got
+            if want:
+                try:
+                    n = conn.sock.recv_into(target[conn.got:], want)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as exc:
+                    self._lost(conn, f"{type(exc).__name__}: {exc}")
+                    return
+                if n == 0:
+                    self._lost(conn, "its process closed the link")
+                    return
+                conn.got += n
+                if n < want:
+                    continue
+            if conn.body is None:
+                self._begin(conn)
+            else:
+                self._land(conn)
+
+    def _begin(self, conn: _Conn) -> None:
+        """A header is in: choose where the payload lands."""
+        channel, tag, nbytes = HEADER.unpack(conn.header)
+        conn.frame = (channel, tag, nbytes)
+        key = (conn.peer, channel, tag)
+        with self._lock:
+            queue = self._posted.get(key)
+            req = queue.popleft() if queue else None
+            if queue is not None and not queue:
+                del self._posted[key]
+        conn.target = req
+        # In place when the sizes agree; else in a copy (its size reported, as MPI's count).
+        conn.body = req.view if req is not None and req.nbytes == nbytes else \
+            memoryview(bytearray(nbytes))
+        conn.got = 0
+
+    def _land(self, conn: _Conn) -> None:
+        """A payload is in: complete its receive, or keep it for the receive to come."""
+        channel, tag, nbytes = conn.frame
+        req, body = conn.target, conn.body
+        conn.body, conn.target, conn.got = None, None, 0
+        self.frames_received += 1  # (only the link thread writes it)
+        assert body is not None
+        if req is None:
+            key = (conn.peer, channel, tag)
+            with self._lock:
+                queue = self._posted.get(key)  # posted while the payload was landing
+                req = queue.popleft() if queue else None
+                if queue is not None and not queue:
+                    del self._posted[key]
+                if req is None:
+                    self._unexpected.setdefault(key, deque()).append(body.obj)
+                    return
+        if body is not req.view:
+            _deliver(req, body)
+        req.count = nbytes
+        self._complete(req)
+
+    def _complete(self, req: LinkRequest, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is None:
+                req.done = True
+            else:
+                req.error = error
+            wake = None if req.cancelled else req.wake
+        if wake is not None:
+            wake()
+
+    def _flush(self, conn: _Conn) -> None:
+        """Write what the socket takes of the sends in flight."""
+        finished: list[LinkRequest] = []
+        failed: BaseException | None = None
+        with conn.wlock:
+            try:
+                while conn.out:
+                    parts, req = conn.out[0]
+                    rest = _write(conn.sock, parts)
+                    if rest:
+                        conn.out[0] = (rest, req)
+                        break
+                    conn.out.popleft()
+                    finished.append(req)
+            except OSError as exc:
+                conn.closed = f"{type(exc).__name__}: {exc}"
+                failed = _closed(conn)
+            if failed is not None or not conn.out:
+                conn.writing = False
+                with contextlib.suppress(KeyError, ValueError):
+                    self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+            lost = [req for _, req in conn.out] if failed is not None else []
+            if failed is not None:
+                conn.out.clear()
+        for req in finished:
+            self._complete(req)
+        for req in lost:
+            self._complete(req, failed)
+
+    def _lost(self, conn: _Conn, why: str) -> None:
+        """The peer's end closed. What it sent before has been read; receives waiting for
+        more wait on (the runtime names the rank: failure notice or timeout); sends fail."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        with conn.wlock:
+            conn.closed = why
+            pending = [req for _, req in conn.out]
+            conn.out.clear()
+            conn.writing = False
+        err = _closed(conn)
+        for req in pending:
+            self._complete(req, err)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        err = CollectiveAborted(f"rank {self.rank}'s link thread failed: "
+                                f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            pending = [r for q in self._posted.values() for r in q]
+            self._posted.clear()
+        for conn in self._conns.values():
+            with conn.wlock:
+                conn.closed = conn.closed or "the link thread failed"
+                pending += [req for _, req in conn.out]
+                conn.out.clear()
+        for req in pending:
+            self._complete(req, err)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the link thread (within ``timeout``) and close every socket."""
+        if self._closing:
+            return
+        self._closing = True
+        self._poke_thread()
+        self._thread.join(timeout)
+        for conn in self._conns.values():
+            with conn.wlock:
+                conn.closed = conn.closed or "this rank closed its links"
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+        if not self._thread.is_alive():
+            self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _address(token: str, rank: int) -> str:
+    """Where ``rank`` listens: Linux's abstract namespace (nothing on disk to clean up),
+    elsewhere a path in the temporary directory."""
+    name = f"overlap-{token}-{rank}"
+    if sys.platform.startswith("linux"):
+        return "\0" + name
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), name)
+
+
+def _read_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise OSError("link closed during setup")
+        data += chunk
+    return data
+
+
+def _bytes(buf: Any) -> memoryview:
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise OverlapRuntimeError("a link moves contiguous buffers only")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _write(sock: socket.socket, parts: list[memoryview]) -> list[memoryview]:
+    """Write what the socket takes of ``parts``; the rest (empty: all written). Raises
+    OSError (other than "would block") when the peer is gone."""
+    parts = [p for p in parts if p.nbytes]  # (an empty payload: its header only)
+    while parts:
+        try:
+            n = sock.sendmsg(parts, (), _SEND_FLAGS)
+        except (BlockingIOError, InterruptedError):
+            return parts
+        while n:
+            if n >= parts[0].nbytes:
+                n -= parts[0].nbytes
+                parts = parts[1:]
+            else:
+                parts = [parts[0][n:], *parts[1:]]
+                n = 0
+    return parts
+
+
+def _deliver(req: LinkRequest, data: memoryview) -> None:
+    """Copy a message that did not land in place: as much as fits, its size as the count."""
+    n = min(req.nbytes, data.nbytes)
+    req.view[:n] = data[:n]
+    req.count = data.nbytes
+
+
+def _closed(conn: _Conn) -> CollectiveAborted:
+    return CollectiveAborted(f"the link to rank {conn.peer} is closed ({conn.closed})")
+
+
+__all__ = ["HostLinks", "LinkRequest"]

@@ -1,0 +1,194 @@
+"""Host links (``overlap/backends/host_links.py``) in one process: two ``HostLinks`` joined by
+a socket pair play two ranks. MPI's point-to-point semantics — matching by channel, source and
+tag, in order; messages that come before their receive; counts; cancel — and the waits:
+a request's ``wake`` runs when it completes, from the thread that completed it.
+(Across processes: tests/test_mpi.py.)"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from overlap.backends.host_links import HostLinks, LinkRequest
+from overlap.errors import CollectiveAborted, OverlapRuntimeError
+
+BOUND_S = 10.0  # every wait here is bounded: a hang fails the test
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    links = HostLinks(0, {1: a}), HostLinks(1, {0: b})
+    yield links
+    for lk in links:
+        lk.close()
+
+
+def wait(req: LinkRequest) -> None:
+    """Block until ``req`` completes, woken by its ``wake`` (no polling)."""
+    done = threading.Event()
+    if req.notify(done.set):
+        assert done.wait(BOUND_S), "the request never completed"
+    assert req.Test()
+
+
+def test_a_message_lands_in_its_posted_receive_and_wakes_its_waiter(pair):
+    a, b = pair
+    got = np.zeros(1000, np.float32)
+    recv = b.irecv(3, 0, 7, got)
+    assert not recv.Test()
+    sent = np.arange(1000, dtype=np.float32)
+    a.isend(3, 1, 7, sent)
+    woken_on: list[str] = []
+    done = threading.Event()
+
+    def wake() -> None:
+        woken_on.append(threading.current_thread().name)
+        done.set()
+
+    if recv.notify(wake):
+        assert done.wait(BOUND_S)
+        assert woken_on == ["overlap-links-r1"]  # the link thread, once
+    assert recv.Test() and recv.count == sent.nbytes
+    assert got.tobytes() == sent.tobytes()
+
+
+def test_receives_match_by_channel_and_tag_whatever_the_order(pair):
+    a, b = pair
+    sends = {(c, t): np.full(16, 10 * c + t, np.int64) for c in (0, 1) for t in (5, 6)}
+    for (c, t), x in sends.items():
+        a.isend(c, 1, t, x)
+    for (c, t) in [(1, 6), (0, 5), (1, 5), (0, 6)]:  # another order than sent
+        buf = np.empty(16, np.int64)
+        wait(b.irecv(c, 0, t, buf))
+        assert (buf == 10 * c + t).all(), (c, t)
+
+
+def test_messages_of_one_key_arrive_in_the_order_sent(pair):
+    a, b = pair
+    for k in range(5):
+        a.isend(0, 1, 9, np.full(4, k, np.int32))
+    for k in range(5):
+        buf = np.empty(4, np.int32)
+        wait(b.irecv(0, 0, 9, buf))
+        assert (buf == k).all()
+
+
+def test_a_message_that_comes_before_its_receive_waits_for_it(pair):
+    a, b = pair
+    sent = np.arange(64, dtype=np.float64)
+    wait(a.isend(0, 1, 1, sent))
+    # The link thread takes it in while no receive is posted; a probe on another tag, sent
+    # after it, lands once it did (in order on the socket).
+    a.isend(0, 1, 2, np.zeros(1))
+    wait(b.irecv(0, 0, 2, np.empty(1)))
+    buf = np.empty(64)
+    req = b.irecv(0, 0, 1, buf)
+    assert req.Test(), "an early message completes its receive when posted"
+    assert req.count == sent.nbytes and (buf == sent).all()
+
+
+def test_a_message_larger_than_the_socket_buffers_arrives_whole(pair):
+    a, b = pair
+    sent = np.random.default_rng(0).integers(0, 255, 48 << 20, dtype=np.uint8)
+    got = np.zeros_like(sent)
+    recv = b.irecv(0, 0, 3, got)
+    send = a.isend(0, 1, 3, sent)  # returns at once: the link thread writes what is left
+    wait(send)
+    wait(recv)
+    assert np.array_equal(got, sent)
+
+
+def test_a_size_mismatch_is_reported_as_the_count(pair):
+    a, b = pair
+    a.isend(0, 1, 4, np.arange(10, dtype=np.uint8))
+    small = np.zeros(4, np.uint8)
+    req = b.irecv(0, 0, 4, small)
+    wait(req)
+    assert req.count == 10 and list(small) == [0, 1, 2, 3]
+
+
+def test_empty_messages(pair):
+    a, b = pair
+    wait(a.isend(0, 1, 0, np.empty(0)))
+    req = b.irecv(0, 0, 0, np.empty(0))
+    wait(req)
+    assert req.count == 0
+
+
+def test_a_cancelled_receive_gets_nothing_and_its_message_waits_for_the_next(pair):
+    a, b = pair
+    first = np.zeros(8)
+    cancelled = b.irecv(0, 0, 5, first)
+    woken = threading.Event()
+    assert cancelled.notify(woken.set)
+    cancelled.Cancel()
+    cancelled.Wait()
+    a.isend(0, 1, 5, np.ones(8))
+    buf = np.zeros(8)
+    wait(b.irecv(0, 0, 5, buf))
+    assert (buf == 1).all() and (first == 0).all()
+    assert not cancelled.Test() and not woken.is_set()
+
+
+def test_a_wake_set_after_completion_is_refused_so_the_caller_looks_again(pair):
+    a, _ = pair
+    req = a.isend(0, 1, 0, np.zeros(4))
+    assert req.Test()
+    assert not req.notify(lambda: pytest.fail("called for a request already complete"))
+
+
+def test_what_a_peer_sent_before_closing_still_arrives_and_sends_to_it_then_fail(pair):
+    a, b = pair
+    a.isend(0, 1, 1, np.full(3, 7.0))
+    a.close()
+    buf = np.zeros(3)
+    wait(b.irecv(0, 0, 1, buf))
+    assert (buf == 7).all()
+    # A receive for more waits on (the runtime's notices and timeouts name the rank); a
+    # send fails at once, naming the peer.
+    pending = b.irecv(0, 0, 2, np.zeros(3))
+    assert not pending.Test()
+    with pytest.raises(CollectiveAborted, match="link to rank 0 is closed"):
+        b.isend(0, 0, 1, np.zeros(4))
+
+
+def test_close_ends_the_link_thread(pair):
+    a, b = pair
+    b.irecv(0, 0, 1, np.zeros(4))  # pending: close does not wait for it
+    a.close()
+    b.close()
+    for lk in (a, b):
+        assert not lk._thread.is_alive()
+    a.close()  # twice: nothing
+
+
+def test_bad_requests_are_refused_naming_what(pair):
+    a, _ = pair
+    with pytest.raises(OverlapRuntimeError, match=r"no link to rank 5 \(linked: \[1\]\)"):
+        a.isend(0, 5, 0, np.zeros(2))
+    with pytest.raises(OverlapRuntimeError, match="contiguous"):
+        a.isend(0, 1, 0, np.zeros((4, 4))[:, 1])
+
+
+def test_many_threads_sending_at_once_keep_frames_whole(pair):
+    a, b = pair
+    n, size = 8, 1 << 18
+
+    def sender(k: int) -> None:
+        for j in range(4):
+            a.isend(k, 1, j, np.full(size, k * 4 + j, np.int32))
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND_S)
+    for k in range(n):
+        for j in range(4):
+            buf = np.empty(size, np.int32)
+            wait(b.irecv(k, 0, j, buf))
+            assert (buf == k * 4 + j).all()
