@@ -19,12 +19,14 @@
    rank, the default placement: a rank writes only its own buffer, as the raw broadcast
    does): one source to 1-3 replicated or split destinations, and 2 -> 2 devices rows ->
    rows, replicated -> rows, columns -> rows, rows -> replicated; 4096 x 4096 float32.
-2. **Progress**: the same cases with the stream threads polling MPI requests four ways —
-   spinning, a fixed 50 µs sleep, 64 tests before backing off, and the default exponential
-   backoff (20 → 200 µs).
+   Ours runs twice, in turns: over host links (the default: Unix sockets between the ranks of
+   a host) and with every byte over MPI (``OVERLAP_HOST_LINKS=0``; column "MPI data/raw").
+2. **Progress** (``--progress``): the same cases over MPI with the stream threads polling MPI
+   requests four ways — spinning, a fixed 50 µs sleep, 64 tests before backing off, and the
+   default exponential backoff (20 → 200 µs).
 3. **Host overhead**: a resharding call moving 16 bytes between two ranks (agreement, launch,
-   transfer, await), and per transfer in one call of 240 tiny cross-rank transfers, next to a
-   raw 16-byte ``MPI_Bcast`` between two ranks.
+   transfer, await), and per transfer in one call of 240 tiny cross-rank transfers, over host
+   links and over MPI, next to a raw 16-byte ``MPI_Bcast`` between two ranks.
 """
 
 from __future__ import annotations
@@ -96,9 +98,21 @@ def median_time(fn, comm) -> float:
     return interleaved({"fn": fn}, comm)["fn"]
 
 
-def measure(rt: Runtime, comm, case: Case, polls: dict[str, Backoff]) -> tuple:
-    """One case: ours with each progress variant in ``polls`` (reused ``out=`` buffers),
-    ours with fresh buffers, the raw broadcast and the raw broadcast plus copies, in turns."""
+def runtime(cluster: Cluster, world, placement, *, links: bool) -> Runtime:
+    """A runtime whose data between the ranks of this host goes over host links, or over
+    MPI (``links`` False); every rank makes the same."""
+    os.environ["OVERLAP_HOST_LINKS"] = "1" if links else "0"
+    try:
+        return Runtime(cluster, world=world, placement=placement)
+    finally:
+        del os.environ["OVERLAP_HOST_LINKS"]
+
+
+def measure(rts: dict[str, Runtime], comm, case: Case, polls: dict[str, Backoff]) -> tuple:
+    """One case: ours over host links and over MPI with each progress variant in ``polls``
+    (reused ``out=`` buffers), ours with fresh buffers, the raw broadcast and the raw
+    broadcast plus copies, in turns."""
+    rt = rts["links"]
     placement, rank = rt.backend.placement, comm.Get_rank()
     cluster = rt.cluster
     shape = scaled(case.shape, np.dtype(case.dtype).itemsize)
@@ -138,22 +152,23 @@ def measure(rt: Runtime, comm, case: Case, polls: dict[str, Backoff]) -> tuple:
             for d, reg in regions.items():
                 np.copyto(mine[d], b[tuple(slice(x, y) for x, y in reg)])
 
-    def ours_with(poll, p=plan, s=shards, o=out):
+    def ours_with(r, poll, p=plan, s=shards, o=out):
         def call() -> None:
-            rt.backend.dist.poll = poll
-            rt.reshard_sync(p, s, out=o)
+            r.backend.dist.poll = poll
+            r.reshard_sync(p, s, out=o)
         return call
 
     def fresh(p=plan, s=shards) -> None:
-        rt.backend.dist.poll = Backoff()
         rt.reshard_sync(p, s)
 
-    variants = {name: ours_with(poll) for name, poll in polls.items()}
+    variants = {"links": ours_with(rt, Backoff())}
+    variants.update({f"MPI data, {name}": ours_with(rts["mpi"], poll)
+                     for name, poll in polls.items()})
     variants.update(fresh=fresh, raw=raw_bcast, raw_copy=bcast_and_copy)
     times = interleaved(variants, comm)
     if sub is not None:
         sub.Free()
-    rt.backend.dist.poll = Backoff()
+    rts["mpi"].backend.dist.poll = Backoff()
     del mine, buf, out
     raw, raw_copy = times.pop("raw"), times.pop("raw_copy")
     return (case.name, shape, nbytes, len(members), len(case.dst.mesh.device_ids), times, raw,
@@ -195,20 +210,22 @@ def table(say, rows: list[tuple]) -> None:
         return
     say(f"{'case':<16} {'shape':>13} {'MiB':>5} {'ranks':>5} {'dst dev':>7} "
         f"{'ours GB/s':>9} {'raw GB/s':>8} {'ours/raw':>8} {'fresh/raw':>9} "
-        f"{'ours/(raw+copies)':>17}")
-    ratios, fresh, fair = [], [], []
+        f"{'ours/(raw+copies)':>17} {'MPI data/raw':>12}")
+    ratios, fresh, fair, mpi = [], [], [], []
     for name, shape, nbytes, nranks, ndst, ours, raw, raw_copy in rows:
-        t = ours["backoff (default)"]
+        t = ours["links"]
         ratios.append(raw / t)
         fresh.append(raw / ours["fresh"])
         fair.append(raw_copy / t)
+        mpi.append(raw / ours["MPI data, backoff (default)"])
         say(f"{name:<16} {'x'.join(map(str, shape)):>13} {nbytes >> 20:>5} {nranks:>5} "
             f"{ndst:>7} {nbytes / t / 1e9:>9.2f} {nbytes / raw / 1e9:>8.2f} {raw / t:>8.2f} "
-            f"{fresh[-1]:>9.2f} {fair[-1]:>17.2f}")
+            f"{fresh[-1]:>9.2f} {fair[-1]:>17.2f} {mpi[-1]:>12.2f}")
     say(f"ours/raw: geometric mean {statistics.geometric_mean(ratios):.2f}, worst "
         f"{min(ratios):.2f} (target >= 0.8); fresh buffers: geometric mean "
         f"{statistics.geometric_mean(fresh):.2f}; ours/(raw+copies): geometric mean "
-        f"{statistics.geometric_mean(fair):.2f}, worst {min(fair):.2f}")
+        f"{statistics.geometric_mean(fair):.2f}, worst {min(fair):.2f}; over MPI instead "
+        f"of host links: geometric mean {statistics.geometric_mean(mpi):.2f}")
 
 
 def main() -> int:
@@ -223,7 +240,7 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    only = sys.argv[1:]  # optional case names to run (e.g. "case 1" "1->(1,1)")
+    only = [a for a in sys.argv[1:] if not a.startswith("--")]  # case names (e.g. "case 1")
     suite = [c for c in paper_suite() if not only or c.name in only]
     cluster = paper_suite()[0].cluster
     g = cluster.gpus_per_host
@@ -233,60 +250,86 @@ def main() -> int:
     say(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; mpi4py "
         f"{__import__('mpi4py').__version__}; tensors scaled to <= {TARGET_BYTES >> 20} MiB; "
         f"medians of {REPS}")
-    rows = []
-    with Runtime(cluster, world=world, placement=placement) as rt:
+    polls = POLLS if "--progress" in sys.argv else {"backoff (default)": Backoff()}
+    rows, overhead = [], {}
+    rts = {"links": runtime(cluster, world, placement, links=True),
+           "mpi": runtime(cluster, world, placement, links=False)}
+    with rts["links"], rts["mpi"]:
         for case in suite:
-            rows.append(measure(rt, comm, case, POLLS))
-        # Host overhead: one tiny transfer per call, and many tiny transfers in one call.
-        a = Sharding(DeviceMesh([[0]], ("host", "gpu")), ShardingSpec())
-        b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
-        tiny = plan_resharding((2,), "float64", a, b, cluster)
-        tiny_shards = {0: np.ones(2)} if rt.backend.is_local(0) else {}
-        rt.backend.dist.poll = Backoff()
-        per_call = median_time(lambda: [rt.reshard_sync(tiny, tiny_shards) for _ in range(50)],
-                               comm) / 50
-        mesh = DeviceMesh(np.arange(16).reshape(4, 4), ("host", "gpu"))
-        many = plan_resharding((16, 16), "float64", Sharding(mesh, ShardingSpec("host", "gpu")),
-                               Sharding(mesh, ShardingSpec("gpu", "host")), cluster,
-                               PlanOptions(strategy="send_recv", balance="none"))
-        crossing = sum(1 for t in many.transfers
-                       if len(placement.ranks_of(t.devices)) > 1)
-        full = np.arange(256.0).reshape(16, 16)
-        many_shards = {d: full[tuple(slice(x, y) for x, y in r)].copy()
-                       for d, r in many.src.device_regions((16, 16)).items()
-                       if rt.backend.is_local(d)}
-        per_transfer = median_time(lambda: rt.reshard_sync(many, many_shards), comm) / crossing
-        pair = comm.Create_group(comm.Get_group().Incl([0, 1])) if rank < 2 else None
-        tiny_buf = np.ones(2)
-        raw_tiny = 0.0
-        if pair is not None:
-            raw_tiny = median_time(lambda: [pair.Bcast(tiny_buf, root=0) for _ in range(50)],
-                                   pair) / 50
-            pair.Free()
-        raw_tiny = comm.allreduce(raw_tiny, op=MPI.MAX)
-    # The same kinds of layout change with one device per rank (a second runtime, its own
+            rows.append(measure(rts, comm, case, polls))
+        for name, rt in rts.items():
+            overhead[name] = host_overhead(rt, cluster, placement)
+        raw_tiny = raw_tiny_bcast(comm)
+    # The same kinds of layout change with one device per rank (second runtimes, their own
     # cluster): each rank writes only its own device's buffer, as the raw broadcast does.
     cases = [c for c in one_device_per_rank(size) if not only or c.name in only]
     single = []
     if cases:
-        with Runtime(cases[0].cluster, world=world) as rt:
+        rts = {"links": runtime(cases[0].cluster, world, None, links=True),
+               "mpi": runtime(cases[0].cluster, world, None, links=False)}
+        with rts["links"], rts["mpi"]:
             for case in cases:
-                single.append(measure(rt, comm, case, {"backoff (default)": Backoff()}))
+                single.append(measure(rts, comm, case, {"backoff (default)": Backoff()}))
 
     say("\n1. the paper suite's layouts (5 hosts x 4 devices on 4 ranks)")
     table(say, rows)
     say(f"\n   one device per rank ({size} hosts x 1 device, the default placement)")
     table(say, single)
-    say("\nprogress (wall time relative to the default backoff; geometric mean over cases)")
-    for name in POLLS if rows else ():
-        rel = statistics.geometric_mean(r[5][name] / r[5]["backoff (default)"] for r in rows)
-        say(f"  {name:<18} {rel:.2f}")
-    say("\nhost overhead")
-    say(f"  reshard call moving 16 B between 2 ranks: {per_call * 1e6:8.1f} us")
+    if len(polls) > 1 and rows:
+        say("\nprogress over MPI (wall time relative to the default backoff; geometric mean "
+            "over cases)")
+        for name in polls:
+            rel = statistics.geometric_mean(r[5][f"MPI data, {name}"]
+                                            / r[5]["MPI data, backoff (default)"] for r in rows)
+            say(f"  {name:<18} {rel:.2f}")
+    say("\nhost overhead            host links   MPI data")
+    per_call = {k: v[0] for k, v in overhead.items()}
+    per_transfer = {k: v[1] for k, v in overhead.items()}
+    crossing = overhead["links"][2]
+    say(f"  reshard call moving 16 B between 2 ranks: {per_call['links'] * 1e6:8.1f} us "
+        f"{per_call['mpi'] * 1e6:8.1f} us")
     say(f"  per transfer, {crossing} tiny cross-rank transfers in one call: "
-        f"{per_transfer * 1e6:8.1f} us")
+        f"{per_transfer['links'] * 1e6:8.1f} us {per_transfer['mpi'] * 1e6:8.1f} us")
     say(f"  raw MPI_Bcast of 16 B between 2 ranks:    {raw_tiny * 1e6:8.1f} us")
     return 0
+
+
+def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, float, int]:
+    """Seconds per resharding call moving 16 bytes between two ranks, seconds per transfer
+    in one call of many tiny cross-rank transfers, and how many those are."""
+    comm = rt.backend.dist.comm
+    a = Sharding(DeviceMesh([[0]], ("host", "gpu")), ShardingSpec())
+    b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
+    tiny = plan_resharding((2,), "float64", a, b, cluster)
+    tiny_shards = {0: np.ones(2)} if rt.backend.is_local(0) else {}
+    per_call = median_time(lambda: [rt.reshard_sync(tiny, tiny_shards) for _ in range(50)],
+                           comm) / 50
+    mesh = DeviceMesh(np.arange(16).reshape(4, 4), ("host", "gpu"))
+    many = plan_resharding((16, 16), "float64", Sharding(mesh, ShardingSpec("host", "gpu")),
+                           Sharding(mesh, ShardingSpec("gpu", "host")), cluster,
+                           PlanOptions(strategy="send_recv", balance="none"))
+    crossing = sum(1 for t in many.transfers if len(placement.ranks_of(t.devices)) > 1)
+    full = np.arange(256.0).reshape(16, 16)
+    many_shards = {d: full[tuple(slice(x, y) for x, y in r)].copy()
+                   for d, r in many.src.device_regions((16, 16)).items()
+                   if rt.backend.is_local(d)}
+    per_transfer = median_time(lambda: rt.reshard_sync(many, many_shards), comm) / crossing
+    return per_call, per_transfer, crossing
+
+
+def raw_tiny_bcast(comm) -> float:
+    """Seconds per raw 16-byte ``MPI_Bcast`` between ranks 0 and 1 (slowest rank)."""
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    pair = comm.Create_group(comm.Get_group().Incl([0, 1])) if rank < 2 else None
+    tiny_buf = np.ones(2)
+    raw_tiny = 0.0
+    if pair is not None:
+        raw_tiny = median_time(lambda: [pair.Bcast(tiny_buf, root=0) for _ in range(50)],
+                               pair) / 50
+        pair.Free()
+    return comm.allreduce(raw_tiny, op=MPI.MAX)
 
 
 if __name__ == "__main__":

@@ -702,6 +702,9 @@ class Runtime:
                         verdict.exception()  # retrieved here even when the work failed first
             if verdict is not None:
                 verdict.result()
+                # Every rank's work ended too: a rank whose part finished must not report
+                # success while a peer's part failed (it learns of it here, by notice).
+                await check.finish()
         except BaseException as exc:
             cancelled = not isinstance(exc, Exception)
             root = self._root_cause(exc)

@@ -104,7 +104,7 @@ def test_toy_pipeline_equals_one_process_bit_for_bit(tmp_path, n, data):
     links = links_of(tmp_path, n)
     if data == "links":  # one host: every rank linked to every other, the data over them
         for r, info in enumerate(links):
-            assert info["peers"] == [q for q in range(n) if q != r]
+            assert info["peers"] == [q for q in range(n) if q != r] and info["rounds"]
         assert all(info["sent"] > 0 and info["received"] > 0 for info in links)
         assert sum(i["sent"] for i in links) == sum(i["received"] for i in links)
     else:
@@ -126,6 +126,7 @@ def test_ranks_on_two_hosts_link_within_a_host_and_use_mpi_between(tmp_path):
     links = links_of(tmp_path, 4)
     assert [i["peers"] for i in links] == [[1], [0], [3], [2]]
     assert all(i["sent"] > 0 and i["received"] > 0 for i in links)
+    assert not any(i["rounds"] for i in links)  # (they need every rank: over MPI)
 
 
 # 4 devices: one per process with -n 4, two per process with -n 2.
@@ -208,7 +209,9 @@ def test_strided_destinations_across_processes(tmp_path, n, chunk, data):
 def test_cuda_backend_across_processes_on_a_stand_in_gpu(tmp_path):
     """The CUDA backend with one process per device, on the numpy stand-in for CuPy and with
     NCCL's operations done over MPI: the backend's own logic (communicators per channel and
-    group, who sends and who receives, stage collectives) against the one-process CPU run."""
+    group, who sends and who receives, stage collectives) against the one-process CPU run.
+    Its control path is the CPU flavour's: the runtime's rounds go over host links (the data
+    is NCCL's: no messages of its own on them)."""
     single = one_process(fixed_plans(), tmp_path / "cases.json")
     with Runtime(CLUSTER4) as rt:
         single.update(toy_job.small_pipeline(rt))
@@ -217,6 +220,8 @@ def test_cuda_backend_across_processes_on_a_stand_in_gpu(tmp_path):
     ranks = outputs(tmp_path, 4)
     assert_same_as_single(ranks, single, replicated=("pipe/losses",))
     assert all("pipe/losses" in r for r in ranks)
+    links = links_of(tmp_path, 4)
+    assert all(i["rounds"] and i["sent"] > 0 and i["received"] > 0 for i in links)
 
 
 SHAPE_A = (6, 5)

@@ -461,3 +461,29 @@ def test_a_blocking_mpi_wait_is_woken_by_its_waker():
     started = time.monotonic()
     _drive(steps(), Backend())
     assert time.monotonic() - started < SETTLE_S  # not the step's hour
+
+
+def test_work_launched_after_a_helper_finished_the_head_wakes_the_paused_thread(
+        backend, monkeypatch):
+    """The stream's thread pauses on a parked op; a helper (the thread that completes what
+    it waited for) finishes it. A plain op launched next — only that thread may run it —
+    wakes it, instead of waiting out its pause (here 10 s)."""
+    monkeypatch.setattr(cpu, "_POLL_S", 10.0)
+    b = backend(helping=True)
+    s = b.stream(0, "comm")
+    box: dict = {}
+    message = threading.Event()
+
+    def receive():
+        box["wake"] = cpu.step_waker()
+        while not message.is_set():
+            yield time.perf_counter() + 3600.0
+
+    s.launch("receive", receive, stepped=True)
+    until(lambda: s._paused_on is not None, "the thread pauses on the receive")
+    message.set()
+    box["wake"]()  # (from this thread: it steps the receive to its end)
+    assert s._parked is None
+    ran = threading.Event()
+    s.launch("after", ran.set)
+    assert ran.wait(SETTLE_S), "the thread slept on through its pause"

@@ -215,6 +215,7 @@ class CpuStream:
         self._closing = False
         self._current: tuple[str, Any, float] | None = None  # (kind, payload, since) running
         self._idle = False  # the thread waits for work (untimed: only _put wakes it)
+        self._paused_on: Any = None  # the head (parked op, wait's event) it pauses on
         self._hooked: CpuEvent | None = None  # a wait's event hooked early (see _hook_next)
         self._drive = threading.Lock()  # held by whoever advances the stream (see _advance)
         self._parked: _Parked | None = None  # the stepped op at the head, under way
@@ -268,6 +269,7 @@ class CpuStream:
                 raise OverlapRuntimeError(self.lost)
             if self._closing:
                 raise OverlapRuntimeError(f"device {self.device} stream {self.name!r} is closed")
+            stale = self._pause_is_stale()
             self._queue.append(item)
             if self._thread is None:
                 thread = threading.Thread(
@@ -285,12 +287,13 @@ class CpuStream:
                     if not thread.is_alive():
                         self._thread = None
                     raise
-            if self._idle:
+            if self._idle or stale:
                 # Only a thread idle for want of work needs waking: one busy, or stopped by
                 # the head (a wait, a parked op), finds the tail when it gets there — a
                 # launch of a whole step would otherwise wake it once per item. (Not "the
                 # queue was empty": a helper may have taken the head while this thread
-                # went idle, and its untimed wait would then miss aborts.)
+                # went idle, and its untimed wait would then miss aborts.) Nor one paused
+                # on a head a helper has since finished: it would sleep out its pause.
                 self._cv.notify()
 
     # ---- the worker ----------------------------------------------------------------------
@@ -497,14 +500,32 @@ class CpuStream:
                 # only waits for that one to leave.
                 left = _POLL_S if self._helpers else blocked.until - time.perf_counter()
                 if left > 0 and self._parked is blocked:
-                    self._cv.wait(min(left, _POLL_S))
+                    self._paused_on = blocked
+                    try:
+                        self._cv.wait(min(left, _POLL_S))
+                    finally:
+                        self._paused_on = None
         elif isinstance(blocked, CpuEvent):
             src = blocked._stream
             if self.backend.helping and src is not None and src is not self:
                 src.help(blocked, self)
             with self._lock:
                 if not blocked._done.is_set() and self._queue and self._queue[0][1] is blocked:
-                    self._cv.wait(_POLL_S)  # (kicked when it completes; aborts within this)
+                    self._paused_on = blocked
+                    try:
+                        self._cv.wait(_POLL_S)  # (kicked when it completes; aborts within this)
+                    finally:
+                        self._paused_on = None
+
+    def _pause_is_stale(self) -> bool:
+        """(Under ``_lock``.) The thread waits for a head that a helper has since moved
+        past: new work behind it must wake it (it would sleep out its pause otherwise)."""
+        on = self._paused_on
+        if on is None:
+            return False
+        if isinstance(on, _Parked):
+            return on is not self._parked
+        return not self._queue or self._queue[0][1] is not on
 
     def _hook_next(self) -> bool:
         """Behind a parked op, the next wait's event kicks this stream too (once): its

@@ -105,7 +105,10 @@ class CudaMpiBackend(CudaBackend):
 
     def __init__(self, num_devices: int, *, world: World, placement: Placement,
                  timeout: float = 30.0, poll: Backoff | None = None,
-                 links: Callable[..., Any] | None = None) -> None:
+                 links: Callable[..., Any] | None = None,
+                 host_links: bool | None = None) -> None:
+        """``host_links``: the runtime's own rounds over Unix sockets between the ranks of
+        a host (see ``Distributed``); the data is NCCL's either way."""
         placement.check_covers(num_devices)
         mine = placement.devices_of(world.rank)
         if len(mine) != 1:
@@ -114,7 +117,7 @@ class CudaMpiBackend(CudaBackend):
                 f"process per GPU); rank {world.rank} owns {len(mine)} devices — launch as "
                 "many processes as the cluster has devices")
         super().__init__(num_devices, timeout=timeout, placement=placement, rank=world.rank)
-        self.dist = Distributed(self, world, placement, poll=poll)
+        self.dist = Distributed(self, world, placement, poll=poll, host_links=host_links)
         self._gpu = world.local_rank % self.num_gpus
         self._links = (links or NcclLinks)(self.dist.comm.Dup(), world.rank, timeout=timeout,
                                            poll=self.dist.poll)

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -31,6 +32,7 @@ from ..errors import (
     RankFailed,
 )
 from ..world import Placement, World, describe, mpi_world_comm
+from .host_links import HostLinks, LinkRequest
 
 _FAILED, _EXITING, _QUERY, _REPLY, _LEFT = 1, 2, 3, 4, 5  # control message tags
 # What each control message carries: field -> type. Messages are JSON objects of exactly
@@ -43,6 +45,9 @@ _FIELDS: dict[int, dict[str, type]] = {
     _LEFT: {"rank": int, "calls": int, "how": str},
 }
 _MAX_MESSAGE = 1 << 16  # bytes: a control message is a few hundred
+# Host-link channels of the runtime's own rounds (a data plane numbers its channels from 0).
+AGREE_CHANNEL, SHARE_CHANNEL, DONE_CHANNEL = 0xFFFF_FFFF, 0xFFFF_FFFE, 0xFFFF_FFFD
+HOST_LINKS_ENV = "OVERLAP_HOST_LINKS"
 
 
 @dataclass(frozen=True)
@@ -88,12 +93,20 @@ class Distributed:
     ``num_devices``); the runtime reaches it as ``backend.dist``.
 
     ``grace``: how long a failed process waits at exit for its peers to report (and print
-    their errors) before ``MPI_Abort`` ends the job."""
+    their errors) before ``MPI_Abort`` ends the job.
+
+    ``host_links``: link the ranks of each host with Unix sockets (``host_links.py``) — the
+    runtime's own rounds (agreement, shared losses) then go over them where they join every
+    rank, and a data plane may move its bytes over them (``MpiBackend`` does); None
+    (default): yes, unless the environment sets ``OVERLAP_HOST_LINKS=0``. Every rank must
+    pass the same."""
 
     def __init__(self, backend: Any, world: World, placement: Placement, *,
-                 poll: Backoff | None = None, grace: float = 5.0) -> None:
+                 poll: Backoff | None = None, grace: float = 5.0,
+                 host_links: bool | None = None) -> None:
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
             raise ValueError(f"grace: expected seconds >= 0, got {grace!r}")
+        links_on = host_links_wanted(host_links)
         placement.check_covers(backend.num_devices)
         self.MPI = _mpi()
         comm = mpi_world_comm("a multi-process world")
@@ -116,6 +129,10 @@ class Distributed:
         self.left = False  # this rank told its peers it left
         self.closed = False
         self.control = _Control(self, comm.Dup())
+        self.links = HostLinks.connect(comm) if links_on else None
+        # The runtime's rounds go over links when they join this rank to every other.
+        self.rounds_linked = (self.links is not None
+                              and len(self.links.peers) == world.size - 1)
         _LIVE.add(self)
         _install_exit_guards()
 
@@ -175,8 +192,18 @@ class Distributed:
             self.control.tell_all(_LEFT, {"rank": self.rank, "calls": self.calls, "how": how})
 
     async def share(self, values: np.ndarray, root_rank: int, what: str) -> np.ndarray:
-        """``values`` of ``root_rank`` on every rank (an ``Ibcast``)."""
+        """``values`` of ``root_rank`` on every rank (an ``Ibcast``, or its sends over host
+        links)."""
         buf = np.ascontiguousarray(values, dtype=np.float64).copy()
+        if self.rounds_linked:
+            assert self.links is not None
+            others = [r for r in range(self.world.size) if r != self.rank]
+            links = self.links
+            round_ = (_LinkRound([links.isend(SHARE_CHANNEL, r, 0, buf) for r in others], [])
+                      if self.rank == root_rank else
+                      _LinkRound([], [links.irecv(SHARE_CHANNEL, root_rank, 0, buf)]))
+            await asyncio.to_thread(self.wait_polled, round_, what, None, round_.pause)
+            return buf
         await self._await(self.runtime_comm.Ibcast(buf, root=root_rank), what)
         return buf
 
@@ -255,6 +282,8 @@ class Distributed:
         if self.broken is None:
             self.leave("exited" if error is not None else "closed its runtime")
         self.control.stop()
+        if self.links is not None:
+            self.links.close()
         _LIVE.discard(self)
 
     def describe(self) -> str:
@@ -274,9 +303,20 @@ class Agreement:
         self.call = call
         self._mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
         self._every = np.empty((dist.world.size, 32), np.uint8)
-        self._req = dist.runtime_comm.Iallgather(self._mine, self._every)
         self._hurry = threading.Event()
         self._hurried_at = 0
+        self._round: _LinkRound | None = None
+        if dist.rounds_linked:
+            # Over host links: each digest sent to every other rank; the waiting thread
+            # sleeps until one lands (no polling).
+            assert dist.links is not None
+            self._every[dist.rank] = self._mine
+            others = [r for r in range(dist.world.size) if r != dist.rank]
+            self._round = _LinkRound(
+                [dist.links.isend(AGREE_CHANNEL, r, 0, self._mine) for r in others],
+                [dist.links.irecv(AGREE_CHANNEL, r, 0, self._every[r]) for r in others])
+        self._req: Any = (self._round if self._round is not None
+                          else dist.runtime_comm.Iallgather(self._mine, self._every))
 
     def hurry(self) -> None:
         """The call's work has ended (or failed): poll at the normal backoff from now on."""
@@ -314,6 +354,24 @@ class Agreement:
         return all(f.calls >= self.call for f in self.dist.backend.failures
                    if isinstance(f, RankFailed))
 
+    async def finish(self) -> None:
+        """This rank's work for the call ended well: return once every rank's did (a
+        barrier: an ``Ibarrier``, or a message to every peer over host links). A rank whose
+        work failed never gets here; its failure notice aborts this wait, which then raises
+        (the runtime reports :class:`RankFailed` naming it)."""
+        d = self.dist
+        what = f"{self.what}: every rank's work"
+        if self._round is not None:
+            assert d.links is not None
+            others = [r for r in range(d.world.size) if r != d.rank]
+            flags = np.zeros(len(others), np.uint8)
+            done = _LinkRound([d.links.isend(DONE_CHANNEL, r, 0, _DONE) for r in others],
+                              [d.links.irecv(DONE_CHANNEL, r, 0, flags[i:i + 1])
+                               for i, r in enumerate(others)])
+            await asyncio.to_thread(d.wait_polled, done, what, None, done.pause)
+        else:
+            await d._await(d.runtime_comm.Ibarrier(), what)
+
     async def wait(self) -> None:
         """Raise :class:`CallMismatch` unless every rank made the same call.
 
@@ -321,8 +379,8 @@ class Agreement:
         this round completes: it is still awaited then (bounded, while it can complete),
         because a mismatch is the explanation the user needs, not the failures it caused."""
         b = self.dist
-        await asyncio.to_thread(b.wait_polled, self._req, self.what, self._can_complete,
-                                self._pause)
+        pause = self._round.pause if self._round is not None else self._pause
+        await asyncio.to_thread(b.wait_polled, self._req, self.what, self._can_complete, pause)
         differ = tuple(r for r in range(b.world.size)
                        if not np.array_equal(self._every[r], self._mine))
         if differ:
@@ -333,6 +391,49 @@ class Agreement:
                 "on the process?)", ranks=differ)
             b.backend.note_failure(err)
             raise err
+
+
+_DONE = np.ones(1, np.uint8)
+
+
+class _LinkRound:
+    """Sends and receives over host links, waited for like an MPI request (``Test``,
+    ``Cancel``, ``Wait``); ``pause`` sleeps until one of them completes (each completion
+    wakes it), at most ``LISTEN_TICK_S`` (aborts and timeouts are checked between)."""
+
+    def __init__(self, sends: list[LinkRequest], recvs: list[LinkRequest]) -> None:
+        self.ready = threading.Event()
+        self._recvs = recvs
+        self._reqs = [*sends, *recvs]
+        for r in self._reqs:
+            r.notify(self.ready.set)  # (False: complete already — Test sees it)
+
+    def Test(self) -> bool:
+        return all(r.Test() for r in self._reqs)
+
+    def pause(self, attempt: int) -> None:
+        # Cleared before the next Test: a completion after that Test sets it again.
+        self.ready.wait(LISTEN_TICK_S)
+        self.ready.clear()
+
+    def Cancel(self) -> None:
+        for r in self._recvs:
+            r.Cancel()
+
+    def Wait(self) -> None:
+        """(After ``Cancel``: nothing to wait for.)"""
+
+
+def host_links_wanted(host_links: bool | None) -> bool:
+    """``host_links`` if given, else what ``OVERLAP_HOST_LINKS`` says (default: on)."""
+    if host_links is not None:
+        if not isinstance(host_links, bool):
+            raise ValueError(f"host_links: expected True, False or None, got {host_links!r}")
+        return host_links
+    value = os.environ.get(HOST_LINKS_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{HOST_LINKS_ENV}: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _clean_exit(error: BaseException) -> bool:

@@ -37,6 +37,13 @@ pipeline's fill; the optimum is sqrt(bytes / bandwidth × (stages − 1) / overh
 All-reduce and all-gather exchange every rank's contributions and reduce them in device order
 on every rank, so results are bit-for-bit those of the one-process backend.
 
+**Host links.** Between the ranks of one host, pieces of at most ``LINK_MAX_PIECE_BYTES``
+go over Unix sockets (``host_links.py``, made by ``Distributed``), not MPI: a send completes
+once the kernel has its bytes, and a receive's step is woken by its message (``step_waker``)
+instead of being polled — on a host with fewer cores than ranks, the wake-ups of polling were
+most of a training step's CPU (docs/benchmarks.md). Larger pieces, and ranks on other hosts,
+use MPI as below; ``OVERLAP_HOST_LINKS=0`` (or ``host_links=False``) sends everything over MPI.
+
 **Progress.** A transfer whose device is its rank's only participant is a stepped op
 (:meth:`MpiBackend.broadcast_steps`, see ``CpuStream.launch``): a first step posts its
 requests, later ones ``Test`` them, with exponential backoff (20 µs doubling to 200 µs)
@@ -68,7 +75,6 @@ cannot report and MPICH ends the others within a second: ``python -m overlap.gua
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -80,12 +86,15 @@ from ..errors import CollectiveAborted, CollectiveMismatch, OverlapRuntimeError
 from ..world import Placement, World
 from .cpu import _POLL_S, Communicator, CpuBackend, step_waker, waking
 from .distributed import Backoff, Distributed, _cancel
-from .host_links import HostLinks
 
 # A wait on a host link is woken by its message (step_waker): the step asks to be looked at
 # only this much later — to check for a timeout; aborts are seen within _POLL_S anyway.
 LINK_RECHECK_S = 5 * _POLL_S
-HOST_LINKS_ENV = "OVERLAP_HOST_LINKS"
+# Larger pieces go over MPI even between the ranks of a host: a socket copies twice and a
+# message that comes before its receive is posted is kept in a copy (MPI's rendezvous waits
+# for the receive instead); the polling MPI costs is small next to moving megabytes
+# (benchmarks/mpi_reshard.py, docs/benchmarks.md).
+LINK_MAX_PIECE_BYTES = 1 << 20
 
 GROUP_TAG_BITS = 16  # stage collectives: tag = group id << 16 | launch position (mod 2**16)
 
@@ -108,15 +117,15 @@ class MpiBackend(CpuBackend):
         if chunk_bytes is not None and (isinstance(chunk_bytes, bool)
                                         or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
             raise ValueError(f"chunk_bytes: expected an int >= 1 or None, got {chunk_bytes!r}")
-        links_on = _host_links_wanted(host_links)
         super().__init__(num_devices, timeout=timeout, placement=placement, rank=world.rank)
-        self.dist = Distributed(self, world, placement, poll=poll, grace=grace)
+        self.dist = Distributed(self, world, placement, poll=poll, grace=grace,
+                                host_links=host_links)
         self.MPI = self.dist.MPI
         comm = self.dist.comm
         self.chunk_bytes = chunk_bytes
         self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))
         # Collective over every rank, in the same order everywhere (main thread).
-        self.links = HostLinks.connect(comm) if links_on else None
+        self.links = self.dist.links
         self._channels: dict[str, Any] = {"compute": comm.Dup()}
         self._channel_ids: dict[str, int] = {"compute": 0}  # the same on every rank
         self._group_ids: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -316,10 +325,10 @@ class MpiBackend(CpuBackend):
         has landed; ``landed_to(k)``: the first k bytes are here. Steps (see
         ``CpuStream.launch``): post, then test, yielding when to test again."""
         MPI, prev, nxt, tag, what = self.MPI, hop.prev, hop.next, hop.tag, hop.what
-        post_recv, recv_link = self._poster(hop, prev, receive=True)
-        post_send, send_link = self._poster(hop, nxt, receive=False)
         n = data.nbytes
         step = self._piece(hop, n)
+        post_recv, recv_link = self._poster(hop, prev, step, receive=True)
+        post_send, send_link = self._poster(hop, nxt, step, receive=False)
         pieces = [data[i:i + step] for i in range(0, n, step)] or [data[:0]]
         recvs = [post_recv(p) for p in pieces] if prev is not None else []
         sends = [post_send(p) for p in pieces] if prev is None and nxt is not None else []
@@ -388,22 +397,19 @@ class MpiBackend(CpuBackend):
             _cancel(recvs[landed:])
             raise
 
-    def _poster(self, hop: _Hop, peer: int | None, receive: bool
+    def _poster(self, hop: _Hop, peer: int | None, piece: int, receive: bool
                 ) -> tuple[Callable[[np.ndarray], Any], bool]:
         """What posts a piece's receive from (send to) ``peer``, and whether it goes over a
-        host link (a wait woken by the message) rather than MPI (a wait polled)."""
+        host link (a wait woken by the message) rather than MPI (a wait polled): where there
+        is one and pieces are at most ``LINK_MAX_PIECE_BYTES`` (both ends cut the same)."""
         links = self.links
-        if links is not None and peer is not None and links.has(peer):
+        if (links is not None and peer is not None and piece <= LINK_MAX_PIECE_BYTES
+                and links.has(peer)):
             post = links.irecv if receive else links.isend
             return (lambda piece: post(hop.channel, peer, hop.tag, piece)), True
         if receive:
             return (lambda piece: hop.comm.Irecv(piece, peer, hop.tag)), False
         return (lambda piece: hop.comm.Isend(piece, peer, hop.tag)), False
-
-    def close(self) -> None:
-        super().close()
-        if self.links is not None:
-            self.links.close()
 
     def _exchange(self, namespace: str, group: tuple[int, ...], bufs: dict[int, np.ndarray],
                   tag: int | None, what: str) -> dict[int, np.ndarray]:
@@ -490,17 +496,6 @@ def _armed(pending: Any, now: float) -> float | None:
     if wake is None:  # (steps taken by hand: poll)
         return now + 50e-6
     return now + LINK_RECHECK_S if pending.notify(wake) else None
-
-
-def _host_links_wanted(host_links: bool | None) -> bool:
-    if host_links is not None:
-        if not isinstance(host_links, bool):
-            raise ValueError(f"host_links: expected True, False or None, got {host_links!r}")
-        return host_links
-    value = os.environ.get(HOST_LINKS_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{HOST_LINKS_ENV}: expected 0 or 1, got {value!r}")
-    return value == "1"
 
 
 class _Hop(NamedTuple):

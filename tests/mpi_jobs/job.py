@@ -147,10 +147,13 @@ def pretend_hosts() -> None:
 
 
 def save_links(rt: Runtime, out_dir: Path) -> None:
-    """Which ranks this one is linked to, and how many messages went over the links."""
-    links = getattr(rt.backend, "links", None)
+    """Which ranks this one is linked to, how many messages went over the links, and whether
+    the runtime's own rounds (agreement, losses, end of call) went over them."""
+    dist = rt.backend.dist
+    links = dist.links
     info = None if links is None else {"peers": list(links.peers), "sent": links.frames_sent,
-                                       "received": links.frames_received}
+                                       "received": links.frames_received,
+                                       "rounds": dist.rounds_linked}
     (out_dir / f"links{rt.world.rank}.json").write_text(json.dumps(info))
 
 
@@ -252,6 +255,7 @@ def main() -> int:
                     saved[f"{i}/{d}"] = np.asarray(a)
             if backend == "cuda":
                 saved.update(small_pipeline(rt))
+            save_links(rt, out_dir)
         else:
             raise SystemExit(f"mode: unknown {mode!r}")
         np.savez(out_dir / f"rank{rank}.npz", **saved)
