@@ -17,9 +17,11 @@ Linear(W, W)``, batch 256 in 8 microbatches, SGD), one stage per process under `
   ``Send``/``Recv`` ping-pong (MPICH spins) and ``Irecv`` + ``Test`` with the backend's
   backoff (what a transfer does), as the floor a message sets.
 
-Two variants take turns step by step in the same job: transfers run by whoever needs them
-(``helpers``: the producer's thread posts a send, the consumer's thread completes a
-receive; the default) and by their comm stream's thread alone (``own threads``).
+Variants take turns step by step in the same job: the data between ranks over host links
+(``host links``, the default: Unix sockets, waits woken by the message) and over MPI
+(``MPI data``: requests polled), both with helpers (the producer's thread posts a send, the
+consumer's thread completes a receive); and over MPI with every transfer run by its comm
+stream's thread alone (``own threads``, the path before helpers).
 
     python benchmarks/mpi_step_profile.py [--widths 64 1024] [--steps 8]
 """
@@ -46,10 +48,10 @@ from vs_torch_pipelining import STAGES, _mpiexec, make_batches, make_stages
 from scheduler.cli_common import machine_line
 
 MICROBATCHES, BATCH = 8, 256
-# Who runs a transfer: any thread that needs it — the producer posts a send, the consumer
-# sees a receive land (``CpuBackend.helping``, the default) — or only its comm stream's own
-# thread (before: three thread hand-offs per hop).
-VARIANTS = ("helpers", "own threads")
+# How the bytes move — host links or MPI — and who runs a transfer: any thread that needs it
+# (the producer posts a send, the consumer sees a receive land: ``CpuBackend.helping``, the
+# default) or only its comm stream's own thread (before: three thread hand-offs per hop).
+VARIANTS = ("host links", "MPI data", "own threads")
 
 
 # ---- the worker (one per rank, under mpiexec) --------------------------------------------
@@ -80,6 +82,8 @@ def role(name: str) -> str:
         return "event loop"
     if name == "overlap-mpi-control":
         return "failure listener"
+    if name.startswith("overlap-links"):
+        return "link thread"
     return "other"
 
 
@@ -177,9 +181,11 @@ def worker(cfg: dict, out: str) -> None:
     batches = make_batches(warmup + steps * len(VARIANTS), BATCH, cfg["width"])
     with overlap.Runtime(cluster) as rt:
         backend = rt.backend
+        links = backend.links
         for k, (x, y) in enumerate(batches):
             variant = VARIANTS[k % len(VARIANTS)]
-            backend.helping = variant == VARIANTS[0]
+            backend.helping = variant != "own threads"
+            backend.links = links if variant == "host links" else None
             backend.hop_timings = []
             cpu0, c0 = thread_cpu(), time.perf_counter()
             opt.zero_grad()
@@ -198,6 +204,7 @@ def worker(cfg: dict, out: str) -> None:
                 cpu[variant][r] = cpu[variant].get(r, 0.0) + (secs - was) / steps
                 wakes[variant][r] = wakes[variant].get(r, 0.0) + (runs - ran) / steps
         backend.helping = True
+        backend.links = links
         backend.hop_timings = None
         nbytes = BATCH // MICROBATCHES * cfg["width"] * 4
         raw = raw_pingpong(backend.dist.comm, nbytes, 50, backend.dist.poll)
@@ -253,9 +260,11 @@ def report(width: int, ranks: list[dict]) -> str:
         out.append(variant_report(f"width {width}, {v}", view))
         steps[v] = (med([x["wall"] for x in view[0]["records"]]),
                     sum(sum(r["cpu"].values()) for r in view))
-    (a_step, a_cpu), (b_step, b_cpu) = (steps[v] for v in VARIANTS)
-    out.append(f"{VARIANTS[0]} / {VARIANTS[1]}, same run: rank 0's step {a_step / b_step:.3f}, "
-               f"CPU of all ranks {a_cpu / b_cpu:.3f}")
+    a_step, a_cpu = steps[VARIANTS[0]]
+    for v in VARIANTS[1:]:
+        b_step, b_cpu = steps[v]
+        out.append(f"{VARIANTS[0]} / {v}, same run: rank 0's step {a_step / b_step:.3f}, "
+                   f"CPU of all ranks {a_cpu / b_cpu:.3f}")
     return "\n".join(out)
 
 

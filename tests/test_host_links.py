@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -149,11 +150,13 @@ def test_what_a_peer_sent_before_closing_still_arrives_and_sends_to_it_then_fail
     wait(b.irecv(0, 0, 1, buf))
     assert (buf == 7).all()
     # A receive for more waits on (the runtime's notices and timeouts name the rank); a
-    # send fails at once, naming the peer.
+    # send fails, naming the peer — its request does (as MPI reports it), not the call.
     pending = b.irecv(0, 0, 2, np.zeros(3))
     assert not pending.Test()
+    req = b.isend(0, 0, 1, np.zeros(4))
+    assert not req.done
     with pytest.raises(CollectiveAborted, match="link to rank 0 is closed"):
-        b.isend(0, 0, 1, np.zeros(4))
+        req.Test()
 
 
 def test_close_ends_the_link_thread(pair):
@@ -192,3 +195,108 @@ def test_many_threads_sending_at_once_keep_frames_whole(pair):
             buf = np.empty(size, np.int32)
             wait(b.irecv(k, 0, j, buf))
             assert (buf == k * 4 + j).all()
+
+
+# ---- review fixes: each test failed before its fix -----------------------------------------
+
+
+class ShortReads(socket.socket):
+    """A socket whose reads return at most 10 bytes (as the kernel's do while the writer is
+    still writing), so a frame takes many reads."""
+
+    def recv_into(self, buf, nbytes=0, flags=0):
+        return super().recv_into(buf, min(nbytes or len(buf), 10), flags)
+
+
+@pytest.mark.parametrize("size", [590, 600, 610])
+def test_an_empty_message_after_many_reads_lands(size):
+    """An empty frame whose header is the last read the link thread allows itself per event
+    has no byte left to wake it again: it lands at once."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender, receiver = HostLinks(0, {1: a}), HostLinks(1, {0: ShortReads(fileno=b.detach())})
+    try:
+        big = receiver.irecv(0, 0, 1, np.empty(size, np.uint8))
+        empty = receiver.irecv(0, 0, 2, np.empty(0, np.uint8))
+        sender.isend(0, 1, 1, np.arange(size, dtype=np.uint8))
+        sender.isend(0, 1, 2, np.empty(0, np.uint8))
+        wait(empty)
+        wait(big)
+        assert big.count == size
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_cancel_that_comes_while_the_message_lands_completes_the_receive(pair):
+    """As MPI's cancel may fail: the receive whose message is landing gets it whole (and
+    Wait returns once it has), the next receive gets the next message."""
+    a, b = pair
+    n = 1 << 22
+    first = np.zeros(n, np.uint8)
+    r1 = b.irecv(0, 0, 5, first)
+    a.isend(0, 1, 5, np.full(n, 1, np.uint8))
+    deadline = time.monotonic() + BOUND_S
+    while not r1.matched and not r1.done:  # (it begins landing)
+        assert time.monotonic() < deadline
+        time.sleep(1e-4)
+    r1.Cancel()
+    r1.Wait()
+    assert r1.Test() and (first == 1).all()
+    second = np.zeros(4, np.uint8)
+    a.isend(0, 1, 5, np.full(4, 2, np.uint8))
+    wait(b.irecv(0, 0, 5, second))
+    assert (second == 2).all()
+
+
+def test_close_fails_what_still_waits_and_refuses_new_requests(pair):
+    a, b = pair
+    b._sel.unregister(b._conns[0].sock)  # (b stops reading: a's large send stays queued)
+    send = a.isend(0, 1, 1, np.ones(64 << 20, np.uint8))
+    recv = a.irecv(0, 1, 2, np.empty(4, np.uint8))
+    woken = threading.Event()
+    assert recv.notify(woken.set)
+    a.close()
+    assert woken.is_set()
+    for req in (send, recv):
+        with pytest.raises(CollectiveAborted, match="host links are closed"):
+            req.Test()
+    with pytest.raises(CollectiveAborted, match="host links are closed"):
+        a.irecv(0, 1, 3, np.empty(4, np.uint8))
+    with pytest.raises(CollectiveAborted, match="host links are closed"):
+        a.isend(0, 1, 3, np.empty(4, np.uint8))
+
+
+def test_a_waker_that_raises_does_not_stop_the_links(pair):
+    a, b = pair
+    req = b.irecv(0, 0, 1, np.empty(1))
+
+    def bad() -> None:
+        raise RuntimeError("a waiter's bug")
+
+    assert req.notify(bad)
+    a.isend(0, 1, 1, np.ones(1))
+    buf = np.zeros(1)
+    a.isend(0, 1, 2, np.ones(1))
+    wait(b.irecv(0, 0, 2, buf))  # (the link thread lives on)
+    assert req.Test() and buf[0] == 1
+
+
+def test_a_frame_that_cannot_be_taken_in_fails_its_link_only(pair, monkeypatch):
+    """A receive into a read-only buffer is refused when posted; a frame whose landing
+    raises (here: memory) fails what waits on that link, naming it — the thread lives."""
+    a, b = pair
+    with pytest.raises(OverlapRuntimeError, match="read-only"):
+        b.irecv(0, 0, 1, np.frombuffer(b"abcd", np.uint8))
+    waiting = b.irecv(0, 0, 9, np.empty(4, np.uint8))
+
+    def no_memory(self, conn):
+        raise MemoryError("no room for the frame")
+
+    monkeypatch.setattr(HostLinks, "_begin", no_memory)
+    a.isend(0, 1, 1, np.ones(4))
+    done = threading.Event()
+    if waiting.notify(done.set):
+        assert done.wait(BOUND_S)
+    with pytest.raises(CollectiveAborted, match="link to rank 0 failed: MemoryError"):
+        waiting.Test()
+    assert b._thread.is_alive() and b.failure is None

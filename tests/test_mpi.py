@@ -417,12 +417,15 @@ def test_producers_post_and_consumers_complete_transfers_themselves(tmp_path):
 # ---- ranks that leave, and the fault matrix across processes -------------------------------
 
 
-@pytest.mark.parametrize("how, said", [("exit", "exited"), ("close", "closed its runtime")])
-def test_a_rank_that_leaves_is_named_at_once(tmp_path, how, said):
+@pytest.mark.parametrize("how, said, seen", [("exit", "exited", ()),
+                                             ("close", "closed its runtime", ()),
+                                             ("close", "closed its runtime", ("seen",))])
+def test_a_rank_that_leaves_is_named_at_once(tmp_path, how, said, seen):
     """A rank that ends its script cleanly (or closes its runtime) before a call the others
     make: they fail naming it within a second, not after their 30 s timeout, and the job
-    exits non-zero."""
-    done, elapsed = mpiexec(4, "leave", str(tmp_path), "1", how)
+    exits non-zero. (``seen``: their call begins once its host link has closed — its
+    notice may not have been read yet: the closed link must not be what they report.)"""
+    done, elapsed = mpiexec(4, "leave", str(tmp_path), "1", how, *seen)
     text = assert_failed_job(done, 1)
     for r in (0, 2, 3):
         assert (f"RankFailed: rank 1 {said} after 1 runtime calls; this rank's call 2 needs it "

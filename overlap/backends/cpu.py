@@ -471,8 +471,9 @@ class CpuStream:
             pokes = p.pokes
             with waking(self._poke):
                 until = next(p.steps)
-            # (Poked while it stepped: what it waits for may have come after it looked.)
-            p.until = until if p.pokes == pokes else 0.0
+            with self._lock:  # (_poke writes both under it)
+                # Poked while it stepped: what it waits for may have come after it looked.
+                p.until = until if p.pokes == pokes else 0.0
             # Its steps should see an abort themselves (naming what they waited for); one
             # that does not is ended here, so that no wait outlives abort().
             reason = self.backend.abort_reason

@@ -409,7 +409,9 @@ class _LinkRound:
             r.notify(self.ready.set)  # (False: complete already — Test sees it)
 
     def Test(self) -> bool:
-        return all(r.Test() for r in self._reqs)
+        # A request failed by a link that closed stays "pending": the peer's notice (or the
+        # timeout) ends the wait and names the rank — not this link's error.
+        return all(r.done for r in self._reqs)
 
     def pause(self, attempt: int) -> None:
         # Cleared before the next Test: a completion after that Test sets it again.

@@ -25,6 +25,7 @@ send to it fails at once, naming it. ``close`` ends the thread within a bounded 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import selectors
@@ -37,6 +38,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
+
+log = logging.getLogger("overlap")
 
 HEADER = struct.Struct("<IiQ")  # channel id, tag, payload bytes
 SOCKET_BUFFER_BYTES = 4 << 20  # asked of the kernel (it caps it: wmem_max)
@@ -51,8 +54,8 @@ class LinkRequest:
     """One nonblocking send or receive on a link (the subset of ``mpi4py.MPI.Request`` the
     data plane uses: ``Test``, ``Cancel``, ``Wait`` after a cancel)."""
 
-    __slots__ = ("_links", "cancelled", "count", "done", "error", "key", "nbytes", "view",
-                 "wake")
+    __slots__ = ("_links", "cancelled", "count", "done", "error", "key", "matched", "nbytes",
+                 "view", "wake")
 
     def __init__(self, links: HostLinks, key: tuple[int, int, int], view: memoryview) -> None:
         self._links = links
@@ -61,6 +64,7 @@ class LinkRequest:
         self.nbytes = view.nbytes
         self.done = False
         self.cancelled = False
+        self.matched = False  # a receive whose message is landing (a cancel comes too late)
         self.count = -1  # bytes the matching message carried (receives)
         self.error: BaseException | None = None
         self.wake: Wake | None = None
@@ -81,13 +85,20 @@ class LinkRequest:
             return True
 
     def Cancel(self) -> None:
-        """Take back a receive: one not matched yet never will be; one whose message is
-        landing still receives its bytes (a frame is read whole) but never reports done."""
+        """Take back a receive not matched yet: it never will be, its message goes to the
+        next one. One whose message is already landing completes with it (as MPI's cancel
+        can fail): ``Wait`` then waits for its bytes."""
         self._links._cancel(self)
 
-    def Wait(self) -> None:
-        """(After ``Cancel``: nothing to wait for — a cancelled receive is over for its
-        caller.)"""
+    def Wait(self, timeout: float = 1.0) -> None:
+        """(After ``Cancel``.) Return once no bytes will land in the buffer any more: at
+        once for a receive taken back; else when its message has landed (or its link
+        failed), at most ``timeout`` seconds."""
+        if not self.matched:
+            return
+        landed = threading.Event()
+        if self.notify(landed.set):
+            landed.wait(timeout)
 
 
 class _Conn:
@@ -212,9 +223,14 @@ class HostLinks:
 
     def irecv(self, channel: int, peer: int, tag: int, buf: memoryview) -> LinkRequest:
         """Receive the next message from ``peer`` with this channel and tag into ``buf``."""
-        req = LinkRequest(self, (peer, channel, tag), _bytes(buf))
+        view = _bytes(buf)
+        if view.readonly:
+            raise OverlapRuntimeError("a link cannot receive into a read-only buffer")
+        req = LinkRequest(self, (peer, channel, tag), view)
         self._conn(peer)
         with self._lock:
+            if self.failure is not None or self._closing:
+                raise self._ended()
             early = self._unexpected.get(req.key)
             if early:
                 data = early.popleft()
@@ -233,15 +249,21 @@ class HostLinks:
         req = LinkRequest(self, (peer, channel, tag), view)
         conn = self._conn(peer)
         parts = [memoryview(HEADER.pack(channel, tag, view.nbytes)), view]
+        if self.failure is not None or self._closing:
+            raise self._ended()
         with conn.wlock:
+            # A peer gone fails the request, not the call (as MPI reports it): whoever waits
+            # for it learns why from the runtime's notices first.
             if conn.closed is not None:
-                raise _closed(conn)
+                req.error = _closed(conn)
+                return req
             if not conn.out:
                 try:
                     parts = _write(conn.sock, parts)
                 except OSError as exc:
                     conn.closed = f"{type(exc).__name__}: {exc}"
-                    raise _closed(conn) from exc
+                    req.error = _closed(conn)
+                    return req
             conn.sent += 1
             if not parts:
                 req.done = True
@@ -254,6 +276,11 @@ class HostLinks:
                 self._want_write.append(conn)
             self._poke_thread()
         return req
+
+    def _ended(self) -> CollectiveAborted:
+        why = ("closed" if self.failure is None
+               else f"stopped: {type(self.failure).__name__}: {self.failure}")
+        return CollectiveAborted(f"rank {self.rank}'s host links are {why}")
 
     def _conn(self, peer: int) -> _Conn:
         try:
@@ -281,10 +308,14 @@ class HostLinks:
                     if conn is None:
                         self._drain_pokes()
                         continue
-                    if mask & selectors.EVENT_READ:
-                        self._read(conn)
-                    if mask & selectors.EVENT_WRITE:
-                        self._flush(conn)
+                    try:
+                        if mask & selectors.EVENT_READ:
+                            self._read(conn)
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                    except Exception as exc:  # (a bad frame: that link only)
+                        log.exception("rank %d: link to rank %d failed", self.rank, conn.peer)
+                        self._broken(conn, exc)
         except BaseException as exc:  # a bug here must not pass for a silent link
             self.failure = exc
             self._fail_all(exc)
@@ -339,9 +370,13 @@ class HostLinks:
                 del self._posted[key]
         conn.target = req
         # In place when the sizes agree; else in a copy (its size reported, as MPI's count).
+        if req is not None:
+            req.matched = True
         conn.body = req.view if req is not None and req.nbytes == nbytes else \
             memoryview(bytearray(nbytes))
         conn.got = 0
+        if nbytes == 0:  # (no byte left to read: the selector would not call again)
+            self._land(conn)
 
     def _land(self, conn: _Conn) -> None:
         """A payload is in: complete its receive, or keep it for the receive to come."""
@@ -367,13 +402,18 @@ class HostLinks:
 
     def _complete(self, req: LinkRequest, error: BaseException | None = None) -> None:
         with self._lock:
+            if req.done or req.error is not None:
+                return
             if error is None:
                 req.done = True
             else:
                 req.error = error
-            wake = None if req.cancelled else req.wake
+            wake = req.wake
         if wake is not None:
-            wake()
+            try:
+                wake()
+            except Exception:  # (a waiter's bug must not stop every link of the process)
+                log.exception("rank %d: a link request's waker failed", self.rank)
 
     def _flush(self, conn: _Conn) -> None:
         """Write what the socket takes of the sends in flight."""
@@ -418,17 +458,41 @@ class HostLinks:
         for req in pending:
             self._complete(req, err)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        err = CollectiveAborted(f"rank {self.rank}'s link thread failed: "
-                                f"{type(exc).__name__}: {exc}")
+    def _fail_all(self, exc: BaseException | None) -> None:
+        """Fail every request still pending (the link thread stopped, or links closed)."""
+        err = self._ended() if exc is None else CollectiveAborted(
+            f"rank {self.rank}'s link thread failed: {type(exc).__name__}: {exc}")
         with self._lock:
             pending = [r for q in self._posted.values() for r in q]
             self._posted.clear()
         for conn in self._conns.values():
             with conn.wlock:
-                conn.closed = conn.closed or "the link thread failed"
+                conn.closed = conn.closed or str(err)
                 pending += [req for _, req in conn.out]
                 conn.out.clear()
+            if conn.target is not None:
+                pending.append(conn.target)
+        for req in pending:
+            self._complete(req, err)
+
+    def _broken(self, conn: _Conn, exc: Exception) -> None:
+        """A frame from ``conn`` could not be taken in: that link ends, and what waits on it
+        fails, naming why."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        err = CollectiveAborted(f"rank {self.rank}'s link to rank {conn.peer} failed: "
+                                f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            pending = [r for key, q in self._posted.items() if key[0] == conn.peer for r in q]
+            for key in [k for k in self._posted if k[0] == conn.peer]:
+                del self._posted[key]
+        with conn.wlock:
+            conn.closed = str(err)
+            pending += [req for _, req in conn.out]
+            conn.out.clear()
+            conn.writing = False
+        if conn.target is not None:
+            pending.append(conn.target)
         for req in pending:
             self._complete(req, err)
 
@@ -441,9 +505,8 @@ class HostLinks:
         self._closing = True
         self._poke_thread()
         self._thread.join(timeout)
+        self._fail_all(None)  # (no request is left waiting for a thread that is gone)
         for conn in self._conns.values():
-            with conn.wlock:
-                conn.closed = conn.closed or "this rank closed its links"
             with contextlib.suppress(OSError):
                 conn.sock.close()
         if not self._thread.is_alive():

@@ -330,13 +330,13 @@ class MpiBackend(CpuBackend):
         post_recv, recv_link = self._poster(hop, prev, step, receive=True)
         post_send, send_link = self._poster(hop, nxt, step, receive=False)
         pieces = [data[i:i + step] for i in range(0, n, step)] or [data[:0]]
+        started = time.perf_counter()  # (before the posts: a link's send lands at once)
         recvs = [post_recv(p) for p in pieces] if prev is not None else []
         sends = [post_send(p) for p in pieces] if prev is None and nxt is not None else []
         # Nothing to poll: every wait is for a link's message, which wakes the step.
         woken = (recv_link or prev is None) and (send_link or nxt is None)
         landed = 0
         status = MPI.Status()
-        started = time.perf_counter()
         seen = None  # when the last piece was seen landed (receivers)
         attempt = polls = 0
         key = (id(hop.comm), -1 if prev is None else prev)

@@ -25,9 +25,10 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
   each rank saves the (size, id, rank) its communicators were made with.
 - ``stuck OUT RANK``: rank RANK is stuck in its own code (a minute) instead of making a
   resharding call the others make (their timeout: 2 s).
-- ``leave OUT RANK HOW``: after one resharding call, rank RANK leaves — ``exit``
+- ``leave OUT RANK HOW [seen]``: after one resharding call, rank RANK leaves — ``exit``
   (``sys.exit(0)``) or ``close`` (closes its runtime, then idles) — while the others make a
-  second call (their timeout: 30 s, which must not be what finds it).
+  second call (their timeout: 30 s, which must not be what finds it); with ``seen``, only
+  once their host link to RANK has closed.
 - ``helpers OUT on|off``: the toy pipeline (1f1b, two steps) with the MPI backend's helpers on
   or off; each rank also saves, per stepped transfer, whether a compute thread took its first
   and its last step (``threads``).
@@ -220,6 +221,14 @@ def main() -> int:
                     sys.exit(0)
                 rt.close()
                 time.sleep(60)  # idle: the others must not wait for it
+            links = rt.backend.dist.links
+            if sys.argv[5:] == ["seen"] and links is not None:
+                # The second call only once this rank's link to the leaver has closed
+                # (~20 ms after its notice was sent: before this rank's listener read it).
+                deadline = time.monotonic() + 10.0
+                while links._conns[int(sys.argv[3])].closed is None \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.0005)
             rt.reshard_sync(plan, shards)
         elif mode == "early":  # receives posted ~30 ms before rank 0 sends, six times
             plan, shards = small_plan(cluster, rt)
