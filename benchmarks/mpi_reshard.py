@@ -290,6 +290,11 @@ def main() -> int:
         f"{per_call['mpi'] * 1e6:8.1f} us")
     say(f"  per transfer, {crossing} tiny cross-rank transfers in one call: "
         f"{per_transfer['links'] * 1e6:8.1f} us {per_transfer['mpi'] * 1e6:8.1f} us")
+    # What each transfer adds to a call: the many-transfer call less the one-transfer one.
+    extra = {k: (per_transfer[k] * crossing - per_call[k]) / max(1, crossing - 1)
+             for k in overhead}
+    say(f"  each additional transfer (that call less the 16 B one): {extra['links'] * 1e6:8.1f}"
+        f" us {extra['mpi'] * 1e6:8.1f} us")
     say(f"  raw MPI_Bcast of 16 B between 2 ranks:    {raw_tiny * 1e6:8.1f} us")
     return 0
 

@@ -202,7 +202,7 @@ class Distributed:
             round_ = (_LinkRound([links.isend(SHARE_CHANNEL, r, 0, buf) for r in others], [])
                       if self.rank == root_rank else
                       _LinkRound([], [links.irecv(SHARE_CHANNEL, root_rank, 0, buf)]))
-            await asyncio.to_thread(self.wait_polled, round_, what, None, round_.pause)
+            await self.wait_linked(round_, what)
             return buf
         await self._await(self.runtime_comm.Ibcast(buf, root=root_rank), what)
         return buf
@@ -225,22 +225,58 @@ class Distributed:
         attempt = 0
         try:
             while not req.Test():
-                now = time.perf_counter()
-                if self.backend.abort_reason is not None and aborted_at is None:
-                    aborted_at = now
-                if (aborted_at is None or through_abort is None or not through_abort()
-                        or now - aborted_at >= self.grace / 2):
-                    self.check(what, now, "", None)  # the abort only: the timeout is below
-                # (After the abort: asking the peers how far they got waits up to a second
-                # for replies a failed peer never sends — a call aborted by a peer's failure
-                # notice returned a second late.)
-                if now - started > self.backend.timeout:
+                aborted_at, late = self._look(what, started, aborted_at, through_abort)
+                if late:
                     self.check(what, started, self.control.behind(self.calls), None)
                 pause(attempt)
                 attempt += 1
         except BaseException:
             _cancel([req])
             raise
+
+    async def wait_linked(self, round_: _LinkRound, what: str,
+                          through_abort: Callable[[], bool] | None = None) -> None:
+        """:meth:`wait_polled` for a round over host links, on the event loop itself: each
+        completion wakes the loop (no worker thread between, two thread hand-offs fewer a
+        round); aborts and timeouts are looked at every ``LISTEN_TICK_S``."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                loop.call_soon_threadsafe(ready.set)
+
+        round_.arm(wake)
+        started = time.perf_counter()
+        aborted_at: float | None = None
+        try:
+            while not round_.Test():
+                aborted_at, late = self._look(what, started, aborted_at, through_abort)
+                if late:
+                    who = await asyncio.to_thread(self.control.behind, self.calls)
+                    self.check(what, started, who, None)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ready.wait(), LISTEN_TICK_S)
+                ready.clear()  # (before the next Test: a completion after it sets it again)
+        except BaseException:
+            _cancel([round_])
+            raise
+
+    def _look(self, what: str, started: float, aborted_at: float | None,
+              through_abort: Callable[[], bool] | None) -> tuple[float | None, bool]:
+        """One look while a request is pending: raise if aborted (unless ``through_abort``
+        says it can still complete, for at most half the ``grace``); return when the abort
+        was first seen and whether the wait ran past the timeout — for the caller to ask
+        the peers how far they got. (Not after an abort: that waits up to a second for
+        replies a failed peer never sends — a call aborted by a peer's failure notice
+        returned a second late.)"""
+        now = time.perf_counter()
+        if self.backend.abort_reason is not None and aborted_at is None:
+            aborted_at = now
+        if (aborted_at is None or through_abort is None or not through_abort()
+                or now - aborted_at >= self.grace / 2):
+            self.check(what, now, "", None)  # the abort only: the timeout is the caller's
+        return aborted_at, now - started > self.backend.timeout
 
     # ---- failures across processes -------------------------------------------------------
 
@@ -368,7 +404,7 @@ class Agreement:
             done = _LinkRound([d.links.isend(DONE_CHANNEL, r, 0, _DONE) for r in others],
                               [d.links.irecv(DONE_CHANNEL, r, 0, flags[i:i + 1])
                                for i, r in enumerate(others)])
-            await asyncio.to_thread(d.wait_polled, done, what, None, done.pause)
+            await d.wait_linked(done, what)
         else:
             await d._await(d.runtime_comm.Ibarrier(), what)
 
@@ -379,8 +415,11 @@ class Agreement:
         this round completes: it is still awaited then (bounded, while it can complete),
         because a mismatch is the explanation the user needs, not the failures it caused."""
         b = self.dist
-        pause = self._round.pause if self._round is not None else self._pause
-        await asyncio.to_thread(b.wait_polled, self._req, self.what, self._can_complete, pause)
+        if self._round is not None:
+            await b.wait_linked(self._round, self.what, self._can_complete)
+        else:
+            await asyncio.to_thread(b.wait_polled, self._req, self.what, self._can_complete,
+                                    self._pause)
         differ = tuple(r for r in range(b.world.size)
                        if not np.array_equal(self._every[r], self._mine))
         if differ:
@@ -398,25 +437,21 @@ _DONE = np.ones(1, np.uint8)
 
 class _LinkRound:
     """Sends and receives over host links, waited for like an MPI request (``Test``,
-    ``Cancel``, ``Wait``); ``pause`` sleeps until one of them completes (each completion
-    wakes it), at most ``LISTEN_TICK_S`` (aborts and timeouts are checked between)."""
+    ``Cancel``, ``Wait``; see :meth:`Distributed.wait_linked`)."""
 
     def __init__(self, sends: list[LinkRequest], recvs: list[LinkRequest]) -> None:
-        self.ready = threading.Event()
         self._recvs = recvs
         self._reqs = [*sends, *recvs]
+
+    def arm(self, wake: Callable[[], None]) -> None:
+        """``wake()`` on each completion from now (one complete already: Test sees it)."""
         for r in self._reqs:
-            r.notify(self.ready.set)  # (False: complete already — Test sees it)
+            r.notify(wake)
 
     def Test(self) -> bool:
         # A request failed by a link that closed stays "pending": the peer's notice (or the
         # timeout) ends the wait and names the rank — not this link's error.
         return all(r.done for r in self._reqs)
-
-    def pause(self, attempt: int) -> None:
-        # Cleared before the next Test: a completion after that Test sets it again.
-        self.ready.wait(LISTEN_TICK_S)
-        self.ready.clear()
 
     def Cancel(self) -> None:
         for r in self._recvs:
