@@ -263,3 +263,108 @@ def test_asking_the_peers_how_far_they_got_stops_waiting_once_aborted():
     said = control.behind(3, wait=60.0)
     assert time.monotonic() - started < 5.0  # not the 60 s it would wait for an answer
     assert "ranks [0] do not answer" in said
+
+
+class _Pending:
+    """A request that completes at its ``n``-th test."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.cancelled = False
+
+    def Test(self) -> bool:
+        self.left -= 1
+        return self.left <= 0
+
+    def Cancel(self) -> None:
+        self.cancelled = True
+
+    def Wait(self) -> None:
+        pass
+
+
+def _dist(inside: bool, timeout: float = 0.005):
+    """A Distributed with fakes: a timeout of 5 ms (each poll sleeps 2 ms); every peer answers
+    that it is inside this call (``inside``) or one is behind."""
+    from overlap.backends.distributed import Backoff, Distributed
+
+    class Backend:
+        abort_reason = None
+
+    Backend.timeout = timeout
+
+    class Control:
+        asked = 0
+
+        def lagging(self, calls: int) -> tuple[str, bool]:
+            Control.asked += 1
+            return ("every rank made this call" if inside
+                    else "ranks [1] never made this call"), inside
+
+    dist = object.__new__(Distributed)
+    dist.backend, dist.control, dist.calls, dist.rank = Backend(), Control(), 3, 0
+    dist.poll, dist.grace = Backoff(start=0.002, cap=0.002), 5.0
+    return dist
+
+
+@pytest.mark.parametrize("how", ["polled", "linked"])
+def test_the_end_of_call_barrier_waits_past_the_timeout_while_every_peer_is_in_the_call(how):
+    """The barrier waits for the others' whole remaining work: past the timeout it waits on
+    while every peer says it is inside this call; a wait that is not patient, or a peer
+    behind, fails naming them."""
+    import asyncio
+
+    from overlap.errors import CollectiveTimeout
+
+    def wait(dist, req, patient: bool) -> None:
+        if how == "polled":
+            dist.wait_polled(req, "reshard: every rank's work", patient=patient)
+        else:
+            req.arm = lambda wake: None
+            asyncio.run(dist.wait_linked(req, "reshard: every rank's work", patient=patient))
+
+    dist = _dist(inside=True)
+    req = _Pending(10)  # (9 looks: 16 ms or more, past the 5 ms timeout)
+    wait(dist, req, patient=True)
+    assert req.left == 0 and dist.control.asked >= 1
+    with pytest.raises(CollectiveTimeout, match="every rank made this call"):
+        wait(_dist(inside=True), _Pending(10**9), patient=False)
+    with pytest.raises(CollectiveTimeout, match=r"ranks \[1\] never made this call"):
+        wait(_dist(inside=False), _Pending(10**9), patient=True)
+
+
+def test_a_cancel_that_comes_as_a_linked_round_completes_is_not_lost():
+    """Ctrl-C (a task's cancel) in the very loop pass where the round's completion wakes the
+    wait: the wait raises CancelledError and takes its receives back — it does not return
+    as if the call went on (asyncio.wait_for on 3.11 dropped such a cancel)."""
+    import asyncio
+
+    dist = _dist(inside=True, timeout=60.0)
+
+    class Round(_Pending):
+        def __init__(self) -> None:
+            super().__init__(10**9)
+            self.wake = None
+
+        def arm(self, wake) -> None:
+            self.wake = wake
+
+    async def main() -> None:
+        r = Round()
+        task = asyncio.create_task(dist.wait_linked(r, "train_step: the step graph"))
+        while r.wake is None:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.005)  # (asleep in its wait)
+        loop = asyncio.get_running_loop()
+
+        def complete() -> None:  # as the link thread would, then the cancel in that pass
+            r.left = 0
+            r.wake()
+            loop.call_soon(task.cancel)
+
+        loop.call_soon(complete)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert r.cancelled
+
+    asyncio.run(main())

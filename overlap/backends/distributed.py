@@ -207,18 +207,22 @@ class Distributed:
         await self._await(self.runtime_comm.Ibcast(buf, root=root_rank), what)
         return buf
 
-    async def _await(self, req: Any, what: str) -> None:
+    async def _await(self, req: Any, what: str, patient: bool = False) -> None:
         """Wait for ``req`` off the event loop: a worker thread polls it with the backoff
         (the loop's timers have millisecond resolution; MPI rounds take microseconds)."""
-        await asyncio.to_thread(self.wait_polled, req, what)
+        await asyncio.to_thread(self.wait_polled, req, what, None, None, patient)
 
     def wait_polled(self, req: Any, what: str,
                     through_abort: Callable[[], bool] | None = None,
-                    pause: Callable[[int], None] | None = None) -> None:
+                    pause: Callable[[int], None] | None = None,
+                    patient: bool = False) -> None:
         """Poll ``req`` until it completes (``pause(attempt)`` between tests; default the
         backoff). Once the run is aborted, keep waiting only while ``through_abort`` says the
         request can still complete, and at most half the ``grace`` (so this rank still
-        reports to a failed peer before that peer's wait at exit ends)."""
+        reports to a failed peer before that peer's wait at exit ends). Past the timeout
+        the peers are asked how far they got: the wait fails naming them — unless
+        ``patient`` and every peer answers that it is inside this call (a wait for the
+        others' whole remaining work: a stuck op there is found by its own rank)."""
         pause = pause or self.poll.pause
         started = time.perf_counter()
         aborted_at: float | None = None
@@ -227,7 +231,11 @@ class Distributed:
             while not req.Test():
                 aborted_at, late = self._look(what, started, aborted_at, through_abort)
                 if late:
-                    self.check(what, started, self.control.behind(self.calls), None)
+                    who, inside = self.control.lagging(self.calls)
+                    if patient and inside:
+                        started = time.perf_counter()
+                    else:
+                        self.check(what, started, who, None)
                 pause(attempt)
                 attempt += 1
         except BaseException:
@@ -235,7 +243,8 @@ class Distributed:
             raise
 
     async def wait_linked(self, round_: _LinkRound, what: str,
-                          through_abort: Callable[[], bool] | None = None) -> None:
+                          through_abort: Callable[[], bool] | None = None,
+                          patient: bool = False) -> None:
         """:meth:`wait_polled` for a round over host links, on the event loop itself: each
         completion wakes the loop (no worker thread between, two thread hand-offs fewer a
         round); aborts and timeouts are looked at every ``LISTEN_TICK_S``."""
@@ -253,10 +262,18 @@ class Distributed:
             while not round_.Test():
                 aborted_at, late = self._look(what, started, aborted_at, through_abort)
                 if late:
-                    who = await asyncio.to_thread(self.control.behind, self.calls)
-                    self.check(what, started, who, None)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ready.wait(), LISTEN_TICK_S)
+                    who, inside = await asyncio.to_thread(self.control.lagging, self.calls)
+                    if patient and inside:
+                        started = time.perf_counter()
+                    else:
+                        self.check(what, started, who, None)
+                # A timer, not asyncio.wait_for: on 3.11 that drops a cancel that comes in
+                # the loop pass its wait ends (gh-86296) — Ctrl-C would go unseen.
+                tick = loop.call_later(LISTEN_TICK_S, ready.set)
+                try:
+                    await ready.wait()
+                finally:
+                    tick.cancel()
                 ready.clear()  # (before the next Test: a completion after it sets it again)
         except BaseException:
             _cancel([round_])
@@ -394,7 +411,9 @@ class Agreement:
         """This rank's work for the call ended well: return once every rank's did (a
         barrier: an ``Ibarrier``, or a message to every peer over host links). A rank whose
         work failed never gets here; its failure notice aborts this wait, which then raises
-        (the runtime reports :class:`RankFailed` naming it)."""
+        (the runtime reports :class:`RankFailed` naming it). It waits for the others' whole
+        remaining work, so past the timeout it waits on while every peer says it is inside
+        this call (an op stuck there is that rank's to find)."""
         d = self.dist
         what = f"{self.what}: every rank's work"
         if self._round is not None:
@@ -404,9 +423,9 @@ class Agreement:
             done = _LinkRound([d.links.isend(DONE_CHANNEL, r, 0, _DONE) for r in others],
                               [d.links.irecv(DONE_CHANNEL, r, 0, flags[i:i + 1])
                                for i, r in enumerate(others)])
-            await d.wait_linked(done, what)
+            await d.wait_linked(done, what, patient=True)
         else:
-            await d._await(d.runtime_comm.Ibarrier(), what)
+            await d._await(d.runtime_comm.Ibarrier(), what, patient=True)
 
     async def wait(self) -> None:
         """Raise :class:`CallMismatch` unless every rank made the same call.
@@ -579,6 +598,11 @@ class _Control:
     def behind(self, calls: int, wait: float = 1.0) -> str:
         """Ask every rank how many runtime calls it has made; name those behind ``calls``
         (they never joined this one) and those that did not answer."""
+        return self.lagging(calls, wait)[0]
+
+    def lagging(self, calls: int, wait: float = 1.0) -> tuple[str, bool]:
+        """:meth:`behind`'s text, and whether every other rank answered that it is inside
+        call ``calls``."""
         self.replies.clear()
         self.tell_all(_QUERY, {}, wait)
         others = [r for r in range(self.size) if r != self.rank]
@@ -600,7 +624,8 @@ class _Control:
         if inside and not parts:
             parts.append(f"ranks {inside} are in this call but never got this far (stuck in "
                          "an op? their own errors say which)")
-        return "; ".join(parts) or "every rank made this call (a stuck peer?)"
+        return ("; ".join(parts) or "every rank made this call (a stuck peer?)",
+                len(inside) == len(others))
 
     def stop(self) -> None:
         self._stop.set()
