@@ -501,22 +501,23 @@ class CpuStream:
                 # only waits for that one to leave.
                 left = _POLL_S if self._helpers else blocked.until - time.perf_counter()
                 if left > 0 and self._parked is blocked:
-                    self._paused_on = blocked
-                    try:
-                        self._cv.wait(min(left, _POLL_S))
-                    finally:
-                        self._paused_on = None
+                    self._pause_on(blocked, min(left, _POLL_S))
         elif isinstance(blocked, CpuEvent):
             src = blocked._stream
             if self.backend.helping and src is not None and src is not self:
                 src.help(blocked, self)
             with self._lock:
                 if not blocked._done.is_set() and self._queue and self._queue[0][1] is blocked:
-                    self._paused_on = blocked
-                    try:
-                        self._cv.wait(_POLL_S)  # (kicked when it completes; aborts within this)
-                    finally:
-                        self._paused_on = None
+                    self._pause_on(blocked, _POLL_S)  # (kicked when it completes; aborts too)
+
+    def _pause_on(self, head: Any, seconds: float) -> None:
+        """(Under ``_lock``.) Wait up to ``seconds`` on ``head``, saying so (``_put`` wakes
+        the thread once a helper has moved past it)."""
+        self._paused_on = head
+        try:
+            self._cv.wait(seconds)
+        finally:
+            self._paused_on = None
 
     def _pause_is_stale(self) -> bool:
         """(Under ``_lock``.) The thread waits for a head that a helper has since moved

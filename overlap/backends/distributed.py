@@ -197,10 +197,9 @@ class Distributed:
         buf = np.ascontiguousarray(values, dtype=np.float64).copy()
         if self.rounds_linked:
             assert self.links is not None
-            others = [r for r in range(self.world.size) if r != self.rank]
             links = self.links
-            round_ = (_LinkRound([links.isend(SHARE_CHANNEL, r, 0, buf) for r in others], [])
-                      if self.rank == root_rank else
+            round_ = (_LinkRound([links.isend(SHARE_CHANNEL, r, 0, buf) for r in links.peers],
+                                 []) if self.rank == root_rank else
                       _LinkRound([], [links.irecv(SHARE_CHANNEL, root_rank, 0, buf)]))
             await self.wait_linked(round_, what)
             return buf
@@ -241,6 +240,15 @@ class Distributed:
         except BaseException:
             _cancel([req])
             raise
+
+    def all_gather_linked(self, channel: int, mine: np.ndarray, every: np.ndarray
+                          ) -> _LinkRound:
+        """Over host links that join every rank: ``mine`` sent to each other rank, each one's
+        received into ``every[r]`` (this rank's row is the caller's)."""
+        links = self.links
+        assert links is not None and self.rounds_linked
+        return _LinkRound([links.isend(channel, r, 0, mine) for r in links.peers],
+                          [links.irecv(channel, r, 0, every[r]) for r in links.peers])
 
     async def wait_linked(self, round_: _LinkRound, what: str,
                           through_abort: Callable[[], bool] | None = None,
@@ -360,14 +368,10 @@ class Agreement:
         self._hurried_at = 0
         self._round: _LinkRound | None = None
         if dist.rounds_linked:
-            # Over host links: each digest sent to every other rank; the waiting thread
-            # sleeps until one lands (no polling).
-            assert dist.links is not None
+            # Over host links: each digest sent to every other rank; the wait sleeps until
+            # one lands (no polling).
             self._every[dist.rank] = self._mine
-            others = [r for r in range(dist.world.size) if r != dist.rank]
-            self._round = _LinkRound(
-                [dist.links.isend(AGREE_CHANNEL, r, 0, self._mine) for r in others],
-                [dist.links.irecv(AGREE_CHANNEL, r, 0, self._every[r]) for r in others])
+            self._round = dist.all_gather_linked(AGREE_CHANNEL, self._mine, self._every)
         self._req: Any = (self._round if self._round is not None
                           else dist.runtime_comm.Iallgather(self._mine, self._every))
 
@@ -417,12 +421,8 @@ class Agreement:
         d = self.dist
         what = f"{self.what}: every rank's work"
         if self._round is not None:
-            assert d.links is not None
-            others = [r for r in range(d.world.size) if r != d.rank]
-            flags = np.zeros(len(others), np.uint8)
-            done = _LinkRound([d.links.isend(DONE_CHANNEL, r, 0, _DONE) for r in others],
-                              [d.links.irecv(DONE_CHANNEL, r, 0, flags[i:i + 1])
-                               for i, r in enumerate(others)])
+            flags = np.zeros((d.world.size, 1), np.uint8)
+            done = d.all_gather_linked(DONE_CHANNEL, _DONE, flags)
             await d.wait_linked(done, what, patient=True)
         else:
             await d._await(d.runtime_comm.Ibarrier(), what, patient=True)

@@ -118,6 +118,15 @@ class _Conn:
         self.closed: str | None = None  # why the peer cannot be written to
         self.sent = 0  # messages sent (under wlock)
 
+    def shut(self, why: str) -> list[LinkRequest]:
+        """(Under ``wlock``.) Nothing more is written (``why``): the sends in flight, taken
+        out for the caller to fail."""
+        self.closed = why
+        self.writing = False
+        taken = [req for _, req in self.out]
+        self.out.clear()
+        return taken
+
 
 class HostLinks:
     """Links from this rank to ``peers`` (rank -> connected stream socket) and the thread that
@@ -364,10 +373,7 @@ class HostLinks:
         conn.frame = (channel, tag, nbytes)
         key = (conn.peer, channel, tag)
         with self._lock:
-            queue = self._posted.get(key)
-            req = queue.popleft() if queue else None
-            if queue is not None and not queue:
-                del self._posted[key]
+            req = self._take_posted(key)
         conn.target = req
         # In place when the sizes agree; else in a copy (its size reported, as MPI's count).
         if req is not None:
@@ -388,10 +394,7 @@ class HostLinks:
         if req is None:
             key = (conn.peer, channel, tag)
             with self._lock:
-                queue = self._posted.get(key)  # posted while the payload was landing
-                req = queue.popleft() if queue else None
-                if queue is not None and not queue:
-                    del self._posted[key]
+                req = self._take_posted(key)  # posted while the payload was landing
                 if req is None:
                     self._unexpected.setdefault(key, deque()).append(body.obj)
                     return
@@ -399,6 +402,16 @@ class HostLinks:
             _deliver(req, body)
         req.count = nbytes
         self._complete(req)
+
+    def _take_posted(self, key: tuple[int, int, int]) -> LinkRequest | None:
+        """(Under ``_lock``.) The first receive posted for ``key``, taken out (None: none)."""
+        queue = self._posted.get(key)
+        if not queue:
+            return None
+        req = queue.popleft()
+        if not queue:
+            del self._posted[key]
+        return req
 
     def _complete(self, req: LinkRequest, error: BaseException | None = None) -> None:
         with self._lock:
@@ -418,7 +431,7 @@ class HostLinks:
     def _flush(self, conn: _Conn) -> None:
         """Write what the socket takes of the sends in flight."""
         finished: list[LinkRequest] = []
-        failed: BaseException | None = None
+        lost: list[LinkRequest] = []
         with conn.wlock:
             try:
                 while conn.out:
@@ -430,30 +443,22 @@ class HostLinks:
                     conn.out.popleft()
                     finished.append(req)
             except OSError as exc:
-                conn.closed = f"{type(exc).__name__}: {exc}"
-                failed = _closed(conn)
-            if failed is not None or not conn.out:
+                lost = conn.shut(f"{type(exc).__name__}: {exc}")
+            if not conn.out:
                 conn.writing = False
                 with contextlib.suppress(KeyError, ValueError):
                     self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
-            lost = [req for _, req in conn.out] if failed is not None else []
-            if failed is not None:
-                conn.out.clear()
         for req in finished:
             self._complete(req)
         for req in lost:
-            self._complete(req, failed)
+            self._complete(req, _closed(conn))
 
     def _lost(self, conn: _Conn, why: str) -> None:
         """The peer's end closed. What it sent before has been read; receives waiting for
         more wait on (the runtime names the rank: failure notice or timeout); sends fail."""
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(conn.sock)
+        self._unwatch(conn)
         with conn.wlock:
-            conn.closed = why
-            pending = [req for _, req in conn.out]
-            conn.out.clear()
-            conn.writing = False
+            pending = conn.shut(why)
         err = _closed(conn)
         for req in pending:
             self._complete(req, err)
@@ -467,9 +472,7 @@ class HostLinks:
             self._posted.clear()
         for conn in self._conns.values():
             with conn.wlock:
-                conn.closed = conn.closed or str(err)
-                pending += [req for _, req in conn.out]
-                conn.out.clear()
+                pending += conn.shut(conn.closed or str(err))
             if conn.target is not None:
                 pending.append(conn.target)
         for req in pending:
@@ -478,23 +481,22 @@ class HostLinks:
     def _broken(self, conn: _Conn, exc: Exception) -> None:
         """A frame from ``conn`` could not be taken in: that link ends, and what waits on it
         fails, naming why."""
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(conn.sock)
+        self._unwatch(conn)
         err = CollectiveAborted(f"rank {self.rank}'s link to rank {conn.peer} failed: "
                                 f"{type(exc).__name__}: {exc}")
         with self._lock:
-            pending = [r for key, q in self._posted.items() if key[0] == conn.peer for r in q]
-            for key in [k for k in self._posted if k[0] == conn.peer]:
-                del self._posted[key]
+            mine = [k for k in self._posted if k[0] == conn.peer]
+            pending = [r for k in mine for r in self._posted.pop(k)]
         with conn.wlock:
-            conn.closed = str(err)
-            pending += [req for _, req in conn.out]
-            conn.out.clear()
-            conn.writing = False
+            pending += conn.shut(str(err))
         if conn.target is not None:
             pending.append(conn.target)
         for req in pending:
             self._complete(req, err)
+
+    def _unwatch(self, conn: _Conn) -> None:
+        with contextlib.suppress(KeyError, ValueError):  # (unregistered already)
+            self._sel.unregister(conn.sock)
 
     # ---- lifecycle -----------------------------------------------------------------------
 

@@ -125,6 +125,8 @@ class MpiBackend(CpuBackend):
         self.chunk_bytes = chunk_bytes
         self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))
         # Collective over every rank, in the same order everywhere (main thread).
+        # The data plane's links (None: every byte over MPI; mpi_step_profile.py turns them
+        # off step by step to compare — the runtime's rounds keep dist.links).
         self.links = self.dist.links
         self._channels: dict[str, Any] = {"compute": comm.Dup()}
         self._channel_ids: dict[str, int] = {"compute": 0}  # the same on every rank
@@ -397,13 +399,14 @@ class MpiBackend(CpuBackend):
             _cancel(recvs[landed:])
             raise
 
-    def _poster(self, hop: _Hop, peer: int | None, piece: int, receive: bool
+    def _poster(self, hop: _Hop, peer: int | None, size: int, receive: bool
                 ) -> tuple[Callable[[np.ndarray], Any], bool]:
         """What posts a piece's receive from (send to) ``peer``, and whether it goes over a
         host link (a wait woken by the message) rather than MPI (a wait polled): where there
-        is one and pieces are at most ``LINK_MAX_PIECE_BYTES`` (both ends cut the same)."""
+        is one and pieces (of ``size`` bytes at most) are at most ``LINK_MAX_PIECE_BYTES``
+        (both ends cut the same)."""
         links = self.links
-        if (links is not None and peer is not None and piece <= LINK_MAX_PIECE_BYTES
+        if (links is not None and peer is not None and size <= LINK_MAX_PIECE_BYTES
                 and links.has(peer)):
             post = links.irecv if receive else links.isend
             return (lambda piece: post(hop.channel, peer, hop.tag, piece)), True
