@@ -368,3 +368,49 @@ def test_a_cancel_that_comes_as_a_linked_round_completes_is_not_lost():
         assert r.cancelled
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("call", [0, 1, 5])
+def test_a_linked_round_gathers_through_the_calls_hub_in_2_n_minus_1_messages(call):
+    """The runtime's rounds over host links (the agreement, the end-of-call barrier): every
+    rank gets every rank's row, through one rank (the hub: the call number modulo the
+    ranks, so the load moves round), in 2 (n - 1) messages, not n (n - 1)."""
+    import itertools
+    import socket
+    import threading
+
+    import numpy as np
+
+    from overlap.backends.distributed import Distributed
+    from overlap.backends.host_links import HostLinks
+
+    n = 4
+    ends: dict[int, dict[int, socket.socket]] = {r: {} for r in range(n)}
+    for a, b in itertools.combinations(range(n), 2):
+        ends[a][b], ends[b][a] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    links = [HostLinks(r, ends[r]) for r in range(n)]
+    try:
+        tables, rounds = [], []
+        for r in range(n):
+            dist = object.__new__(Distributed)
+            dist.rank, dist.links, dist.rounds_linked = r, links[r], True
+            dist.world = type("World", (), {"size": n})()
+            mine = np.full(8, 10 + r, np.uint8)
+            every = np.zeros((n, 8), np.uint8)
+            every[r] = mine
+            tables.append(every)
+            rounds.append(dist.all_gather_linked(7, call, mine, every))
+        for rnd in rounds:
+            done = threading.Event()
+            rnd.arm(done.set)
+            while not rnd.Test():
+                assert done.wait(10.0), "a round never completed"
+                done.clear()
+        for every in tables:
+            assert every[:, 0].tolist() == [10 + r for r in range(n)]
+        sent = [lk.frames_sent for lk in links]
+        hub = call % n
+        assert sent[hub] == n - 1 and sum(sent) == 2 * (n - 1), sent
+    finally:
+        for lk in links:
+            lk.close()
