@@ -113,6 +113,11 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt, not restored: a hash kept in a pickle is stale in a process whose string
+        # hashing differs (PYTHONHASHSEED), and dict lookups there would miss.
+        return (DeviceMesh, (self._devices, self._axis_names))
+
     def __repr__(self) -> str:
         shape = ", ".join(f"{n}={s}" for n, s in zip(self._axis_names, self.shape))
         lo, hi = int(self._devices.min()), int(self._devices.max())

@@ -100,6 +100,25 @@ class ReshardPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
 
+    def __hash__(self) -> int:
+        # Computed once (the runtime looks a plan up on every call; a plan of many transfers
+        # costs as many hashes), never pickled (string hashes differ between processes).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.dtype, self.src, self.dst, self.transfers,
+                      self.strategy, self.balance))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        state["stats"] = dict(state["stats"])  # (a mappingproxy does not pickle)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, stats=MappingProxyType(state["stats"]))
+
     @property
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize

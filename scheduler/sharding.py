@@ -58,7 +58,7 @@ class ShardingSpec:
     Immutable and hashable; single-name tuples are canonicalized to the name.
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_entries", "_hash")
 
     def __init__(self, *entries: object) -> None:
         canon = tuple(_canonical_entry(e, i) for i, e in enumerate(entries))
@@ -110,7 +110,16 @@ class ShardingSpec:
         return _strip(self._entries) == _strip(other._entries)
 
     def __hash__(self) -> int:
-        return hash(_strip(self._entries))
+        # Kept: layouts key the runtime's caches, looked up on every call (as JAX keeps a
+        # sharding's hash).
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash: int = hash(_strip(self._entries))
+            return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardingSpec, self._entries)  # (rebuilt: see DeviceMesh.__reduce__)
 
     def __repr__(self) -> str:
         return self._fmt(self._entries)
@@ -226,7 +235,7 @@ def check_shape(shape: Iterable[Any], *, argument: str = "shape") -> tuple[int, 
 class Sharding:
     """A tensor layout: ``spec`` applied to ``mesh`` (like ``jax.sharding.NamedSharding``)."""
 
-    __slots__ = ("_mesh", "_spec")
+    __slots__ = ("_hash", "_mesh", "_spec")
 
     def __init__(self, mesh: DeviceMesh, spec: ShardingSpec | Sequence[object]) -> None:
         if not isinstance(mesh, DeviceMesh):
@@ -297,7 +306,14 @@ class Sharding:
         return self._mesh == other._mesh and self._spec == other._spec
 
     def __hash__(self) -> int:
-        return hash((self._mesh, self._spec))
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash: int = hash((self._mesh, self._spec))  # (kept: see ShardingSpec)
+            return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Sharding, (self._mesh, self._spec))  # (rebuilt: see DeviceMesh.__reduce__)
 
     def __repr__(self) -> str:
         return f"Sharding({self._mesh!r}, {self._spec!r})"

@@ -442,3 +442,37 @@ def test_auto_plans_well_under_both_the_cost_model_and_the_papers():
     bound = lower_bound(shape, "int32", src, dst, cluster)
     assert estimate(plan, cluster) <= 1.05 * bound
     assert paper_model_time(plan, cluster) <= 1.05 * bound
+
+
+
+# A mesh, a spec, a sharding and a plan (what the next test builds in two processes).
+_LAYOUTS = """
+from scheduler import Cluster, DeviceMesh, Sharding, ShardingSpec, plan_resharding
+mesh = DeviceMesh([[0, 1], [4, 5]], ("host", "gpu"))
+spec = ShardingSpec("host", ("gpu",))
+src, dst = Sharding(mesh, spec), Sharding(mesh, ShardingSpec(None, "gpu"))
+plan = plan_resharding((8, 8), "float32", src, dst, Cluster.preset("p3.8xlarge", 2))
+values = [mesh, spec, src, plan]
+"""
+
+
+def test_layouts_and_plans_pickled_in_another_process_hash_as_if_built_here(tmp_path):
+    """Meshes, specs, shardings and plans keep their hash (looked up on every runtime
+    call); one that travels as a pickle is rebuilt, not restored: the other process hashes
+    strings differently (PYTHONHASHSEED), and a restored hash would miss in dict lookups."""
+    import pickle
+
+    out = tmp_path / "values.pickle"
+    code = (_LAYOUTS + "import pickle, sys\n[hash(v) for v in values]\n"
+            "open(sys.argv[1], 'wb').write(pickle.dumps(values))\n")
+    root = Path(__file__).resolve().parents[1]
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=root, timeout=120,
+                   env=dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root)))
+    theirs = pickle.loads(out.read_bytes())
+    here: dict = {}
+    exec(_LAYOUTS, here)
+    for mine, there in zip(here["values"], theirs):
+        assert there == mine and hash(there) == hash(mine), type(mine).__name__
+        assert {mine: 1}[there] == 1
+    assert theirs[3].stats == here["plan"].stats

@@ -454,8 +454,7 @@ class Agreement:
         else:
             await asyncio.to_thread(b.wait_polled, self._req, self.what, self._can_complete,
                                     self._pause)
-        differ = tuple(r for r in range(b.world.size)
-                       if not np.array_equal(self._every[r], self._mine))
+        differ = tuple(np.flatnonzero((self._every != self._mine).any(axis=1)).tolist())
         if differ:
             err = CallMismatch(
                 f"{self.what}: ranks {list(differ)} made a different call than rank {b.rank} "
