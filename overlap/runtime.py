@@ -636,7 +636,9 @@ class Runtime:
         from .guard import report  # (imported here: ``python -m overlap.guard`` runs it)
 
         report(f"{what} (call {self._calls})")
-        call = hashlib.sha256(digest + self._calls.to_bytes(8, "little")).digest()
+        # The call's 32 bytes: the digest's first 24 (SHA-256 of the plan or graph) and the
+        # call number (no second hash: each costs microseconds, every call, on every rank).
+        call = digest[:24].ljust(24, b"\0") + self._calls.to_bytes(8, "little")
         return self.backend.dist.agree(call, f"{what} (call {self._calls})", self._calls)
 
     def _cached(self, key: Any, make: Callable[[], T]) -> T:

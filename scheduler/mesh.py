@@ -19,7 +19,7 @@ class DeviceMesh:
     Planning never needs a live device: a mesh is only ids. Hashable and comparable by value.
     """
 
-    __slots__ = ("_axis_names", "_devices", "_hash")
+    __slots__ = ("_axis_names", "_devices", "_hash", "_ids")
 
     def __init__(self, devices: Any, axis_names: Sequence[str]) -> None:
         try:
@@ -57,7 +57,8 @@ class DeviceMesh:
         ints.setflags(write=False)
         self._devices = ints
         self._axis_names = names
-        self._hash = hash((names, ints.shape, tuple(flat)))
+        self._ids = tuple(flat)  # (asked for on every runtime call)
+        self._hash = hash((names, ints.shape, self._ids))
 
     @property
     def devices(self) -> np.ndarray:
@@ -82,7 +83,7 @@ class DeviceMesh:
 
     @property
     def device_ids(self) -> tuple[int, ...]:
-        return tuple(int(d) for d in self._devices.ravel())
+        return self._ids
 
     def axis_index(self, name: str) -> int:
         try:
