@@ -35,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -260,6 +261,8 @@ def main() -> int:
         for name, rt in rts.items():
             overhead[name] = host_overhead(rt, cluster, placement)
         raw_tiny = raw_tiny_bcast(comm)
+        wake = raw_wake_round_trip(comm)
+        profiles = comm.gather(overhead["links"][3], root=0)
     # The same kinds of layout change with one device per rank (second runtimes, their own
     # cluster): each rank writes only its own device's buffer, as the raw broadcast does.
     cases = [c for c in one_device_per_rank(size) if not only or c.name in only]
@@ -296,12 +299,16 @@ def main() -> int:
     say(f"  each additional transfer (that call less the 16 B one): {extra['links'] * 1e6:8.1f}"
         f" us {extra['mpi'] * 1e6:8.1f} us")
     say(f"  raw MPI_Bcast of 16 B between 2 ranks:    {raw_tiny * 1e6:8.1f} us")
+    say(f"  raw wake-up round trip between 2 ranks (1 B each way over a Unix socket, both "
+        f"asleep in recv): {wake * 1e6:.1f} us")
+    print_profiles(say, profiles or [])
     return 0
 
 
-def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, float, int]:
+def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, float, int, dict]:
     """Seconds per resharding call moving 16 bytes between two ranks, seconds per transfer
-    in one call of many tiny cross-rank transfers, and how many those are."""
+    in one call of many tiny cross-rank transfers, how many those are, and where this rank's
+    CPU goes in the tiny call (:func:`call_profile`)."""
     comm = rt.backend.dist.comm
     a = Sharding(DeviceMesh([[0]], ("host", "gpu")), ShardingSpec())
     b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
@@ -319,7 +326,92 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, floa
                    for d, r in many.src.device_regions((16, 16)).items()
                    if rt.backend.is_local(d)}
     per_transfer = median_time(lambda: rt.reshard_sync(many, many_shards), comm) / crossing
-    return per_call, per_transfer, crossing
+    return per_call, per_transfer, crossing, call_profile(rt, tiny, tiny_shards)
+
+
+def thread_times() -> dict[str, tuple[float, int]]:
+    """This process's threads (by name): CPU seconds so far and how often each went to sleep
+    (voluntary context switches, from /proc: each is a wake-up to pay later)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, tuple[float, int]] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # (ended meanwhile)
+        sleeps = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        name = names.get(int(task.name), "other")
+        cpu, n = out.get(name, (0.0, 0))
+        out[name] = (cpu + (int(stat[11]) + int(stat[12])) / tick, n + sleeps)
+    return out
+
+
+def call_profile(rt: Runtime, plan, shards, calls: int = 300) -> dict[str, tuple[float, float]]:
+    """Per thread of this rank (grouped by role): CPU microseconds and sleeps per tiny call."""
+    barrier(rt.backend.dist.comm)
+    before = thread_times()
+    for _ in range(calls):
+        rt.reshard_sync(plan, shards)
+    after = thread_times()
+    roles: dict[str, tuple[float, float]] = {}
+    for name, (cpu, n) in after.items():
+        c0, n0 = before.get(name, (0.0, 0))
+        role = ("event loop" if name == "MainThread" else "host links" if "links" in name
+                else "streams" if name.startswith("overlap-d") else "other")
+        c, k = roles.get(role, (0.0, 0.0))
+        roles[role] = (c + (cpu - c0) / calls * 1e6, k + (n - n0) / calls)
+    return roles
+
+
+def print_profiles(say, profiles: list[dict[str, tuple[float, float]]]) -> None:
+    """Rank 0's table of :func:`call_profile` for every rank."""
+    say("  where a tiny call's CPU goes (host links), per rank: CPU us / sleeps per call")
+    for r, roles in enumerate(profiles):
+        total = sum(c for c, _ in roles.values())
+        say(f"    rank {r}: {total:6.0f} us in all; " + "; ".join(
+            f"{role} {c:.0f} us / {k:.1f}" for role, (c, k) in sorted(roles.items())
+            if c >= 1 or k >= 0.1))
+
+
+def raw_wake_round_trip(comm, n: int = 2000) -> float:
+    """Seconds of a 1-byte ping-pong between ranks 0 and 1 over a Unix socket, each side
+    asleep in a blocking receive: two wake-ups across processes and nothing else — the floor
+    under every hop that sleeps instead of spinning."""
+    import socket
+
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    addr = comm.bcast(f"\0overlap-bench-{os.getpid()}" if rank == 0 else None, root=0)
+    sock = None
+    if rank == 0:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(addr)
+        server.listen(1)
+        comm.Barrier()
+        sock, _ = server.accept()
+        server.close()
+    else:
+        comm.Barrier()
+        if rank == 1:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(addr)
+    took = 0.0
+    if sock is not None:
+        t = time.perf_counter()
+        for _ in range(n):
+            if rank == 0:
+                sock.sendall(b"x")
+                sock.recv(1)
+            else:
+                sock.recv(1)
+                sock.sendall(b"x")
+        took = (time.perf_counter() - t) / n
+        sock.close()
+    barrier(comm)  # (ranks 2 and 3 sleep meanwhile: MPICH's allreduce would spin)
+    return comm.allreduce(took, op=MPI.MAX)
 
 
 def raw_tiny_bcast(comm) -> float:
