@@ -25,8 +25,12 @@
    requests four ways — spinning, a fixed 50 µs sleep, 64 tests before backing off, and the
    default exponential backoff (20 → 200 µs).
 3. **Host overhead**: a resharding call moving 16 bytes between two ranks (agreement, launch,
-   transfer, await), and per transfer in one call of 240 tiny cross-rank transfers, over host
-   links and over MPI, next to a raw 16-byte ``MPI_Bcast`` between two ranks.
+   transfer, await), and per transfer in one call of many tiny cross-rank transfers (12
+   here), over host links and over MPI, next to a raw 16-byte ``MPI_Bcast`` between two
+   ranks and a raw
+   wake-up round trip (1 byte each way over a Unix socket, both ranks asleep in ``recv``);
+   then, rank by rank, where the tiny call's CPU goes: each thread's CPU and sleeps per call
+   (event loop, link thread, stream threads; from ``/proc/self/task``).
 """
 
 from __future__ import annotations
@@ -348,7 +352,7 @@ def thread_times() -> dict[str, tuple[float, int]]:
     return out
 
 
-def call_profile(rt: Runtime, plan, shards, calls: int = 300) -> dict[str, tuple[float, float]]:
+def call_profile(rt: Runtime, plan, shards, calls: int = 600) -> dict[str, tuple[float, float]]:
     """Per thread of this rank (grouped by role): CPU microseconds and sleeps per tiny call."""
     barrier(rt.backend.dist.comm)
     before = thread_times()
