@@ -19,6 +19,7 @@ to the next call's :meth:`Recovery.ready`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -93,6 +94,9 @@ async def wait_all(backend: Backend, events: Sequence[Any], graph: StepGraph | N
     soon as an op runs longer than the backend's ``timeout``."""
     timeout = backend.timeout
     tick = min(TICK_S, timeout / 4)
+    await _all_ended(backend, events, graph, tick)
+    # What is left: failures (raised below) and, on a GPU, device work after its launch.
+    events = [ev for ev in events if not ev.done() or ev.error is not None]
     tasks = [asyncio.ensure_future(ev.wait()) for ev in events]
     pending = set(tasks)
     try:
@@ -112,6 +116,41 @@ async def wait_all(backend: Backend, events: Sequence[Any], graph: StepGraph | N
                 t.cancel()
             elif not t.cancelled():
                 t.exception()  # retrieved: the first failure is raised, the rest follow it
+
+
+async def _all_ended(backend: Backend, events: Sequence[Any], graph: StepGraph | None,
+                     tick: float) -> None:
+    """Until every event has ended (completed; on a GPU, launched) or one failed, looking
+    for hung ops every ``tick``. The event loop is woken once, by the last of them (or the
+    first failure), not once per event: each wake-up from another thread costs tens of
+    microseconds of CPU on a busy machine, a call has an event per lane."""
+    loop = asyncio.get_running_loop()
+    ended = loop.create_future()
+    left = [len(events)]
+    lock = threading.Lock()
+
+    def wake() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    def one(ev: Any) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last or ev.error is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed: nobody waits now)
+                loop.call_soon_threadsafe(wake)
+
+    if not events:
+        return
+    for ev in events:
+        ev.add_done_callback(one)
+    while not ended.done():
+        await asyncio.wait((ended,), timeout=tick)
+        if not ended.done():
+            err = name_hang(backend, graph)
+            if err is not None:
+                raise err
 
 
 class Recovery:

@@ -184,6 +184,49 @@ async def test_await_failed_event_raises_the_stream_error(make_backend):
     assert isinstance(info.value.__cause__, KeyError)
 
 
+@pytest.mark.parametrize("fail", [False, True], ids=["all-complete", "one-fails"])
+async def test_a_calls_wait_is_woken_once_not_once_per_event(make_backend, fail):
+    """``wait_all`` (a call's wait for its lanes' ends) is woken from the streams' threads
+    once: by the last event, or at once by a failure (raised while others still wait)."""
+    from overlap.watch import wait_all
+
+    b = make_backend(4)
+    gates = [threading.Event() for _ in range(4)]
+    streams = [b.stream(d) for d in range(4)]
+    for d, s in enumerate(streams):
+        if fail and d == 0:
+            s.launch("bad", lambda g=gates[0]: g.wait(SETTLE_S) and (_ for _ in ()).throw(
+                KeyError("gone")))
+        else:
+            s.launch("gated", lambda g=gates[d]: g.wait(SETTLE_S))
+    events = [s.record(f"end {d}") for d, s in enumerate(streams)]
+    loop = asyncio.get_running_loop()
+    woken, real = [], loop.call_soon_threadsafe
+
+    def counted(cb, *args, **kwargs):
+        woken.append(threading.current_thread().name)
+        return real(cb, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    try:
+        waiting = asyncio.ensure_future(wait_all(b, events, None))
+        for _ in range(3):  # (asleep in its wait, whatever it awaits)
+            await asyncio.sleep(0)
+        if fail:
+            gates[0].set()  # the others stay blocked: the failure alone must end the wait
+            with pytest.raises(StreamError, match="bad"):
+                await asyncio.wait_for(waiting, SETTLE_S)
+        else:
+            for g in gates:  # one by one, each lane's end from its own stream's thread
+                g.set()
+            await asyncio.wait_for(waiting, SETTLE_S)
+    finally:
+        loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+        for g in gates:
+            g.set()
+    assert len(woken) == 1, woken
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_abandoned_await_does_not_break_the_stream(make_backend, runner):
     """A coroutine that stopped awaiting an event on a loop that is now closed must not take
