@@ -374,7 +374,8 @@ def test_a_cancel_that_comes_as_a_linked_round_completes_is_not_lost():
 def test_a_linked_round_gathers_through_the_calls_hub_in_2_n_minus_1_messages(call):
     """The runtime's rounds over host links (the agreement, the end-of-call barrier): every
     rank gets every rank's row, through one rank (the hub: the call number modulo the
-    ranks, so the load moves round), in 2 (n - 1) messages, not n (n - 1)."""
+    ranks, so the load moves round), in 2 (n - 1) messages, not n (n - 1); whoever waits
+    is woken once, when its round is over."""
     import itertools
     import socket
     import threading
@@ -389,28 +390,31 @@ def test_a_linked_round_gathers_through_the_calls_hub_in_2_n_minus_1_messages(ca
     for a, b in itertools.combinations(range(n), 2):
         ends[a][b], ends[b][a] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     links = [HostLinks(r, ends[r]) for r in range(n)]
+    hub = call % n
     try:
-        tables, rounds = [], []
-        for r in range(n):
+        tables, rounds = {}, {}
+        woken: dict[int, list[int]] = {}
+        done = {r: threading.Event() for r in range(n)}
+        for r in [hub, *(r for r in range(n) if r != hub)]:  # (the hub waits first)
             dist = object.__new__(Distributed)
             dist.rank, dist.links, dist.rounds_linked = r, links[r], True
             dist.world = type("World", (), {"size": n})()
             mine = np.full(8, 10 + r, np.uint8)
             every = np.zeros((n, 8), np.uint8)
             every[r] = mine
-            tables.append(every)
-            rounds.append(dist.all_gather_linked(7, call, mine, every))
-        for rnd in rounds:
-            done = threading.Event()
-            rnd.arm(done.set)
-            while not rnd.Test():
-                assert done.wait(10.0), "a round never completed"
-                done.clear()
-        for every in tables:
+            tables[r] = every
+            rounds[r] = dist.all_gather_linked(7, call, mine, every)
+            woken[r] = []
+            rounds[r].arm(lambda r=r: (woken[r].append(1), done[r].set()))
+        for r, rnd in rounds.items():
+            assert rnd.Test() or done[r].wait(10.0), "a round never completed"
+            assert rnd.Test()
+        for every in tables.values():
             assert every[:, 0].tolist() == [10 + r for r in range(n)]
         sent = [lk.frames_sent for lk in links]
-        hub = call % n
         assert sent[hub] == n - 1 and sum(sent) == 2 * (n - 1), sent
+        # Its waiter is woken once a round (the hub's n - 1 rows land one by one).
+        assert len(woken[hub]) == 1 and all(len(w) <= 1 for w in woken.values()), woken
     finally:
         for lk in links:
             lk.close()

@@ -492,8 +492,11 @@ class _LinkRound:
         self._landed()
 
     def _ended(self) -> None:
+        # The waiter is woken once the round is over, not once a message (a wake-up costs
+        # tens of microseconds on a busy machine; a hub receives n - 1). A request failed by
+        # its link wakes nobody: the peer's notice, or the timeout, ends that wait.
         wake = self._wake
-        if wake is not None:
+        if wake is not None and self.Test():
             wake()
 
     def _landed(self) -> None:
@@ -506,7 +509,8 @@ class _LinkRound:
         self._ended()
 
     def arm(self, wake: Callable[[], None]) -> None:
-        """``wake()`` on each completion from now (one complete already: Test sees it)."""
+        """``wake()`` once every request has completed (from now: a round over already is
+        seen by ``Test``)."""
         self._wake = wake
 
     def Test(self) -> bool:
