@@ -331,9 +331,13 @@ def test_a_producer_begins_its_send_even_while_the_one_before_is_under_way(
     comm.launch("send 0", send0, stepped=True)
     comm.wait_event(e2)
     comm.launch("send 1", gated(threading.Event(), log, first="send 1"), stepped=True)
+    # (Each record behind a forward on the compute stream, so that its thread makes it; a
+    # record on an idle stream would be made by the launcher — here, this test's thread.)
+    compute.launch("F0", lambda: None)
     compute.record(event=e1)
     until(lambda: comm._parked is not None and comm._parked.until > 0, "send 0 is under way")
     first_sent.set()  # its receiver took it; nobody has looked yet
+    compute.launch("F1", lambda: None)
     compute.record(event=e2)
     until(lambda: len(log) == 2, "send 1 began")
     assert log[1] == ("send 1", "overlap-d0-compute")
@@ -487,3 +491,110 @@ def test_work_launched_after_a_helper_finished_the_head_wakes_the_paused_thread(
     ran = threading.Event()
     s.launch("after", ran.set)
     assert ran.wait(SETTLE_S), "the thread slept on through its pause"
+
+
+def _warm(s) -> None:
+    """Start the stream's thread and let it go idle (what a launch on it then finds)."""
+    s.launch("warm", lambda: None)
+    settle(s.record("warm"))
+    until(lambda: s._idle, "the stream's thread waits for work")
+
+
+def waiting_on_its_waker(log: list, wakers: list, *, look_again: float = 60.0,
+                         first: str = "begun"):
+    """A stepped op that waits for something that calls its ``step_waker`` (a link's
+    message): notes who took its first and last step."""
+    def steps():
+        log.append((first, threading.current_thread().name))
+        wakers.append(cpu.step_waker())
+        landed = threading.Event()
+        wakers.append(landed.set)
+        while not landed.is_set():
+            yield time.perf_counter() + look_again
+        log.append(("over", threading.current_thread().name))
+    return steps
+
+
+def test_a_launch_on_an_idle_stream_begins_the_stepped_op_itself_and_wakes_no_thread(backend):
+    """The launcher begins a stepped op on a stream with nothing under way (a send posted,
+    a receive posted early) and records the event behind it; the stream's thread sleeps on:
+    whoever completes the op (its waker's caller) runs what follows."""
+    b = backend(helping=True)
+    s = b.stream(0, "comm")
+    _warm(s)
+    woken = []
+    real = s._cv.notify
+    s._cv.notify = lambda n=1: (woken.append(threading.current_thread().name), real(n))
+    log: list = []
+    wakers: list = []
+    s.launch("recv", waiting_on_its_waker(log, wakers), stepped=True)
+    ev = s.record("after recv")
+    me = threading.current_thread().name
+    assert log == [("begun", me)] and not ev.done()
+
+    def land() -> None:  # as a link thread does: the message is in, the op is poked
+        wakers[1]()
+        wakers[0]()
+
+    t = threading.Thread(target=land, name="link")
+    t.start()
+    t.join(SETTLE_S)
+    settle(ev)
+    assert log[1] == ("over", "link") and ev.error is None
+    assert woken == [], woken  # the stream's thread was never needed
+
+
+def test_abort_wakes_the_idle_thread_beside_an_op_its_launcher_began(backend):
+    """Nobody completes the op (its message never comes): an abort wakes the idle thread,
+    which steps it; the step sees the abort and the stream fails at once."""
+    b = backend(helping=True)
+    s = b.stream(0, "comm")
+    _warm(s)
+    seen: list = []
+
+    def steps():
+        while b.abort_reason is None:
+            yield time.perf_counter() + 60.0  # (its waker is never called)
+        seen.append(threading.current_thread().name)
+        raise CollectiveAborted(f"recv: aborted ({b.abort_reason})")
+
+    s.launch("recv", steps, stepped=True)
+    ev = s.record("after recv")
+    b.abort("a peer failed")
+    settle(ev)
+    assert isinstance(ev.error, CollectiveAborted) and seen == ["overlap-d0-comm"]
+
+
+def test_an_op_its_launcher_began_is_stepped_once_its_time_to_look_again_comes(backend):
+    """Its waker is never called (a timeout to name): once the time it asked to be looked
+    at again has passed, the runtime's look at the streams (``busy``) wakes the thread."""
+    b = backend(helping=True)
+    s = b.stream(0, "comm")
+    _warm(s)
+    log: list = []
+    wakers: list = []
+    s.launch("recv", waiting_on_its_waker(log, wakers, look_again=2 * cpu._POLL_S),
+             stepped=True)
+    ev = s.record("after recv")
+    wakers[1]()  # landed, but nobody pokes it
+    until(lambda: b.busy() is not None and ev.done(), "the op was looked at again")
+    assert log[-1] == ("over", "overlap-d0-comm")
+
+
+def test_ctrl_c_in_a_step_the_launcher_takes_reaches_the_launcher(backend):
+    """A Ctrl-C landing in a step run by the launching (main) thread is raised to it, not
+    swallowed into the stream's failure; the stream fails too (its work is cut short)."""
+    b = backend(helping=True)
+    s = b.stream(0, "comm")
+    _warm(s)
+
+    def steps():
+        raise KeyboardInterrupt
+        yield 0.0  # (a generator)
+
+    with pytest.raises(KeyboardInterrupt):
+        s.launch("send", steps, stepped=True)
+    ev = s.record("after send")
+    settle(ev)
+    assert isinstance(ev.error, StreamError)
+    assert s.busy() is None  # nothing left looking busy

@@ -186,6 +186,13 @@ class _Parked:
 _PLAIN = object()  # _advance stopped at a plain op: only the stream's own thread runs it
 
 
+def _reraise_interrupt(exc: BaseException) -> None:
+    """An op's failure is its stream's (recorded); but a Ctrl-C that landed in a step the
+    launcher took on the main thread (``CpuStream._begin_here``) is the caller's too."""
+    if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
+        raise exc
+
+
 def _close(steps: Steps) -> None:
     """End a stepped op early (a generator's ``finally`` and ``except`` run: its requests are
     cancelled)."""
@@ -270,6 +277,18 @@ class CpuStream:
             if self._closing:
                 raise OverlapRuntimeError(f"device {self.device} stream {self.name!r} is closed")
             stale = self._pause_is_stale()
+            # On a stream with nothing under way, what a helper may run (a record, a wait, a
+            # stepped op's steps: see ``launch``) is run by the launching thread itself
+            # where helpers are allowed: a send is posted, a receive posted before its
+            # sender sends, an event recorded — with no thread woken, and no other thread
+            # taking the interpreter's lock meanwhile.
+            helpable = self.backend.helping and (item[0] != "op" or item[1][4])
+            here = (helpable and self._idle and not self._queue and self._parked is None
+                    and self._current is None and threading.current_thread() is not self._thread)
+            # Nor is the idle thread woken for such an item behind an op that waits on its
+            # waker: whoever completes that op runs what follows (``_kick``).
+            behind = (helpable and self._idle and self._parked is not None
+                      and self._parked.until - time.perf_counter() > _POLL_S)
             self._queue.append(item)
             if self._thread is None:
                 thread = threading.Thread(
@@ -287,13 +306,39 @@ class CpuStream:
                     if not thread.is_alive():
                         self._thread = None
                     raise
-            if self._idle or stale:
+            if (self._idle or stale) and not here and not behind:
                 # Only a thread idle for want of work needs waking: one busy, or stopped by
                 # the head (a wait, a parked op), finds the tail when it gets there — a
                 # launch of a whole step would otherwise wake it once per item. (Not "the
                 # queue was empty": a helper may have taken the head while this thread
                 # went idle, and its untimed wait would then miss aborts.) Nor one paused
                 # on a head a helper has since finished: it would sleep out its pause.
+                self._cv.notify()
+        if here:
+            self._begin_here()
+
+    def _begin_here(self) -> None:
+        """(The launching thread.) Run what was just queued at the head as a helper would.
+        The stream's idle thread is woken only for what is left to it: a plain op, or a
+        parked op due soon — not one that waits on its ``step_waker`` (its completion steps
+        it; ``abort`` wakes the thread, and ``busy`` once the op's own time to look again
+        has passed). A Ctrl-C that lands in a step fails the op and is raised here, to the
+        launcher (see ``_step``)."""
+        if not self._drive.acquire(blocking=False):
+            # A helper holds the stream: it may have looked at the queue before this item
+            # was in it, so the stream's thread must.
+            with self._lock:
+                self._cv.notify()
+            return
+        try:
+            blocked = self._advance(own=False, kicked=True)
+        finally:
+            self._drive.release()
+        if blocked is None or isinstance(blocked, CpuEvent):
+            return  # (a pending wait: its event's completion kicks the stream)
+        with self._lock:
+            p = self._parked
+            if p is None or p.until - time.perf_counter() <= _POLL_S:
                 self._cv.notify()
 
     # ---- the worker ----------------------------------------------------------------------
@@ -421,6 +466,7 @@ class CpuStream:
                 trace.append(TraceRecord(op, self.device, self.name, start, end))
         except BaseException as exc:
             self._fail(exc, payload[0] if kind == "op" else f"wait {payload.label}")
+            _reraise_interrupt(exc)
 
     def _open(self, label: str, category: str, op: int | None
               ) -> tuple[Any, list[TraceRecord] | None, Any]:
@@ -490,6 +536,8 @@ class CpuStream:
             self._parked = None
             range_end(p.rng)
             self._fail(exc, p.label)
+            self._current = None
+            _reraise_interrupt(exc)
         self._current = None
         return True
 
@@ -638,6 +686,11 @@ class CpuStream:
     def busy(self) -> Busy | None:
         """What the thread is doing (None: idle, nothing queued)."""
         with self._lock:
+            p = self._parked
+            if p is not None and self._idle and p.until <= time.perf_counter():
+                # Begun by its launcher and left to its waker (``_begin_here``): its own
+                # time to look again (a timeout to name) has come; the idle thread looks.
+                self._cv.notify()
             current = self._current
             if current is not None and current[0] != "record":
                 kind, payload, since = current
@@ -1042,6 +1095,11 @@ class CpuBackend:
     def abort(self, reason: str) -> None:
         """Wake every blocked wait and collective with :class:`CollectiveAborted`."""
         self._abort_reason = reason
+        for s in self.streams():
+            # (An idle thread beside an op its launcher began: it steps the op, which sees
+            # the abort. Others look within _POLL_S anyway.)
+            with s._lock:
+                s._cv.notify()
 
     def quiesce(self, timeout: float | None = None) -> bool:
         """Wait (blocking) until every stream's queue is empty and its op finished."""
