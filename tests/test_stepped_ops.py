@@ -598,3 +598,26 @@ def test_ctrl_c_in_a_step_the_launcher_takes_reaches_the_launcher(backend):
     settle(ev)
     assert isinstance(ev.error, StreamError)
     assert s.busy() is None  # nothing left looking busy
+
+
+def test_a_helper_leaves_the_idle_thread_asleep_beside_an_op_that_waits_on_its_waker(backend):
+    """After a helper advanced a stream up to an op that waits on its waker (a receive over
+    a link), the stream's idle thread is not woken for it; one due soon (an MPI request
+    polled with backoff) still wakes it."""
+    b = backend(helping=True)
+    s = b.stream(0, "comm")
+    _warm(s)
+    woken = []
+    real = s._cv.notify
+    s._cv.notify = lambda n=1: (woken.append(threading.current_thread().name), real(n))
+    log: list = []
+    wakers: list = []
+    s.launch("recv", waiting_on_its_waker(log, wakers), stepped=True)
+    s._wake_if_needed()  # (what a helper calls after advancing the stream)
+    assert woken == [] and s._idle
+    s._parked.until = time.perf_counter()  # due now: polled, not woken by a waker
+    s._wake_if_needed()
+    assert woken == [threading.current_thread().name]
+    wakers[1]()
+    wakers[0]()
+    until(lambda: s._parked is None, "the receive completed")

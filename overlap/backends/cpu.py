@@ -639,14 +639,15 @@ class CpuStream:
         op to step (MPI's rendezvous needs both sides to progress: a receive polled only when
         its consumer comes would hold its sender up), an op to begin (a plain op only it may
         run; a stepped one, so that a receive is posted before its sender sends). Not for a
-        parked op that asked to be stepped only much later (it waits on a step_waker): the
-        thread, unless idle, looks at it within ``_POLL_S`` anyway."""
+        parked op that asked to be stepped only much later (it waits on a step_waker): its
+        completion steps it, and an idle thread is woken by ``abort`` and by ``busy`` once
+        that time has come."""
         with self._lock:
             p = self._parked
             if p is None:
                 if self._queue:
                     self._cv.notify()
-            elif self._idle or p.until - time.perf_counter() <= _POLL_S:
+            elif p.until - time.perf_counter() <= _POLL_S:
                 self._cv.notify()
 
     def help(self, event: CpuEvent, waiter: CpuStream) -> None:
