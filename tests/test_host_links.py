@@ -300,3 +300,58 @@ def test_a_frame_that_cannot_be_taken_in_fails_its_link_only(pair, monkeypatch):
     with pytest.raises(CollectiveAborted, match="link to rank 0 failed: MemoryError"):
         waiting.Test()
     assert b._thread.is_alive() and b.failure is None
+
+
+def test_small_frames_that_came_together_are_taken_in_a_few_reads(monkeypatch):
+    """Between frames a link reads a stage of bytes at once: small frames waiting together
+    (a round's messages, small boundaries) cost a system call or two, not two or three
+    each; they still land in order, each in its own receive."""
+    from overlap.backends.host_links import HEADER
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    frames = 50
+    for k in range(frames):  # (as a peer writes them: header, payload)
+        a.sendall(HEADER.pack(5, 1, 8) + np.full(1, k, np.int64).tobytes())
+    reads = []
+    real = socket.socket.recv_into
+
+    def counted(sock, *args, **kwargs):
+        reads.append(1)
+        return real(sock, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "recv_into", counted)
+    links = HostLinks(1, {0: b})
+    try:
+        for k in range(frames):
+            got = np.empty(1, np.int64)
+            wait(links.irecv(5, 0, 1, got))
+            assert got[0] == k
+        assert len(reads) <= 3, len(reads)
+    finally:
+        links.close()
+        a.close()
+
+
+@pytest.mark.parametrize("payload", [1076, 1000, 24, 40000])
+def test_frames_across_read_boundaries_arrive_whole_and_in_order(payload):
+    """Frames that straddle what one read takes (a header split between two reads — 15
+    frames of 1076 bytes end 4 bytes short of a 16 KiB read —, a payload begun in one read
+    and finished in place, payloads larger than a read) arrive whole, in order."""
+    from overlap.backends.host_links import HEADER
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    frames = 40
+    sent = [np.random.default_rng(k).integers(0, 255, payload, np.uint8) for k in range(frames)]
+    writer = threading.Thread(  # (larger than the socket's buffer: written meanwhile)
+        target=lambda: [a.sendall(HEADER.pack(2, 3, payload) + x.tobytes()) for x in sent])
+    writer.start()
+    links = HostLinks(1, {0: b})
+    try:
+        for k in range(frames):
+            got = np.empty(payload, np.uint8)
+            wait(links.irecv(2, 0, 3, got))
+            assert got.tobytes() == sent[k].tobytes(), k
+    finally:
+        writer.join(BOUND_S)
+        links.close()
+        a.close()

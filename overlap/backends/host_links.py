@@ -45,7 +45,10 @@ HEADER = struct.Struct("<IiQ")  # channel id, tag, payload bytes
 SOCKET_BUFFER_BYTES = 4 << 20  # asked of the kernel (it caps it: wmem_max)
 CONNECT_TIMEOUT_S = 30.0  # link setup: every rank of the host is inside the same call
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer: an error, not SIGPIPE
-_READS_PER_EVENT = 64  # frames read from one socket before the others get their turn
+_READS_PER_EVENT = 64  # reads from one socket before the others get their turn
+# Bytes read at once between frames: a small frame (the runtime's rounds, a width-64
+# boundary) comes whole in one system call; a larger payload's first part is copied once.
+_STAGE_BYTES = 16 << 10
 
 Wake = Callable[[], None]
 
@@ -108,7 +111,8 @@ class _Conn:
         self.peer = peer
         self.sock = sock
         self.header = bytearray(HEADER.size)
-        self.got = 0  # bytes of the header, then of the payload, read so far
+        self.stage = bytearray(_STAGE_BYTES)  # what is read between frames (see _read_ahead)
+        self.got = 0  # bytes of a header on the stage, then of the payload, read so far
         self.body: memoryview | None = None  # where the payload lands (None: reading a header)
         self.frame: tuple[int, int, int] = (0, 0, 0)  # (channel, tag, bytes) being read
         self.target: LinkRequest | None = None  # the receive it lands in (None: unexpected)
@@ -344,28 +348,65 @@ class HostLinks:
             self._wake_w.send(b"\0")
 
     def _read(self, conn: _Conn) -> None:
-        """Read what arrived on ``conn``: whole frames and the start of the next one."""
+        """Read what arrived on ``conn``: whole frames and the start of the next one. Between
+        frames a stage of bytes is read at once (``_read_ahead``: a small frame, header and
+        payload, in one system call); the rest of a larger payload lands in place. A short
+        read means the socket is drained: the selector calls again when more comes."""
         for _ in range(_READS_PER_EVENT):
-            target = conn.body if conn.body is not None else memoryview(conn.header)
-            want = target.nbytes - conn.got
-            if want:
-                try:
-                    n = conn.sock.recv_into(target[conn.got:], want)
-                except (BlockingIOError, InterruptedError):
-                    return
-                except OSError as exc:
-                    self._lost(conn, f"{type(exc).__name__}: {exc}")
-                    return
-                if n == 0:
-                    self._lost(conn, "its process closed the link")
-                    return
-                conn.got += n
-                if n < want:
-                    continue
             if conn.body is None:
-                self._begin(conn)
-            else:
-                self._land(conn)
+                if not self._read_ahead(conn):
+                    return
+                continue
+            want = conn.body.nbytes - conn.got
+            n = self._recv(conn, conn.body[conn.got:], want)
+            if n is None:
+                return
+            conn.got += n
+            if n < want:
+                return
+            self._land(conn)
+
+    def _recv(self, conn: _Conn, view: memoryview, want: int) -> int | None:
+        """Bytes read into ``view`` (None: none now, or the link is lost)."""
+        try:
+            n = conn.sock.recv_into(view, want)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            self._lost(conn, f"{type(exc).__name__}: {exc}")
+            return None
+        if n == 0:
+            self._lost(conn, "its process closed the link")
+            return None
+        return n
+
+    def _read_ahead(self, conn: _Conn) -> bool:
+        """Between frames: read up to a stage of bytes (after the part of a header kept from
+        the last read), and take in every frame they hold — whole, or the start of one whose
+        payload lands in place next. True: the stage filled, more may wait now."""
+        stage = conn.stage
+        n = self._recv(conn, memoryview(stage)[conn.got:], len(stage) - conn.got)
+        if n is None:
+            return False
+        end, pos = conn.got + n, 0
+        while end - pos >= HEADER.size:
+            conn.header[:] = stage[pos:pos + HEADER.size]
+            pos += HEADER.size
+            self._begin(conn)
+            body = conn.body
+            if body is None:
+                continue  # (an empty payload: landed already)
+            take = min(body.nbytes, end - pos)
+            body[:take] = stage[pos:pos + take]
+            pos += take
+            if take < body.nbytes:
+                conn.got = take
+                return end == len(stage)
+            self._land(conn)
+        rest = end - pos  # the start of the next header: kept at the stage's start
+        stage[:rest] = stage[pos:end]
+        conn.got = rest
+        return end == len(stage)
 
     def _begin(self, conn: _Conn) -> None:
         """A header is in: choose where the payload lands."""
