@@ -515,19 +515,25 @@ def waiting_on_its_waker(log: list, wakers: list, *, look_again: float = 60.0,
     return steps
 
 
-def test_a_launch_on_an_idle_stream_begins_the_stepped_op_itself_and_wakes_no_thread(backend):
-    """The launcher begins a stepped op on a stream with nothing under way (a send posted,
-    a receive posted early) and records the event behind it; the stream's thread sleeps on:
-    whoever completes the op (its waker's caller) runs what follows."""
-    b = backend(helping=True)
-    s = b.stream(0, "comm")
+def _idle_stream_then_a_receive(backend):
+    """An idle comm stream (whose wake-ups are noted by thread), then a receive launched on
+    it that waits on its waker: (stream, woken, the op's log, its wakers)."""
+    s = backend(helping=True).stream(0, "comm")
     _warm(s)
-    woken = []
+    woken: list = []
     real = s._cv.notify
     s._cv.notify = lambda n=1: (woken.append(threading.current_thread().name), real(n))
     log: list = []
     wakers: list = []
     s.launch("recv", waiting_on_its_waker(log, wakers), stepped=True)
+    return s, woken, log, wakers
+
+
+def test_a_launch_on_an_idle_stream_begins_the_stepped_op_itself_and_wakes_no_thread(backend):
+    """The launcher begins a stepped op on a stream with nothing under way (a send posted,
+    a receive posted early) and records the event behind it; the stream's thread sleeps on:
+    whoever completes the op (its waker's caller) runs what follows."""
+    s, woken, log, wakers = _idle_stream_then_a_receive(backend)
     ev = s.record("after recv")
     me = threading.current_thread().name
     assert log == [("begun", me)] and not ev.done()
@@ -604,15 +610,7 @@ def test_a_helper_leaves_the_idle_thread_asleep_beside_an_op_that_waits_on_its_w
     """After a helper advanced a stream up to an op that waits on its waker (a receive over
     a link), the stream's idle thread is not woken for it; one due soon (an MPI request
     polled with backoff) still wakes it."""
-    b = backend(helping=True)
-    s = b.stream(0, "comm")
-    _warm(s)
-    woken = []
-    real = s._cv.notify
-    s._cv.notify = lambda n=1: (woken.append(threading.current_thread().name), real(n))
-    log: list = []
-    wakers: list = []
-    s.launch("recv", waiting_on_its_waker(log, wakers), stepped=True)
+    s, woken, _, wakers = _idle_stream_then_a_receive(backend)
     s._wake_if_needed()  # (what a helper calls after advancing the stream)
     assert woken == [] and s._idle
     s._parked.until = time.perf_counter()  # due now: polled, not woken by a waker
