@@ -124,6 +124,8 @@ async def _all_ended(backend: Backend, events: Sequence[Any], graph: StepGraph |
     for hung ops every ``tick``. The event loop is woken once, by the last of them (or the
     first failure), not once per event: each wake-up from another thread costs tens of
     microseconds of CPU on a busy machine, a call has an event per lane."""
+    if not events:
+        return
     loop = asyncio.get_running_loop()
     ended = loop.create_future()
     left = [len(events)]
@@ -141,8 +143,6 @@ async def _all_ended(backend: Backend, events: Sequence[Any], graph: StepGraph |
             with contextlib.suppress(RuntimeError):  # (the loop closed: nobody waits now)
                 loop.call_soon_threadsafe(wake)
 
-    if not events:
-        return
     for ev in events:
         ev.add_done_callback(one)
     while not ended.done():

@@ -188,7 +188,7 @@ _PLAIN = object()  # _advance stopped at a plain op: only the stream's own threa
 
 def _reraise_interrupt(exc: BaseException) -> None:
     """An op's failure is its stream's (recorded); but a Ctrl-C that landed in a step the
-    launcher took on the main thread (``CpuStream._begin_here``) is the caller's too."""
+    launcher took on the main thread (``CpuStream._put``) is the caller's too."""
     if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
         raise exc
 
@@ -315,31 +315,9 @@ class CpuStream:
                 # on a head a helper has since finished: it would sleep out its pause.
                 self._cv.notify()
         if here:
-            self._begin_here()
-
-    def _begin_here(self) -> None:
-        """(The launching thread.) Run what was just queued at the head as a helper would.
-        The stream's idle thread is woken only for what is left to it: a plain op, or a
-        parked op due soon — not one that waits on its ``step_waker`` (its completion steps
-        it; ``abort`` wakes the thread, and ``busy`` once the op's own time to look again
-        has passed). A Ctrl-C that lands in a step fails the op and is raised here, to the
-        launcher (see ``_step``)."""
-        if not self._drive.acquire(blocking=False):
-            # A helper holds the stream: it may have looked at the queue before this item
-            # was in it, so the stream's thread must.
-            with self._lock:
-                self._cv.notify()
-            return
-        try:
-            blocked = self._advance(own=False, kicked=True)
-        finally:
-            self._drive.release()
-        if blocked is None or isinstance(blocked, CpuEvent):
-            return  # (a pending wait: its event's completion kicks the stream)
-        with self._lock:
-            p = self._parked
-            if p is None or p.until - time.perf_counter() <= _POLL_S:
-                self._cv.notify()
+            # As a helper would: the thread is woken only for what is left to it (a plain
+            # op, a parked op due soon). A Ctrl-C landing in a step is raised here (_step).
+            self._kick()
 
     # ---- the worker ----------------------------------------------------------------------
     #
@@ -601,8 +579,9 @@ class CpuStream:
         return False
 
     def _kick(self, _: CpuEvent | None = None) -> None:
-        """An event this stream waits for completed: advance the stream right here, on the
-        completing thread, where the backend allows helpers; else wake its thread."""
+        """An event this stream waits for completed (or its launcher queued helper work on
+        it while it was idle: ``_put``): advance the stream right here, on this thread,
+        where the backend allows helpers; else wake its thread."""
         if (self.backend.helping and threading.current_thread() is not self._thread
                 and self._drive.acquire(blocking=False)):
             try:
@@ -689,7 +668,7 @@ class CpuStream:
         with self._lock:
             p = self._parked
             if p is not None and self._idle and p.until <= time.perf_counter():
-                # Begun by its launcher and left to its waker (``_begin_here``): its own
+                # Begun by its launcher and left to its waker (``_put``): its own
                 # time to look again (a timeout to name) has come; the idle thread looks.
                 self._cv.notify()
             current = self._current
