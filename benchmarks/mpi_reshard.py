@@ -27,10 +27,9 @@
 3. **Host overhead**: a resharding call moving 16 bytes between two ranks (agreement, launch,
    transfer, await), and per transfer in one call of many tiny cross-rank transfers (12
    here), over host links and over MPI, next to a raw 16-byte ``MPI_Bcast`` between two
-   ranks and a raw
-   wake-up round trip (1 byte each way over a Unix socket, both ranks asleep in ``recv``);
-   then, rank by rank, where the tiny call's CPU goes: each thread's CPU and sleeps per call
-   (event loop, link thread, stream threads; from ``/proc/self/task``).
+   ranks and a raw wake-up round trip (1 byte each way over a Unix socket, both ranks
+   asleep in ``recv``); then, rank by rank, where the tiny call's CPU goes: each thread's
+   CPU and sleeps per call (event loop, link thread, streams; ``thread_profile.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -49,6 +47,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 from suites import Case, paper_suite
+from thread_profile import role, thread_cpu
 
 from overlap import Runtime
 from overlap.backends.mpi import Backoff
@@ -333,39 +332,19 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, floa
     return per_call, per_transfer, crossing, call_profile(rt, tiny, tiny_shards)
 
 
-def thread_times() -> dict[str, tuple[float, int]]:
-    """This process's threads (by name): CPU seconds so far and how often each went to sleep
-    (voluntary context switches, from /proc: each is a wake-up to pay later)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, tuple[float, int]] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            status = (task / "status").read_text()
-        except OSError:
-            continue  # (ended meanwhile)
-        sleeps = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
-        name = names.get(int(task.name), "other")
-        cpu, n = out.get(name, (0.0, 0))
-        out[name] = (cpu + (int(stat[11]) + int(stat[12])) / tick, n + sleeps)
-    return out
-
-
 def call_profile(rt: Runtime, plan, shards, calls: int = 600) -> dict[str, tuple[float, float]]:
     """Per thread of this rank (grouped by role): CPU microseconds and sleeps per tiny call."""
     barrier(rt.backend.dist.comm)
-    before = thread_times()
+    before = thread_cpu()
     for _ in range(calls):
         rt.reshard_sync(plan, shards)
-    after = thread_times()
+    after = thread_cpu()
     roles: dict[str, tuple[float, float]] = {}
-    for name, (cpu, n) in after.items():
-        c0, n0 = before.get(name, (0.0, 0))
-        role = ("event loop" if name == "MainThread" else "host links" if "links" in name
-                else "streams" if name.startswith("overlap-d") else "other")
-        c, k = roles.get(role, (0.0, 0.0))
-        roles[role] = (c + (cpu - c0) / calls * 1e6, k + (n - n0) / calls)
+    for name, (cpu, _, n) in after.items():
+        c0, _, n0 = before.get(name, (0.0, 0, 0))
+        r = role(name, main="event loop (main thread)")
+        c, k = roles.get(r, (0.0, 0.0))
+        roles[r] = (c + (cpu - c0) / calls * 1e6, k + (n - n0) / calls)
     return roles
 
 

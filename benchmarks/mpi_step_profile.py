@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from thread_profile import role, thread_cpu
 from vs_torch_pipelining import STAGES, _mpiexec, make_batches, make_stages
 
 from scheduler.cli_common import machine_line
@@ -55,36 +55,6 @@ VARIANTS = ("host links", "MPI data", "own threads")
 
 
 # ---- the worker (one per rank, under mpiexec) --------------------------------------------
-
-
-def thread_cpu() -> dict[str, tuple[float, int]]:
-    """CPU seconds so far of each live thread of this process, by thread name, and how many
-    times it was given a CPU (schedstat's third field: every wake-up counts one)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, tuple[float, int]] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            ns, _, runs = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:3]
-        except (OSError, ValueError):
-            continue  # ended meanwhile
-        out[names.get(int(tid), f"thread {tid}")] = (int(ns) / 1e9, int(runs))
-    return out
-
-
-def role(name: str) -> str:
-    if name.startswith("overlap-d") and name.endswith("-compute"):
-        return "compute streams"
-    if name.startswith("overlap-d"):
-        return "comm streams"
-    if name == "MainThread":
-        return "main (launch, optimizer)"
-    if name.startswith(("uvloop", "asyncio")):
-        return "event loop"
-    if name == "overlap-mpi-control":
-        return "failure listener"
-    if name.startswith("overlap-links"):
-        return "link thread"
-    return "other"
 
 
 def step_record(rt, t_call: float, t_ret: float, hops) -> dict:
@@ -198,9 +168,9 @@ def worker(cfg: dict, out: str) -> None:
                 continue
             records[variant].append(step_record(rt, t_call, t_ret, backend.hop_timings))
             span[variant] += (c1 - c0) / steps
-            for name, (secs, runs) in cpu1.items():
+            for name, (secs, runs, _) in cpu1.items():
                 r = role(name)
-                was, ran = cpu0.get(name, (0.0, 0))
+                was, ran, _ = cpu0.get(name, (0.0, 0, 0))
                 cpu[variant][r] = cpu[variant].get(r, 0.0) + (secs - was) / steps
                 wakes[variant][r] = wakes[variant].get(r, 0.0) + (runs - ran) / steps
         backend.helping = True
