@@ -379,10 +379,11 @@ class Runtime:
         graph = self._cached(("reshard", plan, stream),
                              lambda: plan.check() or reshard_graph(plan, stream))
         await self._recovery.ready()
-        check = (self._agree(self._cached(("digest", plan),
-                                          lambda: hashlib.sha256(plan.to_json().encode()).digest()),
-                             "reshard: the plan")
-                 if self.world.distributed else None)
+        if self.world.distributed:
+            digest, members = self._cached(("digest", plan), lambda: self._plan_check(plan))
+            check = self._agree(digest, "reshard: the plan", members)
+        else:
+            check = None
         base, self._reshards = self._reshards * len(plan.transfers), self._reshards + 1
         # Each destination buffer is made on first use, by its device's stream (its memory).
         outs = BufferTable(lambda d: xp.empty(region_shape(regions[d]), dtype))
@@ -623,14 +624,26 @@ class Runtime:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _agree(self, digest: bytes, what: str) -> Agreement:
-        """Check that every process makes this call now, with the same ``digest`` (same plan
-        or same step graph): compared on every call, with a call counter, so a process that
-        skipped or added a call is named instead of silently matching another call's messages.
+    def _plan_check(self, plan: ReshardPlan) -> tuple[bytes, tuple[int, ...]]:
+        """What a resharding call's agreement compares (a SHA-256 of the plan), and among
+        whom: the ranks holding a device of either layout — the others have no part in it."""
+        placement = self.backend.placement
+        assert placement is not None  # (a multi-process backend's)
+        owners = placement.ranks_of((*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids))
+        return hashlib.sha256(plan.to_json().encode()).digest(), tuple(sorted(owners))
+
+    def _agree(self, digest: bytes, what: str,
+               members: tuple[int, ...] | None = None) -> Agreement | None:
+        """Check that every process of the call's ``members`` (default: every process) makes
+        this call now, with the same ``digest`` (same plan or same step graph): compared on
+        every call, with a call counter that every process keeps (member or not), so a
+        process that skipped or added a call is named instead of silently matching another
+        call's messages.
 
         Returns the check, already posted: the caller launches its work meanwhile (the check
         costs a round of messages, not a wait) and passes it to :meth:`_gather`; a mismatch
-        stops the work at once."""
+        stops the work at once. None where this process has no one to check with (it holds
+        none of the call's devices, or all of them)."""
         self._calls += 1
         self.backend.dist.calls = self._calls
         from .guard import report  # (imported here: ``python -m overlap.guard`` runs it)
@@ -639,7 +652,8 @@ class Runtime:
         # The call's 32 bytes: the digest's first 24 (SHA-256 of the plan or graph) and the
         # call number (no second hash: each costs microseconds, every call, on every rank).
         call = digest[:24].ljust(24, b"\0") + self._calls.to_bytes(8, "little")
-        return self.backend.dist.agree(call, f"{what} (call {self._calls})", self._calls)
+        return self.backend.dist.agree(call, f"{what} (call {self._calls})", self._calls,
+                                       members)
 
     def _cached(self, key: Any, make: Callable[[], T]) -> T:
         """``make()``, kept for ``key`` with the runtime's other derived values (graphs,

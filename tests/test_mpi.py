@@ -322,6 +322,33 @@ def test_ranks_that_lower_different_programs_are_named(tmp_path, late):
             "call than rank 3 ") in text, verdicts(text)
 
 
+@pytest.mark.parametrize("data", ["links", "mpi"])
+def test_a_call_between_two_ranks_leaves_the_others_out(tmp_path, data):
+    """A resharding between rank 0's devices and rank 1's: every rank makes the calls (and
+    counts them), but only ranks 0 and 1 check and end them together — ranks 2 and 3 move no
+    message; the data arrives as in one process, over host links or all over MPI."""
+    done, _ = mpiexec(4, "pair", str(tmp_path), data=data)
+    assert done.returncode == 0, verdicts(done.stderr)
+    ranks = outputs(tmp_path, 4)
+    assert [int(r["calls"]) for r in ranks] == [5] * 4
+    full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    got = {k: a for r in ranks for k, a in r.items() if k.startswith("pair/")}
+    assert sorted(got) == [f"pair/{d}" for d in range(4, 8)]
+    assert all(a.tobytes() == full.tobytes() for a in got.values())
+    if data == "links":
+        assert int(ranks[0]["moved"]) > 0
+        assert [int(r["moved"]) for r in ranks[2:]] == [0, 0]
+
+
+def test_ranks_of_a_call_that_make_different_calls_are_named_and_no_other(tmp_path):
+    done, _ = mpiexec(4, "pair", str(tmp_path), "differ")
+    text = assert_failed_job(done, 1)
+    for r, other in ((0, 1), (1, 0)):
+        assert re.search(rf"CallMismatch: reshard: the plan \(call 1\): ranks \[{other}\] made a "
+                         rf"different call than rank {r} ", text), verdicts(text)
+    assert not re.search(r"than rank [23] ", text), verdicts(text)
+
+
 def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):
     """The NCCL bootstrap with a stand-in NCCL (there is no GPU here): every member of a
     communicator gets the root's id and its own NCCL rank; non-members take no part."""

@@ -233,7 +233,7 @@ def test_a_wait_on_the_runtimes_messages_ends_at_once_when_aborted_past_its_time
         timeout = 0.0  # run out already
 
     class Control:
-        def behind(self, calls: int) -> str:
+        def lagging(self, calls: int, among=None) -> tuple[str, bool]:
             raise AssertionError("asked the peers")
 
     dist = object.__new__(Distributed)
@@ -263,6 +263,63 @@ def test_asking_the_peers_how_far_they_got_stops_waiting_once_aborted():
     said = control.behind(3, wait=60.0)
     assert time.monotonic() - started < 5.0  # not the 60 s it would wait for an answer
     assert "ranks [0] do not answer" in said
+
+
+def test_asking_how_far_the_peers_got_names_the_calls_members_only():
+    """Past a timeout, a rank asks every rank how many calls it made, and names the call's
+    members behind it, past it (they went on without this rank: another plan?) or mute —
+    never a rank outside the call, whose count says nothing about it."""
+    from overlap.backends.distributed import _Control
+
+    class Backend:
+        abort_reason = None
+
+    class Dist:
+        backend = Backend()
+
+    control = object.__new__(_Control)
+    control.dist, control.rank, control.size, control.replies = Dist(), 2, 6, {}
+
+    def answer(tag, msg, wait) -> None:  # (rank 3 does not answer)
+        control.replies.update({0: 9, 1: 3, 4: 4, 5: 1})
+
+    control.tell_all = answer
+    said, inside = control.lagging(4, among=(0, 1, 2, 3, 4), wait=0.05)
+    assert "ranks [1] never made this call (they are at calls [3], this rank at 4)" in said
+    assert "ranks [0] went on without this rank (they are at calls [9]" in said
+    assert "ranks [3] do not answer" in said
+    assert "[5]" not in said and not inside
+    said, inside = control.lagging(4, among=(2, 4), wait=0.05)
+    assert inside and "ranks [4] are in this call" in said
+
+
+def test_a_rank_that_left_fails_only_the_calls_it_is_a_member_of():
+    """A rank that left after one call: a later call among other ranks goes on; one that
+    needs it fails at once, naming it (and how it left)."""
+    from overlap.backends.distributed import Distributed
+    from overlap.errors import RankFailed
+
+    class Backend:
+        def __init__(self) -> None:
+            self.failures: list[BaseException] = []
+            self.aborted: list[str] = []
+
+        def note_failure(self, exc: BaseException) -> None:
+            self.failures.append(exc)
+
+        def abort(self, reason: str) -> None:
+            self.aborted.append(reason)
+
+    dist = object.__new__(Distributed)
+    dist.backend, dist.rank, dist.broken = Backend(), 0, None
+    dist.departed = {1: (1, "exited")}
+    dist._check_departed(2, (0, 2, 3))
+    dist._check_departed(2, (2, 1))  # (not this rank's call: it waits for nobody)
+    assert dist.backend.aborted == [] and dist.broken is None
+    with pytest.raises(RankFailed, match="rank 1 exited after 1 runtime calls; this rank's "
+                       "call 2 needs it"):
+        dist._check_departed(2, (0, 1))
+    assert dist.backend.aborted == ["rank 1 left"]
 
 
 class _Pending:
@@ -296,7 +353,7 @@ def _dist(inside: bool, timeout: float = 0.005):
     class Control:
         asked = 0
 
-        def lagging(self, calls: int) -> tuple[str, bool]:
+        def lagging(self, calls: int, among=None) -> tuple[str, bool]:
             Control.asked += 1
             return ("every rank made this call" if inside
                     else "ranks [1] never made this call"), inside
@@ -370,12 +427,15 @@ def test_a_cancel_that_comes_as_a_linked_round_completes_is_not_lost():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("members", [(0, 1, 2, 3), (0, 2, 3), (1, 3)],
+                         ids=["every-rank", "three-of-four", "two-of-four"])
 @pytest.mark.parametrize("call", [0, 1, 5])
-def test_a_linked_round_gathers_through_the_calls_hub_in_2_n_minus_1_messages(call):
+def test_a_linked_round_gathers_among_the_calls_members_only(call, members):
     """The runtime's rounds over host links (the agreement, the end-of-call barrier): every
-    rank gets every rank's row, through one rank (the hub: the call number modulo the
-    ranks, so the load moves round), in 2 (n - 1) messages, not n (n - 1); whoever waits
-    is woken once, when its round is over."""
+    member gets every member's row — three or more through one member (the hub: the call
+    number modulo the members, so the load moves round), in 2 (m - 1) messages, not
+    m (m - 1); two swap rows, one hop. A rank outside the call's members sends and receives
+    nothing. Whoever waits is woken once, when its round is over."""
     import itertools
     import socket
     import threading
@@ -385,35 +445,40 @@ def test_a_linked_round_gathers_through_the_calls_hub_in_2_n_minus_1_messages(ca
     from overlap.backends.distributed import Distributed
     from overlap.backends.host_links import HostLinks
 
-    n = 4
+    n, m = 4, len(members)
     ends: dict[int, dict[int, socket.socket]] = {r: {} for r in range(n)}
     for a, b in itertools.combinations(range(n), 2):
         ends[a][b], ends[b][a] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     links = [HostLinks(r, ends[r]) for r in range(n)]
-    hub = call % n
+    hub = members[call % m]
     try:
         tables, rounds = {}, {}
         woken: dict[int, list[int]] = {}
-        done = {r: threading.Event() for r in range(n)}
-        for r in [hub, *(r for r in range(n) if r != hub)]:  # (the hub waits first)
+        done = {r: threading.Event() for r in members}
+        for r in [hub, *(r for r in members if r != hub)]:  # (the hub waits first)
             dist = object.__new__(Distributed)
-            dist.rank, dist.links, dist.rounds_linked = r, links[r], True
+            dist.rank, dist.links = r, links[r]
             dist.world = type("World", (), {"size": n})()
             mine = np.full(8, 10 + r, np.uint8)
             every = np.zeros((n, 8), np.uint8)
             every[r] = mine
             tables[r] = every
-            rounds[r] = dist.all_gather_linked(7, call, mine, every)
+            rounds[r] = dist.gather_round(7, call, members, mine, every)
             woken[r] = []
             rounds[r].arm(lambda r=r: (woken[r].append(1), done[r].set()))
         for r, rnd in rounds.items():
             assert rnd.Test() or done[r].wait(10.0), "a round never completed"
             assert rnd.Test()
         for every in tables.values():
-            assert every[:, 0].tolist() == [10 + r for r in range(n)]
+            assert [every[r, 0] for r in members] == [10 + r for r in members]
         sent = [lk.frames_sent for lk in links]
-        assert sent[hub] == n - 1 and sum(sent) == 2 * (n - 1), sent
-        # Its waiter is woken once a round (the hub's n - 1 rows land one by one).
+        outside = [r for r in range(n) if r not in members]
+        assert all(sent[r] == 0 and links[r].frames_received == 0 for r in outside), sent
+        if m == 2:
+            assert sent[members[0]] == sent[members[1]] == 1, sent
+        else:
+            assert sent[hub] == m - 1 and sum(sent) == 2 * (m - 1), sent
+        # Its waiter is woken once a round (the hub's m - 1 rows land one by one).
         assert len(woken[hub]) == 1 and all(len(w) <= 1 for w in woken.values()), woken
     finally:
         for lk in links:

@@ -126,6 +126,7 @@ class Distributed:
         self.runtime_comm = comm.Dup()
         self.broken: BaseException | None = None
         self.calls = 0  # the runtime's call counter (the control thread reports it to peers)
+        self.members = self.everyone  # the ranks the latest call needs (see ``agree``)
         self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its calls, how it left)
         self.left = False  # this rank told its peers it left
         self.closed = False
@@ -151,17 +152,32 @@ class Distributed:
 
     # ---- the runtime's own messages (main thread / event loop) ---------------------------
 
-    def agree(self, digest: bytes, what: str, call: int) -> Agreement:
-        """Start checking that every rank passes the same ``digest`` for call number
-        ``call`` (same step graph, same plan): the round is posted now, before the call's
-        work is launched; await :meth:`Agreement.wait` for the verdict. Raises
-        :class:`RankFailed` at once when a rank that left cannot make this call."""
-        self._check_departed(call)
-        return Agreement(self, digest, what, call)
+    def agree(self, digest: bytes, what: str, call: int,
+              members: tuple[int, ...] | None = None) -> Agreement | None:
+        """Start checking that every rank of the call's ``members`` (default: every rank)
+        passes the same ``digest`` for call number ``call`` (same step graph, same plan): the
+        round is posted now, before the call's work is launched; await
+        :meth:`Agreement.wait` for the verdict. None where there is nothing to check: this
+        rank holds none of the call's devices, or is their only holder — it takes no part in
+        the call's rounds, and no other rank waits for it. Raises :class:`RankFailed` at once
+        when a member that left cannot make this call."""
+        members = self.everyone if members is None else members
+        self.members = members
+        self._check_departed(call, members)
+        if self.rank not in members or len(members) == 1:
+            return None
+        return Agreement(self, digest, what, call, members)
 
-    def _check_departed(self, call: int) -> None:
-        """A rank that left after fewer calls than ``call`` will never make it: fail now."""
-        gone = sorted((r, c, how) for r, (c, how) in list(self.departed.items()) if c < call)
+    @property
+    def everyone(self) -> tuple[int, ...]:
+        return tuple(range(self.world.size))
+
+    def _check_departed(self, call: int, members: tuple[int, ...]) -> None:
+        """A member that left after fewer calls than ``call`` will never make it: fail now."""
+        if self.rank not in members:
+            return  # (this rank waits for nobody in this call)
+        gone = sorted((r, c, how) for r, (c, how) in list(self.departed.items())
+                      if c < call and r in members)
         if not gone:
             return
         r, c, how = gone[0]
@@ -182,7 +198,7 @@ class Distributed:
         # fails when it starts (agree).
         if self.calls > calls and self.broken is None:
             with contextlib.suppress(RankFailed):
-                self._check_departed(self.calls)
+                self._check_departed(self.calls, self.members)
 
     def leave(self, how: str) -> None:
         """Tell every other rank that this one leaves (its runtime closed, or the process
@@ -212,17 +228,31 @@ class Distributed:
         (the loop's timers have millisecond resolution; MPI rounds take microseconds)."""
         await asyncio.to_thread(self.wait_polled, req, what, None, None, patient)
 
+    async def wait_round(self, round_: Any, what: str,
+                         through_abort: Callable[[], bool] | None = None,
+                         pause: Callable[[int], None] | None = None,
+                         patient: bool = False, among: tuple[int, ...] | None = None) -> None:
+        """Wait for a round made by :meth:`gather_round`: on the event loop when it goes
+        over host links (:meth:`wait_linked`), else polled by a worker thread
+        (:meth:`wait_polled`, ``pause`` between tests)."""
+        if isinstance(round_, _LinkRound):
+            await self.wait_linked(round_, what, through_abort, patient, among)
+        else:
+            await asyncio.to_thread(self.wait_polled, round_, what, through_abort, pause,
+                                    patient, among)
+
     def wait_polled(self, req: Any, what: str,
                     through_abort: Callable[[], bool] | None = None,
                     pause: Callable[[int], None] | None = None,
-                    patient: bool = False) -> None:
+                    patient: bool = False, among: tuple[int, ...] | None = None) -> None:
         """Poll ``req`` until it completes (``pause(attempt)`` between tests; default the
         backoff). Once the run is aborted, keep waiting only while ``through_abort`` says the
         request can still complete, and at most half the ``grace`` (so this rank still
         reports to a failed peer before that peer's wait at exit ends). Past the timeout
-        the peers are asked how far they got: the wait fails naming them — unless
-        ``patient`` and every peer answers that it is inside this call (a wait for the
-        others' whole remaining work: a stuck op there is found by its own rank)."""
+        the peers (``among``: the call's members; default every rank) are asked how far
+        they got: the wait fails naming them — unless ``patient`` and every one answers that
+        it is inside this call (a wait for the others' whole remaining work: a stuck op
+        there is found by its own rank)."""
         pause = pause or self.poll.pause
         started = time.perf_counter()
         aborted_at: float | None = None
@@ -231,7 +261,7 @@ class Distributed:
             while not req.Test():
                 aborted_at, late = self._look(what, started, aborted_at, through_abort)
                 if late:
-                    who, inside = self.control.lagging(self.calls)
+                    who, inside = self.control.lagging(self.calls, among)
                     if patient and inside:
                         started = time.perf_counter()
                     else:
@@ -242,31 +272,65 @@ class Distributed:
             _cancel([req])
             raise
 
-    def all_gather_linked(self, channel: int, call: int, mine: np.ndarray, every: np.ndarray
-                          ) -> _LinkRound:
-        """Over host links that join every rank: each rank's ``mine`` in ``every[r]`` on
-        every rank (this rank's row is the caller's), gathered through one rank — the hub,
-        which changes with the ``call`` number so that no rank carries every call's load.
-        The others send theirs to the hub and receive the whole table from it, which the hub
-        sends from the thread that lands the last row (not by way of its event loop): 2 (n -
-        1) messages a round instead of n (n - 1), for one more hop."""
+    def gather_round(self, channel: int, call: int, members: tuple[int, ...],
+                     mine: np.ndarray, every: np.ndarray) -> Any:
+        """Post one of the runtime's rounds for call number ``call``: each member's ``mine``
+        in ``every[r]`` on every member (this rank's row is the caller's; ``channel``:
+        ``AGREE_CHANNEL`` or ``DONE_CHANNEL``). Only the ``members`` (sorted ranks, this one
+        among them) take part. Returns a request to wait for with :meth:`wait_round`.
+
+        Over host links where they join every member (:meth:`_gather_linked`); else over MPI
+        on the runtime's communicator: an ``Iallgather`` where every rank is a member, point
+        to point among the members otherwise (an all-to-all: one hop, no forwarding, and the
+        members need no communicator of their own)."""
+        others = [r for r in members if r != self.rank]
+        if self.links is not None and all(self.links.has(r) for r in others):
+            return self._gather_linked(channel, call, members, mine, every)
+        if len(members) == self.world.size:
+            return self.runtime_comm.Iallgather(mine, every)
+        comm, tag = self.runtime_comm, self._p2p_tag(channel, call)
+        return _MpiRound([comm.Isend(mine, dest=r, tag=tag) for r in others],
+                         [comm.Irecv(every[r], source=r, tag=tag) for r in others],
+                         self.MPI)
+
+    def _p2p_tag(self, channel: int, call: int) -> int:
+        """An MPI tag for a round among some ranks: the call number (wrapped below the MPI's
+        tag bound) and which round of the call."""
+        kinds = (AGREE_CHANNEL, DONE_CHANNEL)
+        span = max(1, (int(self.runtime_comm.Get_attr(self.MPI.TAG_UB)) + 1) // len(kinds))
+        return (call % span) * len(kinds) + kinds.index(channel)
+
+    def _gather_linked(self, channel: int, call: int, members: tuple[int, ...],
+                       mine: np.ndarray, every: np.ndarray) -> _LinkRound:
+        """:meth:`gather_round` over host links. Two members swap rows (one hop). More
+        gather through one member — the hub, which changes with the ``call`` number so that
+        no rank carries every call's load: the others send theirs to the hub and receive
+        the whole table from it, which the hub sends from the thread that lands the last row
+        (not by way of its event loop): 2 (m - 1) messages a round instead of m (m - 1), for
+        one more hop."""
         links = self.links
-        assert links is not None and self.rounds_linked
-        hub, tag = call % self.world.size, call % _TAGS
+        assert links is not None
+        tag = call % _TAGS
+        others = [r for r in members if r != self.rank]
+        if len(others) == 1:
+            peer = others[0]
+            return _LinkRound([links.isend(channel, peer, tag, mine)],
+                              [links.irecv(channel, peer, tag, every[peer])])
+        hub = members[call % len(members)]
         if self.rank != hub:
             return _LinkRound([links.isend(channel, hub, tag, mine)],
                               [links.irecv(channel, hub, tag, every)])
 
         def forward() -> None:
-            for r in links.peers:
+            for r in others:
                 links.isend(channel, r, tag, every)
 
-        return _LinkRound([], [links.irecv(channel, r, tag, every[r]) for r in links.peers],
+        return _LinkRound([], [links.irecv(channel, r, tag, every[r]) for r in others],
                           then=forward)
 
     async def wait_linked(self, round_: _LinkRound, what: str,
                           through_abort: Callable[[], bool] | None = None,
-                          patient: bool = False) -> None:
+                          patient: bool = False, among: tuple[int, ...] | None = None) -> None:
         """:meth:`wait_polled` for a round over host links, on the event loop itself: each
         completion wakes the loop (no worker thread between, two thread hand-offs fewer a
         round); aborts and timeouts are looked at every ``LISTEN_TICK_S``."""
@@ -284,7 +348,8 @@ class Distributed:
             while not round_.Test():
                 aborted_at, late = self._look(what, started, aborted_at, through_abort)
                 if late:
-                    who, inside = await asyncio.to_thread(self.control.lagging, self.calls)
+                    who, inside = await asyncio.to_thread(self.control.lagging, self.calls,
+                                                          among)
                     if patient and inside:
                         started = time.perf_counter()
                     else:
@@ -366,28 +431,25 @@ class Distributed:
 
 
 class Agreement:
-    """One runtime call's check that every rank made the same call: an ``Iallgather`` of
-    32-byte digests, posted when the call starts, so it runs alongside the call's work.
+    """One runtime call's check that every member of the call (the ranks holding its
+    devices) made the same call: a gather of 32-byte digests (:meth:`Distributed.gather_round`),
+    posted when the call starts, so it runs alongside the call's work.
 
     A mismatch is also recorded as the backend's failure, so work launched meanwhile stops at
     once, with it as the root cause."""
 
-    def __init__(self, dist: Distributed, digest: bytes, what: str, call: int) -> None:
+    def __init__(self, dist: Distributed, digest: bytes, what: str, call: int,
+                 members: tuple[int, ...]) -> None:
         self.dist = dist
         self.what = what
         self.call = call
+        self.members = members
         self._mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
-        self._every = np.empty((dist.world.size, 32), np.uint8)
+        self._every = np.zeros((dist.world.size, 32), np.uint8)
+        self._every[dist.rank] = self._mine
         self._hurry = threading.Event()
         self._hurried_at = 0
-        self._round: _LinkRound | None = None
-        if dist.rounds_linked:
-            # Over host links, gathered through the call's hub; the wait sleeps until a
-            # message lands (no polling).
-            self._every[dist.rank] = self._mine
-            self._round = dist.all_gather_linked(AGREE_CHANNEL, call, self._mine, self._every)
-        self._req: Any = (self._round if self._round is not None
-                          else dist.runtime_comm.Iallgather(self._mine, self._every))
+        self._req = dist.gather_round(AGREE_CHANNEL, call, members, self._mine, self._every)
 
     def hurry(self) -> None:
         """The call's work has ended (or failed): poll at the normal backoff from now on."""
@@ -420,43 +482,37 @@ class Agreement:
             self.dist.poll.pause(attempt - self._hurried_at)
 
     def _can_complete(self) -> bool:
-        """Every rank that made this call posted its part of the round, so it completes even
-        after an abort, unless a failed rank never got this far."""
+        """Every member that made this call posted its part of the round, so it completes
+        even after an abort, unless a failed member never got this far."""
         return all(f.calls >= self.call for f in self.dist.backend.failures
-                   if isinstance(f, RankFailed))
+                   if isinstance(f, RankFailed) and f.rank in self.members)
 
     async def finish(self) -> None:
-        """This rank's work for the call ended well: return once every rank's did (a
-        barrier: an ``Ibarrier``, or a gather through the call's hub over host links). A rank whose
-        work failed never gets here; its failure notice aborts this wait, which then raises
-        (the runtime reports :class:`RankFailed` naming it). It waits for the others' whole
-        remaining work, so past the timeout it waits on while every peer says it is inside
-        this call (an op stuck there is that rank's to find)."""
+        """This rank's work for the call ended well: return once every member's did (a
+        barrier: the same gather as the digests', of one byte). A rank whose work failed
+        never gets here; its failure notice aborts this wait, which then raises (the runtime
+        reports :class:`RankFailed` naming it). It waits for the others' whole remaining
+        work, so past the timeout it waits on while every member says it is inside this
+        call (an op stuck there is that rank's to find)."""
         d = self.dist
-        what = f"{self.what}: every rank's work"
-        if self._round is not None:
-            flags = np.zeros((d.world.size, 1), np.uint8)
-            flags[d.rank] = _DONE
-            done = d.all_gather_linked(DONE_CHANNEL, self.call, _DONE, flags)
-            await d.wait_linked(done, what, patient=True)
-        else:
-            await d._await(d.runtime_comm.Ibarrier(), what, patient=True)
+        flags = np.zeros((d.world.size, 1), np.uint8)
+        flags[d.rank] = _DONE
+        done = d.gather_round(DONE_CHANNEL, self.call, self.members, _DONE, flags)
+        await d.wait_round(done, f"{self.what}: every rank's work", patient=True,
+                           among=self.members)
 
     async def wait(self) -> None:
-        """Raise :class:`CallMismatch` unless every rank made the same call.
+        """Raise :class:`CallMismatch` unless every member made the same call.
 
         Programs that differ make the work fail too, here or on another rank, often before
         this round completes: it is still awaited then (bounded, while it can complete),
         because a mismatch is the explanation the user needs, not the failures it caused."""
         b = self.dist
-        if self._round is not None:
-            await b.wait_linked(self._round, self.what, self._can_complete)
-        else:
-            await asyncio.to_thread(b.wait_polled, self._req, self.what, self._can_complete,
-                                    self._pause)
+        await b.wait_round(self._req, self.what, self._can_complete, self._pause,
+                           among=self.members)
         # (Bytes compared: numpy's dispatch costs more than the comparison, every call.)
         mine, rows = self._mine.tobytes(), self._every.tobytes()
-        differ = tuple(r for r in range(b.world.size) if rows[32 * r:32 * r + 32] != mine)
+        differ = tuple(r for r in self.members if rows[32 * r:32 * r + 32] != mine)
         if differ:
             err = CallMismatch(
                 f"{self.what}: ranks {list(differ)} made a different call than rank {b.rank} "
@@ -524,6 +580,27 @@ class _LinkRound:
 
     def Wait(self) -> None:
         """(After ``Cancel``: nothing to wait for.)"""
+
+
+class _MpiRound:
+    """A round's MPI requests among some ranks, waited for as one (``Test``: all complete;
+    ``Cancel``, then ``Wait``: the receives taken back)."""
+
+    def __init__(self, sends: list[Any], recvs: list[Any], mpi: Any) -> None:
+        self._reqs = [*sends, *recvs]
+        self._recvs = recvs
+        self._testall = mpi.Request.Testall
+
+    def Test(self) -> bool:
+        return bool(self._testall(self._reqs))
+
+    def Cancel(self) -> None:
+        for r in self._recvs:
+            r.Cancel()
+
+    def Wait(self) -> None:
+        for r in self._recvs:
+            r.Wait()
 
 
 def host_links_wanted(host_links: bool | None) -> bool:
@@ -641,30 +718,39 @@ class _Control:
             reqs = [r for r in reqs if not r.Test()]
             time.sleep(0.001)
 
-    def behind(self, calls: int, wait: float = 1.0) -> str:
-        """Ask every rank how many runtime calls it has made; name those behind ``calls``
-        (they never joined this one) and those that did not answer."""
-        return self.lagging(calls, wait)[0]
+    def behind(self, calls: int, wait: float = 1.0,
+               among: Sequence[int] | None = None) -> str:
+        """Ask every rank how many runtime calls it has made; name those of ``among`` (the
+        call's members; default every rank) behind ``calls`` (they never joined this one),
+        past it (they went on without this rank) and those that did not answer."""
+        return self.lagging(calls, among, wait)[0]
 
-    def lagging(self, calls: int, wait: float = 1.0) -> tuple[str, bool]:
-        """:meth:`behind`'s text, and whether every other rank answered that it is inside
-        call ``calls``."""
+    def lagging(self, calls: int, among: Sequence[int] | None = None,
+                wait: float = 1.0) -> tuple[str, bool]:
+        """:meth:`behind`'s text, and whether every other member answered that it is
+        inside call ``calls``."""
         self.replies.clear()
         self.tell_all(_QUERY, {}, wait)
-        others = [r for r in range(self.size) if r != self.rank]
+        others = [r for r in (range(self.size) if among is None else among) if r != self.rank]
         deadline = time.perf_counter() + wait
         # (Not past an abort: a failure notice that came meanwhile is the explanation, and
         # a failed peer may never answer — the caller raised a second late.)
-        while (len(self.replies) < len(others) and time.perf_counter() < deadline
+        while (any(r not in self.replies for r in others) and time.perf_counter() < deadline
                and self.dist.backend.abort_reason is None):
             time.sleep(0.005)
-        late = [r for r in others if r in self.replies and self.replies[r] < calls]
-        mute = [r for r in others if r not in self.replies]
-        inside = [r for r in others if self.replies.get(r) == calls]
+        got = {r: self.replies[r] for r in others if r in self.replies}
+        late = [r for r, c in got.items() if c < calls]
+        past = [r for r, c in got.items() if c > calls]
+        mute = [r for r in others if r not in got]
+        inside = [r for r, c in got.items() if c == calls]
         parts = []
         if late:
             parts.append(f"ranks {late} never made this call (they are at calls "
-                         f"{[self.replies[r] for r in late]}, this rank at {calls})")
+                         f"{[got[r] for r in late]}, this rank at {calls})")
+        if past:
+            parts.append(f"ranks {past} went on without this rank (they are at calls "
+                         f"{[got[r] for r in past]}, this rank at {calls}: did they make "
+                         "this call with other devices, a different plan?)")
         if mute:
             parts.append(f"ranks {mute} do not answer (exited, dead, or blocked in MPI)")
         if inside and not parts:

@@ -29,6 +29,10 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
   (``sys.exit(0)``) or ``close`` (closes its runtime, then idles) — while the others make a
   second call (their timeout: 30 s, which must not be what finds it); with ``seen``, only
   once their host link to RANK has closed.
+- ``pair OUT [differ]``: five resharding calls between rank 0's devices and rank 1's, made
+  by every rank; each saves what it received, its call count and how many messages its host
+  links moved meanwhile. With ``differ``, rank 1's plan differs from rank 0's (another
+  destination layout on the same devices).
 - ``helpers OUT on|off``: the toy pipeline (1f1b, two steps) with the MPI backend's helpers on
   or off; each rank also saves, per stepped transfer, whether a compute thread took its first
   and its last step (``threads``).
@@ -240,6 +244,8 @@ def main() -> int:
                 rt.reshard_sync(plan, shards)
             saved["polls"] = np.array([h.polls for h in rt.backend.hop_timings
                                        if h.prev is not None], dtype=np.int64)
+        elif mode == "pair":
+            saved.update(pair_calls(cluster, rt, sys.argv[3:] == ["differ"]))
         elif mode == "helpers":  # which threads start and end the stepped transfers
             rt.backend.helping = sys.argv[3] == "on"
             threads = watch_steps()
@@ -455,6 +461,28 @@ def nccl_bootstrap_check(rank: int) -> dict[str, np.ndarray]:
             out[f"{name}/n"], out[f"{name}/id"], out[f"{name}/rank"] = (
                 np.array(n), np.array(uid), np.array(r))
     comm.Free()
+    return out
+
+
+def pair_calls(cluster: Cluster, rt: Runtime, differ: bool) -> dict[str, np.ndarray]:
+    """See module doc (``pair``)."""
+    from scheduler import P, Sharding, plan_resharding
+
+    src = Sharding(cluster.mesh([0]), P("gpu"))
+    dst = Sharding(cluster.mesh([1]), P(None, "gpu") if differ and rt.world.rank == 1 else P())
+    plan = plan_resharding((64, 8), "float32", src, dst, cluster)
+    full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    shards = {d: full[tuple(slice(a, b) for a, b in r)]
+              for d, r in src.device_regions((64, 8)).items() if d in rt.local_devices}
+    links = rt.backend.dist.links
+    moved = (lambda: 0) if links is None else (lambda: links.frames_sent
+                                               + links.frames_received)
+    before = moved()
+    out: dict[str, np.ndarray] = {}
+    for _ in range(5):
+        out = {f"pair/{d}": np.asarray(a) for d, a in rt.reshard_sync(plan, shards).items()}
+    out["calls"] = np.array(rt.backend.dist.calls)
+    out["moved"] = np.array(moved() - before)
     return out
 
 
