@@ -140,6 +140,7 @@ class MpiBackend(CpuBackend):
         self._early: dict[tuple[int, int], float] = {}
         self.adaptive_wait = True  # False: poll with the backoff from the start
         self._stepped: dict[tuple[frozenset[int], int], bool] = {}  # steps_broadcast's answers
+        self._places: dict[tuple[int, tuple[int, ...], str], tuple] = {}  # see _hop
 
     # ---- communicators -------------------------------------------------------------------
 
@@ -213,11 +214,22 @@ class MpiBackend(CpuBackend):
     def _hop(self, devices: Sequence[int], root: int, desc: str, namespace: str,
              tag: int | None) -> _Hop:
         """This rank's place in a broadcast's chain over ranks (the plan's receiver order)."""
-        order = tuple(dict.fromkeys((root, *devices)))
-        chain = self.placement.ranks_of(order)
         what = f"broadcast[{desc}] root {root}"
         if tag is None:
+            chain = self.placement.ranks_of(tuple(dict.fromkeys((root, *devices))))
             raise OverlapRuntimeError(f"{what}: spans ranks {list(chain)} and needs a tag")
+        key = (root, tuple(devices), namespace)
+        place = self._places.get(key)  # (the same for every call of a plan: kept)
+        if place is None:
+            place = self._places[key] = self._place(root, devices, namespace, what)
+        comm, channel, prev, nxt, stages = place
+        return _Hop(what, comm, channel, prev, nxt, self._tag(tag), stages)
+
+    def _place(self, root: int, devices: Sequence[int], namespace: str, what: str
+               ) -> tuple[Any, int, int | None, int | None, int]:
+        """What :meth:`_hop` returns but the name and the tag."""
+        order = tuple(dict.fromkeys((root, *devices)))
+        chain = self.placement.ranks_of(order)
         comm = self._comm(namespace, what)
         group = tuple(sorted(order))
         me = chain.index(self.rank)
@@ -227,9 +239,8 @@ class MpiBackend(CpuBackend):
         # Pipeline stages after the first hop: more hops, and the local copies on a rank
         # that fans out (they follow the pieces landing there).
         stages = len(chain) - 1 + (1 if any(k > 1 for k in per_rank[1:]) else 0)
-        return _Hop(what, comm, self._channel_ids[namespace],
-                    chain[me - 1] if me else None,
-                    chain[me + 1] if me + 1 < len(chain) else None, self._tag(tag), stages)
+        return (comm, self._channel_ids[namespace], chain[me - 1] if me else None,
+                chain[me + 1] if me + 1 < len(chain) else None, stages)
 
     def _piece(self, hop: _Hop, nbytes: int) -> int:
         if self.chunk_bytes is not None and hop.stages > 1:
