@@ -211,8 +211,12 @@ def test_cuda_backend_across_processes_on_a_stand_in_gpu(tmp_path):
     NCCL's operations done over MPI: the backend's own logic (communicators per channel and
     group, who sends and who receives, stage collectives) against the one-process CPU run.
     Its control path is the CPU flavour's: the runtime's rounds go over host links (the data
-    is NCCL's: no messages of its own on them)."""
-    single = one_process(fixed_plans(), tmp_path / "cases.json")
+    is NCCL's: no messages of its own on them). Calls among some ranks only (two ranks; one
+    rank alone, which has no round) run there too."""
+    one = [Sharding(DeviceMesh([[d]], ("h", "g")), ShardingSpec()) for d in range(4)]
+    some = [plan_resharding(SHAPE_A, "float32", a, b, CLUSTER4)
+            for a, b in ((one[1], one[2]), (one[3], one[3]))]
+    single = one_process(fixed_plans() + some, tmp_path / "cases.json")
     with Runtime(CLUSTER4) as rt:
         single.update(toy_job.small_pipeline(rt))
     done, _ = mpiexec(4, "reshard", str(tmp_path), str(tmp_path / "cases.json"), "cuda")
