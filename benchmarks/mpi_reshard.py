@@ -29,7 +29,8 @@
    here), over host links and over MPI, next to a raw 16-byte ``MPI_Bcast`` between two
    ranks and a raw wake-up round trip (1 byte each way over a Unix socket, both ranks
    asleep in ``recv``); then, rank by rank, where the tiny call's CPU goes: each thread's
-   CPU and sleeps per call (event loop, link thread, streams; ``thread_profile.py``).
+   CPU and sleeps per call (event loop, link thread, streams; ``thread_profile.py``),
+   and the same for the many-transfer call.
 """
 
 from __future__ import annotations
@@ -311,7 +312,7 @@ def main() -> int:
 def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, float, int, dict]:
     """Seconds per resharding call moving 16 bytes between two ranks, seconds per transfer
     in one call of many tiny cross-rank transfers, how many those are, and where this rank's
-    CPU goes in the tiny call (:func:`call_profile`)."""
+    CPU goes in the tiny call and in the many-transfer one (:func:`call_profile`)."""
     comm = rt.backend.dist.comm
     a = Sharding(DeviceMesh([[0]], ("host", "gpu")), ShardingSpec())
     b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
@@ -329,7 +330,9 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, floa
                    for d, r in many.src.device_regions((16, 16)).items()
                    if rt.backend.is_local(d)}
     per_transfer = median_time(lambda: rt.reshard_sync(many, many_shards), comm) / crossing
-    return per_call, per_transfer, crossing, call_profile(rt, tiny, tiny_shards)
+    return per_call, per_transfer, crossing, {
+        "tiny call": call_profile(rt, tiny, tiny_shards),
+        f"{len(many.transfers)}-transfer call": call_profile(rt, many, many_shards, 200)}
 
 
 def call_profile(rt: Runtime, plan, shards, calls: int = 600) -> dict[str, tuple[float, float]]:
@@ -348,14 +351,16 @@ def call_profile(rt: Runtime, plan, shards, calls: int = 600) -> dict[str, tuple
     return roles
 
 
-def print_profiles(say, profiles: list[dict[str, tuple[float, float]]]) -> None:
-    """Rank 0's table of :func:`call_profile` for every rank."""
-    say("  where a tiny call's CPU goes (host links), per rank: CPU us / sleeps per call")
-    for r, roles in enumerate(profiles):
-        total = sum(c for c, _ in roles.values())
-        say(f"    rank {r}: {total:6.0f} us in all; " + "; ".join(
-            f"{role} {c:.0f} us / {k:.1f}" for role, (c, k) in sorted(roles.items())
-            if c >= 1 or k >= 0.1))
+def print_profiles(say, profiles: list[dict[str, dict[str, tuple[float, float]]]]) -> None:
+    """Rank 0's table of :func:`call_profile` for every rank, per call measured."""
+    for call in (profiles[0] if profiles else {}):
+        say(f"  where the {call}'s CPU goes (host links), per rank: CPU us / sleeps per call")
+        for r, by_call in enumerate(profiles):
+            roles = by_call[call]
+            total = sum(c for c, _ in roles.values())
+            say(f"    rank {r}: {total:6.0f} us in all; " + "; ".join(
+                f"{role} {c:.0f} us / {k:.1f}" for role, (c, k) in sorted(roles.items())
+                if c >= 1 or k >= 0.1))
 
 
 def raw_wake_round_trip(comm, n: int = 2000) -> float:
