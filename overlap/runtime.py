@@ -696,9 +696,12 @@ class Runtime:
         try:
             events = launch()
         except BaseException as exc:  # e.g. Ctrl-C half-way: stop what was launched
+            root = exc if not isinstance(exc, Exception) else self._root_cause(exc)
             if self.world.distributed:
-                self._fail_distributed(what, exc)
+                self._fail_distributed(what, root)
             self._recovery.stop_now(f"{what} interrupted while launching", epoch)
+            if root is not exc:  # (a wait there ended by a peer's failure: that failure)
+                raise root from root.__cause__
             raise
         verdict = None
         if check is not None:

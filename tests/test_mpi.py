@@ -353,6 +353,19 @@ def test_ranks_of_a_call_that_make_different_calls_are_named_and_no_other(tmp_pa
     assert not re.search(r"than rank [23] ", text), verdicts(text)
 
 
+def test_ranks_that_ran_ahead_of_a_failed_call_are_told_not_left_blocked(tmp_path):
+    """Ranks 2 and 3 have no part in a call that fails on rank 0, and go on to a call whose
+    channel every rank must make (a collective): their wait there ends at rank 0's failure
+    notice, naming it — not blocked until the job is torn down."""
+    done, _ = mpiexec(4, "ahead", str(tmp_path))
+    text = assert_failed_job(done, 0)
+    assert "ValueError: shards[0]" in text, verdicts(text)
+    for r in (2, 3):
+        assert re.search(rf"RankFailed: rank 0 failed during the script \(an uncaught "
+                         rf"exception\): ValueError: shards\[0\].*\(rank {r} stopped its work\)",
+                         text), verdicts(text)
+
+
 def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):
     """The NCCL bootstrap with a stand-in NCCL (there is no GPU here): every member of a
     communicator gets the root's id and its own NCCL rank; non-members take no part."""

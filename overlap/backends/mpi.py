@@ -145,9 +145,15 @@ class MpiBackend(CpuBackend):
     # ---- communicators -------------------------------------------------------------------
 
     def declare_group(self, namespace: str, devices: Sequence[int]) -> None:
-        """A channel: its communicator is made the first time (every rank, same order)."""
+        """A channel: its communicator is made the first time (every rank, same order). The
+        making is collective, and a rank may reach it while others are still in the call
+        before (one it took no part in), or never (a peer that failed there): its wait is
+        bounded — it ends at a failure notice, or past the timeout, naming the ranks."""
         if namespace not in self._channels:
-            self._channels[namespace] = self.dist.runtime_comm.Dup()
+            comm, req = self.dist.runtime_comm.Idup()
+            self.dist.wait_polled(req, f"making channel {namespace!r}'s communicator (with "
+                                  "every rank)")
+            self._channels[namespace] = comm
             self._channel_ids[namespace] = len(self._channel_ids)
 
     def declare_subgroups(self, namespace: str, groups: Sequence[Sequence[int]]) -> None:

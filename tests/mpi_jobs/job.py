@@ -33,6 +33,9 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
   by every rank; each saves what it received, its call count and how many messages its host
   links moved meanwhile. With ``differ``, rank 1's plan differs from rank 0's (another
   destination layout on the same devices).
+- ``ahead OUT``: a resharding call between ranks 0 and 1 where rank 0 passes a bad shard
+  (its error ends its script), then a call on a new channel (its communicator is made by
+  every rank): ranks 2 and 3, which had no part in the first call, reach the second.
 - ``helpers OUT on|off``: the toy pipeline (1f1b, two steps) with the MPI backend's helpers on
   or off; each rank also saves, per stepped transfer, whether a compute thread took its first
   and its last step (``threads``).
@@ -244,6 +247,12 @@ def main() -> int:
                 rt.reshard_sync(plan, shards)
             saved["polls"] = np.array([h.polls for h in rt.backend.hop_timings
                                        if h.prev is not None], dtype=np.int64)
+        elif mode == "ahead":
+            plan, shards = pair_plan(cluster, rt, False)
+            if rank == 0:
+                shards = {d: a[:-1] for d, a in shards.items()}  # wrong shape: raises
+            rt.reshard_sync(plan, shards)
+            rt.run_sync(rt.reshard(plan, shards, stream="other"))
         elif mode == "pair":
             saved.update(pair_calls(cluster, rt, sys.argv[3:] == ["differ"]))
         elif mode == "helpers":  # which threads start and end the stepped transfers
@@ -464,16 +473,22 @@ def nccl_bootstrap_check(rank: int) -> dict[str, np.ndarray]:
     return out
 
 
-def pair_calls(cluster: Cluster, rt: Runtime, differ: bool) -> dict[str, np.ndarray]:
-    """See module doc (``pair``)."""
+def pair_plan(cluster: Cluster, rt: Runtime, differ: bool):
+    """A plan from rank 0's devices to rank 1's (another layout on rank 1 if ``differ``),
+    and this rank's shards of ``arange``."""
     from scheduler import P, Sharding, plan_resharding
 
     src = Sharding(cluster.mesh([0]), P("gpu"))
     dst = Sharding(cluster.mesh([1]), P(None, "gpu") if differ and rt.world.rank == 1 else P())
     plan = plan_resharding((64, 8), "float32", src, dst, cluster)
     full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
-    shards = {d: full[tuple(slice(a, b) for a, b in r)]
-              for d, r in src.device_regions((64, 8)).items() if d in rt.local_devices}
+    return plan, {d: full[tuple(slice(a, b) for a, b in r)]
+                  for d, r in src.device_regions((64, 8)).items() if d in rt.local_devices}
+
+
+def pair_calls(cluster: Cluster, rt: Runtime, differ: bool) -> dict[str, np.ndarray]:
+    """See module doc (``pair``)."""
+    plan, shards = pair_plan(cluster, rt, differ)
     links = rt.backend.dist.links
     moved = (lambda: 0) if links is None else (lambda: links.frames_sent
                                                + links.frames_received)
