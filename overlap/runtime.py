@@ -646,6 +646,7 @@ class Runtime:
         none of the call's devices, or all of them)."""
         self._calls += 1
         self.backend.dist.calls = self._calls
+        self.backend.dist.busy = True  # (until the call's _gather ends: peers may ask)
         from .guard import report  # (imported here: ``python -m overlap.guard`` runs it)
 
         report(f"{what} (call {self._calls})")
@@ -688,6 +689,16 @@ class Runtime:
 
     async def _gather(self, launch: Callable[[], list[Event]], *, what: str,
                       check: Agreement | None = None, graph: StepGraph | None = None) -> None:
+        """:meth:`_run_call`; then, in a multi-process job, this process is no longer inside
+        a call (peers that wait for it past their timeout ask)."""
+        try:
+            await self._run_call(launch, what=what, check=check, graph=graph)
+        finally:
+            if self.world.distributed:
+                self.backend.dist.busy = False
+
+    async def _run_call(self, launch: Callable[[], list[Event]], *, what: str,
+                        check: Agreement | None = None, graph: StepGraph | None = None) -> None:
         """``launch()`` the call's work, then wait for its end events all at once, watching
         for hung ops (:func:`~overlap.watch.wait_all`), and for the call's agreement
         ``check``, which runs alongside them; on failure, stop everything and recover

@@ -72,10 +72,11 @@ def hang_error(stuck: Sequence[Busy], graph: StepGraph | None, timeout: float) -
 
 
 def overdue(backend: Backend, timeout: float) -> list[Busy]:
-    """Ops (not waits) running past their bound now."""
+    """Ops (not waits) running past their bound now (from ``backend.op_since``: a transfer
+    of a multi-process call is bounded from when every member of the call was in it)."""
     now = time.perf_counter()
-    return [b for b in backend.busy() if not b.waiting
-            and now >= b.hung_at(timeout + (0.0 if b.category == "compute" else COMM_SLACK_S))]
+    return [b for b in backend.busy() if not b.waiting and now >= backend.op_since(b)
+            + timeout + (0.0 if b.category == "compute" else COMM_SLACK_S)]
 
 
 def name_hang(backend: Backend, graph: StepGraph | None) -> StageTimeout | None:

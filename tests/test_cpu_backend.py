@@ -597,6 +597,32 @@ def test_stopping_waits_for_the_queue_behind_a_slow_op_to_drain(make_backend):
     assert backend.busy() == []
 
 
+@pytest.mark.parametrize("category", ["comm", "compute"])
+def test_a_transfer_past_its_timeout_gets_the_grace_to_see_an_abort(make_backend, category):
+    """After an abort, a comm op (a transfer, whose waits look at aborts themselves) that has
+    run past the timeout gets the grace to end; a compute op (user code, which may never
+    look) past it is hung at once."""
+    backend = make_backend(2, timeout=0.2)
+    s = backend.stream(0, "comm")
+    started, release = threading.Event(), threading.Event()
+
+    def transfer() -> None:  # looks at the abort every 50 ms, as a transfer's wait does
+        started.set()
+        while not release.is_set() and (category == "compute" or backend.abort_reason is None):
+            time.sleep(0.05)
+
+    s.launch("transfer", transfer, category=category)
+    assert started.wait(SETTLE_S)
+    time.sleep(0.3)  # past the 0.2 s timeout
+    backend.abort("a peer failed")
+    stuck = backend.stop_hung()
+    release.set()
+    if category == "comm":
+        assert stuck == [] and backend.busy() == []
+    else:
+        assert [b.label for b in stuck] == ["transfer"]
+
+
 @pytest.mark.parametrize("started", [False, True], ids=["before-start", "while-starting"])
 def test_ctrl_c_while_a_stream_thread_starts_leaves_the_stream_usable(monkeypatch, started):
     # Ctrl-C landing in Thread.start() (the test suite saw it in a step's launch) left a

@@ -366,6 +366,17 @@ def test_ranks_that_ran_ahead_of_a_failed_call_are_told_not_left_blocked(tmp_pat
                          text), verdicts(text)
 
 
+def test_ranks_ahead_wait_past_the_timeout_for_members_still_in_an_earlier_call(tmp_path):
+    """Ranks 2 and 3 have no part in a call that takes ranks 0 and 1 longer than the 2 s
+    timeout (no op near it), and wait for them in the next call: past the timeout they ask,
+    hear that ranks 0 and 1 are still inside an earlier call, and wait on."""
+    done, _ = mpiexec(4, "slow", str(tmp_path))
+    assert done.returncode == 0, verdicts(done.stdout + done.stderr)
+    ranks = outputs(tmp_path, 4)
+    assert all(float(r["first"]) > 2.0 for r in ranks[:2])
+    assert all(float(r["first"]) < 1.0 and float(r["both"]) > 2.0 for r in ranks[2:])
+
+
 def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):
     """The NCCL bootstrap with a stand-in NCCL (there is no GPU here): every member of a
     communicator gets the root's id and its own NCCL rank; non-members take no part."""

@@ -266,9 +266,11 @@ def test_asking_the_peers_how_far_they_got_stops_waiting_once_aborted():
 
 
 def test_asking_how_far_the_peers_got_names_the_calls_members_only():
-    """Past a timeout, a rank asks every rank how many calls it made, and names the call's
-    members behind it, past it (they went on without this rank: another plan?) or mute —
-    never a rank outside the call, whose count says nothing about it."""
+    """Past a timeout, a rank asks every rank how many calls it made and whether it is inside
+    one, and names the call's members behind it (not in a call: they never made this one),
+    past it (they went on without this rank: another plan?) or mute — never a rank outside
+    the call, whose count says nothing about it. A wait may go on (patient) only while every
+    other member is at work: inside this call, or still inside an earlier one."""
     from overlap.backends.distributed import _Control
 
     class Backend:
@@ -281,16 +283,22 @@ def test_asking_how_far_the_peers_got_names_the_calls_members_only():
     control.dist, control.rank, control.size, control.replies = Dist(), 2, 6, {}
 
     def answer(tag, msg, wait) -> None:  # (rank 3 does not answer)
-        control.replies.update({0: 9, 1: 3, 4: 4, 5: 1})
+        control.replies.update({0: (9, True), 1: (3, False), 4: (4, True), 5: (1, False),
+                                6: (2, True)})
 
     control.tell_all = answer
-    said, inside = control.lagging(4, among=(0, 1, 2, 3, 4), wait=0.05)
+    control.size = 7
+    said, at_work = control.lagging(4, among=(0, 1, 2, 3, 4), wait=0.05)
     assert "ranks [1] never made this call (they are at calls [3], this rank at 4)" in said
     assert "ranks [0] went on without this rank (they are at calls [9]" in said
     assert "ranks [3] do not answer" in said
-    assert "[5]" not in said and not inside
-    said, inside = control.lagging(4, among=(2, 4), wait=0.05)
-    assert inside and "ranks [4] are in this call" in said
+    assert "[5]" not in said and not at_work
+    said, at_work = control.lagging(4, among=(2, 4), wait=0.05)
+    assert at_work and "ranks [4] are in this call" in said
+    said, at_work = control.lagging(4, among=(2, 4, 6), wait=0.05)
+    assert at_work and "ranks [6] are still in calls [2], this rank at 4" in said
+    said, at_work = control.lagging(4, among=(1, 2, 6), wait=0.05)
+    assert not at_work and "ranks [1] never made this call" in said
 
 
 def test_a_rank_that_left_fails_only_the_calls_it_is_a_member_of():

@@ -1124,10 +1124,25 @@ class CpuBackend:
                 # A wait (or the queue draining behind an op that just ended) gets the grace
                 # from when it began — it may begin late, after a slow op — within the bound.
                 return min(max(start, b.since) + grace, start + max(self.timeout, grace))
-            hung = b.hung_at(self.timeout)
+            hung = self.op_since(b) + self.timeout
+            if b.category != "compute":
+                # A transfer sees the abort itself at its next look (its waits are bounded
+                # and look every 0.1 s at most: mpi.LINK_RECHECK_S): the grace, past its bound.
+                return min(max(hung, start + grace), start + max(self.timeout, grace))
             return hung if hung <= start else max(hung, start + grace)  # hung already: done
 
         return self.stop(until)
+
+    def op_since(self, b: Busy) -> float:
+        """When op ``b``'s time bound starts: when it began — or, for a transfer of a
+        multi-process call, when every member of the call was known to be in it
+        (``Distributed.agreed_at``; not yet: now). A rank outside the call before may begin
+        this one long before the others; until they are all in it, the agreement's own
+        wait bounds it."""
+        if b.category == "compute" or self.dist is None:
+            return b.since
+        agreed = self.dist.agreed_at
+        return time.perf_counter() if agreed is None else max(b.since, agreed)
 
     def abandon(self, stuck: Sequence[Busy], reason: str) -> None:
         """Give up the threads of ``stuck`` streams (see ``CpuStream._abandon``)."""

@@ -41,7 +41,7 @@ _FIELDS: dict[int, dict[str, type]] = {
     _FAILED: {"rank": int, "during": str, "error": str, "calls": int},
     _EXITING: {"rank": int},
     _QUERY: {},
-    _REPLY: {"calls": int},
+    _REPLY: {"calls": int, "busy": bool},
     _LEFT: {"rank": int, "calls": int, "how": str},
 }
 _MAX_MESSAGE = 1 << 16  # bytes: a control message is a few hundred
@@ -127,6 +127,10 @@ class Distributed:
         self.broken: BaseException | None = None
         self.calls = 0  # the runtime's call counter (the control thread reports it to peers)
         self.members = self.everyone  # the ranks the latest call needs (see ``agree``)
+        self.busy = False  # inside a call (the runtime sets it; peers ask, see _Control)
+        # When every member of the latest call was known to be in it (its agreement came
+        # back; None: not yet): a transfer's wait for a peer counts its timeout from then.
+        self.agreed_at: float | None = 0.0
         self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its calls, how it left)
         self.left = False  # this rank told its peers it left
         self.closed = False
@@ -150,6 +154,16 @@ class Distributed:
                 "(a failed or stuck peer, or step graphs that differ between ranks)",
                 op=what, devices=(), missing=missing)
 
+    def check_transfer(self, what: str, started: float, who: str, peer: int | None) -> None:
+        """:meth:`check` for a transfer's wait for a peer (``started``: when it began): its
+        timeout counts from when every member of the call was known to be in it (the
+        agreement), not before — a rank outside a call goes on to the next one and posts its
+        receives while the call's members may be busy there a long time (their own waits
+        bound that call); until the agreement, the agreement's wait bounds this one."""
+        agreed = self.agreed_at
+        self.check(what, time.perf_counter() if agreed is None else max(started, agreed), who,
+                   peer)
+
     # ---- the runtime's own messages (main thread / event loop) ---------------------------
 
     def agree(self, digest: bytes, what: str, call: int,
@@ -165,7 +179,9 @@ class Distributed:
         self.members = members
         self._check_departed(call, members)
         if self.rank not in members or len(members) == 1:
+            self.agreed_at = time.perf_counter()
             return None
+        self.agreed_at = None
         return Agreement(self, digest, what, call, members)
 
     @property
@@ -251,8 +267,8 @@ class Distributed:
         reports to a failed peer before that peer's wait at exit ends). Past the timeout
         the peers (``among``: the call's members; default every rank) are asked how far
         they got: the wait fails naming them — unless ``patient`` and every one answers that
-        it is inside this call (a wait for the others' whole remaining work: a stuck op
-        there is found by its own rank)."""
+        it is at work, inside this call or still inside an earlier one it had no part in (a
+        wait for the others' work: a stuck op there is found by its own rank)."""
         pause = pause or self.poll.pause
         started = time.perf_counter()
         aborted_at: float | None = None
@@ -508,8 +524,10 @@ class Agreement:
         this round completes: it is still awaited then (bounded, while it can complete),
         because a mismatch is the explanation the user needs, not the failures it caused."""
         b = self.dist
+        # Patient: a member may still be inside an earlier call this rank had no part in.
         await b.wait_round(self._req, self.what, self._can_complete, self._pause,
-                           among=self.members)
+                           patient=True, among=self.members)
+        b.agreed_at = time.perf_counter()
         # (Bytes compared: numpy's dispatch costs more than the comparison, every call.)
         mine, rows = self._mine.tobytes(), self._every.tobytes()
         differ = tuple(r for r in self.members if rows[32 * r:32 * r + 32] != mine)
@@ -658,7 +676,7 @@ class _Control:
         self.size = dist.world.size
         self.MPI = dist.MPI
         self.exiting: set[int] = set()
-        self.replies: dict[int, int] = {}
+        self.replies: dict[int, tuple[int, bool]] = {}  # rank -> its calls, inside one
         # Seconds between looks for a notice. A notice needs no hurry (a failed rank is named
         # within a second), and every look costs CPU a busy peer on the same cores needs:
         # ``benchmarks/mpi_step_profile.py`` measured 1.1-1.5 ms per rank per 60 ms step at
@@ -694,9 +712,9 @@ class _Control:
         if tag == _EXITING:
             self.exiting.add(source)
         elif tag == _QUERY:
-            self._send(source, _REPLY, {"calls": self.dist.calls})
+            self._send(source, _REPLY, {"calls": self.dist.calls, "busy": self.dist.busy})
         elif tag == _REPLY:
-            self.replies[source] = msg["calls"]
+            self.replies[source] = (msg["calls"], msg["busy"])
         elif tag == _FAILED:
             self.dist.remote_failure(msg)
         elif tag == _LEFT:
@@ -721,14 +739,16 @@ class _Control:
     def behind(self, calls: int, wait: float = 1.0,
                among: Sequence[int] | None = None) -> str:
         """Ask every rank how many runtime calls it has made; name those of ``among`` (the
-        call's members; default every rank) behind ``calls`` (they never joined this one),
-        past it (they went on without this rank) and those that did not answer."""
+        call's members; default every rank) behind ``calls`` (still in an earlier call, or
+        not in any: they never joined this one), past it (they went on without this rank)
+        and those that did not answer."""
         return self.lagging(calls, among, wait)[0]
 
     def lagging(self, calls: int, among: Sequence[int] | None = None,
                 wait: float = 1.0) -> tuple[str, bool]:
-        """:meth:`behind`'s text, and whether every other member answered that it is
-        inside call ``calls``."""
+        """:meth:`behind`'s text, and whether every other member answered that it is at
+        work: inside this call, or still inside an earlier one (which this rank had no part
+        in) — so a wait for it may go on; a stuck op there is its own rank's to find."""
         self.replies.clear()
         self.tell_all(_QUERY, {}, wait)
         others = [r for r in (range(self.size) if among is None else among) if r != self.rank]
@@ -739,25 +759,29 @@ class _Control:
                and self.dist.backend.abort_reason is None):
             time.sleep(0.005)
         got = {r: self.replies[r] for r in others if r in self.replies}
-        late = [r for r, c in got.items() if c < calls]
-        past = [r for r, c in got.items() if c > calls]
+        late = [r for r, (c, busy) in got.items() if c < calls and not busy]
+        earlier = [r for r, (c, busy) in got.items() if c < calls and busy]
+        past = [r for r, (c, _) in got.items() if c > calls]
         mute = [r for r in others if r not in got]
-        inside = [r for r, c in got.items() if c == calls]
+        inside = [r for r, (c, _) in got.items() if c == calls]
         parts = []
         if late:
             parts.append(f"ranks {late} never made this call (they are at calls "
-                         f"{[got[r] for r in late]}, this rank at {calls})")
+                         f"{[got[r][0] for r in late]}, this rank at {calls})")
         if past:
             parts.append(f"ranks {past} went on without this rank (they are at calls "
-                         f"{[got[r] for r in past]}, this rank at {calls}: did they make "
+                         f"{[got[r][0] for r in past]}, this rank at {calls}: did they make "
                          "this call with other devices, a different plan?)")
         if mute:
             parts.append(f"ranks {mute} do not answer (exited, dead, or blocked in MPI)")
+        if earlier and not parts:
+            parts.append(f"ranks {earlier} are still in calls {[got[r][0] for r in earlier]}, "
+                         f"this rank at {calls}")
         if inside and not parts:
             parts.append(f"ranks {inside} are in this call but never got this far (stuck in "
                          "an op? their own errors say which)")
         return ("; ".join(parts) or "every rank made this call (a stuck peer?)",
-                len(inside) == len(others))
+                len(inside) + len(earlier) == len(others))
 
     def stop(self) -> None:
         self._stop.set()

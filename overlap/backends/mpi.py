@@ -152,7 +152,7 @@ class MpiBackend(CpuBackend):
         if namespace not in self._channels:
             comm, req = self.dist.runtime_comm.Idup()
             self.dist.wait_polled(req, f"making channel {namespace!r}'s communicator (with "
-                                  "every rank)")
+                                  "every rank)", patient=True)
             self._channels[namespace] = comm
             self._channel_ids[namespace] = len(self._channel_ids)
 
@@ -395,7 +395,7 @@ class MpiBackend(CpuBackend):
                     continue
                 who = (f"rank {prev} never sent it" if landed < len(recvs)
                        else f"rank {nxt} never received it")
-                self.dist.check(what, started, who, prev if landed < len(recvs) else nxt)
+                self.dist.check_transfer(what, started, who, prev if landed < len(recvs) else nxt)
                 now = time.perf_counter()
                 if woken:  # (else: polled)
                     until = _armed(recvs[landed] if landed < len(recvs) else sends[-1], now)
@@ -476,7 +476,7 @@ class MpiBackend(CpuBackend):
                 if all(done) and MPI.Request.Testall(sends):
                     break
                 waiting = [others[i] for i in range(len(others)) if not done[i]]
-                self.dist.check(what, started,
+                self.dist.check_transfer(what, started,
                             f"ranks {waiting} never sent their part" if waiting
                             else "a peer never received this rank's part",
                             waiting[0] if waiting else None)

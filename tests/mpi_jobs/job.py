@@ -36,6 +36,9 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
 - ``ahead OUT``: a resharding call between ranks 0 and 1 where rank 0 passes a bad shard
   (its error ends its script), then a call on a new channel (its communicator is made by
   every rank): ranks 2 and 3, which had no part in the first call, reach the second.
+- ``slow OUT``: a resharding call from a device of rank 0 to one of rank 1 in four pieces,
+  whose sends each start 0.7 s late (2.8 s in all, past the 2 s timeout; no op near it), then a
+  call among every rank, which ranks 2 and 3 reach long before 0 and 1.
 - ``helpers OUT on|off``: the toy pipeline (1f1b, two steps) with the MPI backend's helpers on
   or off; each rank also saves, per stepped transfer, whether a compute thread took its first
   and its last step (``threads``).
@@ -46,6 +49,7 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -172,7 +176,7 @@ def main() -> int:
     if mode == "reshard":
         cases = json.loads(Path(sys.argv[3]).read_text())
         cluster = Cluster(cases["hosts"], cases["gpus"], nic_gbps=cases["nic_gbps"])
-    timeout = 2.0 if mode in ("stuck", "silent") else 30.0
+    timeout = 2.0 if mode in ("stuck", "silent", "slow") else 30.0
     backend = "cpu"
     if mode == "reshard" and sys.argv[4:] == ["cuda"]:
         backend = "cuda"
@@ -253,6 +257,8 @@ def main() -> int:
                 shards = {d: a[:-1] for d, a in shards.items()}  # wrong shape: raises
             rt.reshard_sync(plan, shards)
             rt.run_sync(rt.reshard(plan, shards, stream="other"))
+        elif mode == "slow":
+            saved.update(slow_then_everyone(cluster, rt))
         elif mode == "pair":
             saved.update(pair_calls(cluster, rt, sys.argv[3:] == ["differ"]))
         elif mode == "helpers":  # which threads start and end the stepped transfers
@@ -499,6 +505,36 @@ def pair_calls(cluster: Cluster, rt: Runtime, differ: bool) -> dict[str, np.ndar
     out["calls"] = np.array(rt.backend.dist.calls)
     out["moved"] = np.array(moved() - before)
     return out
+
+
+def slow_then_everyone(cluster: Cluster, rt: Runtime) -> dict[str, np.ndarray]:
+    """See module doc (``slow``)."""
+    from scheduler import DeviceMesh, P, Sharding, plan_resharding
+
+    plan = plan_resharding((64, 8), "float32", Sharding(DeviceMesh([[0]], ("host", "gpu")), P()),
+                           Sharding(DeviceMesh([[4]], ("host", "gpu")), P()), cluster)
+    # In four pieces, one after another on both devices' streams.
+    (t,) = plan.transfers
+    plan = dataclasses.replace(plan, transfers=tuple(
+        dataclasses.replace(t, region=((16 * k, 16 * k + 16), (0, 8)), nbytes=t.nbytes // 4)
+        for k in range(4)))
+    shards = {0: np.ones((64, 8), np.float32)} if rt.world.rank == 0 else {}
+    if rt.world.rank == 0:
+        sends = rt.backend.broadcast_steps
+
+        def late(*args, **kwargs):
+            until = time.perf_counter() + 0.7
+            while time.perf_counter() < until:
+                yield until
+            yield from sends(*args, **kwargs)
+
+        rt.backend.broadcast_steps = late
+    started = time.perf_counter()
+    rt.reshard_sync(plan, shards)
+    first = time.perf_counter() - started
+    plan, shards = small_plan(cluster, rt)
+    rt.reshard_sync(plan, shards)
+    return {"first": np.array(first), "both": np.array(time.perf_counter() - started)}
 
 
 def small_plan(cluster: Cluster, rt: Runtime):
