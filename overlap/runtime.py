@@ -139,6 +139,11 @@ class _SyncLoop:
             _cancel_pending(loop)
             raise
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the ``*_sync`` calls run on (None: none made yet, or closed)."""
+        return self._loop
+
     def close(self) -> None:
         with self._turn:
             self._close()
@@ -360,6 +365,7 @@ class Runtime:
         shard), which a loop that reshards every step passes to skip allocating them.
         """
         self._check_open()
+        self._serve_links()
         if not isinstance(plan, ReshardPlan):
             raise TypeError(f"plan: expected a ReshardPlan, got {type(plan).__name__}")
         top = max((*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids), default=-1)
@@ -439,6 +445,7 @@ class Runtime:
         ``schedule`` and ``options``.
         """
         self._check_open()
+        self._serve_links()
         check_pipeline(stages, boundaries, input_sharding, microbatches, self._array_types())
         if max_activations is not None and schedule != "auto":
             raise ValueError("max_activations: only schedule='auto' chooses under a cap; a "
@@ -655,6 +662,15 @@ class Runtime:
         call = digest[:24].ljust(24, b"\0") + self._calls.to_bytes(8, "little")
         return self.backend.dist.agree(call, f"{what} (call {self._calls})", self._calls,
                                        members)
+
+    def _serve_links(self) -> None:
+        """The ``*_sync`` calls' loop reads this process's host links itself while it runs
+        (one thread woken a message instead of two); a call on another loop gives them back
+        to the link thread (``HostLinks.serve``)."""
+        links = self.backend.dist.links if self.world.distributed else None
+        if links is not None:
+            loop = asyncio.get_running_loop()
+            links.serve(loop if loop is self._sync.loop else None)
 
     def _cached(self, key: Any, make: Callable[[], T]) -> T:
         """``make()``, kept for ``key`` with the runtime's other derived values (graphs,

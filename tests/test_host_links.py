@@ -355,3 +355,124 @@ def test_frames_across_read_boundaries_arrive_whole_and_in_order(payload):
         writer.join(BOUND_S)
         links.close()
         a.close()
+
+
+# ---- an event loop as the links' reader (the runtime's *_sync calls) ----------------------
+
+
+def test_a_loop_that_serves_the_links_completes_receives_on_its_own_thread(pair):
+    """While a loop serves them, a message wakes its waiter on the loop's thread (one thread
+    woken, not the link thread and then the loop); given back, the link thread does again."""
+    import asyncio
+
+    a, b = pair
+
+    async def receive(n: int) -> str:
+        got = np.zeros(64, np.uint8)
+        req = b.irecv(1, 0, n, got)
+        loop, ready = asyncio.get_running_loop(), asyncio.Event()
+        woken_on: list[str] = []
+
+        def wake() -> None:
+            woken_on.append(threading.current_thread().name)
+            loop.call_soon_threadsafe(ready.set)
+
+        assert req.notify(wake)
+        a.isend(1, 1, n, np.full(64, n, np.uint8))
+        await asyncio.wait_for(ready.wait(), BOUND_S)
+        assert got.tolist() == [n] * 64
+        return woken_on[0]
+
+    async def main() -> None:
+        b.serve(asyncio.get_running_loop())
+        assert await receive(1) == threading.current_thread().name
+        assert await receive(2) == threading.current_thread().name
+        b.serve(None)
+        assert await receive(3) == "overlap-links-r1"
+
+    asyncio.run(main())
+
+
+def test_sends_that_do_not_fit_are_flushed_by_the_serving_loop(pair):
+    """A send larger than the socket takes at once: the loop that serves the links writes
+    the rest as the peer reads it (the link thread no longer watches the socket)."""
+    import asyncio
+
+    a, b = pair
+    big = np.arange(4 << 20, dtype=np.uint32)  # 16 MiB: many socket buffers
+    got = np.zeros_like(big)
+
+    async def main() -> None:
+        a.serve(asyncio.get_running_loop())
+        idle = asyncio.new_event_loop()  # (b's reader until the send is posted: nobody reads)
+        b.serve(idle)
+        recv = b.irecv(2, 0, 5, got)
+        send = a.isend(2, 1, 5, big)
+        assert not send.Test()  # (the rest waits for room)
+        b.serve(None)  # (b's link thread reads again)
+        idle.close()
+        deadline = time.monotonic() + BOUND_S
+        while not (send.Test() and recv.Test()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert send.Test() and recv.Test()
+
+    asyncio.run(main())
+    assert got.tobytes() == big.tobytes()
+
+
+def test_waiting_out_a_cancelled_landing_on_the_serving_loop_reads_the_rest_itself():
+    """A receive cancelled while its message lands waits for its bytes (``Wait``). On the
+    thread of the loop that serves the links nothing else would read them: the wait reads
+    the rest itself instead of waiting out its timeout."""
+    import asyncio
+
+    from overlap.backends.host_links import HEADER
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    links = HostLinks(0, {1: ours})
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    half = len(payload) // 2
+
+    def peer() -> None:  # the frame's first half, then (a while later) the rest
+        theirs.sendall(HEADER.pack(4, 9, len(payload)) + payload[:half])
+        time.sleep(0.5)
+        theirs.sendall(payload[half:])
+
+    async def main() -> float:
+        links.serve(asyncio.get_running_loop())
+        got = bytearray(len(payload))
+        req = links.irecv(4, 1, 9, got)
+        writer = threading.Thread(target=peer)
+        writer.start()
+        deadline = time.monotonic() + BOUND_S
+        while not req.matched and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert req.matched and not req.done
+        started = time.monotonic()
+        req.Cancel()
+        req.Wait(timeout=5.0)  # (on the loop's thread: nothing else reads meanwhile)
+        took = time.monotonic() - started
+        writer.join(BOUND_S)
+        assert req.done and bytes(got) == payload
+        return took
+
+    try:
+        assert asyncio.run(main()) < 3.0  # not its 5 s timeout
+    finally:
+        links.close()
+        theirs.close()
+
+
+def test_closing_links_a_loop_serves_takes_them_off_the_loop(pair):
+    import asyncio
+
+    a, _ = pair
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        a.serve(loop)
+        fd = a._conns[1].sock.fileno()
+        a.close()
+        assert not loop.remove_reader(fd)  # (no longer watched)
+
+    asyncio.run(main())

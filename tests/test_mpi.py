@@ -377,6 +377,20 @@ def test_ranks_ahead_wait_past_the_timeout_for_members_still_in_an_earlier_call(
     assert all(float(r["first"]) < 1.0 and float(r["both"]) > 2.0 for r in ranks[2:])
 
 
+def test_host_links_pass_between_the_sync_loop_and_the_link_thread(tmp_path):
+    """``*_sync`` calls' loop reads the host links itself; a call awaited on another loop
+    hands them back to the link thread, and the next sync call takes them again: every call
+    delivers."""
+    done, _ = mpiexec(4, "switch", str(tmp_path))
+    assert done.returncode == 0, verdicts(done.stdout + done.stderr)
+    ranks = outputs(tmp_path, 4)
+    full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    got = {k: a for r in ranks for k, a in r.items() if "/" in k}
+    assert sorted(got) == sorted(f"{k}/{d}" for k in range(7) for d in range(4, 8))
+    assert all(a.tobytes() == full.tobytes() for a in got.values())
+    assert all(bool(r["served"]) for r in ranks)  # (the last call was a sync one)
+
+
 def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):
     """The NCCL bootstrap with a stand-in NCCL (there is no GPU here): every member of a
     communicator gets the root's id and its own NCCL rank; non-members take no part."""

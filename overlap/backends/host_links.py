@@ -8,14 +8,16 @@ CPU each on the 2-core machine of docs/benchmarks.md, ~1,100 per training step o
 and MPICH moves messages of 8 KiB and more by rendezvous, which completes only while the
 receiving process polls. A socket needs neither: the kernel buffers what was sent (so a send
 completes at once, whether or not its receiver looks), and one thread per process sleeps in
-``epoll`` until bytes arrive — one wake-up per message, the way gloo's transport waits.
+``epoll`` until bytes arrive — one wake-up per message, the way gloo's transport waits. Or,
+while the runtime's ``*_sync`` calls run, their event loop itself watches the sockets
+(``serve``): the message then wakes the thread that waits for it, not the link thread first.
 
-Messages are frames: a header (channel, tag, payload bytes), then the payload. The process's
-link thread reads every socket: a frame whose receive is posted lands in that receive's
-buffer directly; one that comes first waits, copied, until its receive is posted (MPI's
-unexpected messages). A send writes what the socket takes at once from the caller's thread and
-leaves the rest to the link thread. A request's ``wake`` (set by whoever waits for it) is
-called on completion from the thread that completed it.
+Messages are frames: a header (channel, tag, payload bytes), then the payload. The reader
+(the link thread, or the serving loop) reads every socket: a frame whose receive is posted
+lands in that receive's buffer directly; one that comes first waits, copied, until its
+receive is posted (MPI's unexpected messages). A send writes what the socket takes at once
+from the caller's thread and leaves the rest to the reader. A request's ``wake`` (set by
+whoever waits for it) is called on completion from the thread that completed it.
 
 Failures: a peer whose socket closed delivers what it sent before; receives still waiting for
 it then wait on (as MPI's do: the runtime's failure notices and timeouts name the rank), a
@@ -24,15 +26,18 @@ send to it fails at once, naming it. ``close`` ends the thread within a bounded 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import secrets
+import select
 import selectors
 import socket
 import struct
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -101,7 +106,7 @@ class LinkRequest:
             return
         landed = threading.Event()
         if self.notify(landed.set):
-            landed.wait(timeout)
+            self._links.wait_landing(landed, timeout)
 
 
 class _Conn:
@@ -120,6 +125,7 @@ class _Conn:
         self.wlock = threading.Lock()  # frames are written whole, in order
         self.writing = False  # the link thread watches it for room to write
         self.closed: str | None = None  # why the peer cannot be written to
+        self.gone = False  # its reader stopped watching it (the peer closed, or a bad frame)
         self.sent = 0  # messages sent (under wlock)
 
     def shut(self, why: str) -> list[LinkRequest]:
@@ -154,6 +160,12 @@ class HostLinks:
                     c.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
             self._sel.register(c.sock, selectors.EVENT_READ, c)
         self._want_write: list[_Conn] = []
+        # The event loop that reads and flushes the links instead of the link thread (None:
+        # the thread does; see ``serve``), the thread it runs on, and the thread's pending
+        # hand-overs: (watch the sockets again?, set once done).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._handovers: list[tuple[bool, threading.Event]] = []
         self._closing = False
         self.failure: BaseException | None = None  # what stopped the link thread, if anything
         self.frames_received = 0  # messages read whole (for tests and benchmarks)
@@ -270,14 +282,17 @@ class HostLinks:
             if conn.closed is not None:
                 req.error = _closed(conn)
                 return req
+            # (Counted before its bytes go: a peer may see them, and its reader complete,
+            # before this thread goes on.)
+            conn.sent += 1
             if not conn.out:
                 try:
                     parts = _write(conn.sock, parts)
                 except OSError as exc:
+                    conn.sent -= 1
                     conn.closed = f"{type(exc).__name__}: {exc}"
                     req.error = _closed(conn)
                     return req
-            conn.sent += 1
             if not parts:
                 req.done = True
                 return req
@@ -285,10 +300,20 @@ class HostLinks:
             start = not conn.writing
             conn.writing = True
         if start:
-            with self._lock:
-                self._want_write.append(conn)
-            self._poke_thread()
+            self._want_flush(conn)
         return req
+
+    def _want_flush(self, conn: _Conn) -> None:
+        """Have ``conn``'s reader write the rest of its sends as the socket takes them."""
+        with self._lock:
+            loop = self._loop
+            if loop is None:
+                self._want_write.append(conn)
+        if loop is None:
+            self._poke_thread()
+            return
+        with contextlib.suppress(RuntimeError):  # (the loop closed: close() follows)
+            loop.call_soon_threadsafe(self._loop_watch_write, loop, conn)
 
     def _ended(self) -> CollectiveAborted:
         why = ("closed" if self.failure is None
@@ -339,9 +364,18 @@ class HostLinks:
                 pass
         with self._lock:
             wanted, self._want_write = self._want_write, []
+            handovers, self._handovers = self._handovers, []
         for conn in wanted:
             with contextlib.suppress(KeyError, ValueError):  # (lost meanwhile: unregistered)
                 self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        for watch, done in handovers:
+            for conn in self._conns.values():
+                with contextlib.suppress(KeyError, ValueError):
+                    self._sel.unregister(conn.sock)
+                if watch and not conn.gone:
+                    self._sel.register(conn.sock, selectors.EVENT_READ | (
+                        selectors.EVENT_WRITE if conn.writing else 0), conn)
+            done.set()
 
     def _poke_thread(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -487,8 +521,12 @@ class HostLinks:
                 lost = conn.shut(f"{type(exc).__name__}: {exc}")
             if not conn.out:
                 conn.writing = False
-                with contextlib.suppress(KeyError, ValueError):
-                    self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+                loop = self._loop
+                if loop is not None:
+                    loop.remove_writer(conn.sock.fileno())
+                else:
+                    with contextlib.suppress(KeyError, ValueError):
+                        self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
         for req in finished:
             self._complete(req)
         for req in lost:
@@ -536,8 +574,96 @@ class HostLinks:
             self._complete(req, err)
 
     def _unwatch(self, conn: _Conn) -> None:
+        conn.gone = True
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                loop.remove_reader(conn.sock.fileno())
+                loop.remove_writer(conn.sock.fileno())
+            return
         with contextlib.suppress(KeyError, ValueError):  # (unregistered already)
             self._sel.unregister(conn.sock)
+
+    # ---- an event loop as the reader -------------------------------------------------------
+
+    def serve(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """From now on ``loop`` — running on the calling thread — reads and flushes the links
+        instead of the link thread (None: the link thread again): a message then wakes one
+        thread, not the link thread and then the loop that waits for it. Only while the
+        loop runs does anyone read; the kernel keeps what comes meanwhile, and a sender whose
+        bytes do not fit waits (as for any slow reader). The runtime serves its ``*_sync``
+        calls' loop, and gives the links back to the thread for calls on other loops."""
+        if loop is self._loop:
+            self._loop_thread = threading.get_ident()  # (*_sync calls may come from any thread)
+            return
+        if self._loop is not None:
+            self._give_back()
+        if loop is not None:
+            self._take(loop)
+
+    def _take(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._hand_over(watch=False)  # (the thread reads nothing from now on)
+        with self._lock:
+            self._loop, self._loop_thread = loop, threading.get_ident()
+        for conn in self._conns.values():
+            if not conn.gone:
+                loop.add_reader(conn.sock.fileno(), self._loop_read, conn)
+                if conn.writing:  # (asked of the thread before it let go)
+                    loop.add_writer(conn.sock.fileno(), self._loop_flush, conn)
+
+    def _give_back(self) -> None:
+        self._leave_loop()
+        self._hand_over(watch=True)
+
+    def _leave_loop(self) -> None:
+        """The loop no longer reads nor flushes the links (it may be closed already)."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        for conn in self._conns.values():
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                loop.remove_reader(conn.sock.fileno())
+                loop.remove_writer(conn.sock.fileno())
+
+    def _hand_over(self, watch: bool) -> None:
+        """Have the link thread stop (``watch`` False) or start again watching the sockets,
+        and wait until it has (bounded: a thread that stopped is the links' failure)."""
+        done = threading.Event()
+        with self._lock:
+            self._handovers.append((watch, done))
+        self._poke_thread()
+        if not done.wait(CONNECT_TIMEOUT_S) and self._thread.is_alive():
+            raise OverlapRuntimeError(f"rank {self.rank}'s link thread did not answer")
+
+    def _loop_read(self, conn: _Conn) -> None:
+        try:
+            self._read(conn)
+        except Exception as exc:  # (a bad frame: that link only)
+            log.exception("rank %d: link to rank %d failed", self.rank, conn.peer)
+            self._broken(conn, exc)
+
+    def _loop_flush(self, conn: _Conn) -> None:
+        self._flush(conn)
+
+    def _loop_watch_write(self, loop: asyncio.AbstractEventLoop, conn: _Conn) -> None:
+        if self._loop is loop and conn.writing and not conn.gone:  # (else: handed back)
+            loop.add_writer(conn.sock.fileno(), self._loop_flush, conn)
+
+    def wait_landing(self, landed: threading.Event, timeout: float) -> None:
+        """Wait (at most ``timeout``) for ``landed``, set when a message has landed. On the
+        thread of the loop that reads the links, nothing else would read it: read here."""
+        if self._loop is None or threading.get_ident() != self._loop_thread:
+            landed.wait(timeout)
+            return
+        deadline = time.perf_counter() + timeout
+        while not landed.is_set() and (left := deadline - time.perf_counter()) > 0:
+            socks = {c.sock: c for c in self._conns.values() if not c.gone}
+            if not socks:
+                return
+            ready, _, _ = select.select(list(socks), [], [], min(left, 0.05))
+            for sock in ready:
+                self._loop_read(socks[sock])
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -546,6 +672,7 @@ class HostLinks:
         if self._closing:
             return
         self._closing = True
+        self._leave_loop()
         self._poke_thread()
         self._thread.join(timeout)
         self._fail_all(None)  # (no request is left waiting for a thread that is gone)

@@ -39,6 +39,10 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
 - ``slow OUT``: a resharding call from a device of rank 0 to one of rank 1 in four pieces,
   whose sends each start 0.7 s late (2.8 s in all, past the 2 s timeout; no op near it), then a
   call among every rank, which ranks 2 and 3 reach long before 0 and 1.
+- ``switch OUT``: resharding calls between rank 0's devices and rank 1's, alternately
+  ``reshard_sync`` (whose loop reads the host links) and ``reshard`` awaited on loops of
+  ``asyncio.run`` (the link thread reads them); each rank saves what it received and who
+  read its links last.
 - ``helpers OUT on|off``: the toy pipeline (1f1b, two steps) with the MPI backend's helpers on
   or off; each rank also saves, per stepped transfer, whether a compute thread took its first
   and its last step (``threads``).
@@ -259,6 +263,16 @@ def main() -> int:
             rt.run_sync(rt.reshard(plan, shards, stream="other"))
         elif mode == "slow":
             saved.update(slow_then_everyone(cluster, rt))
+        elif mode == "switch":
+            import asyncio
+
+            plan, shards = pair_plan(cluster, rt, False)
+            for k in range(7):  # (sync, async, ..., sync)
+                out = (rt.reshard_sync(plan, shards) if k % 2 == 0
+                       else asyncio.run(rt.reshard(plan, shards)))
+                saved.update({f"{k}/{d}": np.asarray(a) for d, a in out.items()})
+            links = rt.backend.dist.links
+            saved["served"] = np.array(links is not None and links._loop is not None)
         elif mode == "pair":
             saved.update(pair_calls(cluster, rt, sys.argv[3:] == ["differ"]))
         elif mode == "helpers":  # which threads start and end the stepped transfers
