@@ -476,3 +476,75 @@ def test_closing_links_a_loop_serves_takes_them_off_the_loop(pair):
         assert not loop.remove_reader(fd)  # (no longer watched)
 
     asyncio.run(main())
+
+
+def test_handing_the_links_back_and_forth_while_threads_send_loses_nothing(pair):
+    """Threads send (small frames and ones that do not fit at once) while the receiving and
+    the sending side's links pass again and again between the link thread and a loop: every
+    message arrives whole, in order."""
+    import asyncio
+
+    a, b = pair
+    n, senders = 12, 3  # (every third frame 6 MiB: more than a socket takes at once)
+    msgs = {(t, k): np.full((1_500_000 if k % 3 == 2 else 2 + k,), t * 1000 + k, np.int32)
+            for t in range(senders) for k in range(n)}
+    got = {key: np.zeros_like(m) for key, m in msgs.items()}
+    recvs = [b.irecv(7, 0, t, got[t, k]) for t in range(senders) for k in range(n)]
+
+    def send(t: int) -> None:
+        for k in range(n):
+            a.isend(7, 1, t, msgs[t, k])
+            time.sleep(0.001)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        threads = [threading.Thread(target=send, args=(t,)) for t in range(senders)]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + BOUND_S
+        flip = 0
+        while not all(r.Test() for r in recvs) and time.monotonic() < deadline:
+            flip += 1
+            a.serve(loop if flip % 2 else None)
+            b.serve(None if flip % 3 else loop)
+            await asyncio.sleep(0.002)
+        for th in threads:
+            th.join(BOUND_S)
+        a.serve(None)
+        b.serve(None)
+
+    asyncio.run(main())
+    assert all(r.Test() for r in recvs)
+    assert all(got[key].tobytes() == m.tobytes() for key, m in msgs.items())
+
+
+@pytest.mark.parametrize("to_loop", [True, False], ids=["thread-to-loop", "loop-to-thread"])
+def test_a_send_left_half_written_is_finished_by_the_side_the_links_pass_to(pair, to_loop):
+    """A send that did not fit is still being written when the links change hands (to a
+    loop, or back to the link thread): the new side writes the rest."""
+    import asyncio
+
+    a, b = pair
+    big = np.arange(3 << 20, dtype=np.uint32)  # 12 MiB: more than the socket takes
+    got = np.zeros_like(big)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        idle = asyncio.new_event_loop()  # (b's reader meanwhile: nobody reads)
+        b.serve(idle)
+        a.serve(None if to_loop else loop)
+        recv = b.irecv(2, 0, 5, got)
+        send = a.isend(2, 1, 5, big)
+        await asyncio.sleep(0.01)
+        assert not send.Test()  # (half written: the peer reads nothing)
+        a.serve(loop if to_loop else None)  # the hand-over, the rest still to write
+        b.serve(None)  # (b's link thread reads again)
+        idle.close()
+        deadline = time.monotonic() + BOUND_S
+        while not (send.Test() and recv.Test()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert send.Test() and recv.Test()
+        a.serve(None)
+
+    asyncio.run(main())
+    assert got.tobytes() == big.tobytes()
