@@ -393,33 +393,6 @@ def test_a_loop_that_serves_the_links_completes_receives_on_its_own_thread(pair)
     asyncio.run(main())
 
 
-def test_sends_that_do_not_fit_are_flushed_by_the_serving_loop(pair):
-    """A send larger than the socket takes at once: the loop that serves the links writes
-    the rest as the peer reads it (the link thread no longer watches the socket)."""
-    import asyncio
-
-    a, b = pair
-    big = np.arange(4 << 20, dtype=np.uint32)  # 16 MiB: many socket buffers
-    got = np.zeros_like(big)
-
-    async def main() -> None:
-        a.serve(asyncio.get_running_loop())
-        idle = asyncio.new_event_loop()  # (b's reader until the send is posted: nobody reads)
-        b.serve(idle)
-        recv = b.irecv(2, 0, 5, got)
-        send = a.isend(2, 1, 5, big)
-        assert not send.Test()  # (the rest waits for room)
-        b.serve(None)  # (b's link thread reads again)
-        idle.close()
-        deadline = time.monotonic() + BOUND_S
-        while not (send.Test() and recv.Test()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
-        assert send.Test() and recv.Test()
-
-    asyncio.run(main())
-    assert got.tobytes() == big.tobytes()
-
-
 def test_waiting_out_a_cancelled_landing_on_the_serving_loop_reads_the_rest_itself():
     """A receive cancelled while its message lands waits for its bytes (``Wait``). On the
     thread of the loop that serves the links nothing else would read them: the wait reads
@@ -518,10 +491,12 @@ def test_handing_the_links_back_and_forth_while_threads_send_loses_nothing(pair)
     assert all(got[key].tobytes() == m.tobytes() for key, m in msgs.items())
 
 
-@pytest.mark.parametrize("to_loop", [True, False], ids=["thread-to-loop", "loop-to-thread"])
-def test_a_send_left_half_written_is_finished_by_the_side_the_links_pass_to(pair, to_loop):
-    """A send that did not fit is still being written when the links change hands (to a
-    loop, or back to the link thread): the new side writes the rest."""
+@pytest.mark.parametrize("before, after", [("loop", "loop"), ("thread", "loop"),
+                                           ("loop", "thread")])
+def test_a_send_that_does_not_fit_is_finished_by_whoever_reads_the_links(pair, before, after):
+    """A send larger than the socket takes at once: the rest is written by the side that
+    serves the links — the loop, or the link thread — also when they change hands while it
+    is half written."""
     import asyncio
 
     a, b = pair
@@ -530,14 +505,15 @@ def test_a_send_left_half_written_is_finished_by_the_side_the_links_pass_to(pair
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        reader = {"loop": loop, "thread": None}
         idle = asyncio.new_event_loop()  # (b's reader meanwhile: nobody reads)
         b.serve(idle)
-        a.serve(None if to_loop else loop)
+        a.serve(reader[before])
         recv = b.irecv(2, 0, 5, got)
         send = a.isend(2, 1, 5, big)
         await asyncio.sleep(0.01)
         assert not send.Test()  # (half written: the peer reads nothing)
-        a.serve(loop if to_loop else None)  # the hand-over, the rest still to write
+        a.serve(reader[after])  # (a hand-over, the rest still to write, or none)
         b.serve(None)  # (b's link thread reads again)
         idle.close()
         deadline = time.monotonic() + BOUND_S
