@@ -1141,8 +1141,7 @@ class CpuBackend:
         wait bounds it."""
         if b.category == "compute" or self.dist is None:
             return b.since
-        agreed = self.dist.agreed_at
-        return time.perf_counter() if agreed is None else max(b.since, agreed)
+        return self.dist.bound_start(b.since)
 
     def abandon(self, stuck: Sequence[Busy], reason: str) -> None:
         """Give up the threads of ``stuck`` streams (see ``CpuStream._abandon``)."""

@@ -124,6 +124,7 @@ class Distributed:
         self.comm = comm  # COMM_WORLD: data planes Dup their communicators from it
         # Collective over every rank, in the same order everywhere (main thread).
         self.runtime_comm = comm.Dup()
+        self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))  # (the same on its Dups)
         self.broken: BaseException | None = None
         self.calls = 0  # the runtime's call counter (the control thread reports it to peers)
         self.members = self.everyone  # the ranks the latest call needs (see ``agree``)
@@ -160,9 +161,13 @@ class Distributed:
         agreement), not before — a rank outside a call goes on to the next one and posts its
         receives while the call's members may be busy there a long time (their own waits
         bound that call); until the agreement, the agreement's wait bounds this one."""
+        self.check(what, self.bound_start(started), who, peer)
+
+    def bound_start(self, started: float) -> float:
+        """When the time bound of a transfer that began at ``started`` starts: once every
+        member of the call was known to be in it (``agreed_at``; not yet: now)."""
         agreed = self.agreed_at
-        self.check(what, time.perf_counter() if agreed is None else max(started, agreed), who,
-                   peer)
+        return time.perf_counter() if agreed is None else max(started, agreed)
 
     # ---- the runtime's own messages (main thread / event loop) ---------------------------
 
@@ -301,7 +306,7 @@ class Distributed:
         members need no communicator of their own)."""
         others = [r for r in members if r != self.rank]
         if self.links is not None and all(self.links.has(r) for r in others):
-            return self._gather_linked(channel, call, members, mine, every)
+            return self._gather_linked(channel, call, members, others, mine, every)
         if len(members) == self.world.size:
             return self.runtime_comm.Iallgather(mine, every)
         comm, tag = self.runtime_comm, self._p2p_tag(channel, call)
@@ -313,11 +318,11 @@ class Distributed:
         """An MPI tag for a round among some ranks: the call number (wrapped below the MPI's
         tag bound) and which round of the call."""
         kinds = (AGREE_CHANNEL, DONE_CHANNEL)
-        span = max(1, (int(self.runtime_comm.Get_attr(self.MPI.TAG_UB)) + 1) // len(kinds))
+        span = max(1, (self.tag_ub + 1) // len(kinds))
         return (call % span) * len(kinds) + kinds.index(channel)
 
     def _gather_linked(self, channel: int, call: int, members: tuple[int, ...],
-                       mine: np.ndarray, every: np.ndarray) -> _LinkRound:
+                       others: list[int], mine: np.ndarray, every: np.ndarray) -> _LinkRound:
         """:meth:`gather_round` over host links. Two members swap rows (one hop). More
         gather through one member — the hub, which changes with the ``call`` number so that
         no rank carries every call's load: the others send theirs to the hub and receive
@@ -327,7 +332,6 @@ class Distributed:
         links = self.links
         assert links is not None
         tag = call % _TAGS
-        others = [r for r in members if r != self.rank]
         if len(others) == 1:
             peer = others[0]
             return _LinkRound([links.isend(channel, peer, tag, mine)],

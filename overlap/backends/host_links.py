@@ -123,7 +123,7 @@ class _Conn:
         self.target: LinkRequest | None = None  # the receive it lands in (None: unexpected)
         self.out: deque[tuple[list[memoryview], LinkRequest]] = deque()  # sends in flight
         self.wlock = threading.Lock()  # frames are written whole, in order
-        self.writing = False  # the link thread watches it for room to write
+        self.writing = False  # its reader watches it for room to write
         self.closed: str | None = None  # why the peer cannot be written to
         self.gone = False  # its reader stopped watching it (the peer closed, or a bad frame)
         self.sent = 0  # messages sent (under wlock)
@@ -346,17 +346,23 @@ class HostLinks:
                     if conn is None:
                         self._drain_pokes()
                         continue
-                    try:
-                        if mask & selectors.EVENT_READ:
-                            self._read(conn)
-                        if mask & selectors.EVENT_WRITE:
-                            self._flush(conn)
-                    except Exception as exc:  # (a bad frame: that link only)
-                        log.exception("rank %d: link to rank %d failed", self.rank, conn.peer)
-                        self._broken(conn, exc)
+                    self._on_ready(conn, bool(mask & selectors.EVENT_READ),
+                                   bool(mask & selectors.EVENT_WRITE))
         except BaseException as exc:  # a bug here must not pass for a silent link
             self.failure = exc
             self._fail_all(exc)
+
+    def _on_ready(self, conn: _Conn, readable: bool, writable: bool) -> None:
+        """``conn``'s socket has bytes to read or room to write (its reader's callback: the
+        link thread's, or the serving loop's)."""
+        try:
+            if readable:
+                self._read(conn)
+            if writable:
+                self._flush(conn)
+        except Exception as exc:  # (a bad frame: that link only)
+            log.exception("rank %d: link to rank %d failed", self.rank, conn.peer)
+            self._broken(conn, exc)
 
     def _drain_pokes(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -577,9 +583,7 @@ class HostLinks:
         conn.gone = True
         loop = self._loop
         if loop is not None:
-            with contextlib.suppress(RuntimeError, ValueError, OSError):
-                loop.remove_reader(conn.sock.fileno())
-                loop.remove_writer(conn.sock.fileno())
+            _off_loop(loop, conn)
             return
         with contextlib.suppress(KeyError, ValueError):  # (unregistered already)
             self._sel.unregister(conn.sock)
@@ -607,9 +611,9 @@ class HostLinks:
             self._loop, self._loop_thread = loop, threading.get_ident()
         for conn in self._conns.values():
             if not conn.gone:
-                loop.add_reader(conn.sock.fileno(), self._loop_read, conn)
+                loop.add_reader(conn.sock.fileno(), self._on_ready, conn, True, False)
                 if conn.writing:  # (asked of the thread before it let go)
-                    loop.add_writer(conn.sock.fileno(), self._loop_flush, conn)
+                    loop.add_writer(conn.sock.fileno(), self._on_ready, conn, False, True)
 
     def _give_back(self) -> None:
         self._leave_loop()
@@ -622,9 +626,7 @@ class HostLinks:
         if loop is None:
             return
         for conn in self._conns.values():
-            with contextlib.suppress(RuntimeError, ValueError, OSError):
-                loop.remove_reader(conn.sock.fileno())
-                loop.remove_writer(conn.sock.fileno())
+            _off_loop(loop, conn)
 
     def _hand_over(self, watch: bool) -> None:
         """Have the link thread stop (``watch`` False) or start again watching the sockets,
@@ -636,19 +638,9 @@ class HostLinks:
         if not done.wait(CONNECT_TIMEOUT_S) and self._thread.is_alive():
             raise OverlapRuntimeError(f"rank {self.rank}'s link thread did not answer")
 
-    def _loop_read(self, conn: _Conn) -> None:
-        try:
-            self._read(conn)
-        except Exception as exc:  # (a bad frame: that link only)
-            log.exception("rank %d: link to rank %d failed", self.rank, conn.peer)
-            self._broken(conn, exc)
-
-    def _loop_flush(self, conn: _Conn) -> None:
-        self._flush(conn)
-
     def _loop_watch_write(self, loop: asyncio.AbstractEventLoop, conn: _Conn) -> None:
         if self._loop is loop and conn.writing and not conn.gone:  # (else: handed back)
-            loop.add_writer(conn.sock.fileno(), self._loop_flush, conn)
+            loop.add_writer(conn.sock.fileno(), self._on_ready, conn, False, True)
 
     def wait_landing(self, landed: threading.Event, timeout: float) -> None:
         """Wait (at most ``timeout``) for ``landed``, set when a message has landed. On the
@@ -663,7 +655,7 @@ class HostLinks:
                 return
             ready, _, _ = select.select(list(socks), [], [], min(left, 0.05))
             for sock in ready:
-                self._loop_read(socks[sock])
+                self._on_ready(socks[sock], True, False)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -683,6 +675,13 @@ class HostLinks:
             self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _off_loop(loop: asyncio.AbstractEventLoop, conn: _Conn) -> None:
+    """``loop`` no longer watches ``conn`` (it may be closed already)."""
+    with contextlib.suppress(RuntimeError, ValueError, OSError):
+        loop.remove_reader(conn.sock.fileno())
+        loop.remove_writer(conn.sock.fileno())
 
 
 def _address(token: str, rank: int) -> str:

@@ -123,7 +123,7 @@ class MpiBackend(CpuBackend):
         self.MPI = self.dist.MPI
         comm = self.dist.comm
         self.chunk_bytes = chunk_bytes
-        self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))
+        self.tag_ub = self.dist.tag_ub
         # Collective over every rank, in the same order everywhere (main thread).
         # The data plane's links (None: every byte over MPI; mpi_step_profile.py turns them
         # off step by step to compare — the runtime's rounds keep dist.links).
