@@ -501,9 +501,7 @@ def pair_plan(cluster: Cluster, rt: Runtime, differ: bool):
     src = Sharding(cluster.mesh([0]), P("gpu"))
     dst = Sharding(cluster.mesh([1]), P(None, "gpu") if differ and rt.world.rank == 1 else P())
     plan = plan_resharding((64, 8), "float32", src, dst, cluster)
-    full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
-    return plan, {d: full[tuple(slice(a, b) for a, b in r)]
-                  for d, r in src.device_regions((64, 8)).items() if d in rt.local_devices}
+    return plan, arange_shards(plan, rt.local_devices)
 
 
 def pair_calls(cluster: Cluster, rt: Runtime, differ: bool) -> dict[str, np.ndarray]:
