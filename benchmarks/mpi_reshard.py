@@ -73,10 +73,14 @@ def scaled(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 
 def barrier(comm) -> None:
     """A barrier that sleeps while it waits: MPICH's blocking calls spin, and ranks spinning
-    in a barrier would take the cores (2 here, 4 ranks) from the ranks being measured."""
+    in a barrier would take the cores (2 here, 4 ranks) from the ranks being measured. The
+    sleeps grow (50 us, doubling to 1 ms): a rank done early (one outside the call measured)
+    that tested every 50 us took a fifth of a core from the two ranks still at work."""
     req = comm.Ibarrier()
+    nap = 50e-6
     while not req.Test():
-        time.sleep(50e-6)
+        time.sleep(nap)
+        nap = min(2 * nap, 1e-3)
 
 
 def interleaved(variants: dict, comm) -> dict[str, float]:
@@ -318,8 +322,9 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, floa
     b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
     tiny = plan_resharding((2,), "float64", a, b, cluster)
     tiny_shards = {0: np.ones(2)} if rt.backend.is_local(0) else {}
-    per_call = median_time(lambda: [rt.reshard_sync(tiny, tiny_shards) for _ in range(50)],
-                           comm) / 50
+    # (200 calls a sample: the closing barrier's wake-up, up to a millisecond, is 2% of it)
+    per_call = median_time(lambda: [rt.reshard_sync(tiny, tiny_shards) for _ in range(200)],
+                           comm) / 200
     mesh = DeviceMesh(np.arange(16).reshape(4, 4), ("host", "gpu"))
     many = plan_resharding((16, 16), "float64", Sharding(mesh, ShardingSpec("host", "gpu")),
                            Sharding(mesh, ShardingSpec("gpu", "host")), cluster,

@@ -732,7 +732,7 @@ class Runtime:
             raise
         verdict = None
         if check is not None:
-            check.hurry_after(events)
+            check.hurry_after(events, self.backend.events_end_work)
             verdict = asyncio.ensure_future(check.wait())
         try:
             try:
@@ -752,6 +752,8 @@ class Runtime:
                 # success while a peer's part failed (it learns of it here, by notice).
                 await check.finish()
         except BaseException as exc:
+            if check is not None:
+                check.abandon()
             cancelled = not isinstance(exc, Exception)
             root = self._root_cause(exc)
             if self.world.distributed:

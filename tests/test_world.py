@@ -494,3 +494,83 @@ def test_a_linked_round_gathers_among_the_calls_members_only(call, members):
     finally:
         for lk in links:
             lk.close()
+
+
+def _linked_pair(aborted: bool = False, linked: bool = True):
+    """Two ranks' Distributed (fakes but their host links: a socket pair)."""
+    import socket
+
+    from overlap.backends.distributed import Distributed
+    from overlap.backends.host_links import HostLinks
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    links = [HostLinks(0, {1: a}), HostLinks(1, {0: b})]
+    dists = []
+    for r in range(2):
+        dist = object.__new__(Distributed)
+        dist.rank, dist.links = r, links[r] if linked else None
+        dist.world = type("World", (), {"size": 2})()
+        dist.backend = type("Backend", (), {"abort_reason": "stop" if aborted else None})()
+        dists.append(dist)
+    return dists, links
+
+
+@pytest.mark.parametrize("case", ["ended", "launched only", "failed", "aborted", "collective"])
+def test_the_end_of_call_row_goes_from_the_thread_that_ends_the_work(case):
+    """Where an event's completion is its work's end (the host backends), the end-of-call
+    round is posted by whoever completes the call's last event — a peer waiting for this
+    rank's row is not kept waiting until this rank's event loop runs. Not where completion
+    is a launch (CUDA), nor when an event failed or the work was aborted (the round would
+    only be taken back), nor for an MPI collective (posted in one order, from the loop)."""
+    import threading
+
+    from overlap.backends.cpu import CpuEvent
+    from overlap.backends.distributed import AGREE_CHANNEL, Agreement
+
+    dists, links = _linked_pair(aborted=case == "aborted", linked=case != "collective")
+    try:
+        posted = []
+        if case == "collective":  # (no MPI here: the rounds it would post, recorded)
+            dists[0].gather_round = lambda channel, *a: posted.append(channel) or _Pending(1)
+        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
+        sent = links[0].frames_sent
+        ev, other = CpuEvent("lane end"), CpuEvent("other lane end")
+        check.hurry_after([ev, other], ended=case != "launched only")
+        ev._complete()
+        assert check._done is None and links[0].frames_sent == sent  # (one lane still busy)
+        other._complete(RuntimeError("op failed") if case == "failed" else None)
+        assert check._hurry.is_set()
+        if case != "ended":
+            assert check._done is None and links[0].frames_sent == sent
+            assert posted == ([AGREE_CHANNEL] if case == "collective" else [])
+            return
+        assert check._done is not None and links[0].frames_sent == sent + 1
+        peer = Agreement(dists[1], b"x" * 32, "reshard", 3, (0, 1))
+        peer.post_done()
+        for c in (check, peer):  # (each round over once the other's row lands)
+            landed = threading.Event()
+            c._done.arm(landed.set)
+            assert c._done.Test() or landed.wait(10.0)
+        check.post_done()  # (finish: posted already, not twice)
+        assert links[0].frames_sent == sent + 1
+    finally:
+        for lk in links:
+            lk.close()
+
+
+def test_a_failed_call_takes_back_its_end_of_call_round():
+    """A call that fails after its end-of-call row went (its work ended here, a peer's
+    failed): the round's receive is taken back, not left posted on the link."""
+    dists, links = _linked_pair()
+    from overlap.backends.distributed import Agreement
+
+    try:
+        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
+        check.post_done(early=True)
+        recv = check._done._recvs[0]
+        assert not recv.cancelled
+        check.abandon()
+        assert recv.cancelled
+    finally:
+        for lk in links:
+            lk.close()

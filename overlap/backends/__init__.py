@@ -60,6 +60,7 @@ class Backend(Protocol):
     placement: Placement | None
     rank: int
     dist: Distributed | None
+    events_end_work: bool  # an event completes when its work is done (not just launched)
 
     def stream(self, device: int, name: str = "compute") -> Stream: ...
     def streams(self) -> list[Any]: ...

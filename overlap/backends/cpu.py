@@ -854,6 +854,10 @@ class CpuBackend:
     # its stepped ops (see ``CpuStream.launch``): only a backend that launches stepped ops
     # gains from it (the MPI one); elsewhere every stream runs on its own thread only.
     helping = False
+    # Whether an event completes when its stream's work up to it is done (here: the host
+    # ran it), so that a callback on the call's end events may tell peers the work ended
+    # (``Agreement.hurry_after``). Not on CUDA, where it completes once launched.
+    events_end_work = True
 
     def current_stream(self) -> Any:
         """The native stream of the calling op (None: CPU streams are threads)."""

@@ -198,6 +198,7 @@ class CudaBackend(CpuBackend):
     """Virtual devices on CUDA GPUs (see module doc)."""
 
     name = "cuda"
+    events_end_work = False  # (an event completes when launched; the GPU passes it later)
     stream_class = CudaStream
 
     def __init__(self, num_devices: int, *, timeout: float = 30.0,

@@ -305,7 +305,7 @@ class Distributed:
         to point among the members otherwise (an all-to-all: one hop, no forwarding, and the
         members need no communicator of their own)."""
         others = [r for r in members if r != self.rank]
-        if self.links is not None and all(self.links.has(r) for r in others):
+        if self._linked(others):
             return self._gather_linked(channel, call, members, others, mine, every)
         if len(members) == self.world.size:
             return self.runtime_comm.Iallgather(mine, every)
@@ -313,6 +313,17 @@ class Distributed:
         return _MpiRound([comm.Isend(mine, dest=r, tag=tag) for r in others],
                          [comm.Irecv(every[r], source=r, tag=tag) for r in others],
                          self.MPI)
+
+    def collective_round(self, members: tuple[int, ...]) -> bool:
+        """Whether :meth:`gather_round` among ``members`` is an MPI collective (an
+        ``Iallgather`` on the runtime's communicator), which every rank must post in the same
+        order as its other collectives there — so from one thread, the event loop."""
+        return (not self._linked([r for r in members if r != self.rank])
+                and len(members) == self.world.size)
+
+    def _linked(self, others: list[int]) -> bool:
+        """Whether a host link joins this rank to every one of ``others``."""
+        return self.links is not None and all(self.links.has(r) for r in others)
 
     def _p2p_tag(self, channel: int, call: int) -> int:
         """An MPI tag for a round among some ranks: the call number (wrapped below the MPI's
@@ -470,29 +481,62 @@ class Agreement:
         self._hurry = threading.Event()
         self._hurried_at = 0
         self._req = dist.gather_round(AGREE_CHANNEL, call, members, self._mine, self._every)
+        self._done: Any = None  # the end-of-call round, once posted (see ``post_done``)
+        self._done_lock = threading.Lock()
+        self._flags = np.zeros((dist.world.size, 1), np.uint8)
+        self._flags[dist.rank] = _DONE
 
     def hurry(self) -> None:
         """The call's work has ended (or failed): poll at the normal backoff from now on."""
         self._hurry.set()
 
-    def hurry_after(self, events: Sequence[Any]) -> None:
+    def hurry_after(self, events: Sequence[Any], ended: bool = False) -> None:
         """:meth:`hurry` as soon as every one of ``events`` completes or fails, from the
         thread that completes the last one (not by way of the event loop: one thread hop
-        fewer at the end of every call)."""
+        fewer at the end of every call). ``ended``: an event's completion is its work's end
+        (the host backends; on CUDA it is its launch) — then, if every one succeeded, this
+        rank's row of the end-of-call round goes from that thread too (:meth:`post_done`):
+        a peer waiting for it is not kept waiting until this rank's event loop has run."""
         left = [len(events)]
+        failed = [False]
         lock = threading.Lock()
 
-        def one(_: Any) -> None:
+        def one(ev: Any) -> None:
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
+                failed[0] = failed[0] or ev.error is not None
             if last:
                 self.hurry()
+                if ended and not failed[0]:
+                    self.post_done(early=True)
 
         if not events:
             self.hurry()
         for ev in events:
             ev.add_done_callback(one)
+
+    def post_done(self, early: bool = False) -> None:
+        """Post this rank's row of the end-of-call round (once; any thread). ``early``: from
+        the thread that completed the call's work, where the round may go from any thread:
+        not an MPI collective (those must be posted in one order on every rank, and the
+        runtime's come from its event loop) and not after an abort (then the work failed
+        here or elsewhere, and the round would only be cancelled)."""
+        d = self.dist
+        if early and (d.backend.abort_reason is not None or d.collective_round(self.members)):
+            return
+        with self._done_lock:
+            if self._done is None:
+                self._done = d.gather_round(DONE_CHANNEL, self.call, self.members, _DONE,
+                                            self._flags)
+
+    def abandon(self) -> None:
+        """The call failed: take back the end-of-call round's receives if it was posted (the
+        rows of the agreement were waited for, or taken back, by :meth:`wait`)."""
+        with self._done_lock:
+            done = self._done
+        if done is not None:
+            _cancel([done])
 
     def _pause(self, attempt: int) -> None:
         if not self._hurry.is_set():
@@ -515,10 +559,8 @@ class Agreement:
         work, so past the timeout it waits on while every member says it is inside this
         call (an op stuck there is that rank's to find)."""
         d = self.dist
-        flags = np.zeros((d.world.size, 1), np.uint8)
-        flags[d.rank] = _DONE
-        done = d.gather_round(DONE_CHANNEL, self.call, self.members, _DONE, flags)
-        await d.wait_round(done, f"{self.what}: every rank's work", patient=True,
+        self.post_done()  # (unless posted already, as the work ended)
+        await d.wait_round(self._done, f"{self.what}: every rank's work", patient=True,
                            among=self.members)
 
     async def wait(self) -> None:
