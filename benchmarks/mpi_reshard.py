@@ -334,7 +334,8 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, floa
     many_shards = {d: full[tuple(slice(x, y) for x, y in r)].copy()
                    for d, r in many.src.device_regions((16, 16)).items()
                    if rt.backend.is_local(d)}
-    per_transfer = median_time(lambda: rt.reshard_sync(many, many_shards), comm) / crossing
+    per_transfer = median_time(lambda: [rt.reshard_sync(many, many_shards) for _ in range(20)],
+                               comm) / 20 / crossing
     return per_call, per_transfer, crossing, {
         "tiny call": call_profile(rt, tiny, tiny_shards),
         f"{len(many.transfers)}-transfer call": call_profile(rt, many, many_shards, 200)}
