@@ -79,7 +79,7 @@ _MISSING = object()
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine on a new event loop — uvloop's when it is installed — then close it."""
+    """Run a coroutine on a new event loop (see ``_new_loop``), then close it."""
     loop = _SyncLoop()
     try:
         return loop.run(coro, "overlap.run")
@@ -88,6 +88,14 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
+    """The loop for synchronous calls made on this thread: uvloop's, but on the main thread,
+    where uvloop arms its signal wake-up at every run (a socket pair, ``set_wakeup_fd``, a
+    watch on it, then all undone: ~12 µs each call of every process, twice stock asyncio's
+    whole run; 10 % of a tiny cross-process call, docs/benchmarks.md). There stock asyncio's
+    loop: a Ctrl-C interrupts its wait as any system call (EINTR), and a whole training step
+    takes as long on either (measured)."""
+    if threading.current_thread() is threading.main_thread():
+        return asyncio.new_event_loop()
     try:
         import uvloop
     except ImportError:

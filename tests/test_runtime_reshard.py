@@ -450,6 +450,33 @@ def test_sync_calls_share_one_loop_that_close_shuts():
     assert rt._sync._loop is None  # no loop made for a refused call
 
 
+def test_the_sync_loop_is_uvloops_except_on_the_main_thread():
+    """uvloop arms its signal wake-up at every run on the main thread (a socket pair,
+    ``set_wakeup_fd``, undone after: ~12 µs a call): the sync calls' loop there is stock
+    asyncio's; made by a call on another thread, uvloop's. Both deliver."""
+    import asyncio
+    import threading
+
+    uvloop = pytest.importorskip("uvloop")
+    plan = fixed_plan()
+    glob = global_array(SHAPE)
+    loops = {}
+
+    def call(where: str) -> None:
+        with Runtime(CLUSTER, timeout=SETTLE_S) as rt:
+            out = rt.reshard_sync(plan, cut_shards(glob, SRC))
+            loops[where] = type(rt._sync.loop)
+            assert_delivered(out, glob, DST, where)
+
+    call("main thread")
+    worker = threading.Thread(target=call, args=("worker thread",))
+    worker.start()
+    worker.join(60)
+    assert issubclass(loops["main thread"], asyncio.BaseEventLoop)
+    assert not issubclass(loops["main thread"], uvloop.Loop)
+    assert issubclass(loops["worker thread"], uvloop.Loop)
+
+
 def test_transfer_after_orders_senders_that_share_no_device():
     """A plan's ``after`` is kept even when only it orders two transfers (different senders,
     different receivers): the second's sender starts once the first has ended."""
