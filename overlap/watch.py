@@ -29,6 +29,7 @@ from scheduler import Compute, StepGraph
 
 from .backends.cpu import STOP_GRACE_S, Busy
 from .errors import DeviceThreadLost, StageTimeout
+from .loop_calls import call_soon_any_thread
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -142,7 +143,7 @@ async def _all_ended(backend: Backend, events: Sequence[Any], graph: StepGraph |
             last = left[0] == 0
         if last or ev.error is not None:
             with contextlib.suppress(RuntimeError):  # (the loop closed: nobody waits now)
-                loop.call_soon_threadsafe(wake)
+                call_soon_any_thread(loop, wake)
 
     for ev in events:
         ev.add_done_callback(one)

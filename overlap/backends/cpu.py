@@ -45,6 +45,7 @@ from ..errors import (
     OverlapRuntimeError,
     StreamError,
 )
+from ..loop_calls import call_soon_any_thread
 from ..nvtx import range_end, range_start
 from ..world import Placement
 
@@ -131,7 +132,7 @@ class CpuEvent:
             def wake(_: CpuEvent) -> None:
                 # A closed loop means nobody awaits this any more.
                 with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                    call_soon_any_thread(loop, lambda: fut.done() or fut.set_result(None))
 
             self.add_done_callback(wake)
             await fut

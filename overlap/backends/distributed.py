@@ -31,6 +31,7 @@ from ..errors import (
     CollectiveTimeout,
     RankFailed,
 )
+from ..loop_calls import call_soon_any_thread
 from ..world import Placement, World, describe, mpi_world_comm
 from .host_links import HostLinks, LinkRequest
 
@@ -370,7 +371,7 @@ class Distributed:
 
         def wake() -> None:
             with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
-                loop.call_soon_threadsafe(ready.set)
+                call_soon_any_thread(loop, ready.set)
 
         round_.arm(wake)
         started = time.perf_counter()

@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
+from ..loop_calls import call_soon_any_thread
 
 log = logging.getLogger("overlap")
 
@@ -313,7 +314,7 @@ class HostLinks:
             self._poke_thread()
             return
         with contextlib.suppress(RuntimeError):  # (the loop closed: close() follows)
-            loop.call_soon_threadsafe(self._loop_watch_write, loop, conn)
+            call_soon_any_thread(loop, self._loop_watch_write, loop, conn)
 
     def _ended(self) -> CollectiveAborted:
         why = ("closed" if self.failure is None
