@@ -126,16 +126,18 @@ async def _all_ended(backend: Backend, events: Sequence[Any], graph: StepGraph |
     for hung ops every ``tick``. The event loop is woken once, by the last of them (or the
     first failure), not once per event: each wake-up from another thread costs tens of
     microseconds of CPU on a busy machine, a call has an event per lane."""
-    if not events:
-        return
+    if all(ev.done() or ev.error is not None for ev in events):
+        return  # (ended during the launch: no future, no timer, no pass of the loop)
     loop = asyncio.get_running_loop()
-    ended = loop.create_future()
     left = [len(events)]
     lock = threading.Lock()
+    # Completed by the last event (or the first failure), else by the tick: a future and a
+    # timer a look, not asyncio.wait's sets and callbacks (twice the cost, every call).
+    waiter = [loop.create_future()]
 
     def wake() -> None:
-        if not ended.done():
-            ended.set_result(None)
+        if not waiter[0].done():
+            waiter[0].set_result(None)
 
     def one(ev: Any) -> None:
         with lock:
@@ -147,9 +149,14 @@ async def _all_ended(backend: Backend, events: Sequence[Any], graph: StepGraph |
 
     for ev in events:
         ev.add_done_callback(one)
-    while not ended.done():
-        await asyncio.wait((ended,), timeout=tick)
-        if not ended.done():
+    while left[0] > 0 and not any(ev.error is not None for ev in events):
+        tick_handle = loop.call_later(tick, wake)
+        try:
+            await waiter[0]
+        finally:
+            tick_handle.cancel()
+        waiter[0] = loop.create_future()
+        if left[0] > 0:
             err = name_hang(backend, graph)
             if err is not None:
                 raise err
