@@ -112,6 +112,29 @@ def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
 
+async def _agreed(check: Agreement, verdict: asyncio.Future[None] | None,
+                  work_failed: bool) -> None:
+    """The call's agreement, once its work has ended: awaited even when the work failed
+    (bounded, while it can complete), because a mismatch — recorded as a failure, the root
+    cause — is the explanation the user needs; raised unless the work failed (its failure is
+    raised then). ``verdict``: the task that polled it alongside the work (MPI), if any."""
+    check.hurry()
+    if verdict is None:
+        try:
+            await check.wait()  # (its rows compared as they landed: at most a wait left)
+        except Exception:
+            if not work_failed:
+                raise
+        return
+    if not verdict.done():
+        await asyncio.wait([verdict])  # (failed work aborted the backend: this ends too)
+    if work_failed:
+        if not verdict.cancelled():
+            verdict.exception()  # retrieved: the work's failure is the one raised
+        return
+    verdict.result()
+
+
 class _SyncLoop:
     """The event loop a runtime's ``*_sync`` methods run on, kept between calls: a new loop
     per call (``asyncio.run``) also makes and joins a new thread pool each time — about 0.4 ms
@@ -731,31 +754,41 @@ class Runtime:
         try:
             events = launch()
         except BaseException as exc:  # e.g. Ctrl-C half-way: stop what was launched
+            interrupted: BaseException | None = None
+            if (check is not None and isinstance(exc, Exception)
+                    and self.backend.abort_reason is not None):
+                # Stopped by another failure (a peer's report, say, of a mismatch this rank
+                # would find too as the rows land): the agreement explains it, if it can.
+                try:
+                    await _agreed(check, None, work_failed=True)
+                except BaseException as again:  # (Ctrl-C meanwhile: raised once stopped)
+                    interrupted = again
             root = exc if not isinstance(exc, Exception) else self._root_cause(exc)
             if self.world.distributed:
                 self._fail_distributed(what, root)
             self._recovery.stop_now(f"{what} interrupted while launching", epoch)
+            if interrupted is not None:
+                raise interrupted from exc
             if root is not exc:  # (a wait there ended by a peer's failure: that failure)
                 raise root from root.__cause__
             raise
         verdict = None
         if check is not None:
             check.hurry_after(events, self.backend.events_end_work)
-            verdict = asyncio.ensure_future(check.wait())
+            # Over MPI a task polls the agreement's round alongside the work (host links
+            # compare its rows as the last one lands: nothing runs meanwhile).
+            if not check.checked_early:
+                verdict = asyncio.ensure_future(check.wait())
         try:
+            failed = True
             try:
                 await wait_all(self.backend, events, graph)
                 self.backend.release_to_caller(events)
+                failed = False
             finally:
-                if verdict is not None:
-                    check.hurry()
-                    if not verdict.done():
-                        # Failed work aborted the backend, which ends the check's wait too.
-                        await asyncio.wait([verdict])
-                    if not verdict.cancelled():
-                        verdict.exception()  # retrieved here even when the work failed first
-            if verdict is not None:
-                verdict.result()
+                if check is not None:
+                    await _agreed(check, verdict, failed)
+            if check is not None:
                 # Every rank's work ended too: a rank whose part finished must not report
                 # success while a peer's part failed (it learns of it here, by notice).
                 await check.finish()

@@ -4,6 +4,7 @@ cannot run (no MPI needed: these never start a multi-process backend)."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 
@@ -510,7 +511,10 @@ def _linked_pair(aborted: bool = False, linked: bool = True):
         dist = object.__new__(Distributed)
         dist.rank, dist.links = r, links[r] if linked else None
         dist.world = type("World", (), {"size": 2})()
-        dist.backend = type("Backend", (), {"abort_reason": "stop" if aborted else None})()
+        dist.backend = type("Backend", (), {"abort_reason": "stop" if aborted else None,
+                                             "failures": []})()
+        dist.backend.note_failure = dist.backend.failures.append
+        dist.agreed_at = None
         dists.append(dist)
     return dists, links
 
@@ -571,6 +575,41 @@ def test_a_failed_call_takes_back_its_end_of_call_round():
         assert not recv.cancelled
         check.abandon()
         assert recv.cancelled
+    finally:
+        for lk in links:
+            lk.close()
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-call", "different-calls"])
+def test_over_host_links_the_agreement_is_settled_by_the_thread_landing_its_rows(same):
+    """No task waits for the agreement's rows over host links: the thread that lands the
+    last one compares them — a mismatch is recorded as the backend's failure (which stops
+    the work at once) before anyone awaits the verdict; the verdict then costs no wait."""
+    import asyncio
+
+    from overlap.backends.distributed import Agreement
+    from overlap.errors import CallMismatch
+
+    dists, links = _linked_pair()
+    try:
+        mine = Agreement(dists[0], b"a" * 32, "reshard: the plan (call 3)", 3, (0, 1))
+        assert mine.checked_early and dists[0].agreed_at is None
+        peer = Agreement(dists[1], (b"a" if same else b"b") * 32, "reshard", 3, (0, 1))
+        for a in (mine, peer):  # (each settled by the link thread as the other's row lands)
+            landed = threading.Event()
+            a._req.when_landed(landed.set)
+            assert landed.wait(10.0)
+        failures = dists[0].backend.failures
+        assert dists[0].agreed_at is not None
+        if same:
+            assert failures == []
+            asyncio.run(mine.wait())
+            return
+        assert [type(f) for f in failures] == [CallMismatch]
+        assert "ranks [1] made a different call than rank 0" in str(failures[0])
+        with pytest.raises(CallMismatch) as got:
+            asyncio.run(mine.wait())  # (no wait_round: Distributed has none of its state)
+        assert got.value is failures[0]
     finally:
         for lk in links:
             lk.close()

@@ -468,7 +468,9 @@ class Agreement:
     posted when the call starts, so it runs alongside the call's work.
 
     A mismatch is also recorded as the backend's failure, so work launched meanwhile stops at
-    once, with it as the root cause."""
+    once, with it as the root cause. Over host links the rows are compared by the thread
+    that lands the last of them (``checked_early``): no task waits for them meanwhile; over
+    MPI a task polls the round (:meth:`wait`)."""
 
     def __init__(self, dist: Distributed, digest: bytes, what: str, call: int,
                  members: tuple[int, ...]) -> None:
@@ -481,9 +483,14 @@ class Agreement:
         self._every[dist.rank] = self._mine
         self._hurry = threading.Event()
         self._hurried_at = 0
+        self._done_lock = threading.Lock()  # (the end-of-call round's, and settling's)
+        self._settled = False
+        self._mismatch: CallMismatch | None = None
         self._req = dist.gather_round(AGREE_CHANNEL, call, members, self._mine, self._every)
+        self.checked_early = isinstance(self._req, _LinkRound)
+        if self.checked_early:
+            self._req.when_landed(self._settle)
         self._done: Any = None  # the end-of-call round, once posted (see ``post_done``)
-        self._done_lock = threading.Lock()
         self._flags = np.zeros((dist.world.size, 1), np.uint8)
         self._flags[dist.rank] = _DONE
 
@@ -570,22 +577,33 @@ class Agreement:
         Programs that differ make the work fail too, here or on another rank, often before
         this round completes: it is still awaited then (bounded, while it can complete),
         because a mismatch is the explanation the user needs, not the failures it caused."""
+        if not self._settled:
+            # Patient: a member may still be inside an earlier call this rank had no part in.
+            await self.dist.wait_round(self._req, self.what, self._can_complete, self._pause,
+                                       patient=True, among=self.members)
+            self._settle()
+        if self._mismatch is not None:
+            raise self._mismatch
+
+    def _settle(self) -> None:
+        """Every row is in (any thread, once): the agreement time, and a mismatch recorded as
+        the backend's failure (which stops the work at once)."""
+        with self._done_lock:
+            if self._settled:
+                return
+            self._settled = True
         b = self.dist
-        # Patient: a member may still be inside an earlier call this rank had no part in.
-        await b.wait_round(self._req, self.what, self._can_complete, self._pause,
-                           patient=True, among=self.members)
         b.agreed_at = time.perf_counter()
         # (Bytes compared: numpy's dispatch costs more than the comparison, every call.)
         mine, rows = self._mine.tobytes(), self._every.tobytes()
         differ = tuple(r for r in self.members if rows[32 * r:32 * r + 32] != mine)
         if differ:
-            err = CallMismatch(
+            self._mismatch = CallMismatch(
                 f"{self.what}: ranks {list(differ)} made a different call than rank {b.rank} "
                 "(every process must make the same runtime calls, in the same order, with the "
                 "same plans and pipelines; a skipped call, or a planner option that depends "
                 "on the process?)", ranks=differ)
-            b.backend.note_failure(err)
-            raise err
+            b.backend.note_failure(self._mismatch)
 
 
 _DONE = np.ones(1, np.uint8)
@@ -604,6 +622,7 @@ class _LinkRound:
         self._lock = threading.Lock()
         self._wake: Callable[[], None] | None = None
         self._then = then
+        self._hooks: list[Callable[[], None]] | None = []  # when_landed's (None: landed)
         self._left = len(recvs) + 1  # (+1: until every request is watched)
         for r in sends:
             r.notify(self._ended)
@@ -624,10 +643,26 @@ class _LinkRound:
         with self._lock:
             self._left -= 1
             last = self._left == 0
+            hooks: list[Callable[[], None]] = []
+            if last:
+                hooks, self._hooks = self._hooks or [], None
         # (A receive failed by its link ends too: no ``then`` for a round with a hole.)
-        if last and self._then is not None and all(r.done for r in self._recvs):
-            self._then()
+        if last and all(r.done for r in self._recvs):
+            if self._then is not None:
+                self._then()
+            for hook in hooks:
+                hook()
         self._ended()
+
+    def when_landed(self, fn: Callable[[], None]) -> None:
+        """``fn()`` once every receive has landed, on the thread that lands the last one —
+        or now, on this one, if they all have."""
+        with self._lock:
+            if self._hooks is not None:
+                self._hooks.append(fn)
+                return
+        if all(r.done for r in self._recvs):
+            fn()
 
     def arm(self, wake: Callable[[], None]) -> None:
         """``wake()`` once every request has completed (from now: a round over already is
