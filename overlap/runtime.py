@@ -678,10 +678,10 @@ class Runtime:
         process that skipped or added a call is named instead of silently matching another
         call's messages.
 
-        Returns the check, already posted: the caller launches its work meanwhile (the check
-        costs a round of messages, not a wait) and passes it to :meth:`_gather`; a mismatch
-        stops the work at once. None where this process has no one to check with (it holds
-        none of the call's devices, or all of them)."""
+        Returns the check, for :meth:`_run_call` to post once it has launched the work (the
+        check costs a round of messages, not a wait; the work's first data goes ahead of it);
+        a mismatch stops the work at once. None where this process has no one to check with
+        (it holds none of the call's devices, or all of them)."""
         self._calls += 1
         self.backend.dist.calls = self._calls
         self.backend.dist.busy = True  # (until the call's _gather ends: peers may ask)
@@ -760,6 +760,7 @@ class Runtime:
                 # Stopped by another failure (a peer's report, say, of a mismatch this rank
                 # would find too as the rows land): the agreement explains it, if it can.
                 try:
+                    check.post()
                     await _agreed(check, None, work_failed=True)
                 except BaseException as again:  # (Ctrl-C meanwhile: raised once stopped)
                     interrupted = again
@@ -774,6 +775,7 @@ class Runtime:
             raise
         verdict = None
         if check is not None:
+            check.post()
             check.hurry_after(events, self.backend.events_end_work)
             # Over MPI a task polls the agreement's round alongside the work (host links
             # compare its rows as the last one lands: nothing runs meanwhile).

@@ -537,6 +537,7 @@ def test_the_end_of_call_row_goes_from_the_thread_that_ends_the_work(case):
         if case == "collective":  # (no MPI here: the rounds it would post, recorded)
             dists[0].gather_round = lambda channel, *a: posted.append(channel) or _Pending(1)
         check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
+        check.post()
         sent = links[0].frames_sent
         ev, other = CpuEvent("lane end"), CpuEvent("other lane end")
         check.hurry_after([ev, other], ended=case != "launched only")
@@ -593,8 +594,10 @@ def test_over_host_links_the_agreement_is_settled_by_the_thread_landing_its_rows
     dists, links = _linked_pair()
     try:
         mine = Agreement(dists[0], b"a" * 32, "reshard: the plan (call 3)", 3, (0, 1))
+        mine.post()
         assert mine.checked_early and dists[0].agreed_at is None
         peer = Agreement(dists[1], (b"a" if same else b"b") * 32, "reshard", 3, (0, 1))
+        peer.post()
         for a in (mine, peer):  # (each settled by the link thread as the other's row lands)
             landed = threading.Event()
             a._req.when_landed(landed.set)

@@ -176,8 +176,9 @@ class Distributed:
               members: tuple[int, ...] | None = None) -> Agreement | None:
         """Start checking that every rank of the call's ``members`` (default: every rank)
         passes the same ``digest`` for call number ``call`` (same step graph, same plan): the
-        round is posted now, before the call's work is launched; await
-        :meth:`Agreement.wait` for the verdict. None where there is nothing to check: this
+        caller posts the round (:meth:`Agreement.post`) once it has launched the call's work
+        (its first data goes ahead of the row), then awaits :meth:`Agreement.wait` for the
+        verdict. None where there is nothing to check: this
         rank holds none of the call's devices, or is their only holder — it takes no part in
         the call's rounds, and no other rank waits for it. Raises :class:`RankFailed` at once
         when a member that left cannot make this call."""
@@ -465,7 +466,7 @@ class Distributed:
 class Agreement:
     """One runtime call's check that every member of the call (the ranks holding its
     devices) made the same call: a gather of 32-byte digests (:meth:`Distributed.gather_round`),
-    posted when the call starts, so it runs alongside the call's work.
+    posted as the call's work is launched, so it runs alongside it.
 
     A mismatch is also recorded as the backend's failure, so work launched meanwhile stops at
     once, with it as the root cause. Over host links the rows are compared by the thread
@@ -486,13 +487,23 @@ class Agreement:
         self._done_lock = threading.Lock()  # (the end-of-call round's, and settling's)
         self._settled = False
         self._mismatch: CallMismatch | None = None
-        self._req = dist.gather_round(AGREE_CHANNEL, call, members, self._mine, self._every)
-        self.checked_early = isinstance(self._req, _LinkRound)
-        if self.checked_early:
-            self._req.when_landed(self._settle)
+        self._req: Any = None  # the round, once posted (``post``)
+        self.checked_early = False
         self._done: Any = None  # the end-of-call round, once posted (see ``post_done``)
         self._flags = np.zeros((dist.world.size, 1), np.uint8)
         self._flags[dist.rank] = _DONE
+
+    def post(self) -> None:
+        """Post this rank's row (once): after the call's launch, whose first data thus goes
+        ahead of it."""
+        if self._req is not None:
+            return
+        d = self.dist
+        self._req = d.gather_round(AGREE_CHANNEL, self.call, self.members, self._mine,
+                                   self._every)
+        self.checked_early = isinstance(self._req, _LinkRound)
+        if self.checked_early:
+            self._req.when_landed(self._settle)
 
     def hurry(self) -> None:
         """The call's work has ended (or failed): poll at the normal backoff from now on."""
