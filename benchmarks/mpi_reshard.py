@@ -71,16 +71,17 @@ def scaled(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def barrier(comm) -> None:
+def barrier(comm, cap: float = 1e-3) -> None:
     """A barrier that sleeps while it waits: MPICH's blocking calls spin, and ranks spinning
     in a barrier would take the cores (2 here, 4 ranks) from the ranks being measured. The
-    sleeps grow (50 us, doubling to 1 ms): a rank done early (one outside the call measured)
-    that tested every 50 us took a fifth of a core from the two ranks still at work."""
+    sleeps grow (50 us, doubling to ``cap``): a rank done early (one outside the call
+    measured) that tested every 50 us took a fifth of a core from the two ranks still at
+    work."""
     req = comm.Ibarrier()
     nap = 50e-6
     while not req.Test():
         time.sleep(nap)
-        nap = min(2 * nap, 1e-3)
+        nap = min(2 * nap, cap)
 
 
 def interleaved(variants: dict, comm) -> dict[str, float]:
@@ -299,6 +300,9 @@ def main() -> int:
     crossing = overhead["links"][2]
     say(f"  reshard call moving 16 B between 2 ranks: {per_call['links'] * 1e6:8.1f} us "
         f"{per_call['mpi'] * 1e6:8.1f} us")
+    alone = {k: v[4] for k, v in overhead.items()}
+    say(f"    the same, the 2 ranks' own time (the other 2 made their calls ahead, then "
+        f"slept): {alone['links'] * 1e6:8.1f} us {alone['mpi'] * 1e6:8.1f} us")
     say(f"  per transfer, {crossing} tiny cross-rank transfers in one call: "
         f"{per_transfer['links'] * 1e6:8.1f} us {per_transfer['mpi'] * 1e6:8.1f} us")
     # What each transfer adds to a call: the many-transfer call less the one-transfer one.
@@ -313,10 +317,12 @@ def main() -> int:
     return 0
 
 
-def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, float, int, dict]:
+def host_overhead(rt: Runtime, cluster: Cluster, placement
+                  ) -> tuple[float, float, int, dict, float]:
     """Seconds per resharding call moving 16 bytes between two ranks, seconds per transfer
-    in one call of many tiny cross-rank transfers, how many those are, and where this rank's
-    CPU goes in the tiny call and in the many-transfer one (:func:`call_profile`)."""
+    in one call of many tiny cross-rank transfers, how many those are, where this rank's
+    CPU goes in the tiny call and in the many-transfer one (:func:`call_profile`), and the
+    tiny call's seconds on its two ranks alone (:func:`members_alone`)."""
     comm = rt.backend.dist.comm
     a = Sharding(DeviceMesh([[0]], ("host", "gpu")), ShardingSpec())
     b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
@@ -338,7 +344,37 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement) -> tuple[float, floa
                                comm) / 20 / crossing
     return per_call, per_transfer, crossing, {
         "tiny call": call_profile(rt, tiny, tiny_shards),
-        f"{len(many.transfers)}-transfer call": call_profile(rt, many, many_shards, 200)}
+        f"{len(many.transfers)}-transfer call": call_profile(rt, many, many_shards, 200)}, \
+        members_alone(rt, tiny, tiny_shards)
+
+
+def members_alone(rt: Runtime, plan, shards, calls: int = 200) -> float:
+    """Seconds per call of ``plan`` on its members (slowest), the other ranks idle: they make
+    their ``calls`` first — a rank outside a call goes on without waiting for its members —
+    and sleep in the barrier (20 ms naps) while the members make theirs. Four processes
+    share two cores here; with every rank calling at once (the figure above) the others'
+    CPU (~30 us a call each) is spent on the members' cores too."""
+    comm = rt.backend.dist.comm
+    owners = rt.backend.placement.ranks_of((*plan.src.mesh.device_ids,
+                                            *plan.dst.mesh.device_ids))
+    member = comm.Get_rank() in owners
+    times = []
+    for _ in range(REPS + 1):  # (the first: a warm-up)
+        if not member:
+            for _ in range(calls):
+                rt.reshard_sync(plan, shards)
+        barrier(comm)
+        t = time.perf_counter()
+        if member:
+            for _ in range(calls):
+                rt.reshard_sync(plan, shards)
+        times.append((time.perf_counter() - t) / calls)
+        # Idle: the others test the barrier every 20 ms, not every millisecond (a wake-up
+        # of theirs a millisecond put the members' two-process ping-pong off by ~25 %).
+        barrier(comm, cap=20e-3)
+    from mpi4py import MPI
+
+    return comm.allreduce(statistics.median(times[1:]), op=MPI.MAX)
 
 
 def call_profile(rt: Runtime, plan, shards, calls: int = 600) -> dict[str, tuple[float, float]]:
