@@ -25,8 +25,10 @@
    requests four ways — spinning, a fixed 50 µs sleep, 64 tests before backing off, and the
    default exponential backoff (20 → 200 µs).
 3. **Host overhead**: a resharding call moving 16 bytes between two ranks (agreement, launch,
-   transfer, await), and per transfer in one call of many tiny cross-rank transfers (12
-   here), over host links and over MPI, next to a raw 16-byte ``MPI_Bcast`` between two
+   transfer, await) — every rank calling at once (the four processes' CPU shares the two
+   cores), and its two ranks alone (the others made their calls ahead and sleep) — and per
+   transfer in one call of many tiny cross-rank transfers (12 here), over host links and
+   over MPI, next to a raw 16-byte ``MPI_Bcast`` between two
    ranks and a raw wake-up round trip (1 byte each way over a Unix socket, both ranks
    asleep in ``recv``); then, rank by rank, where the tiny call's CPU goes: each thread's
    CPU and sleeps per call (event loop, link thread, streams; ``thread_profile.py``),
