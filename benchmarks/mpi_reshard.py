@@ -350,7 +350,7 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement
         members_alone(rt, tiny, tiny_shards)
 
 
-def members_alone(rt: Runtime, plan, shards, calls: int = 200) -> float:
+def members_alone(rt: Runtime, plan, shards, calls: int = 1000) -> float:
     """Seconds per call of ``plan`` on its members (slowest), the other ranks idle: they make
     their ``calls`` first — a rank outside a call goes on without waiting for its members —
     and sleep in the barrier (20 ms naps) while the members make theirs. Four processes
