@@ -87,6 +87,20 @@ def check_shards(plan: ReshardPlan, shards: Mapping[int, np.ndarray],
             )
 
 
+def shards_match(expected: Mapping[int, tuple[int, ...]], shards: Any, dtype: np.dtype,
+                 array_types: tuple[type, ...]) -> bool:
+    """Whether ``shards`` is a dict of exactly the ``expected`` devices, each an array of
+    its shape and ``dtype`` — what :func:`check_shards` accepts, told in one pass; False
+    leaves the naming of what is wrong (or a mapping of another kind) to it."""
+    if type(shards) is not dict or len(shards) != len(expected):
+        return False
+    for d, shape in expected.items():
+        a = shards.get(d)
+        if not isinstance(a, array_types) or a.shape != shape or a.dtype != dtype:
+            return False
+    return True
+
+
 def check_outs(plan: ReshardPlan, out: Mapping[int, np.ndarray],
                shards: Mapping[int, np.ndarray], array_types: tuple[type, ...],
                is_local: Callable[[int], bool], xp=np) -> None:

@@ -49,7 +49,7 @@ from scheduler import (
 from scheduler.auto import check_caps
 from scheduler.errors import PlanError, check_seconds
 from scheduler.lowering import channels, plan_mismatch
-from scheduler.regions import region_shape
+from scheduler.regions import Region, region_shape
 from scheduler.timeline import span_meta
 from scheduler.validate import validate
 
@@ -64,7 +64,7 @@ from .errors import (
 from .nvtx import range_end, range_start
 from .pipeline import Stage, StepState, check_pipeline, check_split, launch_step
 from .profiling import profile_window
-from .reshard import BufferTable, check_outs, check_shards, launch_reshard
+from .reshard import BufferTable, check_outs, check_shards, launch_reshard, shards_match
 from .watch import Recovery, name_hang, wait_all
 from .world import Placement, World, detect_world
 
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger("overlap")
-_MEMO_SIZE = 32  # graphs and digests kept per runtime (least recently used dropped)
+_MEMO_SIZE = 64  # graphs, digests, plan inputs kept per runtime (least recently used dropped)
 _MISSING = object()
 
 
@@ -399,14 +399,14 @@ class Runtime:
         self._serve_links()
         if not isinstance(plan, ReshardPlan):
             raise TypeError(f"plan: expected a ReshardPlan, got {type(plan).__name__}")
-        top = max((*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids), default=-1)
-        if top >= self.cluster.num_devices:
-            raise ValueError(f"plan: device {top} is outside the runtime's cluster "
-                             f"(devices 0..{self.cluster.num_devices - 1})")
-        check_shards(plan, shards, self._array_types(),
-                     self.backend.is_local if self.world.distributed else None)
+        # What a plan asks of every call, worked out at its first (checks that raise keep
+        # nothing): a plan a loop passes again costs a lookup, not a walk of its meshes.
+        regions, expected = self._cached(("reshard inputs", plan),
+                                         lambda: self._reshard_inputs(plan))
         dtype = np.dtype(plan.dtype)
-        regions = plan.dst.device_regions(plan.shape)
+        if not shards_match(expected, shards, dtype, self._array_types()):
+            check_shards(plan, shards, self._array_types(),  # (names what is wrong)
+                         self.backend.is_local if self.world.distributed else None)
         xp = self.backend.xp
         if out is not None:
             check_outs(plan, out, shards, self._array_types(), self.backend.is_local, xp)
@@ -661,6 +661,20 @@ class Runtime:
         return self.run_sync(self.train_step(*args, **kwargs), "train_step_sync")
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _reshard_inputs(self, plan: ReshardPlan
+                        ) -> tuple[dict[int, Region], dict[int, tuple[int, ...]]]:
+        """A plan's destination regions and the shards a call must pass (source device ->
+        its region's shape: this process's devices), once its devices are known to be in the
+        runtime's cluster (else ValueError, naming the device)."""
+        top = max((*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids), default=-1)
+        if top >= self.cluster.num_devices:
+            raise ValueError(f"plan: device {top} is outside the runtime's cluster "
+                             f"(devices 0..{self.cluster.num_devices - 1})")
+        mine = self.backend.is_local if self.world.distributed else (lambda _: True)
+        return plan.dst.device_regions(plan.shape), {
+            d: region_shape(r) for d, r in plan.src.device_regions(plan.shape).items()
+            if mine(d)}
 
     def _plan_check(self, plan: ReshardPlan) -> tuple[bytes, tuple[int, ...]]:
         """What a resharding call's agreement compares (a SHA-256 of the plan), and among

@@ -519,3 +519,36 @@ async def test_when_one_of_several_concurrent_reshards_fails_the_others_say_why(
             else:
                 assert_delivered(r, glob, dst, "a concurrent call")
         assert_delivered(await rt.reshard(plan, {2: glob.copy()}), glob, dst, "afterwards")
+
+
+def test_the_one_pass_shard_check_accepts_exactly_what_check_shards_accepts():
+    """``shards_match`` (a call's check of a plan seen before) says yes only to a dict of
+    exactly the plan's source devices, each an array of its region's shape and the plan's
+    dtype: every shape of mistake goes to ``check_shards``, which names it."""
+    from collections import UserDict
+
+    from overlap.reshard import check_shards, shards_match
+    from scheduler.regions import region_shape
+
+    plan = fixed_plan()
+    glob = global_array(SHAPE)
+    good = cut_shards(glob, SRC)
+    expected = {d: region_shape(r) for d, r in SRC.device_regions(SHAPE).items()}
+    dtype = np.dtype(plan.dtype)
+    assert shards_match(expected, good, dtype, (np.ndarray,))
+    check_shards(plan, good)
+    first = min(good)
+    bad = {
+        "missing": {d: a for d, a in good.items() if d != first},
+        "extra": {**good, 9: good[first]},
+        "shape": {**good, first: good[first][:-1]},
+        "dtype": {**good, first: good[first].astype(np.float32)},
+        "type": {**good, first: good[first].tolist()},
+    }
+    for why, shards in bad.items():
+        assert not shards_match(expected, shards, dtype, (np.ndarray,)), why
+        with pytest.raises((ValueError, TypeError)):
+            check_shards(plan, shards)
+    # Another kind of mapping: left to check_shards, which takes it.
+    assert not shards_match(expected, UserDict(good), dtype, (np.ndarray,))
+    check_shards(plan, UserDict(good))
