@@ -147,19 +147,21 @@ def launch_reshard(
     stream: str = "comm",
     tag_base: int = 0,
     graph: StepGraph | None = None,
+    regions: tuple[Mapping[int, Region], Mapping[int, Region]] | None = None,
 ) -> list[Event]:
     """Launch this process's part of every transfer of ``plan`` (non-blocking); returns events
     to await.
 
     The plan runs as its step graph (:func:`scheduler.reshard_graph`; pass ``graph`` to reuse
-    one), launched like a training step's. ``outs[d]`` is device d's destination buffer (its
+    one; ``regions``: the plan's source and destination regions, if at hand), launched like a
+    training step's. ``outs[d]`` is device d's destination buffer (its
     destination region's shape); it is written as transfers land. Transfer ``i`` is named
     ``tag_base + i`` across processes (every process must pass the same base).
     """
     if graph is None:
         graph = reshard_graph(plan, stream)
-    src = plan.src.device_regions(plan.shape)
-    dst = plan.dst.device_regions(plan.shape)
+    src, dst = regions if regions is not None else (plan.src.device_regions(plan.shape),
+                                                    plan.dst.device_regions(plan.shape))
     # One namespace per comm stream (a lane's own communicator), in one order everywhere.
     for name in graph.comm_streams.get(None, (stream,)):
         backend.declare_group(name, (*src, *dst))

@@ -401,8 +401,8 @@ class Runtime:
             raise TypeError(f"plan: expected a ReshardPlan, got {type(plan).__name__}")
         # What a plan asks of every call, worked out at its first (checks that raise keep
         # nothing): a plan a loop passes again costs a lookup, not a walk of its meshes.
-        regions, expected = self._cached(("reshard inputs", plan),
-                                         lambda: self._reshard_inputs(plan))
+        src, regions, expected = self._cached(("reshard inputs", plan),
+                                              lambda: self._reshard_inputs(plan))
         dtype = np.dtype(plan.dtype)
         if not shards_match(expected, shards, dtype, self._array_types()):
             check_shards(plan, shards, self._array_types(),  # (names what is wrong)
@@ -427,7 +427,8 @@ class Runtime:
         if out is not None:
             outs.update(out)
         await self._gather(lambda: launch_reshard(self.backend, plan, shards, outs,
-                                                  stream=stream, tag_base=base, graph=graph),
+                                                  stream=stream, tag_base=base, graph=graph,
+                                                  regions=(src, regions)),
                            what="reshard", check=check, graph=graph)
         # Devices that got nothing: empty regions. In a multi-process job, this process's.
         return {d: outs[d] for d in regions if self.backend.is_local(d)}
@@ -662,19 +663,19 @@ class Runtime:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _reshard_inputs(self, plan: ReshardPlan
-                        ) -> tuple[dict[int, Region], dict[int, tuple[int, ...]]]:
-        """A plan's destination regions and the shards a call must pass (source device ->
-        its region's shape: this process's devices), once its devices are known to be in the
-        runtime's cluster (else ValueError, naming the device)."""
+    def _reshard_inputs(self, plan: ReshardPlan) -> tuple[
+            dict[int, Region], dict[int, Region], dict[int, tuple[int, ...]]]:
+        """A plan's source and destination regions and the shards a call must pass (source
+        device -> its region's shape: this process's devices), once its devices are known to
+        be in the runtime's cluster (else ValueError, naming the device)."""
         top = max((*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids), default=-1)
         if top >= self.cluster.num_devices:
             raise ValueError(f"plan: device {top} is outside the runtime's cluster "
                              f"(devices 0..{self.cluster.num_devices - 1})")
         mine = self.backend.is_local if self.world.distributed else (lambda _: True)
-        return plan.dst.device_regions(plan.shape), {
-            d: region_shape(r) for d, r in plan.src.device_regions(plan.shape).items()
-            if mine(d)}
+        src = plan.src.device_regions(plan.shape)
+        return src, plan.dst.device_regions(plan.shape), {
+            d: region_shape(r) for d, r in src.items() if mine(d)}
 
     def _plan_check(self, plan: ReshardPlan) -> tuple[bytes, tuple[int, ...]]:
         """What a resharding call's agreement compares (a SHA-256 of the plan), and among
@@ -701,12 +702,12 @@ class Runtime:
         self.backend.dist.busy = True  # (until the call's _gather ends: peers may ask)
         from .guard import report  # (imported here: ``python -m overlap.guard`` runs it)
 
-        report(f"{what} (call {self._calls})")
+        doing = f"{what} (call {self._calls})"
+        report(doing)
         # The call's 32 bytes: the digest's first 24 (SHA-256 of the plan or graph) and the
         # call number (no second hash: each costs microseconds, every call, on every rank).
         call = digest[:24].ljust(24, b"\0") + self._calls.to_bytes(8, "little")
-        return self.backend.dist.agree(call, f"{what} (call {self._calls})", self._calls,
-                                       members)
+        return self.backend.dist.agree(call, doing, self._calls, members)
 
     def _serve_links(self) -> None:
         """The ``*_sync`` calls' loop reads this process's host links itself while it runs
