@@ -616,3 +616,52 @@ def test_over_host_links_the_agreement_is_settled_by_the_thread_landing_its_rows
     finally:
         for lk in links:
             lk.close()
+
+
+def test_a_verdict_asked_while_another_thread_settles_it_waits_for_that_verdict():
+    """The landing thread settles the agreement while the event loop asks for the verdict:
+    the loop waits for the comparison under way, it does not take "settled" for "agreed"."""
+    import asyncio
+
+    import numpy as np
+
+    from overlap.backends.distributed import Agreement, _LinkRound
+    from overlap.errors import CallMismatch
+
+    dists, links = _linked_pair()
+    try:
+        check = Agreement(dists[0], b"a" * 32, "reshard", 3, (0, 1))
+        check._every[1] = np.frombuffer(b"b" * 32, np.uint8)  # (rank 1's row: another call)
+        check._req = _LinkRound([], [])  # (its rows are in)
+        comparing, go_on = threading.Event(), threading.Event()
+
+        class Members(tuple):
+            def __iter__(self):  # (the comparison, held half-way)
+                comparing.set()
+                go_on.wait(10.0)
+                return super().__iter__()
+
+        check.members = Members((0, 1))
+        lander = threading.Thread(target=check._settle)
+        lander.start()
+        assert comparing.wait(10.0)
+        verdict: list[BaseException | None] = []
+
+        def ask() -> None:
+            try:
+                asyncio.run(check.wait())
+                verdict.append(None)
+            except BaseException as exc:
+                verdict.append(exc)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        asker.join(0.2)  # (it must wait for the comparison, not return meanwhile)
+        assert verdict == []
+        go_on.set()
+        asker.join(10.0)
+        lander.join(10.0)
+        assert len(verdict) == 1 and isinstance(verdict[0], CallMismatch)
+    finally:
+        for lk in links:
+            lk.close()

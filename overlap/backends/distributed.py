@@ -598,22 +598,25 @@ class Agreement:
 
     def _settle(self) -> None:
         """Every row is in (any thread, once): the agreement time, and a mismatch recorded as
-        the backend's failure (which stops the work at once)."""
+        the backend's failure (which stops the work at once). Settled only once the verdict
+        is known: a second caller (the loop's :meth:`wait`, as the landing thread settles)
+        waits for it here."""
+        b = self.dist
         with self._done_lock:
             if self._settled:
                 return
+            b.agreed_at = time.perf_counter()
+            # (Bytes compared: numpy's dispatch costs more than the comparison, every call.)
+            mine, rows = self._mine.tobytes(), self._every.tobytes()
+            differ = tuple(r for r in self.members if rows[32 * r:32 * r + 32] != mine)
+            if differ:
+                self._mismatch = CallMismatch(
+                    f"{self.what}: ranks {list(differ)} made a different call than rank "
+                    f"{b.rank} (every process must make the same runtime calls, in the same "
+                    "order, with the same plans and pipelines; a skipped call, or a planner "
+                    "option that depends on the process?)", ranks=differ)
             self._settled = True
-        b = self.dist
-        b.agreed_at = time.perf_counter()
-        # (Bytes compared: numpy's dispatch costs more than the comparison, every call.)
-        mine, rows = self._mine.tobytes(), self._every.tobytes()
-        differ = tuple(r for r in self.members if rows[32 * r:32 * r + 32] != mine)
-        if differ:
-            self._mismatch = CallMismatch(
-                f"{self.what}: ranks {list(differ)} made a different call than rank {b.rank} "
-                "(every process must make the same runtime calls, in the same order, with the "
-                "same plans and pipelines; a skipped call, or a planner option that depends "
-                "on the process?)", ranks=differ)
+        if self._mismatch is not None:
             b.backend.note_failure(self._mismatch)
 
 
