@@ -788,15 +788,8 @@ class Runtime:
             if root is not exc:  # (a wait there ended by a peer's failure: that failure)
                 raise root from root.__cause__
             raise
-        verdict = None
-        if check is not None:
-            check.post()
-            check.hurry_after(events, self.backend.events_end_work)
-            # Over MPI a task polls the agreement's round alongside the work (host links
-            # compare its rows as the last one lands: nothing runs meanwhile).
-            if not check.checked_early:
-                verdict = asyncio.ensure_future(check.wait())
         try:
+            verdict = self._post_agreement(check, events)
             failed = True
             try:
                 await wait_all(self.backend, events, graph)
@@ -827,6 +820,18 @@ class Runtime:
             if root is not exc:
                 raise root from root.__cause__
             raise
+
+    def _post_agreement(self, check: Agreement | None, events: list[Event]
+                        ) -> asyncio.Future[None] | None:
+        """Post the call's agreement row, now that its work is launched, and its end-of-call
+        row as the work ends (``Agreement.hurry_after``). Over MPI a task polls the round
+        alongside the work, returned; host links compare its rows as the last one lands
+        (nothing runs meanwhile: None)."""
+        if check is None:
+            return None
+        check.post()
+        check.hurry_after(events, self.backend.events_end_work)
+        return None if check.checked_early else asyncio.ensure_future(check.wait())
 
     async def _peer_explanation(self, timeout: BaseException, graph: StepGraph | None
                                 ) -> BaseException:
