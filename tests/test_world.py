@@ -544,7 +544,8 @@ def test_the_end_of_call_row_goes_from_the_thread_that_ends_the_work(case):
         ev._complete()
         assert check._done is None and links[0].frames_sent == sent  # (one lane still busy)
         other._complete(RuntimeError("op failed") if case == "failed" else None)
-        assert check._hurry.is_set()
+        # A round polled over MPI is hurried as the work ends; over links nothing polls.
+        assert check._hurry.is_set() if case == "collective" else check._hurry is None
         if case != "ended":
             assert check._done is None and links[0].frames_sent == sent
             assert posted == ([AGREE_CHANNEL] if case == "collective" else [])

@@ -367,6 +367,8 @@ class Distributed:
         """:meth:`wait_polled` for a round over host links, on the event loop itself: each
         completion wakes the loop (no worker thread between, two thread hand-offs fewer a
         round); aborts and timeouts are looked at every ``LISTEN_TICK_S``."""
+        if round_.Test():
+            return  # (over already, as the end-of-call round often is: nothing to arm)
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
 
@@ -482,7 +484,9 @@ class Agreement:
         self._mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
         self._every = np.zeros((dist.world.size, 32), np.uint8)
         self._every[dist.rank] = self._mine
-        self._hurry = threading.Event()
+        # Hurries a round polled over MPI (``_pause``; made with it: over host links nothing
+        # polls).
+        self._hurry: threading.Event | None = None
         self._hurried_at = 0
         self._done_lock = threading.Lock()  # (the end-of-call round's, and settling's)
         self._settled = False
@@ -504,10 +508,13 @@ class Agreement:
         self.checked_early = isinstance(self._req, _LinkRound)
         if self.checked_early:
             self._req.when_landed(self._settle)
+        else:
+            self._hurry = threading.Event()
 
     def hurry(self) -> None:
         """The call's work has ended (or failed): poll at the normal backoff from now on."""
-        self._hurry.set()
+        if self._hurry is not None:
+            self._hurry.set()
 
     def hurry_after(self, events: Sequence[Any], ended: bool = False) -> None:
         """:meth:`hurry` as soon as every one of ``events`` completes or fails, from the
@@ -558,6 +565,7 @@ class Agreement:
             _cancel([done])
 
     def _pause(self, attempt: int) -> None:
+        assert self._hurry is not None  # (a polled round's)
         if not self._hurry.is_set():
             self._hurried_at = attempt + 1
             self._hurry.wait(QUIET.delay(attempt))
