@@ -310,3 +310,42 @@ def test_control_messages_are_json_of_fixed_fields_never_pickles():
     for data in refused:
         assert dist._parse(dist._FAILED, data) is None, data[:60]
     assert dist._parse(99, json.dumps(ok).encode()) is None  # unknown kind
+
+
+def test_an_agreement_that_cannot_be_posted_stops_the_work_already_launched():
+    """The call's agreement is posted once its work is launched: a post that fails (its
+    links gone, say) goes through the call's failure handling — the launched work is
+    aborted and stopped, the round taken back — not straight out of the call with the work
+    still running."""
+    from overlap.errors import CollectiveAborted
+
+    rt = overlap.Runtime(CLUSTER, timeout=PATIENT_TIMEOUT)
+    saw_abort, stop = threading.Event(), threading.Event()
+    abandoned = []
+
+    class Check:  # (what the runtime uses of an Agreement here)
+        def post(self) -> None:
+            raise CollectiveAborted("rank 0's host links are closed")
+
+        def abandon(self) -> None:
+            abandoned.append(True)
+
+    def spin() -> None:  # (launched work that runs until it is aborted)
+        while not stop.is_set():
+            if rt.backend.abort_reason is not None:
+                saw_abort.set()
+                return
+            time.sleep(0.001)
+
+    def launch() -> list:
+        stream = rt.backend.stream(0, "compute")
+        stream.launch("spin", spin)
+        return [stream.record("spin end")]
+
+    try:
+        with pytest.raises(CollectiveAborted, match="host links are closed"):
+            rt.run_sync(rt._run_call(launch, what="reshard", check=Check()))
+        assert saw_abort.is_set() and abandoned == [True]
+    finally:
+        stop.set()
+        rt.close()
