@@ -69,11 +69,6 @@ class Busy:
     since: float
     waiting: bool = False
 
-    def hung_at(self, timeout: float) -> float:
-        """When this counts as hung: an op that runs ``timeout`` seconds has not finished (a
-        wait only ends because its op does, so it is never the culprit)."""
-        return self.since + timeout
-
 
 class TraceRecord(NamedTuple):
     """One op as the trace saw it run: its step-graph op id, where, and two marks (the

@@ -477,9 +477,9 @@ class MpiBackend(CpuBackend):
                     break
                 waiting = [others[i] for i in range(len(others)) if not done[i]]
                 self.dist.check_transfer(what, started,
-                            f"ranks {waiting} never sent their part" if waiting
-                            else "a peer never received this rank's part",
-                            waiting[0] if waiting else None)
+                                         f"ranks {waiting} never sent their part" if waiting
+                                         else "a peer never received this rank's part",
+                                         waiting[0] if waiting else None)
                 self.dist.poll.pause(attempt)
                 attempt += 1
         except BaseException:
