@@ -175,6 +175,13 @@ def launch_reshard(
     return launch(backend, graph, bind)
 
 
+# A local copy this small is a stepped op where the backend lets helpers run those (host
+# memory): the thread that launches it onto an idle stream copies it, no thread woken —
+# a wake-up of the stream's thread costs more than the copy. A larger one keeps the stream's
+# thread, so that the launch goes on meanwhile.
+INLINE_COPY_BYTES = 64 << 10
+
+
 def transfer_op(backend, region, sender, receivers, device, src, dst, shards, outs, dtype,
                 desc, namespace, tag=None):
     """Device ``device``'s part of one transfer, as a callable for its stream."""
@@ -189,14 +196,22 @@ def transfer_op(backend, region, sender, receivers, device, src, dst, shards, ou
     xp = backend.xp  # numpy on the CPU backend, cupy on CUDA
 
     if receivers == (sender,):
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+
         def local_copy() -> None:
             start = time.perf_counter()
             outs[device][_local(dst[device], region)] = holding(device)
             if backend.link_time is not None:  # emulated: at least the model's copy time
-                nbytes = int(np.prod(shape)) * dtype.itemsize
                 left = start + backend.link_time(sender, (sender,), nbytes) - time.perf_counter()
                 if left > 0:
                     time.sleep(left)
+
+        if backend.helping and backend.link_time is None and nbytes <= INLINE_COPY_BYTES:
+            def copy_steps() -> Iterator[float]:
+                local_copy()
+                return
+                yield  # (a generator: one step, the copy)
+            return stepped(copy_steps)
         return local_copy
 
     group = (sender, *receivers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from overlap.backends import cpu
@@ -619,3 +620,48 @@ def test_a_helper_leaves_the_idle_thread_asleep_beside_an_op_that_waits_on_its_w
     wakers[1]()
     wakers[0]()
     until(lambda: s._parked is None, "the receive completed")
+
+
+def _local_copy(b: CpuBackend, n: int):
+    """Device 0's part of a transfer of ``n`` float64 to itself (a local copy) — the op and
+    its source and destination arrays."""
+    from overlap.reshard import transfer_op
+
+    region = ((0, n),)
+    shards, outs = {0: np.arange(float(n))}, {0: np.zeros(n)}
+    fn = transfer_op(b, region, 0, (0,), 0, {0: region}, {0: region}, shards, outs,
+                     np.dtype(np.float64), "#0", "comm")
+    return fn, shards[0], outs[0]
+
+
+def test_a_small_local_copy_is_copied_by_the_thread_that_launches_it(backend):
+    """On a backend whose helpers run stepped ops, a small local copy is one: launched onto
+    an idle stream it is done before the launch returns, on the launching thread (a wake-up
+    of the stream's thread costs more than the copy)."""
+    from overlap.reshard import INLINE_COPY_BYTES
+
+    b = backend(helping=True)
+    fn, src, out = _local_copy(b, INLINE_COPY_BYTES // 8)
+    assert is_stepped(fn)
+    s = b.stream(0, "comm")
+    s.launch("copy", fn, stepped=True)
+    np.testing.assert_array_equal(out, src)  # (before any wait: copied by this thread)
+    assert settle(s.record("after")).error is None
+
+
+@pytest.mark.parametrize("case", ["large", "no helpers", "emulated link time"])
+def test_other_local_copies_stay_plain_ops_on_the_streams_thread(backend, case):
+    """A copy too large to hold the launch up, one on a backend without helpers, and one
+    whose time is emulated (it sleeps) stay plain ops, run by the stream's own thread."""
+    from overlap.reshard import INLINE_COPY_BYTES
+
+    b = backend(helping=case != "no helpers")
+    if case == "emulated link time":
+        b.link_time = lambda root, receivers, nbytes: 0.0
+    n = INLINE_COPY_BYTES // 8 + (1 if case == "large" else 0)
+    fn, src, out = _local_copy(b, n)
+    assert not is_stepped(fn)
+    s = b.stream(0, "comm")
+    s.launch("copy", fn)
+    assert settle(s.record("after")).error is None
+    np.testing.assert_array_equal(out, src)
