@@ -644,6 +644,7 @@ def test_a_small_local_copy_is_copied_by_the_thread_that_launches_it(backend):
     fn, src, out = _local_copy(b, INLINE_COPY_BYTES // 8)
     assert is_stepped(fn)
     s = b.stream(0, "comm")
+    _warm(s)
     s.launch("copy", fn, stepped=True)
     np.testing.assert_array_equal(out, src)  # (before any wait: copied by this thread)
     assert settle(s.record("after")).error is None
