@@ -823,15 +823,23 @@ class Runtime:
 
     def _post_agreement(self, check: Agreement | None, events: list[Event]
                         ) -> asyncio.Future[None] | None:
-        """Post the call's agreement row, now that its work is launched, and its end-of-call
-        row as the work ends (``Agreement.hurry_after``). Over MPI a task polls the round
-        alongside the work, returned; host links compare its rows as the last one lands
-        (nothing runs meanwhile: None)."""
+        """Post the call's agreement row, now that its work is launched — or, over host
+        links on a backend whose events end with their work, as the work ends (saying so:
+        no end-of-call round where every member's row does), at most ``ROW_WITHIN_S`` from
+        now — and its end-of-call row as the work ends if the row went first
+        (``Agreement.hurry_after``). Over MPI a task polls the round alongside the work,
+        returned; host links compare its rows as the last one lands (nothing runs
+        meanwhile: None)."""
         if check is None:
             return None
-        check.post()
-        check.hurry_after(events, self.backend.events_end_work)
-        return None if check.checked_early else asyncio.ensure_future(check.wait())
+        ended = self.backend.events_end_work
+        if not (ended and check.checked_early):
+            check.post()
+        check.hurry_after(events, ended)
+        if check.checked_early:
+            check.post_within(asyncio.get_running_loop())
+            return None
+        return asyncio.ensure_future(check.wait())
 
     async def _peer_explanation(self, timeout: BaseException, graph: StepGraph | None
                                 ) -> BaseException:

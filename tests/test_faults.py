@@ -323,7 +323,9 @@ def test_an_agreement_that_cannot_be_posted_stops_the_work_already_launched():
     saw_abort, stop = threading.Event(), threading.Event()
     abandoned = []
 
-    class Check:  # (what the runtime uses of an Agreement here)
+    class Check:  # (what the runtime uses of an Agreement here: one posted at launch)
+        checked_early = False
+
         def post(self) -> None:
             raise CollectiveAborted("rank 0's host links are closed")
 

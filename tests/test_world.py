@@ -564,6 +564,143 @@ def test_the_end_of_call_row_goes_from_the_thread_that_ends_the_work(case):
             lk.close()
 
 
+def _round_waits(dists) -> None:
+    """Give the fake ranks' Distributed the one wait ``Agreement.finish`` uses: until the
+    round is over (10 s at most)."""
+    async def wait_round(round_, what, **_):
+        landed = threading.Event()
+        round_.arm(landed.set)
+        assert round_.Test() or landed.wait(10.0), f"{what}: never over"
+
+    for d in dists:
+        d.wait_round = wait_round
+
+
+def _landed(check) -> None:
+    """Until every row of ``check``'s agreement has landed (and been compared)."""
+    landed = threading.Event()
+    check._req.when_landed(landed.set)
+    assert landed.wait(10.0)
+
+
+@pytest.mark.parametrize("rank0", ["ends first", "row went first"])
+def test_a_row_posted_once_the_work_ended_stands_for_the_end_of_call_round(rank0):
+    """Over host links a rank's row waits for its work's end (``hurry_after``) and says
+    so: where every member's row does, the call needs no end-of-call round — each member
+    sees the same table, so all skip it alike. A member whose row went before its work
+    ended (at ``post_within``'s time, say) makes every member use the round."""
+    import asyncio
+
+    from overlap.backends.cpu import CpuEvent
+    from overlap.backends.distributed import Agreement
+
+    dists, links = _linked_pair()
+    _round_waits(dists)
+    try:
+        checks = [Agreement(d, b"x" * 32, "reshard", 3, (0, 1)) for d in dists]
+        if rank0 == "row went first":
+            assert checks[0].post()  # (before its work ended: it says not)
+        for c in checks:
+            assert c.checked_early
+            ev = CpuEvent("lane end")
+            c.hurry_after([ev], ended=True)
+            assert c._req is None or rank0 == "row went first"
+            ev._complete()
+        sent = [lk.frames_sent for lk in links]
+        if rank0 == "ends first":
+            assert sent == [1, 1] and all(c._done is None for c in checks)
+        else:  # (rank 0's end-of-call row went as its work ended; rank 1's row said "ended")
+            assert sent == [2, 1] and checks[0]._done is not None and checks[1]._done is None
+        for c in checks:
+            _landed(c)
+            asyncio.run(c.wait())
+        for c in reversed(checks):  # (rank 1's end-of-call row goes in its finish)
+            asyncio.run(c.finish())
+        if rank0 == "ends first":
+            assert [lk.frames_sent for lk in links] == [1, 1]
+            assert all(c._done is None for c in checks)
+        else:
+            assert [lk.frames_sent for lk in links] == [2, 2]
+            assert all(c._done.Test() for c in checks)
+    finally:
+        for lk in links:
+            lk.close()
+
+
+def test_a_row_held_for_the_works_end_goes_at_post_withins_time_at_the_latest():
+    """A peer's transfer timeouts and a mismatch's discovery wait for this rank's row: if
+    the work has not ended ``post_within`` seconds after the launch, the row goes then
+    (saying the work has not ended), and the work's end posts the end-of-call row."""
+    import asyncio
+
+    from overlap.backends.cpu import CpuEvent
+    from overlap.backends.distributed import _ENDED, Agreement
+
+    dists, links = _linked_pair()
+    try:
+        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
+        ev = CpuEvent("lane end")
+        check.hurry_after([ev], ended=True)
+
+        async def held() -> None:
+            loop = asyncio.get_running_loop()
+            check.post_within(loop, 0.0)
+            later = loop.create_future()
+            loop.call_later(0.001, later.set_result, None)  # (timers run in time order)
+            await later
+
+        asyncio.run(held())
+        assert check._req is not None and check._mine[_ENDED] == 0
+        assert links[0].frames_sent == 1
+        ev._complete()
+        assert check._done is not None and links[0].frames_sent == 2
+    finally:
+        for lk in links:
+            lk.close()
+
+
+@pytest.mark.parametrize("how", ["failed", "abandoned"])
+def test_no_row_goes_from_the_completing_thread_when_the_work_failed_or_the_call_ended(how):
+    """A failed part posts no row as it ends: the event loop's verdict (``wait``) posts it
+    (saying the work has not ended). After ``abandon`` (the call failed here) nothing goes
+    at all: neither the held row, at its time or at the work's end, nor the end-of-call
+    row."""
+    import asyncio
+
+    from overlap.backends.cpu import CpuEvent
+    from overlap.backends.distributed import _ENDED, Agreement
+
+    dists, links = _linked_pair()
+    try:
+        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
+        ev = CpuEvent("lane end")
+        check.hurry_after([ev], ended=True)
+
+        async def call() -> None:
+            loop = asyncio.get_running_loop()
+            check.post_within(loop, 0.0)
+            if how == "abandoned":
+                check.abandon()
+            else:
+                ev._complete(RuntimeError("op failed"))
+                assert check._req is None and links[0].frames_sent == 0
+                assert check.post()  # (what wait() does first)
+            later = loop.create_future()
+            loop.call_later(0.001, later.set_result, None)  # (past the held row's time)
+            await later
+
+        asyncio.run(call())
+        if how == "failed":
+            assert check._mine[_ENDED] == 0 and links[0].frames_sent == 1
+            return
+        ev._complete()
+        check.post_done()
+        assert check._req is None and check._done is None and links[0].frames_sent == 0
+    finally:
+        for lk in links:
+            lk.close()
+
+
 def test_a_failed_call_takes_back_its_end_of_call_round():
     """A call that fails after its end-of-call row went (its work ended here, a peer's
     failed): the round's receive is taken back, not left posted on the link."""
@@ -632,7 +769,7 @@ def test_a_verdict_asked_while_another_thread_settles_it_waits_for_that_verdict(
     dists, links = _linked_pair()
     try:
         check = Agreement(dists[0], b"a" * 32, "reshard", 3, (0, 1))
-        check._every[1] = np.frombuffer(b"b" * 32, np.uint8)  # (rank 1's row: another call)
+        check._every[1, :32] = np.frombuffer(b"b" * 32, np.uint8)  # (rank 1's row: another call)
         check._req = _LinkRound([], [])  # (its rows are in)
         comparing, go_on = threading.Event(), threading.Event()
 

@@ -177,8 +177,9 @@ class Distributed:
         """Start checking that every rank of the call's ``members`` (default: every rank)
         passes the same ``digest`` for call number ``call`` (same step graph, same plan): the
         caller posts the round (:meth:`Agreement.post`) once it has launched the call's work
-        (its first data goes ahead of the row), then awaits :meth:`Agreement.wait` for the
-        verdict. None where there is nothing to check: this
+        (its first data goes ahead of the row) — or as that work ends, over host links
+        (see :class:`Agreement`) — then awaits :meth:`Agreement.wait` for the verdict.
+        None where there is nothing to check: this
         rank holds none of the call's devices, or is their only holder — it takes no part in
         the call's rounds, and no other rank waits for it. Raises :class:`RankFailed` at once
         when a member that left cannot make this call."""
@@ -307,7 +308,7 @@ class Distributed:
         to point among the members otherwise (an all-to-all: one hop, no forwarding, and the
         members need no communicator of their own)."""
         others = [r for r in members if r != self.rank]
-        if self._linked(others):
+        if self.linked(others):
             return self._gather_linked(channel, call, members, others, mine, every)
         if len(members) == self.world.size:
             return self.runtime_comm.Iallgather(mine, every)
@@ -320,10 +321,10 @@ class Distributed:
         """Whether :meth:`gather_round` among ``members`` is an MPI collective (an
         ``Iallgather`` on the runtime's communicator), which every rank must post in the same
         order as its other collectives there — so from one thread, the event loop."""
-        return (not self._linked([r for r in members if r != self.rank])
+        return (not self.linked([r for r in members if r != self.rank])
                 and len(members) == self.world.size)
 
-    def _linked(self, others: list[int]) -> bool:
+    def linked(self, others: list[int]) -> bool:
         """Whether a host link joins this rank to every one of ``others``."""
         return self.links is not None and all(self.links.has(r) for r in others)
 
@@ -467,8 +468,15 @@ class Distributed:
 
 class Agreement:
     """One runtime call's check that every member of the call (the ranks holding its
-    devices) made the same call: a gather of 32-byte digests (:meth:`Distributed.gather_round`),
-    posted as the call's work is launched, so it runs alongside it.
+    devices) made the same call: a gather of rows (:meth:`Distributed.gather_round`) — each
+    member's 32-byte digest, and whether its part of the call had ended well when it posted
+    the row.
+
+    Posted as the call's work is launched, so it runs alongside it — or, over host links on
+    a backend whose events end with their work, once this rank's part has ended (at most
+    ``ROW_WITHIN_S`` after the launch, :meth:`post_within`): a row that says so stands for
+    this rank's row of the end-of-call round too, and where every member's does, that round
+    is not needed (every member sees the same table, so all skip it alike).
 
     A mismatch is also recorded as the backend's failure, so work launched meanwhile stops at
     once, with it as the root cause. Over host links the rows are compared by the thread
@@ -481,35 +489,51 @@ class Agreement:
         self.what = what
         self.call = call
         self.members = members
-        self._mine = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
-        self._every = np.zeros((dist.world.size, 32), np.uint8)
-        self._every[dist.rank] = self._mine
+        self._mine = np.zeros(_ROW, np.uint8)
+        self._mine[:32] = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
+        self._every = np.zeros((dist.world.size, _ROW), np.uint8)
         # Hurries a round polled over MPI (``_pause``; made with it: over host links nothing
         # polls).
         self._hurry: threading.Event | None = None
         self._hurried_at = 0
+        self._post_lock = threading.Lock()  # (posting the row; taken before _done_lock)
         self._done_lock = threading.Lock()  # (the end-of-call round's, and settling's)
         self._settled = False
         self._mismatch: CallMismatch | None = None
         self._req: Any = None  # the round, once posted (``post``)
-        self.checked_early = False
+        self._over = False  # the call ended here (``finish``, ``abandon``): no row goes now
+        self._timer: asyncio.TimerHandle | None = None  # ``post_within``'s
+        # Over host links the landing thread compares the rows; and the row may wait for the
+        # work's end (see the class doc).
+        self.checked_early = dist.linked([r for r in members if r != dist.rank])
         self._done: Any = None  # the end-of-call round, once posted (see ``post_done``)
         self._flags = np.zeros((dist.world.size, 1), np.uint8)
         self._flags[dist.rank] = _DONE
 
-    def post(self) -> None:
-        """Post this rank's row (once): after the call's launch, whose first data thus goes
-        ahead of it."""
-        if self._req is not None:
-            return
-        d = self.dist
-        self._req = d.gather_round(AGREE_CHANNEL, self.call, self.members, self._mine,
-                                   self._every)
-        self.checked_early = isinstance(self._req, _LinkRound)
-        if self.checked_early:
-            self._req.when_landed(self._settle)
-        else:
-            self._hurry = threading.Event()
+    def post(self, ended: bool = False) -> bool:
+        """Post this rank's row (once; any thread), saying whether this rank's part of the
+        call has ``ended`` well. False: posted already (or the call is over here)."""
+        with self._post_lock:
+            if self._req is not None or self._over:
+                return False
+            d = self.dist
+            self._mine[_ENDED] = ended
+            self._every[d.rank] = self._mine
+            self._req = d.gather_round(AGREE_CHANNEL, self.call, self.members, self._mine,
+                                       self._every)
+            if self.checked_early:
+                self._req.when_landed(self._settle)
+            else:
+                self._hurry = threading.Event()
+            return True
+
+    def post_within(self, loop: asyncio.AbstractEventLoop, seconds: float | None = None
+                    ) -> None:
+        """Post the row from ``loop`` in ``seconds`` unless the work's end posts it first: a
+        peer's transfer timeouts, and a mismatch's discovery, wait for it."""
+        if self._req is None:
+            self._timer = loop.call_later(ROW_WITHIN_S if seconds is None else seconds,
+                                          self.post)
 
     def hurry(self) -> None:
         """The call's work has ended (or failed): poll at the normal backoff from now on."""
@@ -521,11 +545,18 @@ class Agreement:
         thread that completes the last one (not by way of the event loop: one thread hop
         fewer at the end of every call). ``ended``: an event's completion is its work's end
         (the host backends; on CUDA it is its launch) — then, if every one succeeded, this
-        rank's row of the end-of-call round goes from that thread too (:meth:`post_done`):
-        a peer waiting for it is not kept waiting until this rank's event loop has run."""
+        rank's row goes from that thread, saying so, if it has not gone yet; else its row of
+        the end-of-call round (:meth:`post_done`). Either way a peer waiting for it is not
+        kept waiting until this rank's event loop has run. (A failed part posts nothing
+        here: the event loop's :meth:`wait` posts the row.)"""
         left = [len(events)]
         failed = [False]
         lock = threading.Lock()
+
+        def over() -> None:
+            self.hurry()
+            if ended and not failed[0] and not self.post(ended=True):
+                self.post_done(early=True)
 
         def one(ev: Any) -> None:
             with lock:
@@ -533,12 +564,10 @@ class Agreement:
                 last = left[0] == 0
                 failed[0] = failed[0] or ev.error is not None
             if last:
-                self.hurry()
-                if ended and not failed[0]:
-                    self.post_done(early=True)
+                over()
 
         if not events:
-            self.hurry()
+            over()
         for ev in events:
             ev.add_done_callback(one)
 
@@ -552,17 +581,25 @@ class Agreement:
         if early and (d.backend.abort_reason is not None or d.collective_round(self.members)):
             return
         with self._done_lock:
-            if self._done is None:
+            if self._done is None and not self._over:
                 self._done = d.gather_round(DONE_CHANNEL, self.call, self.members, _DONE,
                                             self._flags)
 
     def abandon(self) -> None:
-        """The call failed: take back the end-of-call round's receives if it was posted (the
-        rows of the agreement were waited for, or taken back, by :meth:`wait`)."""
+        """The call failed: post nothing more, and take back the end-of-call round's
+        receives if it was posted (the rows of the agreement were waited for, or taken back,
+        by :meth:`wait`)."""
+        self._end_here()
         with self._done_lock:
             done = self._done
         if done is not None:
             _cancel([done])
+
+    def _end_here(self) -> None:
+        with self._post_lock:
+            self._over = True
+        if self._timer is not None:
+            self._timer.cancel()
 
     def _pause(self, attempt: int) -> None:
         assert self._hurry is not None  # (a polled round's)
@@ -579,14 +616,19 @@ class Agreement:
                    if isinstance(f, RankFailed) and f.rank in self.members)
 
     async def finish(self) -> None:
-        """This rank's work for the call ended well: return once every member's did (a
-        barrier: the same gather as the digests', of one byte). A rank whose work failed
-        never gets here; its failure notice aborts this wait, which then raises (the runtime
-        reports :class:`RankFailed` naming it). It waits for the others' whole remaining
-        work, so past the timeout it waits on while every member says it is inside this
-        call (an op stuck there is that rank's to find)."""
+        """This rank's work for the call ended well: return once every member's did — at
+        once where every member's row of the agreement said so, else after the end-of-call
+        round (a barrier: the same gather as the digests', of one byte). A rank whose work
+        failed never gets here; its failure notice aborts this wait, which then raises (the
+        runtime reports :class:`RankFailed` naming it). It waits for the others' whole
+        remaining work, so past the timeout it waits on while every member says it is
+        inside this call (an op stuck there is that rank's to find)."""
+        if all(self._every[r, _ENDED] for r in self.members):
+            self._end_here()
+            return
         d = self.dist
         self.post_done()  # (unless posted already, as the work ended)
+        self._end_here()
         await d.wait_round(self._done, f"{self.what}: every rank's work", patient=True,
                            among=self.members)
 
@@ -596,6 +638,7 @@ class Agreement:
         Programs that differ make the work fail too, here or on another rank, often before
         this round completes: it is still awaited then (bounded, while it can complete),
         because a mismatch is the explanation the user needs, not the failures it caused."""
+        self.post()  # (unless posted already: as the work ended, or failed, here)
         if not self._settled:
             # Patient: a member may still be inside an earlier call this rank had no part in.
             await self.dist.wait_round(self._req, self.what, self._can_complete, self._pause,
@@ -615,8 +658,8 @@ class Agreement:
                 return
             b.agreed_at = time.perf_counter()
             # (Bytes compared: numpy's dispatch costs more than the comparison, every call.)
-            mine, rows = self._mine.tobytes(), self._every.tobytes()
-            differ = tuple(r for r in self.members if rows[32 * r:32 * r + 32] != mine)
+            mine, rows = self._mine[:32].tobytes(), self._every.tobytes()
+            differ = tuple(r for r in self.members if rows[_ROW * r:_ROW * r + 32] != mine)
             if differ:
                 self._mismatch = CallMismatch(
                     f"{self.what}: ranks {list(differ)} made a different call than rank "
@@ -629,6 +672,11 @@ class Agreement:
 
 
 _DONE = np.ones(1, np.uint8)
+# An agreement's row: the call's 32-byte digest, then whether the rank's part had ended well.
+_ROW, _ENDED = 33, 32
+# How long after its launch a call may hold its agreement row back for its work's end (see
+# Agreement): a peer's transfer timeouts and a mismatch's discovery wait for it meanwhile.
+ROW_WITHIN_S = 10e-3
 
 
 class _LinkRound:
