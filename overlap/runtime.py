@@ -63,6 +63,7 @@ from .errors import (
 )
 from .nvtx import range_end, range_start
 from .pipeline import Stage, StepState, check_pipeline, check_split, launch_step
+from .poll_first import PollFirstSelector
 from .profiling import profile_window
 from .reshard import BufferTable, check_outs, check_shards, launch_reshard, shards_match
 from .watch import Recovery, name_hang, wait_all
@@ -93,9 +94,11 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     watch on it, then all undone: ~12 µs each call of every process, twice stock asyncio's
     whole run; 10 % of a tiny cross-process call, docs/benchmarks.md). There stock asyncio's
     loop: a Ctrl-C interrupts its wait as any system call (EINTR), and a whole training step
-    takes as long on either (measured)."""
+    takes as long on either (measured) — and its selector looks again briefly before it
+    sleeps (:class:`~overlap.poll_first.PollFirstSelector`: a sleeping process wakes tens
+    of microseconds late)."""
     if threading.current_thread() is threading.main_thread():
-        return asyncio.new_event_loop()
+        return asyncio.SelectorEventLoop(PollFirstSelector())
     try:
         import uvloop
     except ImportError:
