@@ -489,8 +489,13 @@ class CpuStream:
             return False
         try:
             pokes = p.pokes
-            with waking(self._poke):
+            # (What ``waking`` does, spelled out: every step of every op pays for it.)
+            outer = getattr(_stepping, "wake", None)
+            _stepping.wake = self._poke
+            try:
                 until = next(p.steps)
+            finally:
+                _stepping.wake = outer
             with self._lock:  # (_poke writes both under it)
                 # Poked while it stepped: what it waits for may have come after it looked.
                 p.until = until if p.pokes == pokes else 0.0

@@ -355,7 +355,7 @@ class MpiBackend(CpuBackend):
         # Nothing to poll: every wait is for a link's message, which wakes the step.
         woken = (recv_link or prev is None) and (send_link or nxt is None)
         landed = 0
-        status = MPI.Status()
+        status = None if recv_link else MPI.Status()  # (a link's request keeps its count)
         seen = None  # when the last piece was seen landed (receivers)
         attempt = polls = 0
         key = (id(hop.comm), -1 if prev is None else prev)
