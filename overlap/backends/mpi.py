@@ -193,10 +193,10 @@ class MpiBackend(CpuBackend):
         """Stepped where the broadcast spans ranks and ``device`` is its rank's only
         participant: nothing to rendezvous locally, so its part is MPI requests posted, then
         tested — steps that never block (see ``CpuStream.launch``)."""
-        key = (frozenset(devices), device)
+        key = (tuple(devices), device)  # (a tuple: cheaper to make than a set, every call)
         known = self._stepped.get(key)
         if known is None:  # (asked for every transfer part at every launch: kept)
-            group = key[0]
+            group = frozenset(devices)
             known = self._stepped[key] = (len(self.placement.ranks_of(tuple(group))) > 1
                                           and sum(1 for d in group if self.is_local(d)) == 1)
         return known
@@ -213,7 +213,12 @@ class MpiBackend(CpuBackend):
         # Where the bytes land: the buffer, or a staging copy when it is a strided view.
         landing = buffer if buffer.flags.c_contiguous else np.empty(buffer.shape, buffer.dtype)
         data = landing.reshape(-1).view(np.uint8)
-        yield from self._chain_steps(hop, data, lambda upto: None)
+        peer = hop.next if hop.prev is None else hop.prev
+        if (self.hop_timings is None and (hop.prev is None or hop.next is None)
+                and peer is not None and self._one_link_piece(hop, peer, data.nbytes)):
+            yield from self._link_steps(hop, data)
+        else:
+            yield from self._chain_steps(hop, data, lambda upto: None)
         if landing is not buffer:
             np.copyto(buffer, landing)
 
@@ -337,6 +342,38 @@ class MpiBackend(CpuBackend):
 
     # ---- MPI point-to-point, polled ------------------------------------------------------
 
+    def _one_link_piece(self, hop: _Hop, peer: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` go to (come from) ``peer`` in one piece over a host link."""
+        links = self.links
+        return (links is not None and nbytes <= LINK_MAX_PIECE_BYTES
+                and self._piece(hop, nbytes) >= nbytes and links.has(peer))
+
+    def _link_steps(self, hop: _Hop, data: np.ndarray) -> Iterator[float]:
+        """:meth:`_chain_steps` for the commonest hop, kept lean (every transfer of a step
+        pays for it): one piece over a host link, sent by the root to the next rank, or
+        received by the last rank from the one before. A send completes once the kernel
+        has its bytes; a receive's step is woken by its message."""
+        links = self.links
+        assert links is not None
+        started = time.perf_counter()  # (before the post: a link's send lands at once)
+        if hop.prev is None:
+            req = links.isend(hop.channel, hop.next, hop.tag, data)
+            who, peer = f"rank {hop.next} never received it", hop.next
+        else:
+            req = links.irecv(hop.channel, hop.prev, hop.tag, data)
+            who, peer = f"rank {hop.prev} never sent it", hop.prev
+        try:
+            while not req.Test():
+                self.dist.check_transfer(hop.what, started, who, peer)
+                until = _armed(req, time.perf_counter())
+                if until is not None:
+                    yield until
+        except BaseException:
+            _cancel([req] if hop.prev is not None else [])
+            raise
+        if hop.prev is not None and req.count != data.nbytes:
+            raise _size_mismatch(hop, self.rank, req.count, data.nbytes)
+
     def _chain_steps(self, hop: _Hop, data: np.ndarray,
                      landed_to: Callable[[int], None]) -> Iterator[float]:
         """Receive ``data`` from ``hop.prev`` (unless this rank is the root) and pass it on to
@@ -355,7 +392,8 @@ class MpiBackend(CpuBackend):
         # Nothing to poll: every wait is for a link's message, which wakes the step.
         woken = (recv_link or prev is None) and (send_link or nxt is None)
         landed = 0
-        status = None if recv_link else MPI.Status()  # (a link's request keeps its count)
+        # (A link's request keeps its count; a root receives nothing.)
+        status = None if recv_link or prev is None else MPI.Status()
         seen = None  # when the last piece was seen landed (receivers)
         attempt = polls = 0
         key = (id(hop.comm), -1 if prev is None else prev)
@@ -371,9 +409,7 @@ class MpiBackend(CpuBackend):
                 while landed < len(recvs) and recvs[landed].Test(status):
                     got = recvs[landed].count if recv_link else status.Get_count(MPI.BYTE)
                     if got != pieces[landed].nbytes:
-                        raise CollectiveMismatch(
-                            f"{what}: rank {self.rank} received {got} bytes from rank {prev} "
-                            f"where {pieces[landed].nbytes} were expected (different plans?)")
+                        raise _size_mismatch(hop, self.rank, got, pieces[landed].nbytes)
                     if nxt is not None:
                         sends.append(post_send(pieces[landed]))
                     landed += 1
@@ -506,6 +542,11 @@ def _drive(steps: Iterator[float], backend: MpiBackend) -> None:
             if ready.wait(min(left, _POLL_S)):
                 break
         ready.clear()
+
+
+def _size_mismatch(hop: _Hop, rank: int, got: int, want: int) -> CollectiveMismatch:
+    return CollectiveMismatch(f"{hop.what}: rank {rank} received {got} bytes from rank "
+                              f"{hop.prev} where {want} were expected (different plans?)")
 
 
 def _armed(pending: Any, now: float) -> float | None:
