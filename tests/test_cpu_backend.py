@@ -679,3 +679,30 @@ def test_a_wakeup_lost_to_ctrl_c_is_recovered_when_the_runtime_looks():
         assert ran.wait(5.0)
     finally:
         backend.close()
+
+
+def test_an_events_flag_wakes_a_blocked_waiter_and_answers_the_rest_at_once():
+    """``CpuEvent``'s done flag (``cpu._Flag``): ``wait`` answers at once when set (no
+    condition made for it), times out when never set, and a thread blocked in it is woken
+    by ``set`` from another thread — not left to its timeout."""
+    from overlap.backends.cpu import _Flag
+
+    never = _Flag()
+    assert never.wait(0.001) is False and not never.is_set()
+    early = _Flag()
+    early.set()
+    assert early.wait(60.0) is True and early._cond is None
+    flag, answers, waiting = _Flag(), [], threading.Event()
+
+    def waiter() -> None:
+        waiting.set()
+        answers.append(flag.wait(60.0))  # (woken by set, or the join below gives up)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert waiting.wait(10.0)
+    while flag._cond is None:  # (the waiter made the condition: it is in wait)
+        t.join(0.001)
+    flag.set()
+    t.join(10.0)
+    assert not t.is_alive() and answers == [True]

@@ -81,6 +81,46 @@ class TraceRecord(NamedTuple):
     end: Any
 
 
+class _Flag:
+    """``threading.Event``'s ``is_set``/``set``/``wait``, made for an event that is mostly
+    looked at and seldom waited for: its condition is made by the first thread that blocks
+    on it, not with every event (a call makes several events: a ``threading.Event`` costs a
+    lock and a condition each, ~2 µs, and its ``set`` takes the condition's lock)."""
+
+    __slots__ = ("_cond", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._cond: threading.Condition | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True  # (before _cond is read: a waiter that made it looks after this)
+        cond = self._cond
+        if cond is not None:
+            with cond:
+                cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        cond = self._cond
+        if cond is None:
+            with _FLAG_COND_LOCK:
+                if self._cond is None:
+                    self._cond = threading.Condition(threading.Lock())
+                cond = self._cond
+        with cond:
+            if not self._set:  # (a set() that read no condition set the flag first)
+                cond.wait(timeout)
+            return self._set
+
+
+_FLAG_COND_LOCK = threading.Lock()
+
+
 class CpuEvent:
     """A point in a stream's work; completes (or fails) when the stream gets there."""
 
@@ -89,7 +129,7 @@ class CpuEvent:
     def __init__(self, label: str = "") -> None:
         self.label = label
         self._stream: CpuStream | None = None  # the stream it is recorded on (helpers use it)
-        self._done = threading.Event()
+        self._done = _Flag()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[CpuEvent], None]] = []
