@@ -706,3 +706,22 @@ def test_an_events_flag_wakes_a_blocked_waiter_and_answers_the_rest_at_once():
     flag.set()
     t.join(10.0)
     assert not t.is_alive() and answers == [True]
+
+
+def test_a_failing_callback_of_an_event_leaves_the_others_called(caplog):
+    """Callbacks run on the thread that completes the event: one that raises (a bug) is
+    logged, and every other callback still runs — a waiter left unwoken would hang its
+    call."""
+    ev = CpuEvent("lane end")
+    called: list[str] = []
+
+    def bad(_: CpuEvent) -> None:
+        called.append("bad")
+        raise RuntimeError("a waiter's bug")
+
+    ev.add_done_callback(bad)
+    ev.add_done_callback(lambda _: called.append("good"))
+    with caplog.at_level("ERROR", logger="overlap"):
+        ev._complete()
+    assert called == ["bad", "good"] and ev.done()
+    assert "a callback of event 'lane end' failed" in caplog.text

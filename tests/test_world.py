@@ -701,6 +701,34 @@ def test_no_row_goes_from_the_completing_thread_when_the_work_failed_or_the_call
             lk.close()
 
 
+def test_a_row_that_cannot_go_from_the_completing_thread_is_the_event_loops_failure(caplog):
+    """The links closed before the work's end: the completing thread's post fails there,
+    quietly (not a callback's bug: nothing logged; the event's other callbacks run), and
+    the event loop's verdict meets the failure itself, raising it in the call."""
+    import asyncio
+
+    from overlap.backends.cpu import CpuEvent
+    from overlap.backends.distributed import Agreement
+    from overlap.errors import CollectiveAborted
+
+    dists, links = _linked_pair()
+    try:
+        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
+        ev = CpuEvent("lane end")
+        check.hurry_after([ev], ended=True)
+        after: list[bool] = []
+        ev.add_done_callback(lambda _: after.append(True))
+        links[0].close()
+        with caplog.at_level("ERROR", logger="overlap"):
+            ev._complete()  # (raises nothing: the post failed quietly)
+        assert after == [True] and check._req is None and caplog.text == ""
+        with pytest.raises(CollectiveAborted, match="host links are closed"):
+            asyncio.run(check.wait())
+    finally:
+        for lk in links:
+            lk.close()
+
+
 def test_a_failed_call_takes_back_its_end_of_call_round():
     """A call that fails after its end-of-call row went (its work ended here, a peer's
     failed): the round's receive is taken back, not left posted on the link."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -48,6 +49,8 @@ from ..errors import (
 from ..loop_calls import call_soon_any_thread
 from ..nvtx import range_end, range_start
 from ..world import Placement
+
+log = logging.getLogger("overlap")
 
 # How often a blocked thread looks at the abort flag; a wait ends within this after abort().
 _POLL_S = 0.02
@@ -149,7 +152,10 @@ class CpuEvent:
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
-            cb(self)
+            try:
+                cb(self)
+            except Exception:  # (one waiter's bug must not leave the others unwoken)
+                log.exception("a callback of event %r failed", self.label)
 
     def add_done_callback(self, cb: Callable[[CpuEvent], None]) -> None:
         with self._lock:

@@ -555,8 +555,13 @@ class Agreement:
 
         def over() -> None:
             self.hurry()
-            if ended and not failed[0] and not self.post(ended=True):
-                self.post_done(early=True)
+            if not ended or failed[0]:
+                return
+            # (A post that fails here — the links closed or failed meanwhile — is posted
+            # again by the event loop, which meets the failure itself: wait, finish.)
+            with contextlib.suppress(Exception):
+                if not self.post(ended=True):
+                    self.post_done(early=True)
 
         def one(ev: Any) -> None:
             with lock:
