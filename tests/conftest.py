@@ -100,3 +100,18 @@ def _no_leaked_stream_threads():
     if leaked:
         pytest.fail(f"stream threads still alive {THREAD_GRACE_S:g} s after the test: "
                     f"{sorted(t.name for t in leaked)}", pytrace=False)
+
+
+@pytest.fixture
+def pair():
+    """Two ranks' host links in one process (``HostLinks`` 0 and 1, joined by a socket
+    pair), closed after the test."""
+    import socket
+
+    from overlap.backends.host_links import HostLinks
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    links = HostLinks(0, {1: a}), HostLinks(1, {0: b})
+    yield links
+    for lk in links:
+        lk.close()

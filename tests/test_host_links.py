@@ -19,15 +19,6 @@ from overlap.errors import CollectiveAborted, OverlapRuntimeError
 BOUND_S = 10.0  # every wait here is bounded: a hang fails the test
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    links = HostLinks(0, {1: a}), HostLinks(1, {0: b})
-    yield links
-    for lk in links:
-        lk.close()
-
-
 def wait(req: LinkRequest) -> None:
     """Block until ``req`` completes, woken by its ``wake`` (no polling)."""
     done = threading.Event()

@@ -5,7 +5,6 @@ wait that gives up: named, its receive taken back. (Across processes: tests/test
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
@@ -37,15 +36,6 @@ def _rank(links: HostLinks, rank: int, dist: _Dist | None = None):
     b = object.__new__(MpiBackend)
     b.links, b.rank, b.dist = links, rank, dist or _Dist()
     return b
-
-
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    links = HostLinks(0, {1: a}), HostLinks(1, {0: b})
-    yield links
-    for lk in links:
-        lk.close()
 
 
 def _hop(prev: int | None, nxt: int | None) -> _Hop:

@@ -3,6 +3,7 @@ cannot run (no MPI needed: these never start a multi-process backend)."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 
@@ -627,27 +628,41 @@ def test_a_row_posted_once_the_work_ended_stands_for_the_end_of_call_round(rank0
             lk.close()
 
 
+def _held_row(dist):
+    """An agreement over host links whose row waits for its one lane's end (the event)."""
+    from overlap.backends.cpu import CpuEvent
+    from overlap.backends.distributed import Agreement
+
+    check = Agreement(dist, b"x" * 32, "reshard", 3, (0, 1))
+    ev = CpuEvent("lane end")
+    check.hurry_after([ev], ended=True)
+    return check, ev
+
+
+async def _past_held_time() -> None:
+    """Until a timer armed for now (``post_within(loop, 0)``) has run: timers run in time
+    order, and this one is due later."""
+    loop = asyncio.get_running_loop()
+    later = loop.create_future()
+    loop.call_later(0.001, later.set_result, None)
+    await later
+
+
 def test_a_row_held_for_the_works_end_goes_at_post_withins_time_at_the_latest():
     """A peer's transfer timeouts and a mismatch's discovery wait for this rank's row: if
     the work has not ended ``post_within`` seconds after the launch, the row goes then
     (saying the work has not ended), and the work's end posts the end-of-call row."""
     import asyncio
 
-    from overlap.backends.cpu import CpuEvent
-    from overlap.backends.distributed import _ENDED, Agreement
+    from overlap.backends.distributed import _ENDED
 
     dists, links = _linked_pair()
     try:
-        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
-        ev = CpuEvent("lane end")
-        check.hurry_after([ev], ended=True)
+        check, ev = _held_row(dists[0])
 
         async def held() -> None:
-            loop = asyncio.get_running_loop()
-            check.post_within(loop, 0.0)
-            later = loop.create_future()
-            loop.call_later(0.001, later.set_result, None)  # (timers run in time order)
-            await later
+            check.post_within(asyncio.get_running_loop(), 0.0)
+            await _past_held_time()
 
         asyncio.run(held())
         assert check._req is not None and check._mine[_ENDED] == 0
@@ -667,27 +682,21 @@ def test_no_row_goes_from_the_completing_thread_when_the_work_failed_or_the_call
     row."""
     import asyncio
 
-    from overlap.backends.cpu import CpuEvent
-    from overlap.backends.distributed import _ENDED, Agreement
+    from overlap.backends.distributed import _ENDED
 
     dists, links = _linked_pair()
     try:
-        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
-        ev = CpuEvent("lane end")
-        check.hurry_after([ev], ended=True)
+        check, ev = _held_row(dists[0])
 
         async def call() -> None:
-            loop = asyncio.get_running_loop()
-            check.post_within(loop, 0.0)
+            check.post_within(asyncio.get_running_loop(), 0.0)
             if how == "abandoned":
                 check.abandon()
             else:
                 ev._complete(RuntimeError("op failed"))
                 assert check._req is None and links[0].frames_sent == 0
                 assert check.post()  # (what wait() does first)
-            later = loop.create_future()
-            loop.call_later(0.001, later.set_result, None)  # (past the held row's time)
-            await later
+            await _past_held_time()
 
         asyncio.run(call())
         if how == "failed":
