@@ -777,8 +777,7 @@ class Runtime:
                     and self.backend.abort_reason is not None):
                 # Stopped by another failure (a peer's report, say, of a mismatch this rank
                 # would find too as the rows land): the agreement explains it, if it can.
-                try:
-                    check.post()
+                try:  # (its wait posts the row first)
                     await _agreed(check, None, work_failed=True)
                 except BaseException as again:  # (Ctrl-C meanwhile: raised once stopped)
                     interrupted = again

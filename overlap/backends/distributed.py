@@ -359,8 +359,9 @@ class Distributed:
             for r in others:
                 links.isend(channel, r, tag, every)
 
-        return _LinkRound([], [links.irecv(channel, r, tag, every[r]) for r in others],
-                          then=forward)
+        round_ = _LinkRound([], [links.irecv(channel, r, tag, every[r]) for r in others])
+        round_.when_landed(forward)
+        return round_
 
     async def wait_linked(self, round_: _LinkRound, what: str,
                           through_abort: Callable[[], bool] | None = None,
@@ -686,17 +687,15 @@ ROW_WITHIN_S = 10e-3
 
 class _LinkRound:
     """Sends and receives over host links, waited for like an MPI request (``Test``,
-    ``Cancel``, ``Wait``; see :meth:`Distributed.wait_linked`). ``then()`` runs once every
-    receive has landed, on the thread that lands the last one (or the caller's, if they all
-    had)."""
+    ``Cancel``, ``Wait``; see :meth:`Distributed.wait_linked`). What :meth:`when_landed`
+    was given runs once every receive has landed, on the thread that lands the last one (or
+    the caller's, if they all had)."""
 
-    def __init__(self, sends: list[LinkRequest], recvs: list[LinkRequest],
-                 then: Callable[[], None] | None = None) -> None:
+    def __init__(self, sends: list[LinkRequest], recvs: list[LinkRequest]) -> None:
         self._recvs = recvs
         self._reqs = [*sends, *recvs]
         self._lock = threading.Lock()
         self._wake: Callable[[], None] | None = None
-        self._then = then
         self._hooks: list[Callable[[], None]] | None = []  # when_landed's (None: landed)
         self._left = len(recvs) + 1  # (+1: until every request is watched)
         for r in sends:
@@ -721,10 +720,8 @@ class _LinkRound:
             hooks: list[Callable[[], None]] = []
             if last:
                 hooks, self._hooks = self._hooks or [], None
-        # (A receive failed by its link ends too: no ``then`` for a round with a hole.)
+        # (A receive failed by its link ends too: no hook runs for a round with a hole.)
         if last and all(r.done for r in self._recvs):
-            if self._then is not None:
-                self._then()
             for hook in hooks:
                 hook()
         self._ended()
