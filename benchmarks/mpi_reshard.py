@@ -27,7 +27,9 @@
 3. **Host overhead**: a resharding call moving 16 bytes between two ranks (agreement, launch,
    transfer, await) — every rank calling at once (the four processes' CPU shares the two
    cores), and its two ranks alone (the others made their calls ahead and sleep) — and per
-   transfer in one call of many tiny cross-rank transfers (12 here), over host links and
+   transfer in one call of many tiny cross-rank transfers (12 here, over all four ranks),
+   and what each additional transfer adds between two ranks alone (16 tiny transfers from
+   rank 0 to rank 1 against the 16-byte call), over host links and
    over MPI, next to a raw 16-byte ``MPI_Bcast`` between two
    ranks and a raw wake-up round trip (1 byte each way over a Unix socket, both ranks
    asleep in ``recv``); then, rank by rank, where the tiny call's CPU goes: each thread's
@@ -271,6 +273,7 @@ def main() -> int:
             rows.append(measure(rts, comm, case, polls))
         for name, rt in rts.items():
             overhead[name] = host_overhead(rt, cluster, placement)
+        busy = busy_ranks(rts["links"], cluster)
         raw_tiny = raw_tiny_bcast(comm)
         wake = raw_wake_round_trip(comm)
         profiles = comm.gather(overhead["links"][3], root=0)
@@ -312,7 +315,15 @@ def main() -> int:
              for k in overhead}
     say(f"  each additional transfer (that call less the 16 B one): {extra['links'] * 1e6:8.1f}"
         f" us {extra['mpi'] * 1e6:8.1f} us")
+    pair = {k: v[5] for k, v in overhead.items()}
+    say(f"  each additional transfer between 2 ranks alone ({PAIR_TRANSFERS} x 16 B, rank 0's "
+        f"4 devices to rank 1's, less the 16 B call): {pair['links'] * 1e6:8.1f} us "
+        f"{pair['mpi'] * 1e6:8.1f} us")
     say(f"  raw MPI_Bcast of 16 B between 2 ranks:    {raw_tiny * 1e6:8.1f} us")
+    say("  one 16 B transfer sent and one received by each rank of a call (host links): "
+        "wall per call, the members' CPU per call")
+    for name, (took, cpu) in busy.items():
+        say(f"    {name}: {took * 1e6:8.1f} us, {cpu * 1e6:6.1f} us a rank")
     say(f"  raw wake-up round trip between 2 ranks (1 B each way over a Unix socket, both "
         f"asleep in recv): {wake * 1e6:.1f} us")
     print_profiles(say, profiles or [])
@@ -320,11 +331,12 @@ def main() -> int:
 
 
 def host_overhead(rt: Runtime, cluster: Cluster, placement
-                  ) -> tuple[float, float, int, dict, float]:
+                  ) -> tuple[float, float, int, dict, float, float]:
     """Seconds per resharding call moving 16 bytes between two ranks, seconds per transfer
     in one call of many tiny cross-rank transfers, how many those are, where this rank's
-    CPU goes in the tiny call and in the many-transfer one (:func:`call_profile`), and the
-    tiny call's seconds on its two ranks alone (:func:`members_alone`)."""
+    CPU goes in the tiny call and in the many-transfer one (:func:`call_profile`), the
+    tiny call's seconds on its two ranks alone (:func:`members_alone`), and the seconds each
+    additional transfer adds on two ranks alone (:func:`pair_per_transfer`)."""
     comm = rt.backend.dist.comm
     a = Sharding(DeviceMesh([[0]], ("host", "gpu")), ShardingSpec())
     b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
@@ -344,18 +356,77 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement
                    if rt.backend.is_local(d)}
     per_transfer = median_time(lambda: [rt.reshard_sync(many, many_shards) for _ in range(20)],
                                comm) / 20 / crossing
+    alone = members_alone(rt, tiny, tiny_shards)
     return per_call, per_transfer, crossing, {
         "tiny call": call_profile(rt, tiny, tiny_shards),
         f"{len(many.transfers)}-transfer call": call_profile(rt, many, many_shards, 200)}, \
-        members_alone(rt, tiny, tiny_shards)
+        alone, pair_per_transfer(rt, cluster, alone)
 
 
-def members_alone(rt: Runtime, plan, shards, calls: int = 1000) -> float:
+PAIR_TRANSFERS = 16
+
+
+def pair_per_transfer(rt: Runtime, cluster: Cluster, tiny_alone: float) -> float:
+    """Seconds each additional transfer adds to a call between two ranks alone, as a raw
+    message between two ranks is measured: rank 0's four devices hold column blocks of a
+    4 x 8 float64 tensor, rank 1's four take row blocks — 16 transfers of 16 contiguous
+    bytes, all from rank 0 to rank 1 — timed on those two ranks alone
+    (:func:`members_alone`), less the 16 B call (``tiny_alone``), over the 15 more.
+
+    The many-transfer call above spreads its transfers over all four ranks, three peers
+    each, and every rank is busy: four processes share the two cores there, and each
+    rank's CPU per message grows with that (docs/benchmarks.md)."""
+    a = Sharding(DeviceMesh([[0, 1, 2, 3]], ("host", "gpu")), ShardingSpec(None, "gpu"))
+    b = Sharding(DeviceMesh([[4, 5, 6, 7]], ("host", "gpu")), ShardingSpec("gpu"))
+    plan = plan_resharding((4, 8), "float64", a, b, cluster,
+                           PlanOptions(strategy="send_recv", balance="none"))
+    assert len(plan.transfers) == PAIR_TRANSFERS
+    shards = {d: np.full((4, 2), float(d)) for d in range(4) if rt.backend.is_local(d)}
+    took = members_alone(rt, plan, shards, calls=300)
+    return (took - tiny_alone) / (PAIR_TRANSFERS - 1)
+
+
+def busy_ranks(rt: Runtime, cluster: Cluster, calls: int = 300
+               ) -> dict[str, tuple[float, float]]:
+    """The same work on each rank — one 16 B transfer sent, one received — in a call of two
+    ranks (0 and 1 swap; the other two made their calls ahead and sleep) and of all four (a
+    ring: 0 -> 1 -> 2 -> 3 -> 0): seconds per call (slowest rank) and the members' mean main-
+    thread CPU seconds per call. Four busy processes share the two cores in the ring; the
+    swap is measured again with the other two ranks in a CPU-bound loop (the cores shared
+    as much, with processes that hand no messages around)."""
+    from mpi4py import MPI
+
+    comm = rt.backend.dist.comm
+    opts = PlanOptions(strategy="send_recv", balance="none")
+
+    def plan(src: list[list[int]], dst: list[list[int]]):
+        return plan_resharding((2 * len(src),), "float64",
+                               Sharding(DeviceMesh(src, ("host", "gpu")), ShardingSpec("host")),
+                               Sharding(DeviceMesh(dst, ("host", "gpu")), ShardingSpec("host")),
+                               cluster, opts)
+
+    swap, ring = plan([[0], [4]], [[4], [0]]), plan([[0], [4], [8], [12]], [[4], [8], [12], [0]])
+    out = {}
+    for name, p, hog in (("2 ranks (a swap)", swap, False),
+                         ("2 ranks (a swap), the other 2 in a CPU-bound loop", swap, True),
+                         ("4 ranks (a ring)", ring, False)):
+        shards = {d: np.ones(2) for d in p.src.mesh.device_ids if rt.backend.is_local(d)}
+        owners = rt.backend.placement.ranks_of(p.src.mesh.device_ids)
+        member = comm.Get_rank() in owners
+        cpu = time.thread_time()
+        took = members_alone(rt, p, shards, calls, hog=hog)
+        cpu = (time.thread_time() - cpu) / ((REPS + 1) * calls) if member else 0.0
+        out[name] = took, comm.allreduce(cpu, op=MPI.SUM) / len(owners)
+    return out
+
+
+def members_alone(rt: Runtime, plan, shards, calls: int = 1000, hog: bool = False) -> float:
     """Seconds per call of ``plan`` on its members (slowest), the other ranks idle: they make
     their ``calls`` first — a rank outside a call goes on without waiting for its members —
     and sleep in the barrier (20 ms naps) while the members make theirs. Four processes
     share two cores here; with every rank calling at once (the figure above) the others'
-    CPU (~30 us a call each) is spent on the members' cores too."""
+    CPU (~30 us a call each) is spent on the members' cores too. ``hog``: the others spin a
+    CPU-bound loop instead of sleeping (the cores shared, but not with runtime processes)."""
     comm = rt.backend.dist.comm
     owners = rt.backend.placement.ranks_of((*plan.src.mesh.device_ids,
                                             *plan.dst.mesh.device_ids))
@@ -373,10 +444,22 @@ def members_alone(rt: Runtime, plan, shards, calls: int = 1000) -> float:
         times.append((time.perf_counter() - t) / calls)
         # Idle: the others test the barrier every 20 ms, not every millisecond (a wake-up
         # of theirs a millisecond put the members' two-process ping-pong off by ~25 %).
-        barrier(comm, cap=20e-3)
+        if hog and not member:
+            busy_barrier(comm)
+        else:
+            barrier(comm, cap=20e-3)
     from mpi4py import MPI
 
     return comm.allreduce(statistics.median(times[1:]), op=MPI.MAX)
+
+
+def busy_barrier(comm) -> None:
+    """A barrier waited for in a CPU-bound loop of plain Python arithmetic."""
+    req = comm.Ibarrier()
+    x = 0
+    while not req.Test():
+        for i in range(20000):
+            x += i
 
 
 def call_profile(rt: Runtime, plan, shards, calls: int = 600) -> dict[str, tuple[float, float]]:
@@ -455,9 +538,12 @@ def raw_tiny_bcast(comm) -> float:
     tiny_buf = np.ones(2)
     raw_tiny = 0.0
     if pair is not None:
-        raw_tiny = median_time(lambda: [pair.Bcast(tiny_buf, root=0) for _ in range(50)],
-                               pair) / 50
+        # (5000 a sample: the closing sleepy barrier's wake-up, up to a few milliseconds,
+        # is then under a microsecond a message — with 50 it was most of the figure)
+        raw_tiny = median_time(lambda: [pair.Bcast(tiny_buf, root=0) for _ in range(5000)],
+                               pair) / 5000
         pair.Free()
+    barrier(comm, cap=20e-3)  # (ranks 2 and 3 sleep meanwhile: MPICH's allreduce would spin)
     return comm.allreduce(raw_tiny, op=MPI.MAX)
 
 
