@@ -12,6 +12,8 @@ sender's stream in both.
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -28,10 +30,23 @@ if TYPE_CHECKING:
     from .backends import Backend, Event
 
 
+# Every call of a plan binds its parts again with the same regions: the slices and shapes
+# are looked up (~0.1 µs) instead of built (~0.3-1 µs each, a few a part). The caches keep
+# only regions (tuples of ints), bounded.
+@functools.lru_cache(maxsize=1 << 14)
 def _local(outer: Region, inner: Region) -> tuple[slice, ...]:
     """Slices of ``inner`` inside a buffer that holds ``outer`` (and ``...``: indexing a 0-d
     array with ``()`` gives a scalar, with ``(...,)`` a view)."""
     return (*(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer)), Ellipsis)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _within(outer: Region, inner: Region) -> tuple[slice, ...] | None:
+    """:func:`_local` where ``outer`` contains ``inner``; None where it does not."""
+    return _local(outer, inner) if contains(outer, inner) else None
+
+
+_shape = functools.lru_cache(maxsize=1 << 14)(region_shape)
 
 
 class BufferTable(dict):
@@ -185,18 +200,19 @@ INLINE_COPY_BYTES = 64 << 10
 def transfer_op(backend, region, sender, receivers, device, src, dst, shards, outs, dtype,
                 desc, namespace, tag=None):
     """Device ``device``'s part of one transfer, as a callable for its stream."""
-    shape = region_shape(region)
+    shape = _shape(region)
 
     def holding(d: int) -> np.ndarray:
         """Device d's view of the region: from its source shard, else from what it received."""
-        if d in src and contains(src[d], region):
-            return shards[d][_local(src[d], region)]
+        where = _within(src[d], region) if d in src else None
+        if where is not None:
+            return shards[d][where]
         return outs[d][_local(dst[d], region)]
 
     xp = backend.xp  # numpy on the CPU backend, cupy on CUDA
 
     if receivers == (sender,):
-        nbytes = int(np.prod(shape)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # (numpy's dispatch: ~3 µs)
 
         def local_copy() -> None:
             start = time.perf_counter()
