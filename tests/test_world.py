@@ -437,25 +437,27 @@ def test_a_cancel_that_comes_as_a_linked_round_completes_is_not_lost():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("members", [(0, 1, 2, 3), (0, 2, 3), (1, 3)],
-                         ids=["every-rank", "three-of-four", "two-of-four"])
+@pytest.mark.parametrize("n, members", [(4, (0, 1, 2, 3)), (4, (0, 2, 3)), (4, (1, 3)),
+                                        (6, (0, 1, 2, 3, 4, 5)), (6, (0, 2, 3, 4, 5))],
+                         ids=["every-rank", "three-of-four", "two-of-four", "six-of-six",
+                              "five-of-six"])
 @pytest.mark.parametrize("call", [0, 1, 5])
-def test_a_linked_round_gathers_among_the_calls_members_only(call, members):
+def test_a_linked_round_gathers_among_the_calls_members_only(call, n, members):
     """The runtime's rounds over host links (the agreement, the end-of-call barrier): every
-    member gets every member's row — three or more through one member (the hub: the call
-    number modulo the members, so the load moves round), in 2 (m - 1) messages, not
-    m (m - 1); two swap rows, one hop. A rank outside the call's members sends and receives
-    nothing. Whoever waits is woken once, when its round is over."""
+    member gets every member's row — up to DIRECT_MEMBERS (4) members each from each, one
+    hop; more through one member (the hub: the call number modulo the members, so the load
+    moves round), in 2 (m - 1) messages, not m (m - 1). A rank outside the call's members
+    sends and receives nothing. Whoever waits is woken once, when its round is over."""
     import itertools
     import socket
     import threading
 
     import numpy as np
 
-    from overlap.backends.distributed import Distributed
+    from overlap.backends.distributed import DIRECT_MEMBERS, Distributed
     from overlap.backends.host_links import HostLinks
 
-    n, m = 4, len(members)
+    m = len(members)
     ends: dict[int, dict[int, socket.socket]] = {r: {} for r in range(n)}
     for a, b in itertools.combinations(range(n), 2):
         ends[a][b], ends[b][a] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -487,10 +489,11 @@ def test_a_linked_round_gathers_among_the_calls_members_only(call, members):
         sent = [lk.frames_sent for lk in links]
         outside = [r for r in range(n) if r not in members]
         assert all(sent[r] == 0 and links[r].frames_received == 0 for r in outside), sent
-        if m == 2:
-            assert sent[members[0]] == sent[members[1]] == 1, sent
+        if m <= DIRECT_MEMBERS:
+            assert all(sent[r] == m - 1 for r in members), sent
         else:
             assert sent[hub] == m - 1 and sum(sent) == 2 * (m - 1), sent
+        assert (m <= DIRECT_MEMBERS) == (n == 4)  # (both ways are run)
         # Its waiter is woken once a round (the hub's m - 1 rows land one by one).
         assert len(woken[hub]) == 1 and all(len(w) <= 1 for w in woken.values()), woken
     finally:
