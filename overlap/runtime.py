@@ -713,13 +713,13 @@ class Runtime:
         return self.backend.dist.agree(call, doing, self._calls, members)
 
     def _serve_links(self) -> None:
-        """The ``*_sync`` calls' loop reads this process's host links itself while it runs
-        (one thread woken a message instead of two); a call on another loop gives them back
-        to the link thread (``HostLinks.serve``)."""
+        """The loop of each call — the ``*_sync`` calls' loop, or the caller's own — reads
+        this process's host links itself while it runs (one thread woken a message instead
+        of two; ``HostLinks.serve``). So a call's transfers move while its loop runs: an
+        async caller that blocks its loop meanwhile stalls them, as any asyncio I/O."""
         links = self.backend.dist.links if self.world.distributed else None
         if links is not None:
-            loop = asyncio.get_running_loop()
-            links.serve(loop if loop is self._sync.loop else None)
+            links.serve(asyncio.get_running_loop())
 
     def _cached(self, key: Any, make: Callable[[], T]) -> T:
         """``make()``, kept for ``key`` with the runtime's other derived values (graphs,

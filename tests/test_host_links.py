@@ -384,6 +384,136 @@ def test_a_loop_that_serves_the_links_completes_receives_on_its_own_thread(pair)
     asyncio.run(main())
 
 
+def _received_on(links: HostLinks, sender: HostLinks, tag: int) -> str:
+    """Post a receive on ``links``, send to it from ``sender``: the name of the thread that
+    completed it (awaited on the running loop)."""
+    import asyncio
+
+    async def go() -> str:
+        got = np.zeros(16, np.uint8)
+        req = links.irecv(1, sender.rank, tag, got)
+        loop, ready = asyncio.get_running_loop(), asyncio.Event()
+        woken_on: list[str] = []
+        assert req.notify(lambda: (woken_on.append(threading.current_thread().name),
+                                   loop.call_soon_threadsafe(ready.set)))
+        sender.isend(1, links.rank, tag, np.full(16, tag, np.uint8))
+        await asyncio.wait_for(ready.wait(), BOUND_S)
+        assert got.tolist() == [tag] * 16
+        return woken_on[0]
+
+    return go()
+
+
+def test_a_loop_that_stopped_leaves_the_links_to_the_next_without_the_link_thread(
+        pair, monkeypatch):
+    """``asyncio.run`` per call: each call's loop serves the links, and the next one takes
+    them from the closed loop directly — the link thread is neither asked to read again
+    nor to stop (two thread round trips a call)."""
+    import asyncio
+
+    a, b = pair
+    handovers: list[bool] = []
+    real = b._hand_over
+    monkeypatch.setattr(b, "_hand_over", lambda watch: (handovers.append(watch), real(watch)))
+
+    async def call(tag: int) -> str:
+        b.serve(asyncio.get_running_loop())
+        return await _received_on(b, a, tag)
+
+    me = threading.current_thread().name
+    assert [asyncio.run(call(t)) for t in range(4)] == [me] * 4
+    assert handovers == [False]  # (once: the first loop takes them from the thread)
+    b.serve(None)
+    assert handovers == [False, True]
+    assert asyncio.run(_received_on(b, a, 9)) == "overlap-links-r1"
+
+
+def test_a_loop_running_on_another_thread_keeps_the_links(pair):
+    """A loop that serves the links while it runs on its own thread is not touched from
+    another: a call on this thread's loop leaves the links to it, and its thread completes
+    this thread's receives."""
+    import asyncio
+
+    a, b = pair
+    other = asyncio.new_event_loop()
+    runner = threading.Thread(target=other.run_forever, name="other-loop", daemon=True)
+    runner.start()
+    try:
+        taken = asyncio.run_coroutine_threadsafe(_serve_here(b), other)
+        taken.result(BOUND_S)
+
+        async def call() -> str:
+            b.serve(asyncio.get_running_loop())  # (another thread's loop runs: kept)
+            assert b._loop is other
+            return await _received_on(b, a, 3)
+
+        assert asyncio.run(call()) == "other-loop"
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        runner.join(BOUND_S)
+        b.serve(None)  # (that loop stopped: the link thread again)
+        other.close()
+    assert asyncio.run(_received_on(b, a, 4)) == "overlap-links-r1"
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["running", "held-up"])
+def test_closing_links_another_threads_loop_serves_lets_that_loop_go_on_its_thread(held):
+    """``close()`` from another thread than that of the loop serving the links: the loop
+    lets go of them on its own thread (no loop is touched from a thread not its own). A
+    loop held up by its own code makes ``close()`` wait a bounded time, not for the loop;
+    it lets go once it runs again."""
+    import asyncio
+
+    from overlap.backends import host_links
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    links = HostLinks(0, {1: ours})
+    fd = ours.fileno()
+    other = asyncio.new_event_loop()
+    touched: list[str] = []
+    real_off = host_links._off_loop
+
+    def off(loop, conn) -> None:  # (records the thread that takes each link off a loop)
+        touched.append(threading.current_thread().name)
+        real_off(loop, conn)
+
+    runner = threading.Thread(target=other.run_forever, name="other-loop", daemon=True)
+    runner.start()
+    release = threading.Event()
+    try:
+        asyncio.run_coroutine_threadsafe(_serve_here(links), other).result(BOUND_S)
+        host_links._off_loop = off
+        if held:
+            other.call_soon_threadsafe(release.wait, BOUND_S)  # (its own code holds it)
+        started = time.monotonic()
+        links.close()
+        took = time.monotonic() - started
+        assert touched == ([] if held else ["other-loop"])
+        assert took < host_links.LEAVE_WAIT_S + 2.0
+        release.set()
+        watched = asyncio.run_coroutine_threadsafe(_still_watched(fd), other).result(BOUND_S)
+        assert touched == ["other-loop"] and not watched, (touched, watched)
+    finally:
+        host_links._off_loop = real_off
+        release.set()
+        other.call_soon_threadsafe(other.stop)
+        runner.join(BOUND_S)
+        other.close()
+        theirs.close()
+
+
+async def _still_watched(fd: int) -> bool:
+    import asyncio
+
+    return asyncio.get_running_loop().remove_reader(fd)
+
+
+async def _serve_here(links: HostLinks) -> None:
+    import asyncio
+
+    links.serve(asyncio.get_running_loop())
+
+
 def test_waiting_out_a_cancelled_landing_on_the_serving_loop_reads_the_rest_itself():
     """A receive cancelled while its message lands waits for its bytes (``Wait``). On the
     thread of the loop that serves the links nothing else would read them: the wait reads

@@ -377,10 +377,10 @@ def test_ranks_ahead_wait_past_the_timeout_for_members_still_in_an_earlier_call(
     assert all(float(r["first"]) < 1.0 and float(r["both"]) > 2.0 for r in ranks[2:])
 
 
-def test_host_links_pass_between_the_sync_loop_and_the_link_thread(tmp_path):
-    """``*_sync`` calls' loop reads the host links itself; a call awaited on another loop
-    hands them back to the link thread, and the next sync call takes them again: every call
-    delivers."""
+def test_host_links_are_read_by_each_calls_own_loop(tmp_path):
+    """Each call's loop reads the host links itself — the ``*_sync`` calls' loop, and the
+    loop of each ``asyncio.run`` that awaits a call — and takes them from the loop before
+    (closed, or between its calls): every call delivers."""
     done, _ = mpiexec(4, "switch", str(tmp_path))
     assert done.returncode == 0, verdicts(done.stdout + done.stderr)
     ranks = outputs(tmp_path, 4)
@@ -389,6 +389,7 @@ def test_host_links_pass_between_the_sync_loop_and_the_link_thread(tmp_path):
     assert sorted(got) == sorted(f"{k}/{d}" for k in range(7) for d in range(4, 8))
     assert all(a.tobytes() == full.tobytes() for a in got.values())
     assert all(bool(r["served"]) for r in ranks)  # (the last call was a sync one)
+    assert all(r["own_loop"].tolist() == [True] * 3 for r in ranks), [r["own_loop"] for r in ranks]
 
 
 def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):

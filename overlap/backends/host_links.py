@@ -50,6 +50,7 @@ log = logging.getLogger("overlap")
 HEADER = struct.Struct("<IiQ")  # channel id, tag, payload bytes
 SOCKET_BUFFER_BYTES = 4 << 20  # asked of the kernel (it caps it: wmem_max)
 CONNECT_TIMEOUT_S = 30.0  # link setup: every rank of the host is inside the same call
+LEAVE_WAIT_S = 1.0  # a loop running on another thread letting go of the links (close())
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer: an error, not SIGPIPE
 _READS_PER_EVENT = 64  # reads from one socket before the others get their turn
 # Bytes read at once between frames: a small frame (the runtime's rounds, a width-64
@@ -116,6 +117,9 @@ class _Conn:
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
         self.sock = sock
+        # (Kept: a closed socket's fileno() is -1, and a loop that still watches it must be
+        # told which descriptor to forget.)
+        self.fd = sock.fileno()
         self.header = bytearray(HEADER.size)
         self.stage = bytearray(_STAGE_BYTES)  # what is read between frames (see _read_ahead)
         self.got = 0  # bytes of a header on the stage, then of the payload, read so far
@@ -530,7 +534,7 @@ class HostLinks:
                 conn.writing = False
                 loop = self._loop
                 if loop is not None:
-                    loop.remove_writer(conn.sock.fileno())
+                    loop.remove_writer(conn.fd)
                 else:
                     with contextlib.suppress(KeyError, ValueError):
                         self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
@@ -593,41 +597,73 @@ class HostLinks:
 
     def serve(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """From now on ``loop`` — running on the calling thread — reads and flushes the links
-        instead of the link thread (None: the link thread again): a message then wakes one
-        thread, not the link thread and then the loop that waits for it. Only while the
-        loop runs does anyone read; the kernel keeps what comes meanwhile, and a sender whose
-        bytes do not fit waits (as for any slow reader). The runtime serves its ``*_sync``
-        calls' loop, and gives the links back to the thread for calls on other loops."""
-        if loop is self._loop:
-            self._loop_thread = threading.get_ident()  # (*_sync calls may come from any thread)
-            return
-        if self._loop is not None:
-            self._give_back()
-        if loop is not None:
-            self._take(loop)
+        instead of the link thread or the loop before it (None: the link thread again): a
+        message then wakes one thread, not the link thread and then the loop that waits for
+        it. Only while the loop runs does anyone read; the kernel keeps what comes meanwhile,
+        and a sender whose bytes do not fit waits (as for any slow reader). The runtime
+        serves the loop of each call: its ``*_sync`` calls' loop, or the caller's own.
 
-    def _take(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._hand_over(watch=False)  # (the thread reads nothing from now on)
+        A loop running on another thread keeps the links (no loop is touched from a thread
+        not its own — uvloop's is not thread-safe): it reads them for this thread's calls
+        too, whose completions reach any thread. A loop not running (between its calls, or
+        closed: ``asyncio.run`` per call) is left for this one without the link thread."""
+        me = threading.get_ident()
+        if loop is self._loop:
+            self._loop_thread = me  # (*_sync calls may come from any thread)
+            return
+        old = self._loop
+        if old is not None and loop is not None and self._loop_thread != me \
+                and old.is_running():
+            return
+        if old is not None:
+            self._leave_loop()
+            if loop is None:
+                self._hand_over(watch=True)
+                return
+        elif loop is not None:
+            self._hand_over(watch=False)  # (the thread reads nothing from now on)
+        if loop is not None:
+            self._attach(loop)
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(The link thread not watching.) ``loop`` reads and flushes from now on."""
         with self._lock:
             self._loop, self._loop_thread = loop, threading.get_ident()
         for conn in self._conns.values():
             if not conn.gone:
-                loop.add_reader(conn.sock.fileno(), self._on_ready, conn, True, False)
-                if conn.writing:  # (asked of the thread before it let go)
-                    loop.add_writer(conn.sock.fileno(), self._on_ready, conn, False, True)
+                loop.add_reader(conn.fd, self._on_ready, conn, True, False)
+                if conn.writing:  # (asked of the thread, or of the loop before, meanwhile)
+                    loop.add_writer(conn.fd, self._on_ready, conn, False, True)
 
     def _give_back(self) -> None:
         self._leave_loop()
         self._hand_over(watch=True)
 
     def _leave_loop(self) -> None:
-        """The loop no longer reads nor flushes the links (it may be closed already)."""
+        """The loop no longer reads nor flushes the links (it may be closed already). One
+        running on another thread lets go on its own thread (no loop is touched from a
+        thread not its own): waited for, at most ``LEAVE_WAIT_S`` — a loop held up by its
+        own code reads nothing meanwhile, and lets go before it reads again."""
         with self._lock:
             loop, self._loop = self._loop, None
+            elsewhere = self._loop_thread != threading.get_ident()
         if loop is None:
             return
-        for conn in self._conns.values():
-            _off_loop(loop, conn)
+        conns = list(self._conns.values())
+        if not (elsewhere and loop.is_running()):
+            for conn in conns:
+                _off_loop(loop, conn)
+            return
+        left = threading.Event()
+
+        def let_go() -> None:
+            for conn in conns:
+                _off_loop(loop, conn)
+            left.set()
+
+        with contextlib.suppress(RuntimeError):  # (closed meanwhile: nothing watches now)
+            loop.call_soon_threadsafe(let_go)
+            left.wait(LEAVE_WAIT_S)
 
     def _hand_over(self, watch: bool) -> None:
         """Have the link thread stop (``watch`` False) or start again watching the sockets,
@@ -641,7 +677,7 @@ class HostLinks:
 
     def _loop_watch_write(self, loop: asyncio.AbstractEventLoop, conn: _Conn) -> None:
         if self._loop is loop and conn.writing and not conn.gone:  # (else: handed back)
-            loop.add_writer(conn.sock.fileno(), self._on_ready, conn, False, True)
+            loop.add_writer(conn.fd, self._on_ready, conn, False, True)
 
     def wait_landing(self, landed: threading.Event, timeout: float) -> None:
         """Wait (at most ``timeout``) for ``landed``, set when a message has landed. On the
@@ -681,8 +717,8 @@ class HostLinks:
 def _off_loop(loop: asyncio.AbstractEventLoop, conn: _Conn) -> None:
     """``loop`` no longer watches ``conn`` (it may be closed already)."""
     with contextlib.suppress(RuntimeError, ValueError, OSError):
-        loop.remove_reader(conn.sock.fileno())
-        loop.remove_writer(conn.sock.fileno())
+        loop.remove_reader(conn.fd)
+        loop.remove_writer(conn.fd)
 
 
 def _address(token: str, rank: int) -> str:

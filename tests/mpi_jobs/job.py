@@ -40,9 +40,9 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
   whose sends each start 0.7 s late (2.8 s in all, past the 2 s timeout; no op near it), then a
   call among every rank, which ranks 2 and 3 reach long before 0 and 1.
 - ``switch OUT``: resharding calls between rank 0's devices and rank 1's, alternately
-  ``reshard_sync`` (whose loop reads the host links) and ``reshard`` awaited on loops of
-  ``asyncio.run`` (the link thread reads them); each rank saves what it received and who
-  read its links last.
+  ``reshard_sync`` and ``reshard`` awaited on loops of ``asyncio.run`` (each call's loop
+  reads the host links); each rank saves what it received, whether each awaited call's own
+  loop read its links, and whether a loop reads them at the end.
 - ``helpers OUT on|off``: the toy pipeline (1f1b, two steps) with the MPI backend's helpers on
   or off; each rank also saves, per stepped transfer, whether a compute thread took its first
   and its last step (``threads``).
@@ -267,12 +267,22 @@ def main() -> int:
             import asyncio
 
             plan, shards = pair_plan(cluster, rt, False)
-            for k in range(7):  # (sync, async, ..., sync)
-                out = (rt.reshard_sync(plan, shards) if k % 2 == 0
-                       else asyncio.run(rt.reshard(plan, shards)))
-                saved.update({f"{k}/{d}": np.asarray(a) for d, a in out.items()})
             links = rt.backend.dist.links
+
+            async def awaited():  # -> what it got, and whether its own loop read the links
+                got = await rt.reshard(plan, shards)
+                return got, links is not None and links._loop is asyncio.get_running_loop()
+
+            own = []
+            for k in range(7):  # (sync, async, ..., sync)
+                if k % 2 == 0:
+                    out = rt.reshard_sync(plan, shards)
+                else:
+                    out, served = asyncio.run(awaited())
+                    own.append(served)
+                saved.update({f"{k}/{d}": np.asarray(a) for d, a in out.items()})
             saved["served"] = np.array(links is not None and links._loop is not None)
+            saved["own_loop"] = np.array(own)
         elif mode == "pair":
             saved.update(pair_calls(cluster, rt, sys.argv[3:] == ["differ"]))
         elif mode == "helpers":  # which threads start and end the stepped transfers
