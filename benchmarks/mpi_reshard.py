@@ -26,7 +26,8 @@
    default exponential backoff (20 → 200 µs).
 3. **Host overhead**: a resharding call moving 16 bytes between two ranks (agreement, launch,
    transfer, await) — every rank calling at once (the four processes' CPU shares the two
-   cores), and its two ranks alone (the others made their calls ahead and sleep) — and per
+   cores), and its two ranks alone (the others made their calls ahead and sleep; also
+   awaited on an asyncio loop of the caller's own instead of ``reshard_sync``) — and per
    transfer in one call of many tiny cross-rank transfers (12 here, over all four ranks),
    and what each additional transfer adds between two ranks alone (16 tiny transfers from
    rank 0 to rank 1 against the 16-byte call), over host links and
@@ -39,6 +40,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
 import subprocess
@@ -308,6 +310,9 @@ def main() -> int:
     alone = {k: v[4] for k, v in overhead.items()}
     say(f"    the same, the 2 ranks' own time (the other 2 made their calls ahead, then "
         f"slept): {alone['links'] * 1e6:8.1f} us {alone['mpi'] * 1e6:8.1f} us")
+    own = {k: v[6] for k, v in overhead.items()}
+    say(f"    the same, awaited on the caller's own asyncio loop (not reshard_sync): "
+        f"{own['links'] * 1e6:8.1f} us {own['mpi'] * 1e6:8.1f} us")
     say(f"  per transfer, {crossing} tiny cross-rank transfers in one call: "
         f"{per_transfer['links'] * 1e6:8.1f} us {per_transfer['mpi'] * 1e6:8.1f} us")
     # What each transfer adds to a call: the many-transfer call less the one-transfer one.
@@ -331,12 +336,13 @@ def main() -> int:
 
 
 def host_overhead(rt: Runtime, cluster: Cluster, placement
-                  ) -> tuple[float, float, int, dict, float, float]:
+                  ) -> tuple[float, float, int, dict, float, float, float]:
     """Seconds per resharding call moving 16 bytes between two ranks, seconds per transfer
     in one call of many tiny cross-rank transfers, how many those are, where this rank's
     CPU goes in the tiny call and in the many-transfer one (:func:`call_profile`), the
-    tiny call's seconds on its two ranks alone (:func:`members_alone`), and the seconds each
-    additional transfer adds on two ranks alone (:func:`pair_per_transfer`)."""
+    tiny call's seconds on its two ranks alone (:func:`members_alone`), the seconds each
+    additional transfer adds on two ranks alone (:func:`pair_per_transfer`), and the tiny
+    call's seconds on its two ranks alone awaited on an event loop of the caller's own."""
     comm = rt.backend.dist.comm
     a = Sharding(DeviceMesh([[0]], ("host", "gpu")), ShardingSpec())
     b = Sharding(DeviceMesh([[4]], ("host", "gpu")), ShardingSpec())
@@ -357,10 +363,15 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement
     per_transfer = median_time(lambda: [rt.reshard_sync(many, many_shards) for _ in range(20)],
                                comm) / 20 / crossing
     alone = members_alone(rt, tiny, tiny_shards)
+    own = asyncio.new_event_loop()  # (an async trainer's loop: not the runtime's)
+    try:
+        awaited = members_alone(rt, tiny, tiny_shards, loop=own)
+    finally:
+        own.close()
     return per_call, per_transfer, crossing, {
         "tiny call": call_profile(rt, tiny, tiny_shards),
         f"{len(many.transfers)}-transfer call": call_profile(rt, many, many_shards, 200)}, \
-        alone, pair_per_transfer(rt, cluster, alone)
+        alone, pair_per_transfer(rt, cluster, alone), awaited
 
 
 PAIR_TRANSFERS = 16
@@ -420,13 +431,28 @@ def busy_ranks(rt: Runtime, cluster: Cluster, calls: int = 300
     return out
 
 
-def members_alone(rt: Runtime, plan, shards, calls: int = 1000, hog: bool = False) -> float:
+def members_alone(rt: Runtime, plan, shards, calls: int = 1000, hog: bool = False,
+                  loop: asyncio.AbstractEventLoop | None = None) -> float:
     """Seconds per call of ``plan`` on its members (slowest), the other ranks idle: they make
     their ``calls`` first — a rank outside a call goes on without waiting for its members —
     and sleep in the barrier (20 ms naps) while the members make theirs. Four processes
     share two cores here; with every rank calling at once (the figure above) the others'
     CPU (~30 us a call each) is spent on the members' cores too. ``hog``: the others spin a
-    CPU-bound loop instead of sleeping (the cores shared, but not with runtime processes)."""
+    CPU-bound loop instead of sleeping (the cores shared, but not with runtime processes).
+    ``loop``: the members await their calls on this event loop of their own (an async
+    trainer's), not through ``reshard_sync``."""
+
+    async def awaited() -> None:
+        for _ in range(calls):
+            await rt.reshard(plan, shards)
+
+    def make_calls() -> None:
+        if loop is None:
+            for _ in range(calls):
+                rt.reshard_sync(plan, shards)
+        else:
+            loop.run_until_complete(awaited())
+
     comm = rt.backend.dist.comm
     owners = rt.backend.placement.ranks_of((*plan.src.mesh.device_ids,
                                             *plan.dst.mesh.device_ids))
@@ -439,8 +465,7 @@ def members_alone(rt: Runtime, plan, shards, calls: int = 1000, hog: bool = Fals
         barrier(comm)
         t = time.perf_counter()
         if member:
-            for _ in range(calls):
-                rt.reshard_sync(plan, shards)
+            make_calls()
         times.append((time.perf_counter() - t) / calls)
         # Idle: the others test the barrier every 20 ms, not every millisecond (a wake-up
         # of theirs a millisecond put the members' two-process ping-pong off by ~25 %).
