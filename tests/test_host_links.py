@@ -568,6 +568,8 @@ def test_closing_links_a_loop_serves_takes_them_off_the_loop(pair):
         fd = a._conns[1].sock.fileno()
         a.close()
         assert not loop.remove_reader(fd)  # (no longer watched)
+        a.serve(loop)  # (closed: nobody reads any more, nor starts to)
+        assert a._loop is None and not loop.remove_reader(fd)
 
     asyncio.run(main())
 

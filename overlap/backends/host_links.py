@@ -150,6 +150,9 @@ class HostLinks:
     def __init__(self, rank: int, peers: Mapping[int, socket.socket]) -> None:
         self.rank = rank
         self._lock = threading.Lock()  # matching: posted receives, unexpected messages
+        # Who reads changes under this (two threads' calls starting at once must not both
+        # take the links: two readers of one socket would split its frames).
+        self._serve_lock = threading.Lock()
         self._posted: dict[tuple[int, int, int], deque[LinkRequest]] = {}
         self._unexpected: dict[tuple[int, int, int], deque[bytearray]] = {}
         self._conns = {p: _Conn(p, s) for p, s in peers.items()}
@@ -608,22 +611,25 @@ class HostLinks:
         too, whose completions reach any thread. A loop not running (between its calls, or
         closed: ``asyncio.run`` per call) is left for this one without the link thread."""
         me = threading.get_ident()
-        if loop is self._loop:
-            self._loop_thread = me  # (*_sync calls may come from any thread)
-            return
-        old = self._loop
-        if old is not None and loop is not None and self._loop_thread != me \
-                and old.is_running():
-            return
-        if old is not None:
-            self._leave_loop()
-            if loop is None:
-                self._hand_over(watch=True)
+        with self._serve_lock:
+            if self._closing:
+                return  # (closed: nobody reads any more)
+            if loop is self._loop:
+                self._loop_thread = me  # (*_sync calls may come from any thread)
                 return
-        elif loop is not None:
-            self._hand_over(watch=False)  # (the thread reads nothing from now on)
-        if loop is not None:
-            self._attach(loop)
+            old = self._loop
+            if old is not None and loop is not None and self._loop_thread != me \
+                    and old.is_running():
+                return
+            if old is not None:
+                self._leave_loop()
+                if loop is None:
+                    self._hand_over(watch=True)
+                    return
+            elif loop is not None:
+                self._hand_over(watch=False)  # (the thread reads nothing from now on)
+            if loop is not None:
+                self._attach(loop)
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """(The link thread not watching.) ``loop`` reads and flushes from now on."""
@@ -634,10 +640,6 @@ class HostLinks:
                 loop.add_reader(conn.fd, self._on_ready, conn, True, False)
                 if conn.writing:  # (asked of the thread, or of the loop before, meanwhile)
                     loop.add_writer(conn.fd, self._on_ready, conn, False, True)
-
-    def _give_back(self) -> None:
-        self._leave_loop()
-        self._hand_over(watch=True)
 
     def _leave_loop(self) -> None:
         """The loop no longer reads nor flushes the links (it may be closed already). One
@@ -701,7 +703,8 @@ class HostLinks:
         if self._closing:
             return
         self._closing = True
-        self._leave_loop()
+        with self._serve_lock:  # (a change of reader under way ends first)
+            self._leave_loop()
         self._poke_thread()
         self._thread.join(timeout)
         self._fail_all(None)  # (no request is left waiting for a thread that is gone)
