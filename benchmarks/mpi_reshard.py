@@ -244,18 +244,29 @@ def table(say, rows: list[tuple]) -> None:
         f"of host links: geometric mean {statistics.geometric_mean(mpi):.2f}")
 
 
+def as_mpi_job(script: str) -> int:
+    """Run ``script`` (started plainly) as a 4-process job under ``mpiexec``, with this
+    process's arguments; its exit status."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", "4", sys.executable,
+           script, *sys.argv[1:]]
+    return subprocess.call(cmd)
+
+
+def rank0_print(comm):
+    """``print`` on rank 0, nothing elsewhere."""
+    return print if comm.Get_rank() == 0 else (lambda *a, **k: None)
+
+
 def main() -> int:
     world = detect_world()
     if not world.distributed:  # started plainly: start the 4-process job
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        cmd = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", "4", sys.executable,
-               __file__, *sys.argv[1:]]
-        return subprocess.call(cmd)
+        return as_mpi_job(__file__)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    size = comm.Get_size()
+    say = rank0_print(comm)
     only = [a for a in sys.argv[1:] if not a.startswith("--")]  # case names (e.g. "case 1")
     suite = [c for c in paper_suite() if not only or c.name in only]
     cluster = paper_suite()[0].cluster

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
-from mpi_reshard import barrier, runtime
+from mpi_reshard import as_mpi_job, barrier, rank0_print, runtime
 
 from overlap.backends import distributed
 from overlap.world import Placement, detect_world
@@ -77,17 +76,16 @@ def time_calls(rt, plan, shards, comm) -> float:
 
 
 def main() -> int:
-    world = detect_world()
-    if not world.distributed:  # started plainly: start the 4-process job
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        cmd = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", "4", sys.executable,
-               __file__, *sys.argv[1:]]
-        return subprocess.call(cmd)
+    world = detect_world()  # (started plainly: as the 4-process job)
+    return run(world) if world.distributed else as_mpi_job(__file__)
+
+
+def run(world) -> int:
+    """This rank's part of the job; rank 0 prints the table."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say, size = rank0_print(comm), comm.Get_size()
     if size != 4:
         say("mpi_rounds: run it on 4 ranks")
         return 2
