@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark suites
@@ -346,6 +347,17 @@ def main() -> int:
     return 0
 
 
+def send_recv_plan(cluster: Cluster, shape: tuple[int, ...], src: Any, src_spec: tuple,
+                   dst: Any, dst_spec: tuple):
+    """A float64 plan whose every overlap of a source and a destination region is one
+    transfer as it is (``send_recv``, no balancing): meshes of device ids over ("host",
+    "gpu"), specs as :class:`ShardingSpec`'s entries."""
+    return plan_resharding(shape, "float64",
+                           Sharding(DeviceMesh(src, ("host", "gpu")), ShardingSpec(*src_spec)),
+                           Sharding(DeviceMesh(dst, ("host", "gpu")), ShardingSpec(*dst_spec)),
+                           cluster, PlanOptions(strategy="send_recv", balance="none"))
+
+
 def host_overhead(rt: Runtime, cluster: Cluster, placement
                   ) -> tuple[float, float, int, dict, float, float, float]:
     """Seconds per resharding call moving 16 bytes between two ranks, seconds per transfer
@@ -362,10 +374,8 @@ def host_overhead(rt: Runtime, cluster: Cluster, placement
     # (200 calls a sample: the closing barrier's wake-up, up to a millisecond, is 2% of it)
     per_call = median_time(lambda: [rt.reshard_sync(tiny, tiny_shards) for _ in range(200)],
                            comm) / 200
-    mesh = DeviceMesh(np.arange(16).reshape(4, 4), ("host", "gpu"))
-    many = plan_resharding((16, 16), "float64", Sharding(mesh, ShardingSpec("host", "gpu")),
-                           Sharding(mesh, ShardingSpec("gpu", "host")), cluster,
-                           PlanOptions(strategy="send_recv", balance="none"))
+    grid = np.arange(16).reshape(4, 4)
+    many = send_recv_plan(cluster, (16, 16), grid, ("host", "gpu"), grid, ("gpu", "host"))
     crossing = sum(1 for t in many.transfers if len(placement.ranks_of(t.devices)) > 1)
     full = np.arange(256.0).reshape(16, 16)
     many_shards = {d: full[tuple(slice(x, y) for x, y in r)].copy()
@@ -398,14 +408,25 @@ def pair_per_transfer(rt: Runtime, cluster: Cluster, tiny_alone: float) -> float
     The many-transfer call above spreads its transfers over all four ranks, three peers
     each, and every rank is busy: four processes share the two cores there, and each
     rank's CPU per message grows with that (docs/benchmarks.md)."""
-    a = Sharding(DeviceMesh([[0, 1, 2, 3]], ("host", "gpu")), ShardingSpec(None, "gpu"))
-    b = Sharding(DeviceMesh([[4, 5, 6, 7]], ("host", "gpu")), ShardingSpec("gpu"))
-    plan = plan_resharding((4, 8), "float64", a, b, cluster,
-                           PlanOptions(strategy="send_recv", balance="none"))
+    plan = send_recv_plan(cluster, (4, 8), [[0, 1, 2, 3]], (None, "gpu"), [[4, 5, 6, 7]],
+                          ("gpu",))
     assert len(plan.transfers) == PAIR_TRANSFERS
     shards = {d: np.full((4, 2), float(d)) for d in range(4) if rt.backend.is_local(d)}
     took = members_alone(rt, plan, shards, calls=300)
     return (took - tiny_alone) / (PAIR_TRANSFERS - 1)
+
+
+def swap_plan(cluster: Cluster):
+    """16 B each way between host 0's first device and host 1's."""
+    return send_recv_plan(cluster, (4,), [[0], [4]], ("host",), [[4], [0]], ("host",))
+
+
+def ring_plan(cluster: Cluster, ranks: int):
+    """16 B from each of ``ranks`` hosts' first device to the next host's (the last to the
+    first): a send and a receive on every member."""
+    firsts = [[4 * h] for h in range(ranks)]
+    return send_recv_plan(cluster, (2 * ranks,), firsts, ("host",), [*firsts[1:], firsts[0]],
+                          ("host",))
 
 
 def busy_ranks(rt: Runtime, cluster: Cluster, calls: int = 300
@@ -419,15 +440,7 @@ def busy_ranks(rt: Runtime, cluster: Cluster, calls: int = 300
     from mpi4py import MPI
 
     comm = rt.backend.dist.comm
-    opts = PlanOptions(strategy="send_recv", balance="none")
-
-    def plan(src: list[list[int]], dst: list[list[int]]):
-        return plan_resharding((2 * len(src),), "float64",
-                               Sharding(DeviceMesh(src, ("host", "gpu")), ShardingSpec("host")),
-                               Sharding(DeviceMesh(dst, ("host", "gpu")), ShardingSpec("host")),
-                               cluster, opts)
-
-    swap, ring = plan([[0], [4]], [[4], [0]]), plan([[0], [4], [8], [12]], [[4], [8], [12], [0]])
+    swap, ring = swap_plan(cluster), ring_plan(cluster, 4)
     out = {}
     for name, p, hog in (("2 ranks (a swap)", swap, False),
                          ("2 ranks (a swap), the other 2 in a CPU-bound loop", swap, True),

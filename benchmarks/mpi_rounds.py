@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
-from mpi_reshard import as_mpi_job, barrier, rank0_print, runtime
+from mpi_reshard import as_mpi_job, barrier, rank0_print, ring_plan, runtime, send_recv_plan
 
 from overlap.backends import distributed
 from overlap.world import Placement, detect_world
-from scheduler import Cluster, DeviceMesh, PlanOptions, Sharding, ShardingSpec, plan_resharding
+from scheduler import Cluster
 from scheduler.cli_common import machine_line
 
 REPS = 7
@@ -42,25 +42,16 @@ VARIANTS = {"hub": 2, "all-to-all": distributed.DIRECT_MEMBERS}
 
 def shapes(cluster: Cluster) -> dict[str, object]:
     """The calls measured: name -> plan (4 devices a host, host h on rank h mod 4)."""
-    opts = PlanOptions(strategy="send_recv", balance="none")
-
-    def plan(shape, src, src_spec, dst, dst_spec):
-        return plan_resharding(shape, "float64",
-                               Sharding(DeviceMesh(src, ("host", "gpu")), ShardingSpec(*src_spec)),
-                               Sharding(DeviceMesh(dst, ("host", "gpu")), ShardingSpec(*dst_spec)),
-                               cluster, opts)
-
     grid = np.arange(16).reshape(4, 4)
     return {
-        "ring, 4 ranks (a send and a receive each)":
-            plan((8,), [[0], [4], [8], [12]], ("host",), [[4], [8], [12], [0]], ("host",)),
-        "ring, 3 ranks": plan((6,), [[0], [4], [8]], ("host",), [[4], [8], [0]], ("host",)),
+        "ring, 4 ranks (a send and a receive each)": ring_plan(cluster, 4),
+        "ring, 3 ranks": ring_plan(cluster, 3),
         "4x4 transpose over 4 ranks (12 cross-rank)":
-            plan((16, 16), grid, ("host", "gpu"), grid, ("gpu", "host")),
+            send_recv_plan(cluster, (16, 16), grid, ("host", "gpu"), grid, ("gpu", "host")),
         "4 members, one local copy, no data between ranks":
-            plan((2,), [[0], [4], [8], [12]], (), [[5]], ()),
+            send_recv_plan(cluster, (2,), [[0], [4], [8], [12]], (), [[5]], ()),
         "2 members, one transfer (the same path both ways)":
-            plan((2,), [[0]], (), [[4]], ()),
+            send_recv_plan(cluster, (2,), [[0]], (), [[4]], ()),
     }
 
 
