@@ -6,7 +6,7 @@ lane's stream (events pre-created, so a wait may be launched before its record),
 itself is launched with its id (the trace and NVTX ranges name it), and an event is recorded
 after it when another lane waits for it — exactly the dependencies the validator checked and
 the simulator costed, ``Transfer.after`` included. Nothing here waits: the host enqueues
-everything, then awaits the lanes' end events.
+everything, for the call's scope, then awaits the lanes' end events.
 
 Across processes each rank launches its own devices' lanes. A data dependency is an event of
 one device, always local; an ``after`` between senders on different ranks is not enforced (it
@@ -22,24 +22,15 @@ from scheduler import COMPUTE, Op, StepGraph
 
 if TYPE_CHECKING:
     from .backends import Backend, Event
+    from .scope import CancelScope
 
 Bind = Callable[[Op, int], Callable[[], Any]]  # (op, device) -> that device's part of it
 
 
-def stepped(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Mark ``fn`` as a stepped op's body: it returns an iterator of steps (see
-    ``CpuStream.launch``); :func:`launch` launches it so."""
-    fn.stepped = True  # type: ignore[attr-defined]
-    return fn
-
-
-def is_stepped(fn: Callable[[], Any]) -> bool:
-    return getattr(fn, "stepped", False) is True
-
-
-def launch(backend: Backend, graph: StepGraph, bind: Bind) -> list[Event]:
-    """Enqueue this process's lanes of ``graph`` (see module doc); returns each lane's end
-    event. ``bind(op, device)`` makes the callable that runs ``op``'s part on ``device``."""
+def launch(backend: Backend, graph: StepGraph, bind: Bind, scope: CancelScope) -> list[Event]:
+    """Enqueue this process's lanes of ``graph`` for ``scope`` (see module doc); returns each
+    lane's end event. ``bind(op, device)`` makes the callable that runs ``op``'s part on
+    ``device``."""
     events: dict[tuple[int, int], Event] = {}
 
     def event(op: int, device: int) -> Event:
@@ -59,17 +50,16 @@ def launch(backend: Backend, graph: StepGraph, bind: Bind) -> list[Event]:
             continue  # another process runs this lane
         stream = backend.stream(d, lane.stream)
         for ev in entry:
-            stream.wait_event(ev)
+            stream.wait_event(ev, scope=scope)
         category = "compute" if lane.stream == COMPUTE else "comm"
         for i in ids:
             op = graph.ops[i]
             for dep in op.waits:
                 if dep.dst == d and backend.is_local(dep.src):
-                    stream.wait_event(event(dep.op, dep.src))
-            fn = bind(op, d)
-            stream.launch(f"{labels[i]} on device {d}", fn, category=category, op=i,
-                          stepped=is_stepped(fn))
+                    stream.wait_event(event(dep.op, dep.src), scope=scope)
+            stream.launch(f"{labels[i]} on device {d}", bind(op, d), category=category, op=i,
+                          scope=scope)
             if (i, d) in recorded:
-                stream.record(event=event(i, d))
-        ends.append(stream.record(f"{lane} end"))
+                stream.record(event=event(i, d), scope=scope)
+        ends.append(stream.record(f"{lane} end", scope=scope))
     return ends

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,11 +46,12 @@ from scheduler.graph import buffers_used, input_channel, output_channel
 from scheduler.lowering import channels
 from scheduler.regions import region_shape
 
-from .launch import is_stepped, launch, stepped
+from .launch import launch
 from .reshard import transfer_op
+from .scope import CancelScope, sleep
 
 if TYPE_CHECKING:
-    from .backends import Backend, Event
+    from .backends import Backend, Event, Route
 
 Forward = Callable[["StageContext", np.ndarray], Any]
 Backward = Callable[["StageContext", "np.ndarray | None"], "np.ndarray | None"]
@@ -81,6 +82,7 @@ class StageContext:
     mesh: DeviceMesh
     saved: dict[str, Any]
     _backend: Backend = field(repr=False)
+    _scope: CancelScope = field(repr=False)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -112,7 +114,7 @@ class StageContext:
         buf = self.xp.array(x, copy=True)
         self._backend.all_reduce(self._group(axis), self.device, buf,
                                  f"all_reduce s{self.stage} mb{self.microbatch} {self.phase}",
-                                 namespace="compute")
+                                 namespace="compute", scope=self._scope)
         return buf
 
     def all_gather(self, x: np.ndarray, axis: str | None = None) -> np.ndarray:
@@ -123,7 +125,7 @@ class StageContext:
         out = xp.empty((len(group), *buf.shape), buf.dtype)
         self._backend.all_gather(group, self.device, buf, out,
                                  f"all_gather s{self.stage} mb{self.microbatch} {self.phase}",
-                                 namespace="compute")
+                                 namespace="compute", scope=self._scope)
         return out
 
 
@@ -176,6 +178,20 @@ def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
     input_sharding.device_regions(shape0)  # spec fits the input's rank
 
 
+def step_channels(graph: StepGraph, boundaries: Sequence[Boundary], stages: Sequence[Stage]
+                  ) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]:
+    """The communicators a step's collectives use, in one order on every process: one per
+    channel stream (a channel's, and one per lane above 0 of its plan) over both stage
+    meshes, and the groups stage collectives may use (every mesh and every mesh axis line)."""
+    chans: dict[str, tuple[int, ...]] = {}
+    for channel, b, _, _ in channels(boundaries):
+        devices = tuple(sorted({*b.producer.mesh.device_ids, *b.consumer.mesh.device_ids}))
+        for name in graph.comm_streams.get(channel, (str(channel),)):
+            chans[name] = devices
+    groups = sorted({g for st in stages for g in mesh_groups(st.mesh)})
+    return chans, [("compute", g) for g in groups]
+
+
 def launch_step(
     backend: Backend,
     graph: StepGraph,
@@ -183,26 +199,22 @@ def launch_step(
     boundaries: Sequence[Boundary],
     input_sharding: Sharding,
     microbatches: Sequence[np.ndarray],
+    *,
+    routes: Mapping[tuple[int, int], Route],
+    scope: CancelScope,
     compute_time: Callable[[int, str], float] | None = None,
     state: StepState | None = None,
 ) -> list[Event]:
-    """Launch this process's part of one step of ``graph``, into ``state`` (buffers and
-    losses; a new one by default); returns the end events. ``compute_time(stage, kind)``:
+    """Launch this process's part of one step of ``graph`` for ``scope``, into ``state``
+    (buffers and losses; a new one by default); returns the end events. ``routes``: the
+    graph's transfer parts, resolved (``reshard.resolve``); ``compute_time(stage, kind)``:
     seconds each compute must take at least (compute emulation: the stream stays busy, as a
     GPU kernel of that length would keep it)."""
     state = StepState() if state is None else state
-    # One communicator per channel stream (CUDA, MPI): a channel's, and one per lane > 0 of
-    # its plan (every process declares them in the same order).
-    for channel, b, _, _ in channels(boundaries):
-        for name in graph.comm_streams.get(channel, (str(channel),)):
-            backend.declare_group(name, (*b.producer.mesh.device_ids,
-                                         *b.consumer.mesh.device_ids))
-    # Groups stage collectives may use: every mesh and every mesh axis group of it.
-    backend.declare_subgroups("compute", sorted({g for st in stages for g in mesh_groups(st.mesh)}))
     binder = _Binder(backend, state, stages, boundaries, microbatches,
                      input_sharding.device_regions(microbatches[0].shape), compute_time,
-                     graph.buffer_users)
-    return launch(backend, graph, binder)
+                     graph.buffer_users, routes, scope)
+    return launch(backend, graph, binder, scope)
 
 
 class _Binder:
@@ -212,8 +224,10 @@ class _Binder:
                  boundaries: Sequence[Boundary], microbatches: Sequence[np.ndarray],
                  in_regions: Mapping[int, Any],
                  compute_time: Callable[[int, str], float] | None,
-                 users: Mapping[tuple[object, int, int], int]) -> None:
+                 users: Mapping[tuple[object, int, int], int],
+                 routes: Mapping[tuple[int, int], Route], scope: CancelScope) -> None:
         self.backend, self.state, self.stages = backend, state, stages
+        self.routes, self.scope = routes, scope
         self.boundaries, self.microbatches = boundaries, microbatches
         self.in_regions, self.compute_time = in_regions, compute_time
         # Users left of each per-device buffer (StepGraph.buffer_users): at 0 it is dropped.
@@ -228,11 +242,6 @@ class _Binder:
     def __call__(self, op: Op, device: int) -> Callable[[], Any]:
         run = self._bind(op, device)
         keys = buffers_used(op.body, len(self.stages))
-        if is_stepped(run):
-            def steps_then_release() -> Iterator[float]:
-                yield from run()
-                self._release(keys, device)
-            return stepped(steps_then_release)
 
         def then_release() -> None:
             run()
@@ -265,13 +274,12 @@ class _Binder:
         body = op.body
         if isinstance(body, Compute):
             seconds = self.compute_time(body.stage, body.kind) if self.compute_time else 0.0
-            return _emulated(self._compute(body, device), seconds)
+            return _emulated(self._compute(body, device), seconds, self.scope, str(body))
         channel = body.channel
         assert channel is not None  # a pipeline's transfers all belong to a channel
         src, dst, dtype, shards, outs = self._buffers_of(channel, body.microbatch)
-        t = body.transfer
-        return transfer_op(self.backend, t.region, t.sender, t.receivers, device, src, dst,
-                           shards, outs, dtype, str(body), op.stream, op.id)
+        return transfer_op(self.backend, self.routes[(op.id, device)], body.transfer, src, dst,
+                           shards, outs, dtype, op.id, self.scope)
 
     def _buffers_of(self, channel: Channel, microbatch: int) -> tuple[Any, ...]:
         """What every transfer of one (channel, microbatch) reads and writes — the regions per
@@ -301,7 +309,7 @@ class _Binder:
 
         def body() -> None:
             ctx = StageContext(d, s, i, c.kind, stage.mesh,
-                               state.saved.setdefault((s, d, i), {}), self.backend)
+                               state.saved.setdefault((s, d, i), {}), self.backend, self.scope)
             # The input: what the channel brought this device (its buffer is made here when
             # its region is empty: nothing arrives), or stage 0's own copy of the microbatch.
             x = None if into is None else self._buffers_of(into, i)[4][d]
@@ -376,19 +384,19 @@ def check_loss(value: Any, what: str) -> None:
                         "must return a real number (integer or floating point)")
 
 
-def _emulated(fn: Callable[[], None], seconds: float) -> Callable[[], None]:
-    """``fn``, taking at least ``seconds`` (emulated device time: the stream stays busy)."""
+def _emulated(fn: Callable[[], None], seconds: float, scope: CancelScope, what: str
+              ) -> Callable[[], None]:
+    """``fn``, taking at least ``seconds`` (emulated device time: the stream stays busy, as
+    a kernel of that length would keep it; a cancelled call ends the wait)."""
     if seconds <= 0:
         return fn
 
     def run() -> None:
         start = time.perf_counter()
-        try:
-            fn()
-        finally:
-            left = start + seconds - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
+        fn()
+        left = start + seconds - time.perf_counter()
+        if left > 0:
+            sleep(left, scope, what)
     return run
 
 

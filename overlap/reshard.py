@@ -16,18 +16,21 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler import Op, ReshardPlan, StepGraph, reshard_graph
+from scheduler import Op, ReshardPlan, StepGraph, Transfer
 from scheduler.regions import Region, contains, region_shape
 
-from .launch import launch, stepped
+from .backends.routes import Route
+from .launch import launch
+from .scope import sleep
 
 if TYPE_CHECKING:
     from .backends import Backend, Event
+    from .scope import CancelScope
 
 
 # Every call of a plan binds its parts again with the same regions: the slices and shapes
@@ -153,113 +156,109 @@ def check_outs(plan: ReshardPlan, out: Mapping[int, np.ndarray],
                 raise ValueError(f"out[{d}]: overlaps out[{e}]")
 
 
+def reshard_channels(graph: StepGraph, plan: ReshardPlan) -> dict[str, tuple[int, ...]]:
+    """The communicators a standalone resharding's transfers use: one per comm stream of its
+    graph (a lane's own), over both layouts' devices."""
+    devices = tuple(sorted({*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids}))
+    return {name: devices for name in graph.comm_streams.get(None, ())}
+
+
 def launch_reshard(
     backend: Backend,
     plan: ReshardPlan,
     shards: Mapping[int, np.ndarray],
     outs: Mapping[int, np.ndarray],
+    graph: StepGraph,
+    routes: Mapping[tuple[int, int], Route],
+    regions: tuple[Mapping[int, Region], Mapping[int, Region]],
     *,
-    stream: str = "comm",
+    scope: CancelScope,
     tag_base: int = 0,
-    graph: StepGraph | None = None,
-    regions: tuple[Mapping[int, Region], Mapping[int, Region]] | None = None,
 ) -> list[Event]:
-    """Launch this process's part of every transfer of ``plan`` (non-blocking); returns events
-    to await.
+    """Launch this process's part of every transfer of ``plan`` (non-blocking), for
+    ``scope``; returns the lanes' end events.
 
-    The plan runs as its step graph (:func:`scheduler.reshard_graph`; pass ``graph`` to reuse
-    one; ``regions``: the plan's source and destination regions, if at hand), launched like a
-    training step's. ``outs[d]`` is device d's destination buffer (its
-    destination region's shape); it is written as transfers land. Transfer ``i`` is named
-    ``tag_base + i`` across processes (every process must pass the same base).
-    """
-    if graph is None:
-        graph = reshard_graph(plan, stream)
-    src, dst = regions if regions is not None else (plan.src.device_regions(plan.shape),
-                                                    plan.dst.device_regions(plan.shape))
-    # One namespace per comm stream (a lane's own communicator), in one order everywhere.
-    for name in graph.comm_streams.get(None, (stream,)):
-        backend.declare_group(name, (*src, *dst))
+    The plan runs as its step graph (:func:`scheduler.reshard_graph`), launched like a
+    training step's; ``routes``: each (op, device)'s resolved part (:func:`resolve`);
+    ``regions``: the plan's source and destination regions. ``outs[d]`` is device d's
+    destination buffer (its destination region's shape), written as transfers land.
+    Transfer ``i`` is named ``tag_base + i`` across processes (every process passes the
+    same base)."""
+    src, dst = regions
     dtype = np.dtype(plan.dtype)
 
     def bind(op: Op, device: int) -> Callable[[], None]:
-        t = op.body.transfer  # type: ignore[union-attr]
-        return transfer_op(backend, t.region, t.sender, t.receivers, device, src, dst, shards,
-                           outs, dtype, f"#{op.id}", op.stream, tag_base + op.id)
+        return transfer_op(backend, routes[(op.id, device)], op.body.transfer,  # type: ignore[union-attr]
+                           src, dst, shards, outs, dtype, tag_base + op.id, scope)
 
-    return launch(backend, graph, bind)
-
-
-# A local copy this small is a stepped op where the backend lets helpers run those (host
-# memory): the thread that launches it onto an idle stream copies it, no thread woken —
-# a wake-up of the stream's thread costs more than the copy. A larger one keeps the stream's
-# thread, so that the launch goes on meanwhile.
-INLINE_COPY_BYTES = 64 << 10
+    return launch(backend, graph, bind, scope)
 
 
-def transfer_op(backend, region, sender, receivers, device, src, dst, shards, outs, dtype,
-                desc, namespace, tag=None):
-    """Device ``device``'s part of one transfer, as a callable for its stream."""
+def resolve(backend: Backend, graph: StepGraph, desc: Callable[[Op], str]
+            ) -> dict[tuple[int, int], Route]:
+    """Every transfer part this process runs in ``graph``, resolved once (a route each, by
+    (op id, device)): who it moves between, on which communicator, and — across processes —
+    the transport's own place for it (its chain, piece size). ``desc(op)`` names the op in
+    errors and messages."""
+    routes = {}
+    for op in graph.ops:
+        body = op.body
+        if not hasattr(body, "transfer"):
+            continue
+        t: Transfer = body.transfer  # type: ignore[union-attr]
+        for d in op.devices:
+            if backend.is_local(d):
+                routes[(op.id, d)] = backend.route((t.sender, *t.receivers), d, t.sender,
+                                                   desc(op), op.stream, t.nbytes)
+    return routes
+
+
+def transfer_op(backend: Backend, route: Route, t: Transfer, src: Mapping[int, Region],
+                dst: Mapping[int, Region], shards: Mapping[int, Any],
+                outs: Mapping[int, Any], dtype: np.dtype, tag: int, scope: CancelScope
+                ) -> Callable[[], None]:
+    """Device ``route.device``'s part of transfer ``t``, as a callable for its stream: a
+    local copy, or its part of a broadcast (the sender packs its region into a contiguous
+    buffer when it is strided; a receiver lands it in place, or stages and unpacks)."""
+    device, region = route.device, t.region
     shape = _shape(region)
 
-    def holding(d: int) -> np.ndarray:
+    def holding(d: int) -> Any:
         """Device d's view of the region: from its source shard, else from what it received."""
         where = _within(src[d], region) if d in src else None
         if where is not None:
             return shards[d][where]
         return outs[d][_local(dst[d], region)]
 
-    xp = backend.xp  # numpy on the CPU backend, cupy on CUDA
-
-    if receivers == (sender,):
+    if route.local_copy:
         nbytes = math.prod(shape) * dtype.itemsize  # (numpy's dispatch: ~3 µs)
+        link_time = backend.link_time
 
         def local_copy() -> None:
             start = time.perf_counter()
             outs[device][_local(dst[device], region)] = holding(device)
-            if backend.link_time is not None:  # emulated: at least the model's copy time
-                left = start + backend.link_time(sender, (sender,), nbytes) - time.perf_counter()
+            if link_time is not None:  # emulated: at least the model's copy time
+                left = start + link_time(device, (device,), nbytes) - time.perf_counter()
                 if left > 0:
-                    time.sleep(left)
+                    sleep(left, scope, route.what)
 
-        if backend.helping and backend.link_time is None and nbytes <= INLINE_COPY_BYTES:
-            def copy_steps() -> Iterator[float]:
-                local_copy()
-                return
-                yield  # (a generator: one step, the copy)
-            return stepped(copy_steps)
         return local_copy
 
-    group = (sender, *receivers)
-    # A part the backend runs as steps (MPI across ranks: post, then test) is a stepped op:
-    # the producer's thread may post it, the consumer's thread see it land (CpuStream.launch).
-    is_steps = backend.steps_broadcast(group, device)
+    xp = backend.xp  # numpy on the CPU backend, cupy on CUDA
 
-    def move(buf: Any) -> Iterator[float]:
-        if is_steps:
-            return backend.broadcast_steps(group, device, sender, buf, desc, namespace, tag)
-        backend.broadcast(group, device, sender, buf, desc, namespace, tag)
-        return iter(())
-
-    def steps() -> Iterator[float]:
-        if device == sender:
+    def part() -> None:
+        if device == route.root:
             buf = holding(device)  # pack (free when contiguous; ascontiguousarray would
             if not buf.flags.c_contiguous:  # make a 0-d region 1-d)
                 buf = buf.copy(order="C")
-            yield from move(buf)
+            backend.transfer(route, buf, tag, scope)
             return
         view = outs[device][_local(dst[device], region)]
-        if view.flags.c_contiguous or backend.receives_strided(group):
-            yield from move(view)  # in place
+        if view.flags.c_contiguous or route.strided:
+            backend.transfer(route, view, tag, scope)  # in place
         else:
             buf = xp.empty(shape, dtype)
-            yield from move(buf)
+            backend.transfer(route, buf, tag, scope)
             view[...] = buf  # unpack
 
-    if is_steps:
-        return stepped(steps)
-
-    def op() -> None:
-        for _ in steps():  # (a broadcast that blocks: no step to wait between)
-            pass
-    return op
+    return part

@@ -3,9 +3,10 @@ asyncio.
 
 Async-first: ``await rt.reshard(plan, shards)`` and ``await rt.train_step(...)``; the
 ``*_sync`` methods wrap them for synchronous code. The event loop never blocks on device
-work: completions arrive through events. On failure the runtime aborts all in-flight work,
-waits until every stream has stopped, resets the backend and raises — it is usable again
-afterwards.
+work: completions arrive through events. This module holds the API, the caches (plans,
+graphs, resolved routes) and the lifecycle; each call runs as a scope
+(:class:`~overlap.call.Call`: admit, launch, watch, finish, recover), which is also where the
+multi-process protocol sits. A failed call leaves a one-process runtime usable.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,29 +54,27 @@ from scheduler.regions import Region, region_shape
 from scheduler.timeline import span_meta
 from scheduler.validate import validate
 
-from .backends import Backend, make_backend
-from .errors import (
-    CallMismatch,
-    CollectiveAborted,
-    CollectiveTimeout,
-    OverlapRuntimeError,
-    RankFailed,
-)
+from .backends import Backend, Trace, make_backend
+from .call import Call, CallGate, refuse_reentry, settle_leftovers
+from .errors import CollectiveAborted, DeviceThreadLost, OverlapRuntimeError, RankFailed
 from .nvtx import range_end, range_start
-from .pipeline import Stage, StepState, check_pipeline, check_split, launch_step
-from .poll_first import PollFirstSelector
+from .pipeline import Stage, StepState, check_pipeline, check_split, launch_step, step_channels
 from .profiling import profile_window
-from .reshard import BufferTable, check_outs, check_shards, launch_reshard, shards_match
-from .watch import Recovery, name_hang, wait_all
+from .reshard import (
+    BufferTable,
+    check_outs,
+    check_shards,
+    launch_reshard,
+    reshard_channels,
+    resolve,
+    shards_match,
+)
+from .scope import CancelScope
 from .world import Placement, World, detect_world
-
-if TYPE_CHECKING:
-    from .backends import Event
-    from .backends.distributed import Agreement
 
 T = TypeVar("T")
 log = logging.getLogger("overlap")
-_MEMO_SIZE = 64  # graphs, digests, plan inputs kept per runtime (least recently used dropped)
+_MEMO_SIZE = 64  # graphs, digests, routes, plan inputs kept per runtime (least recent dropped)
 _MISSING = object()
 
 
@@ -92,13 +91,10 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     """The loop for synchronous calls made on this thread: uvloop's, but on the main thread,
     where uvloop arms its signal wake-up at every run (a socket pair, ``set_wakeup_fd``, a
     watch on it, then all undone: ~12 µs each call of every process, twice stock asyncio's
-    whole run; 10 % of a tiny cross-process call, docs/benchmarks.md). There stock asyncio's
-    loop: a Ctrl-C interrupts its wait as any system call (EINTR), and a whole training step
-    takes as long on either (measured) — and its selector looks again briefly before it
-    sleeps (:class:`~overlap.poll_first.PollFirstSelector`: a sleeping process wakes tens
-    of microseconds late)."""
+    whole run). There stock asyncio's loop: a Ctrl-C interrupts its wait as any system call
+    (EINTR), and a whole training step takes as long on either (measured)."""
     if threading.current_thread() is threading.main_thread():
-        return asyncio.SelectorEventLoop(PollFirstSelector())
+        return asyncio.SelectorEventLoop()
     try:
         import uvloop
     except ImportError:
@@ -113,29 +109,6 @@ def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
         t.cancel()
     if pending:
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-
-
-async def _agreed(check: Agreement, verdict: asyncio.Future[None] | None,
-                  work_failed: bool) -> None:
-    """The call's agreement, once its work has ended: awaited even when the work failed
-    (bounded, while it can complete), because a mismatch — recorded as a failure, the root
-    cause — is the explanation the user needs; raised unless the work failed (its failure is
-    raised then). ``verdict``: the task that polled it alongside the work (MPI), if any."""
-    check.hurry()
-    if verdict is None:
-        try:
-            await check.wait()  # (its rows compared as they landed: at most a wait left)
-        except Exception:
-            if not work_failed:
-                raise
-        return
-    if not verdict.done():
-        await asyncio.wait([verdict])  # (failed work aborted the backend: this ends too)
-    if work_failed:
-        if not verdict.cancelled():
-            verdict.exception()  # retrieved: the work's failure is the one raised
-        return
-    verdict.result()
 
 
 class _SyncLoop:
@@ -204,16 +177,17 @@ class _SyncLoop:
         t.join()
 
 
-def _shut_down(backend: Backend, sync: _SyncLoop) -> None:
+def _shut_down(scope: CancelScope, backend: Backend, sync: _SyncLoop) -> None:
+    scope.cancel(CollectiveAborted("the runtime closed"))
     backend.close()
     sync.close()
 
 
-def _collected(backend: Backend, sync: _SyncLoop, what: str) -> None:
+def _collected(scope: CancelScope, backend: Backend, sync: _SyncLoop, what: str) -> None:
     warnings.warn(f"unclosed overlap.Runtime ({what}): its threads are ended now; call "
                   "close(), or use `with overlap.Runtime(...) as rt:`", ResourceWarning,
                   stacklevel=2)
-    _shut_down(backend, sync)
+    _shut_down(scope, backend, sync)
 
 
 def _link_time(cluster: Cluster, emulate: bool | str
@@ -357,7 +331,6 @@ class Runtime:
         self.local_devices: tuple[int, ...] = tuple(
             d for d in range(cluster.num_devices) if self.backend.is_local(d))
         self._reshards = 0  # standalone reshardings so far: names their messages across ranks
-        self._calls = 0  # runtime calls so far; every process must make the same ones
         self._steps = 0  # training steps so far (they name their NVTX ranges)
         if world.distributed:
             # Shown by default: the README ties mpiexec's pids to ranks with this line. Through
@@ -370,20 +343,26 @@ class Runtime:
                 sys.stderr.flush()
         self._closed = False
         self._sync = _SyncLoop()
+        self._gate = CallGate()
+        # The runtime's own scope: the parent of every call's. Closing the runtime cancels it;
+        # across processes a peer's failure does (the job cannot go on).
+        self.scope = CancelScope("the runtime")
+        if self.backend.dist is not None:
+            self.backend.dist.scope = self.scope
+        self._lost: DeviceThreadLost | None = None
+        self._unsettled = False  # an interrupted call left work for the next call to settle
         self.plans = PlanCache(cluster)  # each boundary planned once per options
         self._memo: OrderedDict[Any, Any] = OrderedDict()  # step graphs, plan digests
-        self._last_trace: tuple[list[Any], StepGraph] | None = None
-        self._recovery = Recovery(self.backend)
+        # The last call's trace and graph (``timeline()``), and the last training step's
+        # (``auto`` takes its measured compute times).
+        self._last_trace: tuple[Any, StepGraph] | None = None
+        self._last_step: tuple[Any, StepGraph] | None = None
         # Dropped without close(): end the threads anyway, and say so (as files and event
-        # loops do). The callback holds the backend and the loop, never the runtime.
-        self._finalizer = weakref.finalize(self, _collected, self.backend, self._sync,
-                                           f"{self.backend.name} backend, {cluster.num_devices}"
-                                           " devices")
-        # Structured concurrency: the first failure anywhere aborts everything in flight.
-        backend = self.backend  # (not self: the backend must not keep the runtime alive)
-        backend.on_failure = lambda exc: backend.abort_reason is None and backend.abort(
-            f"{type(exc).__name__} on another stream: {exc}"
-        )  # (the first failure's reason: the others follow from it)
+        # loops do). The callback holds the scope, the backend and the loop, never the
+        # runtime — nor does anything a stream thread holds.
+        self._finalizer = weakref.finalize(self, _collected, self.scope, self.backend,
+                                           self._sync, f"{self.backend.name} backend, "
+                                           f"{cluster.num_devices} devices")
 
     # ---- resharding ----------------------------------------------------------------------
 
@@ -399,7 +378,6 @@ class Runtime:
         shard), which a loop that reshards every step passes to skip allocating them.
         """
         self._check_open()
-        self._serve_links()
         if not isinstance(plan, ReshardPlan):
             raise TypeError(f"plan: expected a ReshardPlan, got {type(plan).__name__}")
         # What a plan asks of every call, worked out at its first (checks that raise keep
@@ -416,25 +394,35 @@ class Runtime:
         # A plan this runtime did not make may be broken (edited JSON, another tool): checked
         # once, with its graph, before anything moves, so that no destination keeps
         # uninitialised memory.
-        graph = self._cached(("reshard", plan, stream),
-                             lambda: plan.check() or reshard_graph(plan, stream))
-        await self._recovery.ready()
-        if self.world.distributed:
-            digest, members = self._cached(("digest", plan), lambda: self._plan_check(plan))
-            check = self._agree(digest, "reshard: the plan", members)
-        else:
-            check = None
-        base, self._reshards = self._reshards * len(plan.transfers), self._reshards + 1
+        graph, routes = self._cached(("reshard", plan, stream), lambda: self._reshard_program(
+            plan, stream))
+        digest, members = (self._cached(("digest", plan), lambda: self._plan_check(plan))
+                           if self.world.distributed else (b"", None))
         # Each destination buffer is made on first use, by its device's stream (its memory).
         outs = BufferTable(lambda d: xp.empty(region_shape(regions[d]), dtype))
         if out is not None:
             outs.update(out)
-        await self._gather(lambda: launch_reshard(self.backend, plan, shards, outs,
-                                                  stream=stream, tag_base=base, graph=graph,
-                                                  regions=(src, regions)),
-                           what="reshard", check=check, graph=graph)
+        backend = self.backend
+
+        def go(scope: CancelScope) -> list[Any]:
+            base, self._reshards = self._reshards * len(plan.transfers), self._reshards + 1
+            return launch_reshard(backend, plan, shards, outs, graph, routes, (src, regions),
+                                  scope=scope, tag_base=base)
+
+        trace = self.backend.start_trace()
+        try:
+            await self._call("reshard", graph, go, subject="the plan",
+                             channels=(reshard_channels(graph, plan), []), digest=digest,
+                             members=members, trace=trace)
+        finally:
+            self._last_trace = (trace, graph)
         # Devices that got nothing: empty regions. In a multi-process job, this process's.
         return {d: outs[d] for d in regions if self.backend.is_local(d)}
+
+    def _reshard_program(self, plan: ReshardPlan, stream: str) -> tuple[StepGraph, Any]:
+        plan.check()
+        graph = reshard_graph(plan, stream)
+        return graph, resolve(self.backend, graph, lambda op: f"#{op.id}")
 
     def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray], *,
                      out: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
@@ -446,6 +434,7 @@ class Runtime:
         loop the ``*_sync`` methods keep between calls; ``what`` names the caller in errors."""
         try:
             self._check_open()  # before a loop is made for a call that cannot run
+            refuse_reentry(what, self.backend)
         except BaseException:
             coro.close()
             raise
@@ -480,45 +469,52 @@ class Runtime:
         ``schedule`` and ``options``.
         """
         self._check_open()
-        self._serve_links()
         check_pipeline(stages, boundaries, input_sharding, microbatches, self._array_types())
         if max_activations is not None and schedule != "auto":
             raise ValueError("max_activations: only schedule='auto' chooses under a cap; a "
                              "named schedule's peaks are fixed (Schedule.peak_activations)")
         graph, digest = await self._step_graph(stages, boundaries, len(microbatches), schedule,
                                                options, graph, max_activations)
-        await self._recovery.ready()
-        check = (self._agree(digest, "train_step: the step graph")
-                 if self.world.distributed else None)
-        self.backend.start_trace()
+        routes = self._cached(("routes", id(graph)), lambda: (graph, resolve(
+            self.backend, graph, lambda op: str(op.body))))[1]
         state = StepState()
+        m = len(microbatches)
+        backend, compute_time = self.backend, self.compute_time
+        # The last stage's first device computes the losses; across processes its owner's
+        # end-of-call row carries them to every other process.
+        first = stages[-1].mesh.device_ids[0]
+
+        def losses() -> bytes:
+            if not backend.is_local(first):
+                return bytes(8 * m)
+            return np.array([float(state.losses[i]) for i in range(m)], np.float64).tobytes()
+
+        def go(scope: CancelScope) -> list[Any]:
+            return launch_step(backend, graph, stages, boundaries, input_sharding, microbatches,
+                               routes=routes, scope=scope, compute_time=compute_time,
+                               state=state)
+
         index = self._steps
         self._steps += 1
         window = self._profile_window
         if window is not None and index == window.start:
             self._profiler(True)
         step_range = range_start(f"step {index}", "step")  # Nsight: one range a step
+        trace = self.backend.start_trace()
         try:
-            await self._gather(lambda: launch_step(self.backend, graph, stages, boundaries,
-                                                   input_sharding, microbatches,
-                                                   self.compute_time, state),
-                               what="train_step", check=check, graph=graph)
+            table = await self._call("train_step", graph, go, subject="the step graph",
+                                     channels=step_channels(graph, boundaries, stages),
+                                     digest=digest, trace=trace,
+                                     payload=losses if self.world.distributed else None)
         finally:
             range_end(step_range)
             if window is not None and index == window.stop - 1:
                 self._profiler(False)
-            self._last_trace = (self.backend.trace or [], graph)
-            self.backend.trace = None
+            self._last_trace = self._last_step = (trace, graph)
         if not self.world.distributed:
-            return [float(state.losses[i]) for i in range(len(microbatches))]
-        # The last stage's first device computed the losses; every process returns them.
-        first = stages[-1].mesh.device_ids[0]
-        owner = self.backend.placement.owners[first]
-        mine = np.array([float(state.losses[i]) for i in range(len(microbatches))]
-                        if owner == self.world.rank else np.zeros(len(microbatches)))
-        shared = await self._collective(self.backend.dist.share(mine, owner, "train_step: losses"),
-                                        "train_step")
-        return [float(v) for v in shared]
+            return [float(state.losses[i]) for i in range(m)]
+        owner = self.backend.placement.owners[first]  # type: ignore[union-attr]
+        return [float(v) for v in np.frombuffer(table[owner], np.float64)]
 
     async def _step_graph(self, stages: Sequence[Stage], boundaries: Sequence[Boundary],
                           num_microbatches: int, schedule: str | Schedule | None,
@@ -611,12 +607,12 @@ class Runtime:
 
     def _measured_costs(self, meshes: tuple[DeviceMesh, ...]
                         ) -> dict[tuple[int, str], float] | None:
-        if self.world.distributed or self._last_trace is None:
+        if self.world.distributed or self._last_step is None:
             return None
-        if self._last_trace[1].stages != meshes:
+        if self._last_step[1].stages != meshes:
             return None
         spans: dict[tuple[int, str], list[float]] = {}
-        for sp in self.timeline().spans:
+        for sp in self._timeline(*self._last_step).spans:
             if sp.stream == "compute":
                 spans.setdefault((sp.stage, sp.kind), []).append(sp.end - sp.start)
         table = {key: sum(v) / len(v) for key, v in spans.items()}
@@ -626,14 +622,17 @@ class Runtime:
         return table
 
     def timeline(self) -> Timeline:
-        """What the last :meth:`train_step` ran where and when (measured), as a Timeline —
-        the simulator's type, with the same op ids, so measured and simulated steps share
-        metrics and traces and compare op by op. In a multi-process job: this process's
-        devices (each process writes its own trace)."""
+        """What the last call — a :meth:`train_step`, or a :meth:`reshard` — ran where and
+        when (measured), as a Timeline: the simulator's type, with the same op ids, so
+        measured and simulated steps share metrics and traces and compare op by op. In a
+        multi-process job: this process's devices (each process writes its own trace)."""
         if self._last_trace is None:
-            raise OverlapRuntimeError("timeline: no train_step has run yet")
-        records, graph = self._last_trace
-        sec = self.backend.span_seconds
+            raise OverlapRuntimeError("timeline: no train_step (or reshard) has run yet")
+        return self._timeline(*self._last_trace)
+
+    def _timeline(self, trace: Trace, graph: StepGraph) -> Timeline:
+        records = trace.records
+        sec = functools.partial(self.backend.span_seconds, trace)
         # A transfer moves nothing before its last participant reaches it: a receiver that
         # got there first was waiting for its producer (a bubble, not communication), as the
         # simulator's transfers start when sender and receivers are ready. Each participant's
@@ -657,14 +656,44 @@ class Runtime:
                         graph.data_inputs)
 
     def write_trace(self, path: str | Path) -> Path:
-        """Write the last step's measured timeline as Chrome/Perfetto JSON."""
+        """Write the last call's measured timeline as Chrome/Perfetto JSON."""
         return self.timeline().to_chrome_trace(path)
 
     def train_step_sync(self, *args: Any, **kwargs: Any) -> list[float]:
         """:meth:`train_step` for synchronous callers."""
         return self.run_sync(self.train_step(*args, **kwargs), "train_step_sync")
 
-    # ---- internals -----------------------------------------------------------------------
+    # ---- calls ---------------------------------------------------------------------------
+
+    async def _call(self, what: str, graph: StepGraph, launch: Callable[[CancelScope], Any], *,
+                    channels: Any, subject: str = "", digest: bytes = b"", members: tuple[int, ...] | None = None,
+                    payload: Callable[[], bytes] | None = None, trace: Trace | None = None
+                    ) -> Any:
+        """Run one call as a scope (:class:`~overlap.call.Call`), one at a time, recording
+        its ops into ``trace`` if given. Returns the end-of-call table across processes."""
+        refuse_reentry(what, self.backend)
+        async with self._gate:
+            self._check_open()
+            if self._unsettled:  # an interrupted call's streams: settled before this one
+                stuck = await settle_leftovers(self.backend)
+                self._unsettled = False
+                if stuck:
+                    call = Call(self.backend, self.scope, what, graph, None)
+                    call._abandon(stuck)
+                    self._lost = call.lost
+                    self._check_open()
+            call = Call(self.backend, self.scope, what, graph, self.backend.dist, trace=trace)
+            try:
+                table = await call.run(launch, channels=channels, digest=digest,
+                                       members=members, payload=payload, subject=subject)
+            finally:
+                self._unsettled = call.unsettled
+                if call.lost is not None:
+                    self._lost = call.lost
+                # Nothing the streams still hold (an abandoned op's scope) may keep this
+                # call's exceptions — and through their tracebacks this runtime — alive.
+                call.scope.forget_failures()
+            return table
 
     def _reshard_inputs(self, plan: ReshardPlan) -> tuple[
             dict[int, Region], dict[int, Region], dict[int, tuple[int, ...]]]:
@@ -688,39 +717,6 @@ class Runtime:
         owners = placement.ranks_of((*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids))
         return hashlib.sha256(plan.to_json().encode()).digest(), tuple(sorted(owners))
 
-    def _agree(self, digest: bytes, what: str,
-               members: tuple[int, ...] | None = None) -> Agreement | None:
-        """Check that every process of the call's ``members`` (default: every process) makes
-        this call now, with the same ``digest`` (same plan or same step graph): compared on
-        every call, with a call counter that every process keeps (member or not), so a
-        process that skipped or added a call is named instead of silently matching another
-        call's messages.
-
-        Returns the check, for :meth:`_run_call` to post once it has launched the work (the
-        check costs a round of messages, not a wait; the work's first data goes ahead of it);
-        a mismatch stops the work at once. None where this process has no one to check with
-        (it holds none of the call's devices, or all of them)."""
-        self._calls += 1
-        self.backend.dist.calls = self._calls
-        self.backend.dist.busy = True  # (until the call's _gather ends: peers may ask)
-        from .guard import report  # (imported here: ``python -m overlap.guard`` runs it)
-
-        doing = f"{what} (call {self._calls})"
-        report(doing)
-        # The call's 32 bytes: the digest's first 24 (SHA-256 of the plan or graph) and the
-        # call number (no second hash: each costs microseconds, every call, on every rank).
-        call = digest[:24].ljust(24, b"\0") + self._calls.to_bytes(8, "little")
-        return self.backend.dist.agree(call, doing, self._calls, members)
-
-    def _serve_links(self) -> None:
-        """The loop of each call — the ``*_sync`` calls' loop, or the caller's own — reads
-        this process's host links itself while it runs (one thread woken a message instead
-        of two; ``HostLinks.serve``). So a call's transfers move while its loop runs: an
-        async caller that blocks its loop meanwhile stalls them, as any asyncio I/O."""
-        links = self.backend.dist.links if self.world.distributed else None
-        if links is not None:
-            links.serve(asyncio.get_running_loop())
-
     def _cached(self, key: Any, make: Callable[[], T]) -> T:
         """``make()``, kept for ``key`` with the runtime's other derived values (graphs,
         digests); the least recently used dropped past a bound."""
@@ -735,147 +731,6 @@ class Runtime:
         while len(self._memo) > _MEMO_SIZE:
             self._memo.popitem(last=False)
 
-    async def _collective(self, coro: Coroutine[Any, Any, T], what: str) -> T:
-        """One of the runtime's own cross-process messages; failures end the job's work."""
-        try:
-            return await coro
-        except BaseException as exc:
-            root = self._root_cause(exc)
-            self._fail_distributed(what, root)
-            if root is not exc:
-                raise root from root.__cause__
-            raise
-
-    def _fail_distributed(self, what: str, root: BaseException) -> None:
-        dist = self.backend.dist
-        if dist.broken is None and not isinstance(root, RankFailed):
-            dist.announce_failure(what, root)
-        self.backend.abort(f"{what} failed: {root}")
-
-    async def _gather(self, launch: Callable[[], list[Event]], *, what: str,
-                      check: Agreement | None = None, graph: StepGraph | None = None) -> None:
-        """:meth:`_run_call`; then, in a multi-process job, this process is no longer inside
-        a call (peers that wait for it past their timeout ask)."""
-        try:
-            await self._run_call(launch, what=what, check=check, graph=graph)
-        finally:
-            if self.world.distributed:
-                self.backend.dist.busy = False
-
-    async def _run_call(self, launch: Callable[[], list[Event]], *, what: str,
-                        check: Agreement | None = None, graph: StepGraph | None = None) -> None:
-        """``launch()`` the call's work, then wait for its end events all at once, watching
-        for hung ops (:func:`~overlap.watch.wait_all`), and for the call's agreement
-        ``check``, which runs alongside them; on failure, stop everything and recover
-        (:class:`~overlap.watch.Recovery`)."""
-        epoch = self._recovery.epoch
-        try:
-            events = launch()
-        except BaseException as exc:  # e.g. Ctrl-C half-way: stop what was launched
-            interrupted: BaseException | None = None
-            if (check is not None and isinstance(exc, Exception)
-                    and self.backend.abort_reason is not None):
-                # Stopped by another failure (a peer's report, say, of a mismatch this rank
-                # would find too as the rows land): the agreement explains it, if it can.
-                try:  # (its wait posts the row first)
-                    await _agreed(check, None, work_failed=True)
-                except BaseException as again:  # (Ctrl-C meanwhile: raised once stopped)
-                    interrupted = again
-            root = exc if not isinstance(exc, Exception) else self._root_cause(exc)
-            if self.world.distributed:
-                self._fail_distributed(what, root)
-            self._recovery.stop_now(f"{what} interrupted while launching", epoch)
-            if interrupted is not None:
-                raise interrupted from exc
-            if root is not exc:  # (a wait there ended by a peer's failure: that failure)
-                raise root from root.__cause__
-            raise
-        try:
-            verdict = self._post_agreement(check, events)
-            failed = True
-            try:
-                await wait_all(self.backend, events, graph)
-                self.backend.release_to_caller(events)
-                failed = False
-            finally:
-                if check is not None:
-                    await _agreed(check, verdict, failed)
-            if check is not None:
-                # Every rank's work ended too: a rank whose part finished must not report
-                # success while a peer's part failed (it learns of it here, by notice).
-                await check.finish()
-        except BaseException as exc:
-            if check is not None:
-                check.abandon()
-            cancelled = not isinstance(exc, Exception)
-            root = self._root_cause(exc)
-            if self.world.distributed:
-                if isinstance(root, (CollectiveTimeout, CollectiveAborted)) and not cancelled:
-                    root = await self._peer_explanation(root, graph)
-                # Tell the other processes; the job cannot continue.
-                self._fail_distributed(what, root)
-            reason = f"{what} failed: {root}" if not cancelled else f"{what} cancelled"
-            hang = await self._recovery.settle(reason, graph, epoch, cancelled=cancelled)
-            if hang is not None and isinstance(root, (CollectiveAborted, CollectiveTimeout,
-                                                      RankFailed)):
-                root = hang  # an op here that never finished explains what waited for it
-            if root is not exc:
-                raise root from root.__cause__
-            raise
-
-    def _post_agreement(self, check: Agreement | None, events: list[Event]
-                        ) -> asyncio.Future[None] | None:
-        """Post the call's agreement row, now that its work is launched — or, over host
-        links on a backend whose events end with their work, as the work ends (saying so:
-        no end-of-call round where every member's row does), at most ``ROW_WITHIN_S`` from
-        now — and its end-of-call row as the work ends if the row went first
-        (``Agreement.hurry_after``). Over MPI a task polls the round alongside the work,
-        returned; host links compare its rows as the last one lands (nothing runs
-        meanwhile: None)."""
-        if check is None:
-            return None
-        ended = self.backend.events_end_work
-        if not (ended and check.checked_early):
-            check.post()
-        check.hurry_after(events, ended)
-        if check.checked_early:
-            check.post_within(asyncio.get_running_loop())
-            return None
-        return asyncio.ensure_future(check.wait())
-
-    async def _peer_explanation(self, timeout: BaseException, graph: StepGraph | None
-                                ) -> BaseException:
-        """A timeout waiting for a peer is often the consequence of a stage that hangs, here
-        or on that peer — named when it has run ``timeout``, which may be a little after this
-        wait gave up: wait briefly (at most 1 s) for the hang here or the peer's report."""
-        backend, dist = self.backend, self.backend.dist
-        deadline = asyncio.get_running_loop().time() + min(1.0, backend.timeout)
-        while not isinstance(dist.broken, RankFailed):
-            err = name_hang(backend, graph)
-            if err is not None:
-                return err
-            if asyncio.get_running_loop().time() >= deadline:
-                return timeout
-            await asyncio.sleep(0.01)
-        return dist.broken
-
-    def _root_cause(self, exc: BaseException) -> BaseException:
-        """The failure that explains the others: processes that made different calls (which
-        makes work fail everywhere, in whatever order); else this process's first failure
-        that is not a consequence of another (an abort, a timeout waiting for a peer, a peer
-        that failed); else a peer's failure; else the first timeout."""
-        failures = self.backend.failures
-        for f in (exc, *failures):
-            if isinstance(f, CallMismatch):
-                return f
-        for f in failures:
-            if not isinstance(f, (CollectiveAborted, CollectiveTimeout, RankFailed)):
-                return f
-        for f in (exc, *failures):
-            if isinstance(f, RankFailed):
-                return f
-        return next((f for f in failures if isinstance(f, CollectiveTimeout)), exc)
-
     def _array_types(self) -> tuple[type, ...]:
         xp = self.backend.xp
         return (np.ndarray,) if xp is np else (np.ndarray, xp.ndarray)
@@ -883,8 +738,10 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise OverlapRuntimeError("runtime is closed")
-        self._recovery.check()
-        broken = self.backend.dist.broken if self.backend.dist is not None else None
+        if self._lost is not None:
+            raise self._lost
+        dist = self.backend.dist
+        broken = dist.broken if dist is not None else None
         if broken is not None:
             if isinstance(broken, RankFailed):
                 raise broken
@@ -917,7 +774,9 @@ class Runtime:
         """End every thread the runtime started: idle ones are joined; one stuck in an op
         that never returns is abandoned once that op has run ``timeout`` seconds (a daemon;
         it runs nothing more). Returns within ``timeout`` + a fraction of a second, whatever
-        the stage functions do. Idempotent."""
+        the stage functions do. Idempotent. Not from inside a stage function (refused: the
+        call it runs in closes nothing)."""
+        refuse_reentry("close", self.backend)
         # A multi-process runtime that failed: closed with no exception in flight, the
         # failure was handled and the job may go on (with a fresh Runtime); closed while one
         # propagates (a ``finally``), the exit guards still end the job.
@@ -932,21 +791,24 @@ class Runtime:
             with contextlib.suppress(Exception):  # a window left open ends with the runtime
                 self._profiler(False)
             if self.backend.dist is not None:
-                self.backend.dist.close(error, handled)
-            _shut_down(self.backend, self._sync)
+                self.backend.dist.leave(error, handled)
+            _shut_down(self.scope, self.backend, self._sync)
 
     async def aclose(self) -> None:
         """:meth:`close`, off the event loop."""
+        refuse_reentry("aclose", self.backend)
         await asyncio.to_thread(self._close, None, sys.exc_info()[1] is None)
 
     def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, tp: object, error: BaseException | None, tb: object) -> None:
+        refuse_reentry("close", self.backend)
         self._close(error, handled=error is None)
 
     async def __aenter__(self) -> Runtime:
         return self
 
     async def __aexit__(self, tp: object, error: BaseException | None, tb: object) -> None:
+        refuse_reentry("close", self.backend)
         await asyncio.to_thread(self._close, error, error is None)

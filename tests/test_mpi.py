@@ -377,19 +377,17 @@ def test_ranks_ahead_wait_past_the_timeout_for_members_still_in_an_earlier_call(
     assert all(float(r["first"]) < 1.0 and float(r["both"]) > 2.0 for r in ranks[2:])
 
 
-def test_host_links_are_read_by_each_calls_own_loop(tmp_path):
-    """Each call's loop reads the host links itself — the ``*_sync`` calls' loop, and the
-    loop of each ``asyncio.run`` that awaits a call — and takes them from the loop before
-    (closed, or between its calls): every call delivers."""
-    done, _ = mpiexec(4, "switch", str(tmp_path))
+def test_calls_from_new_event_loops_each_time_deliver(tmp_path):
+    """Calls alternately through ``reshard_sync`` (the runtime's kept loop) and awaited on a
+    new ``asyncio.run`` loop each time: the process's engine reads the wire whatever loop
+    awaits, and every call delivers."""
+    done, _ = mpiexec(4, "loops", str(tmp_path))
     assert done.returncode == 0, verdicts(done.stdout + done.stderr)
     ranks = outputs(tmp_path, 4)
     full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
     got = {k: a for r in ranks for k, a in r.items() if "/" in k}
     assert sorted(got) == sorted(f"{k}/{d}" for k in range(7) for d in range(4, 8))
     assert all(a.tobytes() == full.tobytes() for a in got.values())
-    assert all(bool(r["served"]) for r in ranks)  # (the last call was a sync one)
-    assert all(r["own_loop"].tolist() == [True] * 3 for r in ranks), [r["own_loop"] for r in ranks]
 
 
 def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):
@@ -428,15 +426,15 @@ def test_nccl_bootstrap_refuses_a_rank_outside_its_members():
 
 
 def test_every_cross_rank_hop_is_timed_in_order(tmp_path):
-    """``MpiBackend.hop_timings`` (what benchmarks/mpi_step_profile.py reads): each hop of
+    """``WireTransport.hop_timings`` (what benchmarks/mpi_step_profile.py reads): each hop of
     the plan's broadcast appears on its sender and on its receiver, with the same tag and
     bytes, and the marks come in order on the host's one clock (a relay sends what landed)."""
     done, _ = mpiexec(4, "hops", str(tmp_path))
     assert done.returncode == 0, verdicts(done.stderr)
     sent, received = {}, {}
     for r, arrays in enumerate(outputs(tmp_path, 4)):
-        for tag, prev, nxt, nbytes, posted, landed, finished, polls in arrays["hops"]:
-            assert polls >= 1 and posted <= finished
+        for tag, prev, nxt, nbytes, posted, landed, finished in arrays["hops"]:
+            assert posted <= finished
             if prev >= 0:
                 assert posted <= landed <= finished
                 received[(int(tag), int(prev), r)] = (nbytes, landed)
@@ -447,41 +445,6 @@ def test_every_cross_rank_hop_is_timed_in_order(tmp_path):
     assert set(sent) == set(received)
     for key, (nbytes, landed) in received.items():
         assert sent[key][0] == nbytes and sent[key][1] <= landed, key
-
-
-def test_a_receive_posted_long_before_its_send_polls_less_once_it_knows_the_wait(tmp_path):
-    """Rank 0 sends ~30 ms after the others post their receives, six calls in a row. From
-    the second call a receive sleeps through half the wait it saw before (instead of testing
-    every 20-200 µs all along): far fewer tests — and none of that without the adaptive wait."""
-    polls = {}
-    for mode in ("adaptive", "backoff"):
-        done, _ = mpiexec(2, "early", str(tmp_path), mode, data="mpi")
-        assert done.returncode == 0, verdicts(done.stderr)
-        polls[mode] = outputs(tmp_path, 2)[1]["polls"]  # rank 1's receives (2 hops a call)
-        assert len(polls[mode]) == 12
-    # The last two calls: the wait is learned by then.
-    assert np.median(polls["adaptive"][-4:]) < 0.8 * np.median(polls["backoff"][-4:]), polls
-
-
-def test_producers_post_and_consumers_complete_transfers_themselves(tmp_path):
-    """With helpers (the default), a send is begun by the compute thread whose output it
-    sends, and a receive its consumer waits for is completed by that consumer's thread — no
-    hand-off to and from a comm thread; without them, only comm threads run transfers. The
-    training is the same bit for bit either way."""
-    runs = {}
-    for mode in ("on", "off"):
-        done, _ = mpiexec(4, "helpers", str(tmp_path), mode)
-        assert done.returncode == 0, verdicts(done.stderr)
-        runs[mode] = outputs(tmp_path, 4)
-    on = np.concatenate([r["threads"] for r in runs["on"]])
-    off = np.concatenate([r["threads"] for r in runs["off"]])
-    assert len(on) == len(off) > 0
-    assert on[:, 0].any() and on[:, 1].any(), "no transfer began or ended on a compute thread"
-    assert not off.any(), "a compute thread ran a transfer with helpers off"
-    for a, b in zip(runs["on"], runs["off"]):
-        for key in a:
-            if key != "threads":
-                assert a[key].tobytes() == b[key].tobytes(), key
 
 
 # ---- ranks that leave, and the fault matrix across processes -------------------------------

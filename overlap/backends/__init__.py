@@ -1,132 +1,101 @@
-"""Backends: where streams, events and collectives live.
+"""Backends: a device kind and transports, composed.
 
-``cpu`` (virtual devices in this process; the default and how everything is tested) and
-``cuda`` (the same structure on CuPy streams, events and NCCL; imported only when asked for, so
-``import overlap`` never needs CuPy).
+- **Device kinds** — ``cpu`` (virtual devices in this process: :mod:`.cpu`) and ``cuda`` (CuPy
+  streams, events and memory: :mod:`.cuda`, imported only when asked for). A kind says how a
+  stream's ops run, what a record and a wait enqueue, how bytes are copied and how trace
+  marks are read; :mod:`.streams` holds the streams and events themselves, the same for both.
+- **Transports** — how a collective's bytes move. Among this process's devices: the
+  in-process rendezvous (:mod:`.local`, with the kind's copies; NCCL between distinct GPUs on
+  CUDA, :mod:`.nccl`). Across processes: point-to-point wires progressed by the process's one
+  engine (:mod:`.engine`; :mod:`.wire` over host links, :mod:`.host_links`, and MPI,
+  :mod:`.mpi`) for the CPU kind, NCCL for CUDA. The control plane of a multi-process job
+  (a call's rounds, failure notices, exit) is :mod:`.distributed`.
+
+:class:`~.backend.Backend` is what the runtime launches on; :func:`make_backend` composes
+it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..world import Placement, World
-from .cpu import Busy, CpuBackend, CpuEvent, CpuStream, TraceRecord
-
-if TYPE_CHECKING:
-    from .distributed import Distributed
+from .backend import SETTLE_GRACE_S, Backend, Remote
+from .cpu import CpuDevices
+from .routes import Route
+from .streams import Busy, Event, Stream, Trace, TraceRecord
 
 BACKENDS = ("cpu", "cuda")
 
 
-class Event(Protocol):
-    """Recorded on a stream; done when the stream gets there (or failed with its error)."""
-
-    def done(self) -> bool: ...
-    async def wait(self) -> None: ...
-    def add_done_callback(self, cb: Callable[[Any], None]) -> None: ...
-
-
-class Stream(Protocol):
-    """A FIFO of device work (CUDA stream semantics)."""
-
-    device: int
-    name: str
-
-    def launch(self, label: str, fn: Callable[[], Any], *, category: str = "compute",
-               op: int | None = None, stepped: bool = False) -> None: ...
-    def record(self, label: str = "", *, event: Any = None) -> Event: ...
-    def wait_event(self, event: Any) -> None: ...
-
-
-class Backend(Protocol):
-    """What the runtime needs from a backend — the type it declares and uses. Collectives are
-    called from stream work and match participants by launch position on a communicator per
-    (namespace, device group), as NCCL does; ``timeout`` bounds every blocking wait.
-
-    ``placement``/``rank``: which process drives which device (None in one process);
-    ``dist``: a multi-process flavour's messaging layer (agreement, shared values, failure
-    notices: :class:`~overlap.backends.distributed.Distributed`), composed with the backend;
-    None in one process."""
-
-    name: str
-    xp: Any  # the array module: numpy or cupy
-    num_devices: int
-    timeout: float
-    trace: list[TraceRecord] | None
-    on_failure: Callable[[BaseException], None] | None
-    placement: Placement | None
-    rank: int
-    dist: Distributed | None
-    events_end_work: bool  # an event completes when its work is done (not just launched)
-
-    def stream(self, device: int, name: str = "compute") -> Stream: ...
-    def streams(self) -> list[Any]: ...
-    def broadcast(self, devices: Sequence[int], device: int, root: int, buffer: np.ndarray,
-                  desc: str, namespace: str = "", tag: int | None = None) -> None: ...
-    def all_reduce(self, devices: Sequence[int], device: int, buffer: np.ndarray, desc: str,
-                   op: Callable[[np.ndarray, np.ndarray], np.ndarray] = ...,
-                   namespace: str = "", tag: int | None = None) -> None: ...
-    def all_gather(self, devices: Sequence[int], device: int, buffer: np.ndarray,
-                   out: np.ndarray, desc: str, namespace: str = "",
-                   tag: int | None = None) -> None: ...
-    def steps_broadcast(self, devices: Sequence[int], device: int) -> bool: ...
-    def broadcast_steps(self, devices: Sequence[int], device: int, root: int, buffer: Any,
-                        desc: str, namespace: str = "",
-                        tag: int | None = None) -> Iterator[float]: ...
-    def new_event(self, label: str = "") -> Any: ...
-    def caller_events(self) -> list[Any]: ...
-    def release_to_caller(self, ends: Sequence[Any]) -> None: ...
-    def hold(self, *buffers: Any) -> None: ...
-    def declare_group(self, namespace: str, devices: Sequence[int]) -> None: ...
-    def declare_subgroups(self, namespace: str, groups: Sequence[Sequence[int]]) -> None: ...
-    def is_local(self, device: int) -> bool: ...
-    def start_trace(self) -> None: ...
-    def profiler(self, on: bool) -> None: ...
-    def span_seconds(self, mark: Any) -> float: ...
-    def current_stream(self) -> Any: ...
-    def abort(self, reason: str) -> None: ...
-    @property
-    def abort_reason(self) -> str | None: ...
-    def note_failure(self, exc: BaseException) -> None: ...
-    def quiesce(self, timeout: float | None = None) -> bool: ...
-    def busy(self) -> list[Busy]: ...
-    def op_since(self, b: Busy) -> float: ...
-    def stop(self, until: Callable[[Busy], float]) -> list[Busy]: ...
-    def stop_hung(self, grace: float = ...) -> list[Busy]: ...
-    def abandon(self, stuck: Sequence[Busy], reason: str) -> None: ...
-    def reset(self) -> None: ...
-    def close(self) -> None: ...
-    @property
-    def failures(self) -> list[BaseException]: ...
-
-
 def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None,
-                 world: World | None = None, placement: Placement | None = None) -> Backend:
-    """A backend of ``name``; with a multi-process ``world``, its MPI flavour (this process
-    drives the devices ``placement`` gives its rank)."""
+                 world: World | None = None, placement: Placement | None = None,
+                 host_links: bool | None = None, grace: float = 5.0) -> Backend:
+    """A backend of device kind ``name`` ("cpu" or "cuda"). With a multi-process ``world``
+    it also has what joins it to the other processes (this process drives the devices
+    ``placement`` gives its rank): the process's progress engine, host links between the
+    ranks of a host (unless ``host_links`` is False or ``OVERLAP_HOST_LINKS=0``), the
+    control plane, and the data plane — wires for the CPU kind, NCCL for CUDA. Collective
+    across processes: every rank calls it, from the main thread, in the same order."""
     if name not in BACKENDS:
         raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
-    if world is not None and world.distributed:
-        if name == "cuda":
-            from .cuda_mpi import CudaMpiBackend
-
-            return CudaMpiBackend(num_devices, world=world, placement=placement,
-                                  timeout=timeout)
-        from .mpi import MpiBackend
-
-        return MpiBackend(num_devices, world=world, placement=placement, timeout=timeout)
-    if name == "cpu":
-        return CpuBackend(num_devices, timeout=timeout, link_time=link_time)
     if name == "cuda":
-        from .cuda import CudaBackend
+        from .cuda import CudaDevices
 
-        return CudaBackend(num_devices, timeout=timeout, link_time=link_time)
-    raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
+        devices: Any = CudaDevices(timeout=timeout)
+    else:
+        devices = CpuDevices()
+    if world is None or not world.distributed:
+        return Backend(devices, num_devices, timeout=timeout, link_time=link_time)
+    return _joined(devices, num_devices, world, placement or Placement.blocks(
+        num_devices, world.size), timeout, host_links, grace)
 
 
-__all__ = ["BACKENDS", "Backend", "Busy", "CpuBackend", "CpuEvent", "CpuStream", "Event", "Stream",
-           "TraceRecord", "make_backend"]
+def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
+            timeout: float, host_links: bool | None, grace: float) -> Backend:
+    from ..world import mpi_world_comm
+    from .distributed import Distributed, host_links_wanted
+    from .engine import Engine
+    from .host_links import HostLinks
+
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ValueError(f"grace: expected seconds >= 0, got {grace!r}")
+    placement.check_covers(num_devices)
+    links_on = host_links_wanted(host_links)
+    cuda = devices.name == "cuda"
+    if cuda and len(placement.devices_of(world.rank)) != 1:
+        raise ValueError(
+            f"placement: backend 'cuda' across processes runs one device per process (one "
+            f"process per GPU); rank {world.rank} owns {len(placement.devices_of(world.rank))} "
+            "devices — launch as many processes as the cluster has devices")
+    comm = mpi_world_comm("a multi-process world")
+    if comm.Get_size() != world.size or comm.Get_rank() != world.rank:
+        raise ValueError(f"world: rank {world.rank} of {world.size} does not match "
+                         f"MPI.COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()})")
+    backend = Backend(devices, num_devices, timeout=timeout, placement=placement,
+                      rank=world.rank)
+    engine = Engine(f"overlap-engine-r{world.rank}")
+    try:
+        links = HostLinks.connect(comm, engine) if links_on else None
+        dist = Distributed(world, placement, engine, comm, links, timeout=timeout,
+                           grace=grace)
+        backend.dist = dist
+        if cuda:
+            from .nccl import NcclTransport
+
+            backend.remote = NcclTransport(backend, dist, world)
+        else:
+            from .mpi import MpiWire
+            from .wire import WireTransport
+
+            backend.remote = WireTransport(backend, dist, MpiWire(comm, engine), links)
+    except BaseException:
+        engine.close()
+        raise
+    return backend
+
+
+__all__ = ["BACKENDS", "SETTLE_GRACE_S", "Backend", "Busy", "CpuDevices", "Event", "Remote",
+           "Route", "Stream", "Trace", "TraceRecord", "make_backend"]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveTimeout
-from .distributed import Backoff
+from .engine import Backoff
 
 ID_TAG = 0x4E43  # "NC": the tag of unique-id messages on the bootstrap communicator
 
@@ -36,7 +36,7 @@ def bootstrap_nccl(comm: Any, members: Sequence[int], rank: int, nccl: Any, *,
         raise ValueError(f"members: expected distinct ranks, got {members}")
     if rank not in members:
         raise ValueError(f"members: rank {rank} is not one of {members}")
-    pause = pause or Backoff().pause
+    pause = pause or (lambda attempt: time.sleep(Backoff().delay(attempt)))
     root = members[0]
     if rank == root:
         wire = to_wire(nccl.get_unique_id())

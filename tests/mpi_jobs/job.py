@@ -20,7 +20,7 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
 - ``differ OUT RANK [LATE]``: rank RANK runs another schedule than the others; rank LATE
   makes the call a second late, when the others have already reported the mismatch.
 - ``silent OUT``: rank 1 waits on a broadcast rooted on rank 0, which never sends (backend
-  level, timeout 2 s).
+  level, through the documented backend protocol; timeout 2 s).
 - ``nccl OUT``: NCCL communicators bootstrapped over MPI with a stand-in NCCL (no GPU):
   each rank saves the (size, id, rank) its communicators were made with.
 - ``stuck OUT RANK``: rank RANK is stuck in its own code (a minute) instead of making a
@@ -39,13 +39,10 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
 - ``slow OUT``: a resharding call from a device of rank 0 to one of rank 1 in four pieces,
   whose sends each start 0.7 s late (2.8 s in all, past the 2 s timeout; no op near it), then a
   call among every rank, which ranks 2 and 3 reach long before 0 and 1.
-- ``switch OUT``: resharding calls between rank 0's devices and rank 1's, alternately
-  ``reshard_sync`` and ``reshard`` awaited on loops of ``asyncio.run`` (each call's loop
-  reads the host links); each rank saves what it received, whether each awaited call's own
-  loop read its links, and whether a loop reads them at the end.
-- ``helpers OUT on|off``: the toy pipeline (1f1b, two steps) with the MPI backend's helpers on
-  or off; each rank also saves, per stepped transfer, whether a compute thread took its first
-  and its last step (``threads``).
+- ``loops OUT``: resharding calls between rank 0's devices and rank 1's, alternately
+  ``reshard_sync`` and ``reshard`` awaited on loops of ``asyncio.run`` (a new event loop
+  each time); each rank saves what it received.
+- ``hops OUT``: one resharding whose every cross-rank hop is timed (``hop_timings``).
 - ``faults OUT``: the fault matrix of ``tests/fault_pipeline.py`` on two ranks: for every
   planted fault, a runtime, the faulty step, close, then a fresh runtime's clean step; each
   rank writes what it saw per fault to ``OUT/faults<r>.json`` and exits 0.
@@ -99,23 +96,6 @@ def run_toy(rt: Runtime, schedule: str, steps: int = 2, fault=None) -> dict[str,
         if d in rt.local_devices:
             out[f"{schedule}/weight/{s}/{d}"] = w
     return out
-
-
-def watch_steps() -> list[tuple[str, str]]:
-    """From now on, the names of the threads that take the first and the last step of every
-    stepped transfer of this process (a list it fills)."""
-    from overlap.backends.mpi import MpiBackend
-
-    seen: list[tuple[str, str]] = []
-    steps = MpiBackend.broadcast_steps
-
-    def watched(self, *args, **kwargs):
-        first = threading.current_thread().name
-        yield from steps(self, *args, **kwargs)
-        seen.append((first, threading.current_thread().name))
-
-    MpiBackend.broadcast_steps = watched
-    return seen
 
 
 def arange_shards(plan: ReshardPlan, devices=None) -> dict[int, np.ndarray]:
@@ -201,15 +181,21 @@ def main() -> int:
                 time.sleep(1.0)  # the others' reports of the mismatch arrive before this call
             run_toy(rt, "1f1b" if rank == int(sys.argv[3]) else "eager-1f1b", steps=1)
         elif mode == "silent":
+            from overlap.scope import CancelScope
+
+            backend = rt.backend
+            rt.run_sync(backend.prepare({"silent": (0, 4)}, []))  # (every rank: collective)
             if rank == 1:
                 buf = np.zeros(4)
-                rt.backend.declare_group("silent", (0, 4))
-                ev = rt.backend.stream(4, "silent")
-                ev.launch("wait for rank 0", lambda: rt.backend.broadcast(
-                    (0, 4), 4, 0, buf, "silent", "silent", tag=7))
-                rt.backend.quiesce(10.0)
-                raise rt.backend.failures[0]
-            rt.backend.declare_group("silent", (0, 4))
+                scope = CancelScope("silent")
+                s = backend.stream(4, "silent")
+                s.launch("wait for rank 0", lambda: backend.broadcast(
+                    (0, 4), 4, 0, buf, "silent", "silent", tag=7, scope=scope), scope=scope)
+                ev = s.record(scope=scope)
+                deadline = time.monotonic() + 10.0
+                while not ev.launched() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                raise scope.failures[0]
             time.sleep(60)
         elif mode == "nccl":
             saved.update(nccl_bootstrap_check(rank))
@@ -241,20 +227,9 @@ def main() -> int:
                 # The second call only once this rank's link to the leaver has closed
                 # (~20 ms after its notice was sent: before this rank's listener read it).
                 deadline = time.monotonic() + 10.0
-                while links._conns[int(sys.argv[3])].closed is None \
-                        and time.monotonic() < deadline:
+                while not links.closed_to(int(sys.argv[3])) and time.monotonic() < deadline:
                     time.sleep(0.0005)
             rt.reshard_sync(plan, shards)
-        elif mode == "early":  # receives posted ~30 ms before rank 0 sends, six times
-            plan, shards = small_plan(cluster, rt)
-            rt.backend.adaptive_wait = sys.argv[3] == "adaptive"
-            rt.backend.hop_timings = []
-            for _ in range(6):
-                if rank == 0:
-                    time.sleep(0.03)
-                rt.reshard_sync(plan, shards)
-            saved["polls"] = np.array([h.polls for h in rt.backend.hop_timings
-                                       if h.prev is not None], dtype=np.int64)
         elif mode == "ahead":
             plan, shards = pair_plan(cluster, rt, False)
             if rank == 0:
@@ -263,45 +238,27 @@ def main() -> int:
             rt.run_sync(rt.reshard(plan, shards, stream="other"))
         elif mode == "slow":
             saved.update(slow_then_everyone(cluster, rt))
-        elif mode == "switch":
+        elif mode == "loops":
             import asyncio
 
             plan, shards = pair_plan(cluster, rt, False)
-            links = rt.backend.dist.links
-
-            async def awaited():  # -> what it got, and whether its own loop read the links
-                got = await rt.reshard(plan, shards)
-                return got, links is not None and links._loop is asyncio.get_running_loop()
-
-            own = []
             for k in range(7):  # (sync, async, ..., sync)
-                if k % 2 == 0:
-                    out = rt.reshard_sync(plan, shards)
-                else:
-                    out, served = asyncio.run(awaited())
-                    own.append(served)
+                out = (rt.reshard_sync(plan, shards) if k % 2 == 0
+                       else asyncio.run(rt.reshard(plan, shards)))
                 saved.update({f"{k}/{d}": np.asarray(a) for d, a in out.items()})
-            saved["served"] = np.array(links is not None and links._loop is not None)
-            saved["own_loop"] = np.array(own)
         elif mode == "pair":
             saved.update(pair_calls(cluster, rt, sys.argv[3:] == ["differ"]))
-        elif mode == "helpers":  # which threads start and end the stepped transfers
-            rt.backend.helping = sys.argv[3] == "on"
-            threads = watch_steps()
-            saved.update(run_toy(rt, "1f1b", steps=2))
-            saved["threads"] = np.array([[first.endswith("-compute"), last.endswith("-compute")]
-                                         for first, last in threads], dtype=bool).reshape(-1, 2)
         elif mode == "hops":  # every cross-rank hop of one resharding, timed
             plan, shards = small_plan(cluster, rt)
-            rt.backend.hop_timings = []
+            rt.backend.remote.hop_timings = []
             rt.reshard_sync(plan, shards)
             saved["hops"] = np.array(
                 [[h.tag, -1 if h.prev is None else h.prev, -1 if h.nxt is None else h.nxt,
-                  h.nbytes, h.posted, -1.0 if h.landed is None else h.landed, h.done, h.polls]
-                 for h in rt.backend.hop_timings], dtype=np.float64).reshape(-1, 8)
+                  h.nbytes, h.posted, -1.0 if h.landed is None else h.landed, h.done]
+                 for h in rt.backend.remote.hop_timings], dtype=np.float64).reshape(-1, 7)
         elif mode == "reshard":
             if cases.get("chunk_bytes") is not None:  # many pieces even for small tensors
-                rt.backend.chunk_bytes = int(cases["chunk_bytes"])
+                rt.backend.remote.chunk_bytes = int(cases["chunk_bytes"])
             for i, text in enumerate(cases["plans"]):
                 plan = ReshardPlan.from_json(text)
                 shards = arange_shards(plan, rt.local_devices)
@@ -370,15 +327,15 @@ def use_fake_gpu() -> None:
 
     sys.modules["cupy"] = fake_cupy
     fake_cupy.DEVICES = 4  # one GPU per rank on this "node"
-    from overlap.backends import cuda_mpi
+    from overlap.backends.nccl import NcclTransport
 
-    cuda_mpi.NcclLinks = HostMpiLinks
+    NcclTransport.links_class = HostMpiLinks
 
 
 class HostMpiLinks:
     """``NcclLinks`` with MPI underneath (same matching: by order per communicator)."""
 
-    def __init__(self, comm, rank, *, timeout, poll):
+    def __init__(self, comm, rank, *, timeout):
         self.world, self.rank, self.comms = comm, rank, {}
 
     def open(self, key, members):
@@ -408,6 +365,9 @@ class HostMpiLinks:
 
     def all_gather(self, key, buf, out, stream):
         self.comms[key].Allgather(np.ascontiguousarray(buf), out)
+
+    def abort(self):
+        """(NCCL's abort of every communicator when a call is cancelled: nothing to end.)"""
 
     def close(self):
         for c in self.comms.values():
@@ -541,16 +501,15 @@ def slow_then_everyone(cluster: Cluster, rt: Runtime) -> dict[str, np.ndarray]:
         dataclasses.replace(t, region=((16 * k, 16 * k + 16), (0, 8)), nbytes=t.nbytes // 4)
         for k in range(4)))
     shards = {0: np.ones((64, 8), np.float32)} if rt.world.rank == 0 else {}
-    if rt.world.rank == 0:
-        sends = rt.backend.broadcast_steps
+    if rt.world.rank == 0:  # each of its sends starts 0.7 s late
+        remote = rt.backend.remote
+        send = remote.transfer
 
         def late(*args, **kwargs):
-            until = time.perf_counter() + 0.7
-            while time.perf_counter() < until:
-                yield until
-            yield from sends(*args, **kwargs)
+            time.sleep(0.7)
+            return send(*args, **kwargs)
 
-        rt.backend.broadcast_steps = late
+        remote.transfer = late
     started = time.perf_counter()
     rt.reshard_sync(plan, shards)
     first = time.perf_counter() - started

@@ -1,0 +1,394 @@
+"""Streams and events with CUDA semantics, whatever the device kind.
+
+A **stream** is a FIFO of work run by one thread of its own, in launch order; different
+streams run concurrently. Its thread runs only its own queue: an op (host code: a stage
+function, a transfer's part), a **record** (an event completes when the stream gets there),
+a **wait** (later work waits until another stream's event completes). A wait blocks the
+stream's thread on the event (or on the cancellation of the work's scope, whichever comes
+first); no other thread ever advances a stream.
+
+Every item carries the :class:`~overlap.scope.CancelScope` of the call it belongs to. A
+failing op fails its scope — which cancels it — and the rest of that call's work on every
+stream is skipped (records complete with the failure; waits return at once), while work of
+later calls runs as usual: a failed call needs no reset.
+
+A device kind (:mod:`~overlap.backends.cpu`, :mod:`~overlap.backends.cuda`) supplies what
+differs: how an op's host code runs (CUDA: with its device and CUDA stream current), what a
+record records (CUDA: a CUDA event after the work enqueued so far), what a wait adds (CUDA: a
+device-side wait), and trace marks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ..errors import OverlapRuntimeError, StreamError
+from ..nvtx import range_end, range_start
+from ..scope import CancelScope, Waiter
+
+log = logging.getLogger("overlap")
+
+_local = threading.local()  # .stream: the stream whose thread this is (None elsewhere)
+
+
+def current_stream() -> Stream | None:
+    """The stream whose thread is calling (None outside the runtime's stream threads)."""
+    return getattr(_local, "stream", None)
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What a stream's thread is doing now: an op (``op``: its step-graph id, if any) or a
+    wait for another stream's event (``waiting``), since ``since`` (perf_counter seconds),
+    for the call of ``scope``."""
+
+    device: int
+    stream: str
+    label: str
+    op: int | None
+    category: str
+    since: float
+    waiting: bool = False
+    scope: Any = field(default=None, compare=False, repr=False)
+
+
+class TraceRecord(NamedTuple):
+    """One op as the trace saw it run: its step-graph op id, where, and two marks (the
+    device kind's: perf_counter seconds on the CPU, CUDA events on a GPU)."""
+
+    op: int
+    device: int
+    stream: str
+    start: Any
+    end: Any
+
+
+class Trace:
+    """The ops of one call, as they ran (a call records one when asked: ``scope.trace``),
+    and the device kind's clock their marks are read against."""
+
+    def __init__(self, clock: Any) -> None:
+        self.clock = clock
+        self.records: list[TraceRecord] = []
+
+
+class Event:
+    """A point in a stream's work. It is **launched** once the stream's thread got there
+    (and everything before it ran), and **done** once the device also got there: at once on
+    the CPU; on a GPU when the device passes the CUDA event recorded there (``native``)."""
+
+    __slots__ = ("_callbacks", "_error", "_launched", "_lock", "device_wait", "label",
+                 "native")
+
+    def __init__(self, label: str = "") -> None:
+        self.label = label
+        self._launched = False
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Event], None]] = []
+        self.native: Any = None  # the device's event (CUDA), recorded with the host's
+        # ``async (event) -> None``: until the device passed ``native`` (bounded; the CUDA kind)
+        self.device_wait: Callable[[Event], Any] | None = None
+
+    def launched(self) -> bool:
+        return self._launched
+
+    def done(self) -> bool:
+        if not self._launched:
+            return False
+        native = self.native
+        return native is None or bool(native.done)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._launched:
+                return
+            self._error = error
+            self._launched = True
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb(self)
+            except Exception:  # (one waiter's bug must not leave the others unwoken)
+                log.exception("a callback of event %r failed", self.label)
+
+    def add_done_callback(self, cb: Callable[[Event], None]) -> None:
+        """``cb(event)`` once the event is launched (or failed), on the thread that gets it
+        there — or now, if it is."""
+        with self._lock:
+            if not self._launched:
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+    def block(self, scope: CancelScope, what: str) -> None:
+        """Block this thread until the event is launched; raise if it failed, or if
+        ``scope`` is cancelled first."""
+        if not self._launched:
+            waiter = Waiter()
+            self.add_done_callback(waiter.wake)
+            handle = scope.on_cancel(waiter.wake)
+            try:
+                while not self._launched:
+                    if scope.cancelled:
+                        raise scope.aborted(what)
+                    waiter.block()
+            finally:
+                scope.remove(handle)
+        if self._error is not None:
+            raise self._error
+
+    async def wait(self) -> None:
+        """Await the event from asyncio without blocking the loop; raises its error. On a GPU,
+        until the device passed it (bounded by the backend's timeout)."""
+        if not self._launched:
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+
+            def wake(_: Event) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                    loop.call_soon_threadsafe(_resolve, fut)
+
+            self.add_done_callback(wake)
+            await fut
+        if self._error is not None:
+            raise self._error
+        if self.device_wait is not None and not self.done():
+            await self.device_wait(self)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self.done() else "pending")
+        return f"Event({self.label!r}, {state})"
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+_OP, _RECORD, _WAIT = 0, 1, 2
+_STOP = None  # the item that ends a stream's thread
+
+
+class Stream:
+    """A FIFO of work run by one thread (see module doc)."""
+
+    def __init__(self, backend: Any, device: int, name: str) -> None:
+        self.backend = backend  # the Backend that owns it (its device kind, its events)
+        self.kind = backend.devices
+        self.device = device
+        self.name = name
+        # A C-level queue: a Ctrl-C landing in a launch (the caller's thread) cannot lose an
+        # item nor the thread's wake-up, as it could between Python-level steps.
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._current: tuple[Any, float] | None = None  # (item, since): what runs now
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # (starting and closing the thread)
+        self._closed = False
+        # Set when the thread was left stuck in an op (see Backend.abandon): it runs nothing
+        # more, and launching on this stream raises this text.
+        self.lost: str | None = None
+        self.native: Any = None  # the device kind's stream (CUDA: a CuPy stream)
+        # Set by an op whose device work is timed apart from the stream's marks (the CUDA
+        # loopback: the copy's own events): its trace span is that.
+        self.data_span: tuple[Any, Any] | None = None
+        self.tracing = False  # the op running now belongs to a call that records a trace
+
+    def __repr__(self) -> str:
+        return f"Stream(device {self.device}, {self.name!r})"
+
+    # ---- launching (any thread) ----------------------------------------------------------
+
+    def launch(self, label: str, fn: Callable[[], Any], *, scope: CancelScope,
+               category: str = "compute", op: int | None = None) -> None:
+        """Run ``fn()`` on this stream after everything launched before it, for ``scope``.
+
+        ``category`` ("compute" or "comm") labels the NVTX range; ``op`` (a step-graph op
+        id) puts the op in the scope's trace when one is recorded."""
+        self._put((_OP, label, fn, category, op, scope))
+
+    def record(self, label: str = "", *, scope: CancelScope, event: Event | None = None
+               ) -> Event:
+        """An event that completes when the stream reaches this point. Pass ``event`` to
+        record into one made earlier (``Backend.new_event``), that other streams may already
+        have been told to wait for."""
+        ev = event if event is not None else self.backend.new_event(
+            label or f"d{self.device}/{self.name}")
+        self._put((_RECORD, ev, scope))
+        return ev
+
+    def wait_event(self, event: Event, *, scope: CancelScope) -> None:
+        """Later work on this stream waits until ``event`` completes (fails if it failed)."""
+        self._put((_WAIT, event, scope))
+
+    def _put(self, item: tuple[Any, ...]) -> None:
+        if self.lost is not None:
+            raise OverlapRuntimeError(self.lost)
+        if self._closed:
+            raise OverlapRuntimeError(f"device {self.device} stream {self.name!r} is closed")
+        self._queue.put(item)
+        if self._thread is None:
+            self._start()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._closed:
+                return
+            thread = threading.Thread(target=self._run, name=f"overlap-d{self.device}-"
+                                      f"{self.name}", daemon=True)
+            self._thread = thread
+            try:
+                thread.start()
+            except BaseException:
+                # Ctrl-C while start() waited for the thread to run: a thread that did not
+                # get going is forgotten, so that the next launch starts one (the queue
+                # keeps what was launched).
+                if not thread.is_alive():
+                    self._thread = None
+                raise
+
+    # ---- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        _local.stream = self
+        self.kind.attach(self)
+        while True:
+            item = self._queue.get()
+            if item is _STOP or self._thread is not me:
+                return  # closed, or abandoned while it was stuck: run nothing more
+            self._current = (item, time.perf_counter())
+            try:
+                self._do(item)
+            except BaseException:  # (a bug here must not end the thread silently)
+                log.exception("device %d stream %r: an item failed", self.device, self.name)
+            finally:
+                self._current = None
+
+    def _do(self, item: tuple[Any, ...]) -> None:
+        code, scope = item[0], item[-1]
+        if code == _RECORD:
+            ev: Event = item[1]
+            if scope.cancelled:
+                ev._complete(_failure(scope))
+                return
+            try:
+                self.kind.record(self, ev)
+            except BaseException as exc:
+                self._fail(scope, exc, f"record {ev.label}")
+                ev._complete(_failure(scope))
+                return
+            ev._complete()
+            return
+        if scope.cancelled:
+            return  # the call failed or was cancelled: the rest of its work is skipped
+        if code == _WAIT:
+            ev = item[1]
+            rng = range_start(f"wait {ev.label} (device {self.device})", "wait")
+            try:
+                ev.block(scope, f"device {self.device} stream {self.name!r} waiting for "
+                                f"{ev.label}")
+                self.kind.waited(self, ev)
+            except BaseException as exc:
+                if not scope.cancelled:
+                    self._fail(scope, exc, f"wait {ev.label}")
+            finally:
+                range_end(rng)
+            return
+        _, label, fn, category, op, _ = item
+        trace = scope.trace if op is not None else None
+        rng = range_start(label, category)
+        self.data_span = None
+        self.tracing = trace is not None
+        try:
+            start = self.kind.mark(self) if trace is not None else None
+            self.kind.run(self, fn)
+            if trace is not None:
+                # (A compute's own collectives set it too: its span stays the op's.)
+                span = self.data_span if category == "comm" else None
+                first, last = span or (start, self.kind.mark(self))
+                trace.records.append(TraceRecord(op, self.device, self.name, first, last))
+        except BaseException as exc:
+            self._fail(scope, exc, label)
+        finally:
+            range_end(rng)
+
+    def _fail(self, scope: CancelScope, exc: BaseException, what: str) -> None:
+        if self.lost is not None:
+            return  # abandoned: what the stuck op did at last concerns nobody now
+        if isinstance(exc, OverlapRuntimeError):
+            scope.fail(exc)
+            return
+        err = StreamError(f"device {self.device} stream {self.name!r}: {what} failed: "
+                          f"{type(exc).__name__}: {exc}", device=self.device, stream=self.name,
+                          op=what)
+        err.__cause__ = exc
+        scope.fail(err)
+
+    # ---- looking at it -------------------------------------------------------------------
+
+    def busy(self) -> Busy | None:
+        """What the thread is doing (None: nothing, or a record)."""
+        current = self._current
+        if current is not None:
+            item, since = current
+            if item[0] == _OP:
+                return Busy(self.device, self.name, item[1], item[4], item[3], since,
+                            scope=item[-1])
+            if item[0] == _WAIT:
+                return Busy(self.device, self.name, f"wait for {item[1].label}", None, "wait",
+                            since, waiting=True, scope=item[-1])
+            return None
+        if not self._queue.empty() and self._thread is not None:
+            # Queued work a live thread is about to take: draining, not stuck.
+            return Busy(self.device, self.name, "queued work", None, "queue",
+                        time.perf_counter(), waiting=True)
+        return None
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def abandon(self, reason: str) -> None:
+        """Leave the thread stuck in its op: it is a daemon (it cannot keep the process
+        alive), it runs nothing more when the op returns, and this stream refuses work."""
+        self.lost = reason
+        self._closed = True
+        with self._lock:
+            self._thread = None
+        self._queue.put(_STOP)
+
+    def close(self) -> threading.Thread | None:
+        """Stop the thread once its queue is done (work of a cancelled scope is skipped);
+        returns it, for the caller to join."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._queue.put(_STOP)
+        return thread
+
+
+def _failure(scope: CancelScope) -> BaseException:
+    """What an event of a cancelled scope completes with: its failure, as the waiters of a
+    failed stream see it."""
+    error = scope.error
+    if isinstance(error, OverlapRuntimeError):
+        return error
+    return scope.aborted("the call's work")
+
+
+__all__ = ["Busy", "Event", "Stream", "Trace", "TraceRecord", "current_stream"]
