@@ -21,10 +21,12 @@ What it does (each part logs to ``$OUT/gpu_check.log`` when ``OUT`` is set):
    loopback transfer through the backend between two virtual devices on the GPU — **target:
    transfers ≥ 80 % of the peak**;
 3. pack/unpack of a non-contiguous region (CuPy strided copies), GB/s;
-4. asyncio completion: how late the loop sees a 1 ms kernel end — the backend's waiter
-   threads (sleeping in ``synchronize()`` on blocking-sync events) vs polling ``Event.done``
-   with backoff (what it did before) vs a host callback (``Stream.launch_host_func`` waking
-   the loop), µs per awaited event, on uvloop;
+4. asyncio completion: how late the loop sees a 1 ms kernel end — the CUDA device kind's
+   completion waiters (its threads sleeping in ``synchronize()`` on blocking-sync events:
+   ``CudaDevices.device_wait``, what a call's wait for its lanes' ends runs) vs polling
+   ``Event.done`` with backoff (what it did before) vs a host callback
+   (``Stream.launch_host_func`` waking the loop), µs per awaited event, on the loop the
+   runtime's ``*_sync`` calls run on here (``overlap.runtime._new_loop``);
 5. a 4-stage pipeline on one GPU (4 virtual stages), compute made of one-thread kernels that
    run for a set time (so the four stages run side by side like four GPUs instead of
    competing for one's SMs), F = 16 × a microbatch's transfer (one memory carries all the
@@ -190,16 +192,20 @@ def bandwidth(cp) -> dict[str, float]:
             "call_us": fixed * 1e6, "gib": src.nbytes / 2**30}
 
 
-def completion_latency(cp) -> dict[str, float]:
+def completion_latency(cp) -> dict[str, Any]:
     """µs from the end of a ~1 ms kernel to the awaiting coroutine resuming (the wait's wall
-    time less the kernel's own, from CUDA events): the backend's waiter threads
-    (``CudaEvent.wait``) against polling ``Event.done`` with backoff (what it did before,
-    under uvloop's 1 ms timers) and a host callback (``Stream.launch_host_func``)."""
-    from overlap.backends.cuda import CudaEvent
-    from overlap.runtime import _new_loop  # uvloop, as the runtime's calls run on
+    time less the kernel's own, from CUDA events): the CUDA device kind's completion waiters
+    (``CudaDevices.device_wait`` on an event as a stream's record leaves it: what a call
+    awaits for its lanes' ends) against polling ``Event.done`` with backoff (what it did
+    before, under uvloop's 1 ms timers) and a host callback (``Stream.launch_host_func``).
+    Also names the loop they ran on (``loop``)."""
+    from overlap.backends import Event
+    from overlap.backends.cuda import CudaDevices
+    from overlap.runtime import _new_loop  # the loop the runtime's *_sync calls run on here
 
     spin = spinner(cp)
     stream = cp.cuda.Stream(non_blocking=True)
+    kind = CudaDevices(timeout=30.0)  # its own completion waiters, as a backend's
 
     def launch() -> tuple[Any, Any]:
         with stream:
@@ -212,10 +218,9 @@ def completion_latency(cp) -> dict[str, float]:
     async def waiter() -> tuple[float, Any, Any]:
         a, b = launch()
         t0 = time.perf_counter()
-        w = CudaEvent("latency")
-        w.cuda_event = b
-        w._complete()
-        await w.wait()
+        w = Event("latency")
+        w.native = b  # (what the kind's record leaves on a stream's event)
+        await kind.device_wait(w)
         return time.perf_counter() - t0, a, b
 
     async def poll() -> tuple[float, Any, Any]:
@@ -246,13 +251,17 @@ def completion_latency(cp) -> dict[str, float]:
             late.append(max(0.0, wall - cp.cuda.get_elapsed_time(a, b) / 1e3))
         return statistics.median(late)
 
-    result = {}
-    for name, fn in (("waiter", waiter), ("poll", poll), ("callback", callback)):
-        loop = _new_loop()
-        try:
-            result[name] = loop.run_until_complete(many(fn)) * 1e6
-        finally:
-            loop.close()
+    result: dict[str, Any] = {}
+    try:
+        for name, fn in (("waiter", waiter), ("poll", poll), ("callback", callback)):
+            loop = _new_loop()
+            result["loop"] = type(loop).__name__
+            try:
+                result[name] = loop.run_until_complete(many(fn)) * 1e6
+            finally:
+                loop.close()
+    finally:
+        kind.close([])  # (its idle waiter threads exit)
     return result
 
 
@@ -478,11 +487,12 @@ def main(argv: list[str] | None = None) -> int:
                      ""))
     lat = section(rows, "completion latency", lambda: completion_latency(cp), t0)
     if lat is not None:
-        best = min(lat, key=lat.get)
+        ways = ("waiter", "poll", "callback")
+        best = min(ways, key=lat.get)
         rows.append(("completion seen", f"waiter {lat['waiter']:.0f} µs, poll "
                      f"{lat['poll']:.0f} µs, host callback {lat['callback']:.0f} µs",
-                     f"after a 1 ms kernel ends, uvloop; the backend uses waiter threads; "
-                     f"fastest here: {best}"))
+                     f"after a 1 ms kernel ends, {lat['loop']}; the CUDA kind uses waiter "
+                     f"threads; fastest here: {best}"))
     pl = section(rows, "pipeline", lambda: pipeline(cp), t0)
     if pl is not None:
         eager_ratio = pl["eager"] / pl["signal"]

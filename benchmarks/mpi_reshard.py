@@ -21,10 +21,7 @@
    rows, replicated -> rows, columns -> rows, rows -> replicated; 4096 x 4096 float32.
    Ours runs twice, in turns: over host links (the default: Unix sockets between the ranks of
    a host) and with every byte over MPI (``OVERLAP_HOST_LINKS=0``; column "MPI data/raw").
-2. **Progress** (``--progress``): the same cases over MPI with the stream threads polling MPI
-   requests four ways — spinning, a fixed 50 µs sleep, 64 tests before backing off, and the
-   default exponential backoff (20 → 200 µs).
-3. **Host overhead**: a resharding call moving 16 bytes between two ranks (agreement, launch,
+2. **Host overhead**: a resharding call moving 16 bytes between two ranks (agreement, launch,
    transfer, await) — every rank calling at once (the four processes' CPU shares the two
    cores), and its two ranks alone (the others made their calls ahead and sleep; also
    awaited on an asyncio loop of the caller's own instead of ``reshard_sync``) — and per
@@ -34,8 +31,18 @@
    over MPI, next to a raw 16-byte ``MPI_Bcast`` between two
    ranks and a raw wake-up round trip (1 byte each way over a Unix socket, both ranks
    asleep in ``recv``); then, rank by rank, where the tiny call's CPU goes: each thread's
-   CPU and sleeps per call (event loop, link thread, streams; ``thread_profile.py``),
+   CPU and sleeps per call (event loop, progress engine, streams; ``thread_profile.py``),
    and the same for the many-transfer call.
+
+Dropped with the runtime's redesign: **Progress** (``--progress``), the same cases over MPI
+with the stream threads polling MPI requests four ways (spinning, a fixed 50 µs sleep, 64
+tests before backing off, the default exponential backoff). Stream threads no longer poll:
+the process's one progress engine (``overlap-engine-r<rank>``, ``overlap/backends/engine.py``)
+tests every pending MPI request, with its ``Backoff`` (default 20 → 200 µs), and wakes the
+stream thread blocked on it. ``Engine(name, poll)`` takes a ``Backoff``, but a runtime's
+engine is made inside ``make_backend`` with the default, and neither ``Runtime`` nor
+``make_backend`` takes one: no public way gives a runtime another policy, so the variants
+cannot be run (``--progress`` says so and runs the rest).
 """
 
 from __future__ import annotations
@@ -58,15 +65,12 @@ from suites import Case, paper_suite
 from thread_profile import role, thread_cpu
 
 from overlap import Runtime
-from overlap.backends.mpi import Backoff
 from overlap.world import Placement, detect_world
 from scheduler import Cluster, DeviceMesh, PlanOptions, Sharding, ShardingSpec, plan_resharding
 from scheduler.cli_common import machine_line
 
 TARGET_BYTES = 64 << 20
 REPS = 7
-POLLS = {"spin": Backoff(spin=1 << 30), "sleep 50us": Backoff(start=50e-6, cap=50e-6),
-         "spin 64 tests, then backoff": Backoff(spin=64), "backoff (default)": Backoff()}
 
 
 def scaled(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -125,10 +129,9 @@ def runtime(cluster: Cluster, world, placement, *, links: bool) -> Runtime:
         del os.environ["OVERLAP_HOST_LINKS"]
 
 
-def measure(rts: dict[str, Runtime], comm, case: Case, polls: dict[str, Backoff]) -> tuple:
-    """One case: ours over host links and over MPI with each progress variant in ``polls``
-    (reused ``out=`` buffers), ours with fresh buffers, the raw broadcast and the raw
-    broadcast plus copies, in turns."""
+def measure(rts: dict[str, Runtime], comm, case: Case) -> tuple:
+    """One case: ours over host links and over MPI (reused ``out=`` buffers), ours with
+    fresh buffers, the raw broadcast and the raw broadcast plus copies, in turns."""
     rt = rts["links"]
     placement, rank = rt.backend.placement, comm.Get_rank()
     cluster = rt.cluster
@@ -169,23 +172,19 @@ def measure(rts: dict[str, Runtime], comm, case: Case, polls: dict[str, Backoff]
             for d, reg in regions.items():
                 np.copyto(mine[d], b[tuple(slice(x, y) for x, y in reg)])
 
-    def ours_with(r, poll, p=plan, s=shards, o=out):
+    def ours_with(r, p=plan, s=shards, o=out):
         def call() -> None:
-            r.backend.dist.poll = poll
             r.reshard_sync(p, s, out=o)
         return call
 
     def fresh(p=plan, s=shards) -> None:
         rt.reshard_sync(p, s)
 
-    variants = {"links": ours_with(rt, Backoff())}
-    variants.update({f"MPI data, {name}": ours_with(rts["mpi"], poll)
-                     for name, poll in polls.items()})
-    variants.update(fresh=fresh, raw=raw_bcast, raw_copy=bcast_and_copy)
+    variants = {"links": ours_with(rt), "MPI data": ours_with(rts["mpi"]), "fresh": fresh,
+                "raw": raw_bcast, "raw_copy": bcast_and_copy}
     times = interleaved(variants, comm)
     if sub is not None:
         sub.Free()
-    rts["mpi"].backend.dist.poll = Backoff()
     del mine, buf, out
     raw, raw_copy = times.pop("raw"), times.pop("raw_copy")
     return (case.name, shape, nbytes, len(members), len(case.dst.mesh.device_ids), times, raw,
@@ -234,7 +233,7 @@ def table(say, rows: list[tuple]) -> None:
         ratios.append(raw / t)
         fresh.append(raw / ours["fresh"])
         fair.append(raw_copy / t)
-        mpi.append(raw / ours["MPI data, backoff (default)"])
+        mpi.append(raw / ours["MPI data"])
         say(f"{name:<16} {'x'.join(map(str, shape)):>13} {nbytes >> 20:>5} {nranks:>5} "
             f"{ndst:>7} {nbytes / t / 1e9:>9.2f} {nbytes / raw / 1e9:>8.2f} {raw / t:>8.2f} "
             f"{fresh[-1]:>9.2f} {fair[-1]:>17.2f} {mpi[-1]:>12.2f}")
@@ -278,13 +277,15 @@ def main() -> int:
     say(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; mpi4py "
         f"{__import__('mpi4py').__version__}; tensors scaled to <= {TARGET_BYTES >> 20} MiB; "
         f"medians of {REPS}")
-    polls = POLLS if "--progress" in sys.argv else {"backoff (default)": Backoff()}
+    if "--progress" in sys.argv:
+        say("--progress: no longer available (the progress engine polls MPI, with no public "
+            "way to give it another backoff; see the module doc)")
     rows, overhead = [], {}
     rts = {"links": runtime(cluster, world, placement, links=True),
            "mpi": runtime(cluster, world, placement, links=False)}
     with rts["links"], rts["mpi"]:
         for case in suite:
-            rows.append(measure(rts, comm, case, polls))
+            rows.append(measure(rts, comm, case))
         for name, rt in rts.items():
             overhead[name] = host_overhead(rt, cluster, placement)
         busy = busy_ranks(rts["links"], cluster)
@@ -300,19 +301,12 @@ def main() -> int:
                "mpi": runtime(cases[0].cluster, world, None, links=False)}
         with rts["links"], rts["mpi"]:
             for case in cases:
-                single.append(measure(rts, comm, case, {"backoff (default)": Backoff()}))
+                single.append(measure(rts, comm, case))
 
     say("\n1. the paper suite's layouts (5 hosts x 4 devices on 4 ranks)")
     table(say, rows)
     say(f"\n   one device per rank ({size} hosts x 1 device, the default placement)")
     table(say, single)
-    if len(polls) > 1 and rows:
-        say("\nprogress over MPI (wall time relative to the default backoff; geometric mean "
-            "over cases)")
-        for name in polls:
-            rel = statistics.geometric_mean(r[5][f"MPI data, {name}"]
-                                            / r[5]["MPI data, backoff (default)"] for r in rows)
-            say(f"  {name:<18} {rel:.2f}")
     say("\nhost overhead            host links   MPI data")
     per_call = {k: v[0] for k, v in overhead.items()}
     per_transfer = {k: v[1] for k, v in overhead.items()}

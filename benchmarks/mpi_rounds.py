@@ -1,18 +1,22 @@
-"""MPI benchmark (not a test): a call's rounds among three or four ranks, all-to-all or
-through a hub, in one run.
+"""MPI benchmark (not a test): a call's rounds among two to four ranks, all-to-all over host
+links.
 
     mpiexec -n 4 python benchmarks/mpi_rounds.py      # (started that way if run plainly)
 
-A multi-process call gathers its members' rows (the agreement: each member's digest, and
-whether its work had ended) over host links. Up to ``DIRECT_MEMBERS`` members send their
-row to every other member (one hop, m (m - 1) messages); more gather through one member, the
-hub (two hops, 2 (m - 1) messages). This script times calls of several shapes both ways, in
-turns (one of each per round, so the shared machine's load drifts over both alike): the
-hub is had by setting ``DIRECT_MEMBERS`` to 2 for the calls of that variant, on every rank.
+A multi-process call gathers its members' rows over host links, in two rounds (the
+agreement at admission: each member's digest and call number; the end of the call): every
+member sends its row to every other member (one hop, m (m - 1) messages a round;
+``overlap/backends/distributed.py``). This script times calls of several shapes.
 
 Each sample: every rank makes the calls between two barriers that sleep (a rank outside a
 call goes through its calls at once and sleeps); wall per call, the slowest rank's; medians
 of ``REPS`` rounds. Tensors are float64, 16 bytes a transfer, host h on rank h mod 4.
+
+Dropped with the runtime's redesign: the "hub" variant and the all-to-all / hub ratio. A
+round used to gather through one member (two hops, 2 (m - 1) messages) above
+``distributed.DIRECT_MEMBERS`` members, which the benchmark lowered to 2 to time the hub;
+the rounds are now all-to-all whenever host links join every member (else one
+``MPI_Iallgather``, or point to point over MPI), with no hub and no such knob.
 """
 
 from __future__ import annotations
@@ -30,14 +34,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 from mpi_reshard import as_mpi_job, barrier, rank0_print, ring_plan, runtime, send_recv_plan
 
-from overlap.backends import distributed
 from overlap.world import Placement, detect_world
 from scheduler import Cluster
 from scheduler.cli_common import machine_line
 
 REPS = 7
 CALLS = 300
-VARIANTS = {"hub": 2, "all-to-all": distributed.DIRECT_MEMBERS}
 
 
 def shapes(cluster: Cluster) -> dict[str, object]:
@@ -50,7 +52,7 @@ def shapes(cluster: Cluster) -> dict[str, object]:
             send_recv_plan(cluster, (16, 16), grid, ("host", "gpu"), grid, ("gpu", "host")),
         "4 members, one local copy, no data between ranks":
             send_recv_plan(cluster, (2,), [[0], [4], [8], [12]], (), [[5]], ()),
-        "2 members, one transfer (the same path both ways)":
+        "2 members, one transfer":
             send_recv_plan(cluster, (2,), [[0]], (), [[4]], ()),
     }
 
@@ -85,29 +87,21 @@ def run(world) -> int:
                                    cluster.num_devices, size)
     say(f"mpi_rounds: {size} ranks; {machine_line()}; {time.strftime('%Y-%m-%d %H:%M')}")
     say(f"calls of 16 B transfers over host links; {CALLS} calls a sample, medians of {REPS} "
-        "rounds, one of each variant per round")
-    times: dict[tuple[str, str], list[float]] = {}
+        "rounds")
+    times: dict[str, list[float]] = {}
     with runtime(cluster, world, placement, links=True) as rt:
         for name, plan in shapes(cluster).items():
             full = np.arange(float(np.prod(plan.shape))).reshape(plan.shape)
             shards = {d: full[tuple(slice(a, b) for a, b in r)].copy()
                       for d, r in plan.src.device_regions(plan.shape).items()
                       if rt.backend.is_local(d)}
-            for direct in VARIANTS.values():  # (warm-up: first use of each)
-                distributed.DIRECT_MEMBERS = direct
-                time_calls(rt, plan, shards, comm)
+            time_calls(rt, plan, shards, comm)  # (warm-up: first use)
             for _ in range(REPS):
-                for variant, direct in VARIANTS.items():
-                    distributed.DIRECT_MEMBERS = direct
-                    took = comm.allreduce(time_calls(rt, plan, shards, comm), op=MPI.MAX)
-                    times.setdefault((name, variant), []).append(took)
-    distributed.DIRECT_MEMBERS = VARIANTS["all-to-all"]
-    say(f"\n{'call':<52} {'hub':>9} {'all-to-all':>11} {'ratio':>6}")
+                took = comm.allreduce(time_calls(rt, plan, shards, comm), op=MPI.MAX)
+                times.setdefault(name, []).append(took)
+    say(f"\n{'call':<52} {'all-to-all':>11}")
     for name in shapes(cluster):
-        hub = statistics.median(times[(name, "hub")])
-        direct = statistics.median(times[(name, "all-to-all")])
-        say(f"{name:<52} {hub * 1e6:7.1f}us {direct * 1e6:9.1f}us {direct / hub:6.2f}")
-    say("ratio: all-to-all / hub (below 1: all-to-all faster)")
+        say(f"{name:<52} {statistics.median(times[name]) * 1e6:9.1f}us")
     return 0
 
 

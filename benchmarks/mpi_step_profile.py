@@ -2,26 +2,44 @@
 
 The toy pipeline of ``vs_torch_pipelining.py`` (4 stages of ``Linear(W, W) -> ReLU ->
 Linear(W, W)``, batch 256 in 8 microbatches, SGD), one stage per process under ``mpiexec -n
-4``, the CPU backend over MPI. Every rank measures its own side of each step:
+4``, the CPU backend across processes. Every rank measures its own side of each step:
 
 - **phases**: the call to its first op (graph from the cache, the call's agreement posted, the
   launch), its compute ops, its last op to the return (the drain, the agreement's end, the
   shared losses);
-- **CPU and wake-ups per step by thread**: compute streams, comm streams (the transfers'
-  MPI polling), the main thread (launch and optimizer), the event loop, the failure-notice
-  listener — read from ``/proc/self/task/*/schedstat`` (time on CPU, timeslices);
-- **each hop of each transfer** (``MpiBackend.hop_timings``): both sides posted → the
-  receiver saw the message land (its polling's delay included) → the op returned → the
-  compute that consumes it started (when its stream was idle);
+- **CPU and wake-ups per step by thread** (``thread_profile.py``'s roles): compute streams,
+  comm streams (a transfer's part, blocked on its sends and receives until the engine
+  completes them), the main thread (launch and optimizer), the event loop, the progress
+  engine (``overlap-engine-r<rank>``: every wait on the wire — host-link sockets, MPI
+  requests tested with backoff, the control messages' look) — read from
+  ``/proc/self/task/*/schedstat`` (time on CPU, timeslices);
+- **each hop of each transfer** (``rt.backend.remote.hop_timings``, the CPU data plane's
+  ``WireTransport``): both sides posted → the receiver saw the message land (the engine's
+  wake-up of its stream thread included) → the op returned → the compute that consumes it
+  started (when its stream was idle);
 - **raw MPI** between two ranks in the same job, for the boundary's message size: a blocking
-  ``Send``/``Recv`` ping-pong (MPICH spins) and ``Irecv`` + ``Test`` with the backend's
-  backoff (what a transfer does), as the floor a message sets.
+  ``Send``/``Recv`` ping-pong (MPICH spins) and ``Irecv`` + ``Test`` with the engine's
+  default backoff between tests (what the engine does for a request over MPI), as the floor
+  a message sets.
 
-Variants take turns step by step in the same job: the data between ranks over host links
-(``host links``, the default: Unix sockets, waits woken by the message) and over MPI
-(``MPI data``: requests polled), both with helpers (the producer's thread posts a send, the
-consumer's thread completes a receive); and over MPI with every transfer run by its comm
-stream's thread alone (``own threads``, the path before helpers).
+Span times come from ``rt.timeline()`` (seconds since the call's trace started); they are
+put on the ``perf_counter`` clock of the step's own marks and of the hop timings through
+the hops: a transfer op ends after its hop is done, so the trace started at the latest
+(hop done − its op's span end) — a few µs early (3–10 µs against the trace's own clock,
+checked once on this machine).
+
+Variants, one ``mpiexec`` job each: the data between ranks over host links (``host links``,
+``OVERLAP_HOST_LINKS=1``, the default: Unix sockets, the engine woken by the message) and
+over MPI (``MPI data``, ``OVERLAP_HOST_LINKS=0``: requests tested by the engine). (Before
+the redesign the variants took turns step by step in one job; in separate jobs the shared
+machine's drift between them is not evened out.)
+
+Dropped with the runtime's redesign: the variant ``own threads`` (over MPI, every transfer
+run by its comm stream's thread alone, against "helpers": the producer's thread posting a
+send, the consumer's completing a receive) — helpers are gone and no thread polls on its
+own: a transfer's part runs on its comm stream's thread, blocked until the process's one
+progress engine completes its sends and receives. And "polls per receive" among the hop
+figures: the engine tests every pending request in one loop; no count per receive is kept.
 
     python benchmarks/mpi_step_profile.py [--widths 64 1024] [--steps 8]
 """
@@ -48,19 +66,29 @@ from vs_torch_pipelining import STAGES, _mpiexec, make_batches, make_stages
 from scheduler.cli_common import machine_line
 
 MICROBATCHES, BATCH = 8, 256
-# How the bytes move — host links or MPI — and who runs a transfer: any thread that needs it
-# (the producer posts a send, the consumer sees a receive land: ``CpuBackend.helping``, the
-# default) or only its comm stream's own thread (before: three thread hand-offs per hop).
-VARIANTS = ("host links", "MPI data", "own threads")
+# How the bytes between ranks move (one job each): variant -> OVERLAP_HOST_LINKS.
+VARIANTS = {"host links": "1", "MPI data": "0"}
 
 
 # ---- the worker (one per rank, under mpiexec) --------------------------------------------
 
 
+def trace_origin(spans, hops) -> float:
+    """The ``perf_counter`` time the step's trace started (its spans are seconds after it):
+    every transfer op ends after its hop is done (a hop's ``tag`` is its op id), so the
+    latest ``done - end`` over this rank's hops — a few µs early at most. NaN without hops."""
+    ends: dict[int, float] = {}
+    for x in spans:
+        if x.stream != "compute":
+            ends[x.op] = max(ends.get(x.op, float("-inf")), x.end)
+    gaps = [h.done - ends[h.tag] for h in hops if h.tag in ends]
+    return max(gaps) if gaps else float("nan")
+
+
 def step_record(rt, t_call: float, t_ret: float, hops) -> dict:
     tl = rt.timeline()
-    t0 = rt.backend._trace_t0  # span times are seconds after this perf_counter mark
     spans = sorted(tl.spans, key=lambda s: s.start)
+    t0 = trace_origin(spans, hops)  # span times are seconds after this perf_counter mark
     compute = [s for s in spans if s.stream == "compute"]
     # A received transfer's consumer: F of the next stage (fwd), the backward of the
     # previous one (bwd); the gap counts only when the compute stream was idle meanwhile.
@@ -94,7 +122,8 @@ def step_record(rt, t_call: float, t_ret: float, hops) -> dict:
 
 
 def raw_pingpong(comm, nbytes: int, rounds: int, poll) -> dict[str, float]:
-    """Ranks 0 and 1: one-way time of an ``nbytes`` message, blocking and polled."""
+    """Ranks 0 and 1: one-way time of an ``nbytes`` message, blocking and polled (``poll``:
+    a ``Backoff``, slept between tests as the engine sleeps between its looks)."""
     import numpy as np
     from mpi4py import MPI
 
@@ -117,7 +146,9 @@ def raw_pingpong(comm, nbytes: int, rounds: int, poll) -> dict[str, float]:
                 else:
                     req, attempt = comm.Irecv(buf, peer, 7), 0
                     while not req.Test():
-                        poll.pause(attempt)
+                        pause = poll.delay(attempt)
+                        if pause:
+                            time.sleep(pause)
                         attempt += 1
             if k >= 3:
                 times.append((time.perf_counter() - t0) / 2)
@@ -127,11 +158,14 @@ def raw_pingpong(comm, nbytes: int, rounds: int, poll) -> dict[str, float]:
 
 
 def worker(cfg: dict, out: str) -> None:
+    """One variant's job (its ``OVERLAP_HOST_LINKS`` set by :func:`main`); rank 0 writes
+    every rank's result to ``out``."""
     import torch
     from mpi4py import MPI
     from torch import nn
 
     import overlap
+    from overlap.backends.engine import Backoff
     from overlap.torch import TorchPipeline
     from scheduler import Cluster
 
@@ -143,20 +177,15 @@ def worker(cfg: dict, out: str) -> None:
     pipe = TorchPipeline(make_stages(cfg["width"]), meshes, nn.functional.mse_loss)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
     steps, warmup = cfg["steps"], cfg["warmup"]
-    # Variants take turns, step by step, so the shared machine's drift hits both alike.
-    records: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
-    wakes: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
-    span = dict.fromkeys(VARIANTS, 0.0)
-    batches = make_batches(warmup + steps * len(VARIANTS), BATCH, cfg["width"])
+    records: list[dict] = []
+    cpu: dict[str, float] = {}
+    wakes: dict[str, float] = {}
+    span = 0.0
+    batches = make_batches(warmup + steps, BATCH, cfg["width"])
     with overlap.Runtime(cluster) as rt:
-        backend = rt.backend
-        links = backend.links
+        remote = rt.backend.remote  # the data plane across ranks (a WireTransport)
         for k, (x, y) in enumerate(batches):
-            variant = VARIANTS[k % len(VARIANTS)]
-            backend.helping = variant != "own threads"
-            backend.links = links if variant == "host links" else None
-            backend.hop_timings = []
+            remote.hop_timings = []
             cpu0, c0 = thread_cpu(), time.perf_counter()
             opt.zero_grad()
             t_call = time.perf_counter()
@@ -166,21 +195,19 @@ def worker(cfg: dict, out: str) -> None:
             cpu1, c1 = thread_cpu(), time.perf_counter()
             if k < warmup:
                 continue
-            records[variant].append(step_record(rt, t_call, t_ret, backend.hop_timings))
-            span[variant] += (c1 - c0) / steps
+            records.append(step_record(rt, t_call, t_ret, remote.hop_timings))
+            span += (c1 - c0) / steps
             for name, (secs, runs, _) in cpu1.items():
                 r = role(name)
                 was, ran, _ = cpu0.get(name, (0.0, 0, 0))
-                cpu[variant][r] = cpu[variant].get(r, 0.0) + (secs - was) / steps
-                wakes[variant][r] = wakes[variant].get(r, 0.0) + (runs - ran) / steps
-        backend.helping = True
-        backend.links = links
-        backend.hop_timings = None
+                cpu[r] = cpu.get(r, 0.0) + (secs - was) / steps
+                wakes[r] = wakes.get(r, 0.0) + (runs - ran) / steps
+        remote.hop_timings = None
         nbytes = BATCH // MICROBATCHES * cfg["width"] * 4
-        raw = raw_pingpong(backend.dist.comm, nbytes, 50, backend.dist.poll)
+        # (the engine's own: make_backend gives every engine the default backoff)
+        raw = raw_pingpong(rt.backend.dist.comm, nbytes, 50, Backoff())
     result = {"rank": rank, "records": records, "cpu": cpu, "wakes": wakes, "span": span,
-              "raw": raw,
-              "nbytes": nbytes}
+              "raw": raw, "nbytes": nbytes, "linked": remote.links is not None}
     gathered = comm.gather(result, root=0)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
@@ -200,17 +227,16 @@ def p90(values: list[float]) -> float:
 def hop_latencies(ranks: list[dict]) -> dict[str, list[float]]:
     """Match each receive to its send (same tag, same pair of ranks, same step)."""
     out: dict[str, list[float]] = {"both posted -> landed seen": [], "receive posted early by": [],
-                                   "landed seen -> op returned": [], "sender: posted -> done": [],
-                                   "polls per receive": []}
+                                   "landed seen -> op returned": [], "sender: posted -> done": []}
     steps = len(ranks[0]["records"])
     for k in range(steps):
         sends: dict[tuple[int, int, int], list] = {}
         for r in ranks:
-            for tag, prev, nxt, _, posted, _, done, _ in r["records"][k]["hops"]:
+            for tag, prev, nxt, _, posted, _, done in r["records"][k]["hops"]:
                 if prev is None and nxt is not None:
                     sends[(tag, r["rank"], nxt)] = [posted, done]
         for r in ranks:
-            for tag, prev, _, _, posted, landed, done, polls in r["records"][k]["hops"]:
+            for tag, prev, _, _, posted, landed, done in r["records"][k]["hops"]:
                 if prev is None or (tag, prev, r["rank"]) not in sends:
                     continue
                 s_posted, s_done = sends[(tag, prev, r["rank"])]
@@ -218,30 +244,30 @@ def hop_latencies(ranks: list[dict]) -> dict[str, list[float]]:
                 out["receive posted early by"].append(max(0.0, s_posted - posted))
                 out["landed seen -> op returned"].append(done - landed)
                 out["sender: posted -> done"].append(s_done - s_posted)
-                out["polls per receive"].append(polls)
     return out
 
 
-def report(width: int, ranks: list[dict]) -> str:
+def report(width: int, runs: dict[str, list[dict]]) -> str:
+    """``runs``: variant -> every rank's result of that variant's job."""
     out, steps = [], {}
-    for v in VARIANTS:
-        view = [{**r, "records": r["records"][v], "cpu": r["cpu"][v], "span": r["span"][v],
-                 "wakes": r["wakes"][v]} for r in ranks]
-        out.append(variant_report(f"width {width}, {v}", view))
-        steps[v] = (med([x["wall"] for x in view[0]["records"]]),
-                    sum(sum(r["cpu"].values()) for r in view))
-    a_step, a_cpu = steps[VARIANTS[0]]
-    for v in VARIANTS[1:]:
+    for v, ranks in runs.items():
+        out.append(variant_report(f"width {width}, {v}", ranks))
+        steps[v] = (med([x["wall"] for x in ranks[0]["records"]]),
+                    sum(sum(r["cpu"].values()) for r in ranks))
+    first, *others = runs
+    a_step, a_cpu = steps[first]
+    for v in others:
         b_step, b_cpu = steps[v]
-        out.append(f"{VARIANTS[0]} / {v}, same run: rank 0's step {a_step / b_step:.3f}, "
+        out.append(f"{first} / {v}, separate jobs: rank 0's step {a_step / b_step:.3f}, "
                    f"CPU of all ranks {a_cpu / b_cpu:.3f}")
     return "\n".join(out)
 
 
 def variant_report(title: str, ranks: list[dict]) -> str:
     ms = 1e3
+    data = "over host links" if all(r["linked"] for r in ranks) else "over MPI"
     lines = [f"== {title}: 4 ranks, 1f1b, {MICROBATCHES} microbatches, "
-             f"{len(ranks[0]['records'])} steps (medians) =="]
+             f"{len(ranks[0]['records'])} steps (medians), data between ranks {data} =="]
     lines.append(f"{'rank':<6}{'step ms':>9}{'to 1st op':>11}{'compute':>9}{'after last':>12}"
                  f"{'CPU ms/step':>13}")
     for r in ranks:
@@ -264,10 +290,10 @@ def variant_report(title: str, ranks: list[dict]) -> str:
         lines.append(f"  {k:<26}{sum(per):>7.1f} ms  (per rank: "
                      f"{', '.join(f'{v:.1f}' for v in per)}), {runs:.0f} wake-ups")
     lat = hop_latencies(ranks)
-    lines.append(f"per transfer hop ({len(lat['polls per receive'])} matched), median / p90:")
+    lines.append(f"per transfer hop ({len(lat['sender: posted -> done'])} matched), median / "
+                 "p90:")
     for k, v in lat.items():
-        unit, scale = ("", 1) if k.startswith("polls") else (" µs", 1e6)
-        lines.append(f"  {k:<30}{med(v) * scale:>8.0f} / {p90(v) * scale:<8.0f}{unit}")
+        lines.append(f"  {k:<30}{med(v) * 1e6:>8.0f} / {p90(v) * 1e6:<8.0f} µs")
     sent = [h for r in ranks for x in r["records"] for h in x["launch"]]
     lines.append(f"  {'producer ends -> send op runs':<30}{med(sent) * 1e6:>8.0f} / "
                  f"{p90(sent) * 1e6:<8.0f} µs")
@@ -276,8 +302,8 @@ def variant_report(title: str, ranks: list[dict]) -> str:
                  f"{p90(hand) * 1e6:<8.0f} µs   (its compute stream idle meanwhile)")
     raw = ranks[0]["raw"]
     lines.append(f"raw MPI, {ranks[0]['nbytes']} B one way (ranks 0-1, same job): blocking "
-                 f"{raw['blocking'] * 1e6:.0f} µs (spins), Irecv + Test with the backoff "
-                 f"{raw['polled'] * 1e6:.0f} µs")
+                 f"{raw['blocking'] * 1e6:.0f} µs (spins), Irecv + Test with the engine's "
+                 f"backoff {raw['polled'] * 1e6:.0f} µs")
     return "\n".join(lines)
 
 
@@ -300,13 +326,21 @@ def main() -> int:
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
     for width in args.widths:
         cfg = {"width": width, "steps": args.steps, "warmup": args.warmup}
-        with tempfile.TemporaryDirectory() as tmp:
-            out = str(Path(tmp) / "profile.json")
-            subprocess.run([mpiexec, "-n", str(STAGES), sys.executable, __file__, "--worker",
-                            json.dumps(cfg), out], env=env, check=True, timeout=900,
-                           capture_output=True)
-            print(report(width, json.loads(Path(out).read_text())))
-            print()
+        runs = {}
+        for variant, links in VARIANTS.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                out = str(Path(tmp) / "profile.json")
+                job = subprocess.run([mpiexec, "-n", str(STAGES), sys.executable, __file__,
+                                      "--worker", json.dumps(cfg), out],
+                                     env={**env, "OVERLAP_HOST_LINKS": links}, timeout=900,
+                                     capture_output=True, text=True)
+                if job.returncode != 0:
+                    print(f"width {width}, {variant}: the job failed ({job.returncode}):\n"
+                          f"{job.stderr[-4000:]}")
+                    return 1
+                runs[variant] = json.loads(Path(out).read_text())
+        print(report(width, runs))
+        print()
     return 0
 
 

@@ -1,8 +1,9 @@
 """Runtime benchmark (not a test): host overhead per op, and the toy pipeline under emulation.
 
 1. Host overhead per launched op: no-op operations launched on streams and awaited from
-   asyncio, under uvloop and stock asyncio (raw stream ops, and whole no-op training steps
-   divided by the number of operations they run).
+   asyncio, under uvloop and stock asyncio (raw stream ops — each launch carrying a
+   ``CancelScope``, as every launch does — and whole no-op training steps divided by the
+   number of operations they run).
 2. The toy pipeline (examples/toy.py) with p3.8xlarge links emulated and device time emulated
    at 2 × a microbatch's slowest transfer: measured step time for signal (latency-only links),
    1f1b and eager-1f1b — and the simulator's prediction for the very graph that ran
@@ -35,7 +36,8 @@ from toy import ToyMLP
 
 from overlap import Runtime, Stage, pipeline
 from overlap import runtime as pipeline_runtime
-from overlap.backends.cpu import CpuBackend
+from overlap.backends import make_backend
+from overlap.scope import CancelScope
 from scheduler import (
     Boundary,
     Cluster,
@@ -55,15 +57,16 @@ from scheduler.cli_common import machine_line
 
 async def raw_ops(n: int, streams: int) -> float:
     """Seconds per no-op op: launch n ops over `streams` streams, await the last events."""
-    backend = CpuBackend(streams)
+    backend = make_backend("cpu", streams)
+    scope = CancelScope("raw stream ops")  # (every launch runs for a call's scope)
     try:
         for d in range(streams):  # start the threads outside the timing
-            await backend.stream(d).record().wait()
+            await backend.stream(d).record(scope=scope).wait()
         t0 = time.perf_counter()
         for i in range(n):
-            backend.stream(i % streams).launch("noop", lambda: None)
+            backend.stream(i % streams).launch("noop", lambda: None, scope=scope)
         for d in range(streams):
-            await backend.stream(d).record().wait()
+            await backend.stream(d).record(scope=scope).wait()
         return (time.perf_counter() - t0) / n
     finally:
         backend.close()

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from scheduler import Compute, StepGraph
 
@@ -294,11 +294,10 @@ class Call:
                 with lock:
                     state[0] = False
                 scope.remove(handle)
-        if scope.cancelled:
-            raise scope.error  # type: ignore[misc]
-        failed = next((ev.error for ev in ends if ev.error is not None), None)
-        if failed is not None:
-            raise failed
+        # (Not the failures themselves: the root cause, chosen from them on the way out, is
+        # the one raised.)
+        if scope.cancelled or any(ev.error is not None for ev in ends):
+            raise CollectiveAborted(f"{self.what}: its work failed")
         pending = [ev for ev in ends if not ev.done()]
         if pending:  # launched, not yet done on the device (CUDA)
             tasks = {asyncio.ensure_future(ev.wait()) for ev in pending}
@@ -353,7 +352,11 @@ class Call:
             if mismatch is not None:
                 root = mismatch
             rounds.abandon()
-            if isinstance(root, (CollectiveTimeout, CollectiveAborted)):
+            # A timeout that named ranks not at work is explained already (no report will
+            # come from them); one among this rank's own devices, or an abort, may be a
+            # stage's hang here or a peer's report that is about to arrive.
+            if isinstance(root, CollectiveAborted) or (
+                    isinstance(root, CollectiveTimeout) and not root.ranks):
                 root = await self._peer_explanation(root)
         stuck = await asyncio.to_thread(backend.settle,
                                         lambda b: backend.stop_bound(b, start))

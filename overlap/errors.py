@@ -18,14 +18,19 @@ class StreamError(OverlapRuntimeError):
 
 
 class CollectiveTimeout(OverlapRuntimeError):
-    """A collective waited longer than the timeout: some participants never arrived."""
+    """A collective waited longer than the timeout: some participants never arrived.
+
+    ``missing``: the devices that never came; ``ranks``: across processes, the ranks the
+    wait was for that, asked, said they were not at work in this call (behind it, done with
+    it, past it) or did not answer — empty for a wait among this process's devices."""
 
     def __init__(self, message: str, *, op: str, devices: tuple[int, ...],
-                 missing: tuple[int, ...]) -> None:
+                 missing: tuple[int, ...], ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.op = op
         self.devices = devices
         self.missing = missing
+        self.ranks = ranks
 
 
 class CollectiveMismatch(OverlapRuntimeError):

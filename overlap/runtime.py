@@ -368,7 +368,7 @@ class Runtime:
 
     async def reshard(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray], *,
                       out: Mapping[int, np.ndarray] | None = None,
-                      stream: str = "comm") -> dict[int, np.ndarray]:
+                      stream: str = "comm", trace: bool = False) -> dict[int, np.ndarray]:
         """Move a tensor from ``plan.src`` to ``plan.dst`` layout.
 
         ``shards[d]`` is source device d's region of the tensor (every source device, its
@@ -376,6 +376,8 @@ class Runtime:
         destination device -> its region: new arrays, or the arrays of ``out`` (destination
         device -> an array of its region's shape and the plan's dtype, not overlapping any
         shard), which a loop that reshards every step passes to skip allocating them.
+        ``trace``: record when each transfer ran (:meth:`timeline` then shows this call; off
+        by default — on a GPU every op then records two timed CUDA events).
         """
         self._check_open()
         if not isinstance(plan, ReshardPlan):
@@ -409,13 +411,14 @@ class Runtime:
             return launch_reshard(backend, plan, shards, outs, graph, routes, (src, regions),
                                   scope=scope, tag_base=base)
 
-        trace = self.backend.start_trace()
+        recorded = self.backend.start_trace() if trace else None
         try:
             await self._call("reshard", graph, go, subject="the plan",
                              channels=(reshard_channels(graph, plan), []), digest=digest,
-                             members=members, trace=trace)
+                             members=members, trace=recorded)
         finally:
-            self._last_trace = (trace, graph)
+            if recorded is not None:
+                self._last_trace = (recorded, graph)
         # Devices that got nothing: empty regions. In a multi-process job, this process's.
         return {d: outs[d] for d in regions if self.backend.is_local(d)}
 
@@ -425,9 +428,10 @@ class Runtime:
         return graph, resolve(self.backend, graph, lambda op: f"#{op.id}")
 
     def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray], *,
-                     out: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+                     out: Mapping[int, np.ndarray] | None = None,
+                     trace: bool = False) -> dict[int, np.ndarray]:
         """:meth:`reshard` for synchronous callers (not from inside a running event loop)."""
-        return self.run_sync(self.reshard(plan, shards, out=out), "reshard_sync")
+        return self.run_sync(self.reshard(plan, shards, out=out, trace=trace), "reshard_sync")
 
     def run_sync(self, coro: Coroutine[Any, Any, T], what: str = "run_sync") -> T:
         """Run ``coro`` (a call of this runtime's async API, or code awaiting one) on the event
@@ -622,10 +626,11 @@ class Runtime:
         return table
 
     def timeline(self) -> Timeline:
-        """What the last call — a :meth:`train_step`, or a :meth:`reshard` — ran where and
-        when (measured), as a Timeline: the simulator's type, with the same op ids, so
-        measured and simulated steps share metrics and traces and compare op by op. In a
-        multi-process job: this process's devices (each process writes its own trace)."""
+        """What the last traced call — a :meth:`train_step`, or a :meth:`reshard` with
+        ``trace=True`` — ran where and when (measured), as a Timeline: the simulator's type,
+        with the same op ids, so measured and simulated steps share metrics and traces and
+        compare op by op. In a multi-process job: this process's devices (each process
+        writes its own trace)."""
         if self._last_trace is None:
             raise OverlapRuntimeError("timeline: no train_step (or reshard) has run yet")
         return self._timeline(*self._last_trace)
@@ -665,8 +670,9 @@ class Runtime:
 
     # ---- calls ---------------------------------------------------------------------------
 
-    async def _call(self, what: str, graph: StepGraph, launch: Callable[[CancelScope], Any], *,
-                    channels: Any, subject: str = "", digest: bytes = b"", members: tuple[int, ...] | None = None,
+    async def _call(self, what: str, graph: StepGraph, launch: Callable[[CancelScope], Any],
+                    *, channels: Any, subject: str = "", digest: bytes = b"",
+                    members: tuple[int, ...] | None = None,
                     payload: Callable[[], bytes] | None = None, trace: Trace | None = None
                     ) -> Any:
         """Run one call as a scope (:class:`~overlap.call.Call`), one at a time, recording

@@ -15,6 +15,7 @@ child's failure stays in the child (a failed call leaves a one-process runtime u
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -36,10 +37,8 @@ class Waiter:
     def wake(self, *_: Any) -> None:
         """Wake the blocked thread (or let its next :meth:`block` return at once). Any thread,
         any number of times."""
-        try:
+        with contextlib.suppress(RuntimeError):  # (woken already)
             self._lock.release()
-        except RuntimeError:  # woken already
-            pass
 
     def block(self, timeout: float | None = None) -> bool:
         """Until woken (True), or ``timeout`` seconds (False)."""

@@ -105,13 +105,19 @@ def _no_leaked_stream_threads():
 @pytest.fixture
 def pair():
     """Two ranks' host links in one process (``HostLinks`` 0 and 1, joined by a socket
-    pair), closed after the test."""
+    pair), each read by its own progress engine (as two processes' are: a test may hold one
+    rank's engine without stopping the other's). Links and engines are closed after the
+    test."""
     import socket
 
+    from overlap.backends.engine import Engine
     from overlap.backends.host_links import HostLinks
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    links = HostLinks(0, {1: a}), HostLinks(1, {0: b})
+    engines = Engine("overlap-engine-r0"), Engine("overlap-engine-r1")
+    links = HostLinks(0, {1: a}, engines[0]), HostLinks(1, {0: b}, engines[1])
     yield links
     for lk in links:
         lk.close()
+    for engine in engines:
+        engine.close()

@@ -437,6 +437,10 @@ class NcclCommunicator:
                   op: int, stream: int) -> None:
         self._use("allReduce", op)
 
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
+                  stream: int) -> None:
+        self._use("allGather")
+
     def abort(self) -> None:
         self.aborted = True
         nccl_calls.append(("abort", self._rank))

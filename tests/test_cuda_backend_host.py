@@ -1,13 +1,19 @@
-"""The CUDA backend's host logic, run on a numpy stand-in for CuPy (tests/fake_cupy.py).
+"""The CUDA device kind's host logic, run on a numpy stand-in for CuPy (tests/fake_cupy.py).
 
 Real GPUs run tests/test_cuda_backend.py (via benchmarks/gpu_check.py); this file runs
-everywhere and checks that the backend's threads, event hooks (a stream only waits on events
-already recorded), loopback collectives and trace marks compute the right results.
+everywhere and checks that the kind's hooks on the backend's streams (a stream only waits on
+events already recorded), its loopback collectives, NCCL groups and trace marks compute the
+right results. What it observes it sees through the runtime's and the backend's public API,
+the device-kind protocol (``CudaDevices``: ``waited``, ``joined``, ``device_wait``,
+``waiters``, the transport's ``broadcast``) and the stand-in's own records (``fake_cupy``:
+``launches``, ``waits``, ``nccl_calls``, ``concurrent_issue``, ``pool_releases``, ...).
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +23,11 @@ import pytest
 from toy import ToyMLP, reference_step
 
 from overlap import Runtime, StreamError
-from overlap.errors import DeviceFault, DeviceTimeout
+from overlap.backends import Backend, Event, make_backend
+from overlap.backends.streams import current_stream
+from overlap.errors import CollectiveAborted, DeviceFault, DeviceTimeout
+from overlap.scope import CancelScope
+from overlap.world import Placement
 from scheduler import (
     SCHEDULES,
     STRATEGIES,
@@ -55,6 +65,14 @@ def fake_gpu(monkeypatch):
     fake_cupy.concurrent_issue.clear()
 
 
+@pytest.fixture
+def scope():
+    """The scope of a test's work on a backend (a call's, at the backend level)."""
+    s = CancelScope("test")
+    yield s
+    s.cancel(CollectiveAborted("test teardown"))  # a test that failed mid-collective ends
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_reshard_through_the_cuda_backend(strategy):
     cluster = Cluster.preset("p3.8xlarge", 3)
@@ -79,14 +97,14 @@ def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
     from overlap.backends import cuda
 
     device_waits = []
-    real_wait = cuda.CudaStream._wait_for
+    real_waited = cuda.CudaDevices.waited
 
-    def counting_wait(self, event):
-        real_wait(self, event)
-        if getattr(event, "cuda_event", None) is not None:
+    def counting_waited(self, stream, event):  # (the kind's hook after a stream's host wait)
+        real_waited(self, stream, event)
+        if event.native is not None:
             device_waits.append(event.label)
 
-    monkeypatch.setattr(cuda.CudaStream, "_wait_for", counting_wait)
+    monkeypatch.setattr(cuda.CudaDevices, "waited", counting_waited)
     cluster = Cluster.preset("p3.8xlarge", 4)
     model = on_device(ToyMLP.build(cluster, hidden=8, batch=4))
     mbs = [np.random.default_rng(i).standard_normal((4, 8)) for i in range(3)]
@@ -194,6 +212,8 @@ def test_host_waits_sleep_on_blocking_events_and_close_returns_the_pool(monkeypa
     real = fake_cupy.Event.synchronize
     monkeypatch.setattr(fake_cupy.Event, "synchronize",
                         lambda self: (waited.append(self.block), real(self))[1])
+    # The lanes' ends complete well after the call got to them: the call waits on the host.
+    monkeypatch.setattr(fake_cupy, "EVENT_LATENCY_S", 0.05)
     fake_cupy.pool_releases.clear()
     cluster = Cluster.preset("p3.8xlarge", 2)
     src, dst = Sharding(cluster.mesh([0]), P()), Sharding(cluster.mesh([1]), P())
@@ -201,39 +221,47 @@ def test_host_waits_sleep_on_blocking_events_and_close_returns_the_pool(monkeypa
     with Runtime(cluster, backend="cuda") as rt:
         out = rt.reshard_sync(plan, {d: fake_cupy.arange(4, dtype=np.float32)
                                      for d in src.mesh.device_ids})
-        ptrs = {(s.gpu, s.cuda_stream.ptr) for s in rt.backend.streams()
-                if s.cuda_stream is not None}
+        ptrs = {(rt.backend.physical(s.device), s.native.ptr) for s in rt.backend.streams()
+                if s.native is not None}
         assert fake_cupy.pool_releases == []
     assert waited and all(waited)
     assert ptrs and ptrs <= set(fake_cupy.pool_releases)
     assert list(fake_cupy.asnumpy(out[dst.mesh.device_ids[0]])) == [0, 1, 2, 3]
 
 
-def two_gpus(monkeypatch):
+def two_gpus(monkeypatch) -> Backend:
+    """A CUDA backend of two devices, each on a GPU of its own: NCCL between them."""
     monkeypatch.setattr(fake_cupy, "DEVICES", 2)
-    from overlap.backends.cuda import CudaBackend
-
-    return CudaBackend(2, timeout=5.0)
+    return make_backend("cuda", 2, timeout=5.0)
 
 
-def run_on(backend, fn):
-    events = []
-    for d in (0, 1):
-        s = backend.stream(d, "compute")
-        s.launch(f"op {d}", lambda d=d: fn(d))
-        events.append(s.record())
+def settled(events: list[Event], timeout: float = 10.0) -> list[BaseException | None]:
+    """Block until every event is launched (fail the test past ``timeout``); their errors."""
     for ev in events:
-        ev._done.wait(5.0)
+        flag = threading.Event()
+        ev.add_done_callback(lambda _, flag=flag: flag.set())
+        assert flag.wait(timeout), f"{ev!r} did not complete within {timeout:g} s"
     return [ev.error for ev in events]
+
+
+def run_on(backend: Backend, scope: CancelScope, fn, devices=(0, 1)):
+    """``fn(d)`` as an op on each device's compute stream, for ``scope``; each stream's
+    error once it got through (a failure cancels the scope: its later events fail too)."""
+    events = []
+    for d in devices:
+        s = backend.stream(d, "compute")
+        s.launch(f"op {d}", lambda d=d: fn(d), scope=scope)
+        events.append(s.record(scope=scope))
+    return settled(events)
 
 
 @pytest.mark.parametrize("op, code", [(np.add, 0), (np.multiply, 1), (np.maximum, 2),
                                       (np.minimum, 3)])
-def test_nccl_all_reduce_reduces_with_the_op_asked_for(monkeypatch, op, code):
+def test_nccl_all_reduce_reduces_with_the_op_asked_for(monkeypatch, scope, op, code):
     backend = two_gpus(monkeypatch)
     try:
-        errors = run_on(backend, lambda d: backend.all_reduce(
-            (0, 1), d, fake_cupy.ones(3), "t", op=op, namespace="g"))
+        errors = run_on(backend, scope, lambda d: backend.all_reduce(
+            (0, 1), d, fake_cupy.ones(3), "t", op=op, namespace="g", scope=scope))
     finally:
         backend.close()
     assert errors == [None, None]
@@ -241,36 +269,103 @@ def test_nccl_all_reduce_reduces_with_the_op_asked_for(monkeypatch, op, code):
         ("allReduce", 0, code), ("allReduce", 1, code)]
 
 
-def test_nccl_all_reduce_refuses_an_op_nccl_lacks(monkeypatch):
+def test_nccl_all_reduce_refuses_an_op_nccl_lacks(monkeypatch, scope):
     backend = two_gpus(monkeypatch)
     try:
-        errors = run_on(backend, lambda d: backend.all_reduce(
-            (0, 1), d, fake_cupy.ones(3), "t", op=np.subtract, namespace="g"))
+        start = time.perf_counter()
+        errors = run_on(backend, scope, lambda d: backend.all_reduce(
+            (0, 1), d, fake_cupy.ones(3), "t", op=np.subtract, namespace="g", scope=scope))
+        # (refused before the rendezvous: no participant waits for the other's timeout)
+        assert time.perf_counter() - start < backend.timeout
     finally:
         backend.close()
     assert all(isinstance(e, StreamError) and "op: NCCL reduces with" in str(e) for e in errors)
+    assert isinstance(scope.failures[0], StreamError)
+    assert "op: NCCL reduces with" in str(scope.failures[0])
+    assert [c for c in fake_cupy.nccl_calls if c[0] == "allReduce"] == []
 
 
-def test_a_failed_nccl_send_still_ends_its_group_and_abort_aborts_communicators(monkeypatch):
+def aborts() -> list[tuple]:
+    return sorted(c for c in fake_cupy.nccl_calls if c[0] == "abort")
+
+
+def test_a_failed_nccl_send_still_ends_its_group_and_aborts_the_communicators(monkeypatch,
+                                                                             scope):
     backend = two_gpus(monkeypatch)
     monkeypatch.setattr(fake_cupy.NcclCommunicator, "fail_sends", True)
     try:
-        errors = run_on(backend, lambda d: backend.broadcast(
-            (0, 1), d, 0, fake_cupy.ones(3), "t", namespace="g"))
+        errors = run_on(backend, scope, lambda d: backend.broadcast(
+            (0, 1), d, 0, fake_cupy.ones(3), "t", namespace="g", scope=scope))
         assert isinstance(errors[0], StreamError) and "ncclSend" in str(errors[0])
+        assert scope.failures[0] is errors[0]  # the root's failure is the call's
         calls = [c[0] for c in fake_cupy.nccl_calls]
         assert calls.count("groupStart") == calls.count("groupEnd") == 1
         assert fake_cupy._group_depth[0] == 0
-        # Aborting the run (what the runtime does on a failure) aborts the communicators: a
-        # receiver whose sender failed is not left spinning in its recv kernel.
-        backend.abort("a peer failed")
-        assert sorted(c for c in fake_cupy.nccl_calls if c[0] == "abort") == [
-            ("abort", 0), ("abort", 1)]
+        # The failure cancelled the call, which aborts the communicators: a receiver whose
+        # sender failed is not left spinning in its recv kernel.
+        assert aborts() == [("abort", 0), ("abort", 1)]
     finally:
         backend.close()
 
 
-def test_nccl_calls_of_one_device_are_never_issued_from_two_threads_at_once(monkeypatch):
+def test_a_cancelled_call_aborts_the_communicators_and_the_next_makes_new_ones(monkeypatch):
+    # A peer's failure (or Ctrl-C) cancels a call that NCCL ran well so far: its
+    # communicators may hold work that now never completes, so they are aborted too.
+    backend = two_gpus(monkeypatch)
+
+    def broadcast(call):
+        return lambda d: backend.broadcast((0, 1), d, 0, fake_cupy.ones(3), "t",
+                                           namespace="g", scope=call)
+
+    try:
+        call = CancelScope("call 1")
+        assert run_on(backend, call, broadcast(call)) == [None, None]
+        assert aborts() == []
+        call.cancel(CollectiveAborted("a peer failed"))
+        assert aborts() == [("abort", 0), ("abort", 1)]
+        later = CancelScope("call 2")
+        assert run_on(backend, later, broadcast(later)) == [None, None]
+        sends = [c for c in fake_cupy.nccl_calls if c[0] in ("send", "recv")]
+        assert len(sends) == 4  # (one send and one recv per call)
+        assert aborts() == [("abort", 0), ("abort", 1)]  # the new ones were not aborted
+    finally:
+        backend.close()
+
+
+def test_a_participant_arriving_after_the_cancel_issues_no_nccl_call(monkeypatch):
+    # The root waits at the host rendezvous; the call is cancelled (the root wakes and
+    # fails); the receiver, whose op had already started, arrives last: the rendezvous lets
+    # it through. It must not make fresh communicators (the abort cleared them) and enqueue
+    # a recv whose sender never comes: on a GPU that kernel would spin for good.
+    backend = two_gpus(monkeypatch)
+    call = CancelScope("call")
+    gate = threading.Event()
+
+    def part(d):
+        if d == 1:
+            assert gate.wait(10.0)
+        backend.broadcast((0, 1), d, 0, fake_cupy.ones(3), "t", namespace="g", scope=call)
+
+    try:
+        s0, s1 = backend.stream(0, "compute"), backend.stream(1, "compute")
+        s0.launch("op 0", lambda: part(0), scope=call)
+        s1.launch("op 1", lambda: part(1), scope=call)
+        deadline = time.monotonic() + 10.0
+        while [getattr(s.busy(), "label", None) for s in (s0, s1)] != ["op 0", "op 1"]:
+            assert time.monotonic() < deadline, "the two ops never both ran"
+            time.sleep(0.002)
+        call.cancel(CollectiveAborted("a peer failed"))
+        gate.set()
+        settled([s0.record(scope=CancelScope("after")), s1.record(scope=CancelScope("after"))])
+    finally:
+        backend.close()
+    assert [c for c in fake_cupy.nccl_calls if c[0] in ("send", "recv")] == []
+    assert len(call.failures) == 2  # each participant's part ends as aborted
+    assert all(isinstance(e, CollectiveAborted) for e in call.failures)
+
+
+def test_nccl_calls_of_one_device_are_never_issued_from_two_threads_at_once(monkeypatch,
+                                                                           scope):
     # A channel thread and the compute thread of one device, each on its own communicator:
     # NCCL documents concurrent calls on one device from several threads as unsafe.
     backend = two_gpus(monkeypatch)
@@ -280,44 +375,71 @@ def test_nccl_calls_of_one_device_are_never_issued_from_two_threads_at_once(monk
             for _ in range(4):
                 c, f = backend.stream(d, "compute"), backend.stream(d, "fwd0")
                 c.launch("reduce", lambda d=d: backend.all_reduce(
-                    (0, 1), d, fake_cupy.ones(3), "r", namespace="compute"))
+                    (0, 1), d, fake_cupy.ones(3), "r", namespace="compute", scope=scope),
+                    scope=scope)
                 f.launch("bcast", lambda d=d: backend.broadcast(
-                    (0, 1), d, 0, fake_cupy.ones(3), "b", namespace="fwd0"))
-            events += [c.record(), f.record()]
-        for ev in events:
-            ev._done.wait(10.0)
+                    (0, 1), d, 0, fake_cupy.ones(3), "b", namespace="fwd0", scope=scope),
+                    scope=scope)
+            events += [c.record(scope=scope), f.record(scope=scope)]
+        errors = settled(events)
     finally:
         backend.close()
-    assert [ev.error for ev in events] == [None] * len(events)
+    assert errors == [None] * len(events)
     assert len([c for c in fake_cupy.nccl_calls if c[0] == "allReduce"]) == 8
     assert fake_cupy.concurrent_issue == []
 
 
 def test_nccl_links_of_a_process_issue_one_call_at_a_time():
     # Across processes a rank drives one GPU; its channel and compute threads share it.
-    import threading
+    from overlap.backends.nccl import NcclLinks
 
-    from overlap.backends.cuda_mpi import NcclLinks
-
-    links = NcclLinks(None, 0, timeout=5.0, poll=None)
-    # Two communicators (a channel's, a stage group's), this rank's GPU in each.
-    links._comms = {k: fake_cupy.NcclCommunicator(2, bytes(128), 0) for k in ("fwd0", "compute")}
-    buf, stream = fake_cupy.ones(4), fake_cupy.Stream()
+    links = NcclLinks(None, 0, timeout=5.0)
+    # Two communicators (a channel's, a stage group's), this rank's GPU in each (opened as
+    # the transport does, bootstrapped; with this one rank, no id travels).
+    for key in ("fwd0", "compute"):
+        links.open(key, [0])
+    buf, out, stream = fake_cupy.ones(4), fake_cupy.ones((1, 4)), fake_cupy.Stream()
 
     def channel() -> None:
         for _ in range(5):
-            links.send_many("fwd0", buf, [1], stream)
+            links.send_many("fwd0", buf, [0], stream)
 
     def compute() -> None:
         for _ in range(5):
             links.all_reduce("compute", buf, stream)
+            links.all_gather("compute", buf, out, stream)
 
     threads = [threading.Thread(target=channel), threading.Thread(target=compute)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
-    assert len(fake_cupy.nccl_calls) >= 20 and fake_cupy.concurrent_issue == []
+    try:
+        calls = [c[0] for c in fake_cupy.nccl_calls]
+        assert calls.count("send") == calls.count("allReduce") == calls.count("allGather") == 5
+        assert fake_cupy.concurrent_issue == []
+    finally:
+        links.close()
+
+
+def test_nccl_links_aborted_by_a_cancelled_call_fail_later_calls_as_aborted():
+    # A cancelled call aborts the links' communicators; a part of it still issuing fails as
+    # a consequence (CollectiveAborted), never as a KeyError the call would name as its cause.
+    from overlap.backends.nccl import NcclLinks
+
+    links = NcclLinks(None, 0, timeout=5.0)
+    links.open("fwd0", [0])
+    buf, stream = fake_cupy.ones(4), fake_cupy.Stream()
+    links.send_many("fwd0", buf, [0], stream)
+    links.abort()
+    assert aborts() == [("abort", 0)]
+    for issue in (lambda: links.send_many("fwd0", buf, [0], stream),
+                  lambda: links.recv("fwd0", buf, 0, stream),
+                  lambda: links.all_reduce("fwd0", buf, stream),
+                  lambda: links.all_gather("fwd0", buf, buf, stream)):
+        with pytest.raises(CollectiveAborted, match="fwd0"):
+            issue()
+    links.close()
 
 
 def test_a_call_runs_after_the_callers_stream_and_before_its_later_work():
@@ -330,7 +452,7 @@ def test_a_call_runs_after_the_callers_stream_and_before_its_later_work():
         shards = {d: fake_cupy.ones(4, np.float32) for d in src.mesh.device_ids}
         fake_cupy.waits.clear()
         rt.reshard_sync(plan, shards)
-        used = {s.cuda_stream.ptr for s in rt.backend.streams()}
+        used = {s.native.ptr for s in rt.backend.streams()}
     first_wait = {}
     for waiter, recorded_on in fake_cupy.waits:
         first_wait.setdefault(waiter, recorded_on)
@@ -359,7 +481,8 @@ def test_gpu_check_runs_end_to_end_on_the_stand_in(tmp_path):
 
 def test_one_gpu_receives_into_strided_views_and_dependency_events_are_untimed(monkeypatch):
     # Loopback copies take strided destinations (no staging copy, which only NCCL needs);
-    # events made only to be waited for are created without timing (cheaper).
+    # events made only to be waited for are created without timing (cheaper): timing is paid
+    # only for the trace's marks, whose times the timeline reads.
     made: list = []
     real_init = fake_cupy.Event.__init__
 
@@ -368,40 +491,106 @@ def test_one_gpu_receives_into_strided_views_and_dependency_events_are_untimed(m
         made.append(self)
 
     monkeypatch.setattr(fake_cupy.Event, "__init__", counting)
+    waited: list = []  # events a CUDA stream was told to wait for
+    real_wait = fake_cupy.Stream.wait_event
+    monkeypatch.setattr(fake_cupy.Stream, "wait_event",
+                        lambda self, ev: (waited.append(ev), real_wait(self, ev))[1])
+    read: set = set()  # events whose time was read
+    real_elapsed = fake_cupy.get_elapsed_time
+
+    def elapsed(a, b):
+        read.update((id(a), id(b)))
+        return real_elapsed(a, b)
+
+    monkeypatch.setattr(fake_cupy.cuda, "get_elapsed_time", elapsed)
     cluster = Cluster(3, 1, nic_gbps=10)
     src = Sharding(DeviceMesh([0], "a"), P())
     dst = Sharding(DeviceMesh([1, 2], "a"), P(None, "a"))  # column blocks
     plan = plan_resharding((4, 6), "float32", src, dst, cluster,
                            PlanOptions(strategy="send_recv", balance="none"))
     received = []
-    from overlap.backends.cuda import CudaBackend
+    from overlap.backends.cuda import CudaLocal
 
-    real_broadcast = CudaBackend.broadcast
+    real_broadcast = CudaLocal.broadcast
 
-    def watching(self, devices, device, root, buffer, *a, **k):
+    def watching(self, group, device, root, buffer, *a, **k):
         if device != root:
             received.append(buffer.flags.c_contiguous)
-        return real_broadcast(self, devices, device, root, buffer, *a, **k)
+        return real_broadcast(self, group, device, root, buffer, *a, **k)
 
-    monkeypatch.setattr(CudaBackend, "broadcast", watching)
+    monkeypatch.setattr(CudaLocal, "broadcast", watching)
     glob = np.arange(24, dtype=np.float32).reshape(4, 6)
     out = {d: fake_cupy.empty((4, 6), np.float32)[:, :3] for d in dst.mesh.device_ids}  # views
     with Runtime(cluster, backend="cuda") as rt:
-        rt.reshard_sync(plan, {0: fake_cupy.asarray(glob)}, out=out)
+        rt.reshard_sync(plan, {0: fake_cupy.asarray(glob)}, out=out, trace=True)
+        assert len(rt.timeline().spans) == 2 * len(plan.transfers)  # reads every mark
     assert received and not any(received)  # into the strided views themselves
     np.testing.assert_array_equal(fake_cupy.asnumpy(out[1]), glob[:, :3])
     np.testing.assert_array_equal(fake_cupy.asnumpy(out[2]), glob[:, 3:])
-    assert made and not any(e.timing for e in made)
+    assert waited and made
+    # Every event a stream waits for is untimed, unless it doubles as a trace mark (a
+    # loopback's end, when the call records a trace); the host's waits are on untimed
+    # blocking-sync events.
+    assert [e for e in waited if e.timing and id(e) not in read] == []
+    assert [e for e in made if e.block and e.timing] == []
+
+
+def test_without_a_trace_a_loopback_times_nothing(monkeypatch, scope):
+    # Work no trace records makes no timed event at all: two devices on one GPU broadcast
+    # (a loopback copy), each stream's record is waited for.
+    made: list = []
+    real_init = fake_cupy.Event.__init__
+
+    def counting(self, *a, **k):
+        real_init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(fake_cupy.Event, "__init__", counting)
+    backend = make_backend("cuda", 2, timeout=5.0)
+    try:
+        bufs = {0: fake_cupy.arange(4, dtype=np.float32), 1: fake_cupy.zeros(4, np.float32)}
+        errors = run_on(backend, scope, lambda d: backend.broadcast(
+            (0, 1), d, 0, bufs[d], "t", namespace="g", scope=scope))
+        assert errors == [None, None]
+        after = backend.stream(1, "comm")
+        after.wait_event(backend.stream(0, "compute").record(scope=scope), scope=scope)
+        assert settled([after.record(scope=scope)]) == [None]
+    finally:
+        backend.close()
+    assert list(fake_cupy.asnumpy(bufs[1])) == [0, 1, 2, 3]
+    assert made and [e for e in made if e.timing] == []
+    assert any(x.startswith("wait") for x in fake_cupy.launches)
 
 
 def test_a_trace_touches_only_the_gpus_this_process_drives(monkeypatch):
     monkeypatch.setattr(fake_cupy, "DEVICES", 2)
-    from overlap.backends.cuda import CudaBackend
+    made: list = []
+    real_init = fake_cupy.Event.__init__
 
-    backend = CudaBackend(1)  # one device, on GPU 0 of the two visible
+    def counting(self, *a, **k):
+        real_init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(fake_cupy.Event, "__init__", counting)
+    monkeypatch.setattr(fake_cupy, "profiler_calls", [])
+    backend = make_backend("cuda", 1)  # one device, on GPU 0 of the two visible
     try:
-        backend.start_trace()
-        assert set(backend._refs) == {0}
+        trace = backend.start_trace()
+        assert set(trace.clock) == {0}  # (the CUDA kind's clock: a reference event per GPU)
+        assert {e.device_id for e in made} == {0}
+    finally:
+        backend.close()
+    # A rank of a multi-process job drives its own devices' GPUs only (here device 1: GPU 1).
+    from overlap.backends.cuda import CudaDevices
+
+    made.clear()
+    backend = Backend(CudaDevices(), 2, placement=Placement((0, 1)), rank=1)
+    try:
+        trace = backend.start_trace()
+        assert set(trace.clock) == {1} and {e.device_id for e in made} == {1}
+        backend.profiler(True)
+        backend.profiler(False)
+        assert fake_cupy.profiler_calls == [("start", 1), ("stop", 1)]
     finally:
         backend.close()
 
@@ -533,32 +722,30 @@ def test_a_loopback_across_two_gpus_times_its_copy_on_the_gpu_that_ran_it(monkey
     mesh = DeviceMesh([[0, 1, 2]], ("host", "gpu"))
     src, dst = Sharding(DeviceMesh([[0]], ("host", "gpu")), P()), Sharding(mesh, P())
     plan = plan_resharding((4,), "float32", src, dst, cluster)
-    from overlap.backends.cuda import CudaBackend
+    from overlap.backends.cuda import CudaDevices
 
     seen = []
-    real = CudaBackend._finish
+    real = CudaDevices.joined
 
-    def finish(self, landed):
+    def joined(self, landed):  # (the kind's hook: a participant's stream after the copy)
         real(self, landed)
-        span = self._local.stream.data_span
+        span = current_stream().data_span
         if span is not None:
             seen.append([(gpu, ev.device_id) for gpu, ev in span])
 
-    monkeypatch.setattr(CudaBackend, "_finish", finish)
+    monkeypatch.setattr(CudaDevices, "joined", joined)
     with Runtime(cluster, backend="cuda") as rt:
-        rt.backend.start_trace()
-        rt.reshard_sync(plan, {0: fake_cupy.arange(4, dtype=np.float32)})
+        rt.reshard_sync(plan, {0: fake_cupy.arange(4, dtype=np.float32)}, trace=True)
+        spans = rt.timeline().spans  # each mark read against its GPU's reference event
     assert seen and all(gpu == dev for pairs in seen for gpu, dev in pairs)
+    assert {s.device for s in spans} == {0, 1, 2}
+    assert all(0 <= s.start <= s.end for s in spans)
 
 
 def test_waits_stuck_on_endless_kernels_never_starve_later_ones():
     # Waiter threads stuck in synchronize() (kernels that never end) once left later waits
     # queued behind them, failing with DeviceTimeout on events that had completed.
-    import asyncio
-    import threading
-
-    from overlap.backends.cuda import CudaEvent
-    from overlap.backends.cuda_waiters import WAITER_THREADS
+    from overlap.backends.cuda import WAITER_THREADS, CudaDevices
 
     gate = threading.Event()
 
@@ -568,13 +755,12 @@ def test_waits_stuck_on_endless_kernels_never_starve_later_ones():
         def synchronize(self):
             gate.wait()
 
-    backend = type("B", (), {"timeout": 0.3, "abort_reason": None})()
+    kind = CudaDevices(timeout=0.3)  # (its own completion waiters)
 
-    async def wait(cuda_event):
-        ev = CudaEvent("x", backend)
-        ev.cuda_event = cuda_event
-        ev._complete()
-        await ev.wait()
+    async def wait(native):
+        ev = Event("x")
+        ev.native = native
+        await kind.device_wait(ev)
 
     async def main():
         for _ in range(WAITER_THREADS + 1):
@@ -583,11 +769,20 @@ def test_waits_stuck_on_endless_kernels_never_starve_later_ones():
         soon = fake_cupy.Event(block=True)
         soon.record(fake_cupy.cuda.Stream())
         await wait(soon)  # completes 1 ms after its record: no DeviceTimeout
+        # The waiters themselves answer (not only the wait's own look at Event.done): a
+        # spare thread took the job while every other one is stuck.
+        later = fake_cupy.Event(block=True)
+        later.record(fake_cupy.cuda.Stream())
+        loop = asyncio.get_running_loop()
+        answered = loop.create_future()
+        kind.waiters.watch(later, loop, answered)
+        assert await asyncio.wait_for(answered, 5.0) is None
 
     try:
         asyncio.run(main())
     finally:
         gate.set()
+        kind.close([])
 
 
 def test_a_laned_plan_runs_on_nccl_with_a_communicator_per_lane(monkeypatch):
@@ -606,15 +801,35 @@ def test_a_laned_plan_runs_on_nccl_with_a_communicator_per_lane(monkeypatch):
     plan = dataclasses.replace(plan, transfers=tuple(
         dataclasses.replace(t, lane=k % 2) for k, t in enumerate(plan.transfers)))
     plan.check()
+    # Which communicators NCCL made (one initAll per communicator of the group), and which
+    # of them each stream issued its calls on.
+    made: list[list] = []
+    real_init_all = fake_cupy.NcclCommunicator.initAll.__func__
+
+    def init_all(cls, devices):
+        comms = real_init_all(cls, devices)
+        made.append(comms)
+        return comms
+
+    monkeypatch.setattr(fake_cupy.NcclCommunicator, "initAll", classmethod(init_all))
+    issued: dict[str, set[int]] = {}
+    real_use = fake_cupy.NcclCommunicator._use
+
+    def use(self, what, *args):
+        k = next(i for i, comms in enumerate(made) if any(c is self for c in comms))
+        issued.setdefault(current_stream().name, set()).add(k)
+        real_use(self, what, *args)
+
+    monkeypatch.setattr(fake_cupy.NcclCommunicator, "_use", use)
     with Runtime(cluster, backend="cuda") as rt:
-        rt.backend.start_trace()
         rt.reshard_sync(plan, {d: fake_cupy.zeros(region_shape(r), np.float32)
-                               for d, r in src.device_regions(shape).items()})
-        streams = {(r.device, r.stream) for r in rt.backend.trace}
-        namespaces = {ns for ns, _ in rt.backend._nccl}
+                               for d, r in src.device_regions(shape).items()}, trace=True)
+        streams = {(s.device, s.stream) for s in rt.timeline().spans}
     lanes = {(d, "comm.1" if t.lane else "comm") for t in plan.transfers for d in t.devices}
     assert streams == lanes and {s for _, s in lanes} == {"comm", "comm.1"}
-    assert namespaces == {"comm", "comm.1"}  # a communicator per lane
+    # A communicator per lane: each lane's calls on one of its own, the two lanes' apart.
+    assert set(issued) == {"comm", "comm.1"} and len(made) == 2
+    assert all(len(k) == 1 for k in issued.values()) and issued["comm"] != issued["comm.1"]
     sends = [c for c in fake_cupy.nccl_calls if c[0] == "send"]
     assert len(sends) == len(plan.transfers)
     assert fake_cupy.concurrent_issue == []  # still one NCCL call at a time per GPU

@@ -45,7 +45,8 @@ CALLABLES = [
     "cuda.get_elapsed_time", "ndarray.get", "get_default_memory_pool",
     "cuda.MemoryPool.free_all_blocks", "cuda.Event.synchronize",
     "cuda.nccl.NcclCommunicator.send", "cuda.nccl.NcclCommunicator.recv",
-    "cuda.nccl.NcclCommunicator.allReduce", "cuda.nccl.NcclCommunicator.initAll",
+    "cuda.nccl.NcclCommunicator.allReduce", "cuda.nccl.NcclCommunicator.allGather",
+    "cuda.nccl.NcclCommunicator.initAll",
 ]
 
 
@@ -65,8 +66,8 @@ def test_what_the_stand_in_accepts_the_real_one_accepts(path):
                      "use", "launch_host_func"]),
     ("cuda.Event", ["record", "done", "synchronize"]),
     ("cuda.Device", ["id", "use", "synchronize"]),
-    ("cuda.nccl.NcclCommunicator", ["send", "recv", "allReduce", "abort", "destroy",
-                                    "initAll", "device_id", "rank_id", "size"]),
+    ("cuda.nccl.NcclCommunicator", ["send", "recv", "allReduce", "allGather", "abort",
+                                    "destroy", "initAll", "device_id", "rank_id", "size"]),
     ("cuda.nccl", ["groupStart", "groupEnd", "get_unique_id", "NcclCommunicator"]),
     ("cuda.runtime", ["getDeviceCount", "memcpyPeerAsync"]),
     ("cuda.profiler", ["start", "stop"]),

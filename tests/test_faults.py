@@ -310,3 +310,85 @@ def test_control_messages_are_json_of_fixed_fields_never_pickles():
     for data in refused:
         assert dist._parse(dist._FAILED, data) is None, data[:60]
     assert dist._parse(99, json.dumps(ok).encode()) is None  # unknown kind
+
+
+# ---- the call scope ends the concurrency defects an adversarial run found -------------------
+
+
+def _step_error(model: FaultyMLP, rt: overlap.Runtime) -> str:
+    """The step's error, by name only: the exception object (its traceback reaches this
+    frame and the runtime's) is not kept."""
+    try:
+        model.step(rt)
+    except overlap.OverlapRuntimeError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_a_runtime_dropped_after_a_hang_is_collected_and_its_other_threads_end():
+    """After a StageTimeout, a runtime dropped without close() is collected (before, what
+    the hung thread held kept it alive, and every one of its threads stayed): only the hung
+    op's thread is left, until its op returns."""
+    import weakref
+
+    before = set(threading.enumerate())
+    model, gate = FaultyMLP(), Gate()
+    gate.hold(model)
+    rt = overlap.Runtime(CLUSTER, timeout=0.5)
+    assert _step_error(model, rt) == "StageTimeout"
+    assert _step_error(FaultyMLP(), rt) == "DeviceThreadLost"
+    alive = weakref.ref(rt)
+    try:
+        with pytest.warns(ResourceWarning, match="unclosed overlap.Runtime"):
+            del rt
+            gc.collect()
+        assert alive() is None, "the runtime was not collected"
+        left = [t.name for t in threads_started_since(before)]
+        assert left == ["overlap-d4-compute"], left  # the hung op's thread, nothing else
+    finally:
+        gate.release.set()
+    assert_no_thread_left(before)
+
+
+def test_a_stage_that_closes_the_runtime_is_refused_and_leaves_no_thread(reference):
+    before = set(threading.enumerate())
+    model = FaultyMLP()
+    rt = overlap.Runtime(CLUSTER, timeout=PATIENT_TIMEOUT)
+    forward = model.stages[1].forward
+
+    def closing(ctx, x):
+        if ctx.microbatch == 0:
+            rt.close()
+        return forward(ctx, x)
+
+    model.stages[1] = dataclasses.replace(model.stages[1], forward=closing)
+    try:
+        with pytest.raises(overlap.OverlapRuntimeError,
+                           match=r"close: called from inside this runtime.s work"):
+            model.step(rt)
+        clean = FaultyMLP()  # the runtime is still usable: the call closed nothing
+        assert_reference(clean, clean.step(rt), reference)
+    finally:
+        rt.close()
+    assert_no_thread_left(before)
+
+
+def test_a_runtime_call_from_inside_a_stage_is_refused_not_a_deadlock(reference):
+    model = FaultyMLP()
+    with overlap.Runtime(CLUSTER, timeout=PATIENT_TIMEOUT) as rt:
+        forward = model.stages[0].forward
+
+        def reentrant(ctx, x):
+            if ctx.microbatch == 0:
+                FaultyMLP().step(rt)  # another call, from the stream thread of this one
+            return forward(ctx, x)
+
+        model.stages[0] = dataclasses.replace(model.stages[0], forward=reentrant)
+        start = time.perf_counter()
+        with pytest.raises(overlap.OverlapRuntimeError,
+                           match=r"train_step_sync: called from inside this "
+                                              r"runtime's work \(device 0's 'compute' stream"):
+            model.step(rt)
+        assert time.perf_counter() - start < PATIENT_TIMEOUT  # refused, not timed out
+        clean = FaultyMLP()
+        assert_reference(clean, clean.step(rt), reference)

@@ -137,7 +137,7 @@ def test_a_laned_plan_runs_and_delivers_on_the_cpu_backend(emulate):
     shards = {d: glob[r[0][0]:r[0][1]].copy()
               for d, r in GATHER_SRC.device_regions((64, 16)).items()}
     with Runtime(SLOW, emulate_links=emulate) as rt:
-        out = rt.reshard_sync(plan, shards)
+        out = rt.reshard_sync(plan, shards, trace=True)
         streams = {sp.stream for sp in rt.timeline().spans if sp.device == 4}
     np.testing.assert_array_equal(out[4], glob)
     assert streams == {"comm", "comm.1", "comm.2", "comm.3"}

@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import re
+import threading
 import time
 
 import numpy as np
@@ -490,7 +491,7 @@ def test_transfer_after_orders_senders_that_share_no_device():
     plan = dataclasses.replace(plan, transfers=(first, dataclasses.replace(second, after=(0,))))
     glob = global_array((32, 128))
     with Runtime(slow, emulate_links=True) as rt:
-        out = rt.reshard_sync(plan, cut_shards(glob, src))
+        out = rt.reshard_sync(plan, cut_shards(glob, src), trace=True)
         span = {(sp.op, sp.device): sp for sp in rt.timeline().spans}
     assert_delivered(out, glob, dst)
     assert span[(0, first.sender)].end <= span[(1, second.sender)].start
@@ -548,3 +549,71 @@ def test_the_one_pass_shard_check_accepts_exactly_what_check_shards_accepts():
     # Another kind of mapping: left to check_shards, which takes it.
     assert not shards_match(expected, UserDict(good), dtype, (np.ndarray,))
     check_shards(plan, UserDict(good))
+
+
+# ---- calls from several event loops -------------------------------------------------------------
+
+
+def test_calls_awaited_on_several_threads_loops_each_get_their_own_tensors():
+    """Two threads, each awaiting ``reshard`` on an event loop of its own against one
+    runtime: the calls take turns (one call at a time per runtime), and every call returns
+    exactly the tensor it was given — never the other thread's (before, 7 runs in 8 mixed
+    them)."""
+    plan = fixed_plan("broadcast")
+    runs, errors = {}, []
+
+    def worker(k: int) -> None:
+        async def calls() -> None:
+            for i in range(20):
+                glob = global_array(SHAPE, offset=1000.0 * (2 * i + k))
+                out = await rt.reshard(plan, cut_shards(glob, SRC))
+                runs[(k, i)] = (out, glob)
+
+        try:
+            asyncio.run(calls())
+        except BaseException as exc:  # (shown by the assertion below)
+            errors.append(exc)
+
+    with Runtime(CLUSTER, timeout=SETTLE_S) as rt:
+        threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60.0)
+    assert errors == [] and len(runs) == 40, errors
+    for (k, i), (out, glob) in runs.items():
+        assert_delivered(out, glob, DST, f"thread {k}, call {i}")
+
+
+def test_training_steps_awaited_on_two_loops_are_each_the_one_asked_for():
+    from toy_mlp import CLUSTER as TOY_CLUSTER
+    from toy_mlp import ToyMLP
+
+    model = ToyMLP(seed=0)
+    inputs = {k: [np.random.default_rng(10 * k + i).standard_normal((model.batch, model.dims[0]))
+                  for i in range(4)] for k in (0, 1)}
+    with Runtime(TOY_CLUSTER, timeout=SETTLE_S) as rt:
+        alone = {k: rt.train_step_sync(model.stages, model.boundaries, inputs[k],
+                                       input_sharding=model.input_sharding) for k in (0, 1)}
+        together, errors = {}, []
+
+        def worker(k: int) -> None:
+            async def steps() -> None:
+                for i in range(3):
+                    together[(k, i)] = await rt.train_step(
+                        model.stages, model.boundaries, inputs[k],
+                        input_sharding=model.input_sharding)
+
+            try:
+                asyncio.run(steps())
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60.0)
+    assert errors == [], errors
+    for (k, _), losses in together.items():
+        assert losses == alone[k], (k, losses, alone[k])

@@ -638,3 +638,81 @@ def test_without_a_profiler_no_record_function_range_is_opened(monkeypatch):
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
         pipe.train_step_sync(rt, x, y, num_microbatches=2)
     assert opened == []
+
+
+# ---- the intra-op threads stage functions run with ---------------------------------------------
+
+
+def _omp_threads() -> int:
+    """The OpenMP team size of the calling thread (what a BLAS call there would use) — read
+    from the OpenMP runtime itself where it can be: ``torch.get_num_threads()`` first applies
+    torch's own setting to a new thread, and would hide that nothing did before."""
+    import ctypes
+
+    try:
+        return int(ctypes.CDLL(None).omp_get_max_threads())
+    except (OSError, AttributeError):  # (no OpenMP symbol in this process)
+        return torch.get_num_threads()
+
+
+class _Threads(nn.Module):
+    """A linear layer that notes, per thread, the intra-op threads it runs with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.seen: dict[str, int] = {}
+
+    def forward(self, x):
+        import threading
+
+        self.seen[threading.current_thread().name] = _omp_threads()
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("asked", [None, 3])
+def test_stage_functions_run_with_the_callers_intra_op_setting_or_the_one_asked(asked):
+    """Stage functions run on the runtime's stream threads, where the caller's
+    ``torch.set_num_threads`` does not reach by itself: each gets the caller's setting (or
+    ``num_threads``), on its own thread."""
+    mesh = [CLUSTER.mesh([h], gpus=1) for h in range(2)]
+    modules = [_Threads(), _Threads()]
+    pipe = TorchPipeline(modules, mesh, nn.functional.mse_loss, num_threads=asked)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+        with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+            pipe.train_step_sync(rt, x, y, num_microbatches=2, schedule="gpipe")
+        assert torch.get_num_threads() == 1  # (the caller's own setting is left alone)
+    finally:
+        torch.set_num_threads(before)
+    want = 1 if asked is None else asked
+    for m in modules:
+        stream_threads = {t: n for t, n in m.seen.items() if t.startswith("overlap-")}
+        assert stream_threads and set(stream_threads.values()) == {want}, m.seen
+
+
+def test_several_ranks_on_a_host_share_its_cores_unless_omp_num_threads_says(monkeypatch):
+    from overlap.torch import threads
+    from overlap.world import World
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "host_cores", lambda: 16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert threads.default_threads(World()) == 16  # one process: the caller's
+    assert threads.default_threads(World(1, 4, 1, 4, "mpi")) == 4  # 16 cores / 4 local ranks
+    assert threads.default_threads(World(5, 8, 1, 32, "mpi")) == 1  # at least one
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert threads.default_threads(World(1, 4, 1, 4, "mpi")) == 2  # never more than asked
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert threads.default_threads(World(1, 4, 1, 4, "mpi")) == 3  # the user's variable wins
+
+
+@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
+                                      (True, TypeError), ("2", TypeError)])
+def test_a_bad_thread_count_is_named_before_anything_runs(bad, exc):
+    with pytest.raises(exc, match="num_threads"):
+        TorchPipeline([nn.Linear(2, 2)], [CLUSTER.mesh([0], gpus=1)], nn.functional.mse_loss,
+                      num_threads=bad)

@@ -1,21 +1,45 @@
-"""The process world and device placement: what the launcher says, and the errors for what
-cannot run (no MPI needed: these never start a multi-process backend)."""
+"""The process world and device placement (what the launcher says, and the errors for what
+cannot run), and the control plane of a multi-process job (:mod:`overlap.backends.distributed`).
+
+The control plane's ranks are played in this process: each rank's ``Distributed`` on a
+progress engine of its own, joined by host links (socket pairs, one per pair of ranks on a
+host) and by :class:`FakeMpi`, a stand-in for the MPI calls it makes (point-to-point
+messages matched by source and tag, receives that can be taken back, probes,
+``Iallgather`` matched in call order). What the tests look at is what a rank raises, what
+its rounds return, how its scopes end, the links' message counts and the messages the
+stand-in carried. ``tests/mpi_jobs/job.py`` (mode ``abandon``) checks the one thing the
+stand-in cannot: MPI's own cancel of a round's receive.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import json
+import re
+import socket
 import sys
 import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from overlap import Runtime
-from overlap.backends.mpi import Backoff
+from overlap.backends import make_backend
+from overlap.backends.engine import Backoff, Completion, Engine
+from overlap.errors import CallMismatch, CollectiveAborted, CollectiveTimeout, RankFailed
 from overlap.pipeline import mesh_groups
-from overlap.world import Placement, World, _ranges, detect_world
+from overlap.scope import CancelScope
+from overlap.world import Placement, World, describe, detect_world
 from scheduler import Cluster, DeviceMesh
 
 CLUSTER = Cluster(2, 2, nic_gbps=100.0)
+BOUND_S = 20.0  # every wait of these tests ends within it (or the test fails)
 
 
 def test_no_launcher_is_a_one_process_world():
@@ -122,67 +146,65 @@ def test_mesh_groups_are_the_mesh_and_every_axis_line():
     assert mesh_groups(DeviceMesh([[0]], ("h", "g"))) == [(0,)]
 
 
-def test_device_ranges_read_compactly():
-    assert _ranges([4, 5, 6, 7, 9, 12, 13]) == "4-7,9,12-13"
-    assert _ranges([]) == "none"
+def test_a_rank_describes_its_devices_compactly():
+    said = describe(World(1, 4, source="mpi"), [4, 5, 6, 7, 9, 12, 13])
+    assert said.startswith("rank 1/4 (pid ") and said.endswith("): devices 4-7,9,12-13")
+    assert describe(World(), []).endswith("devices none")
 
 
-def test_cuda_across_processes_runs_one_device_per_process():
-    from overlap.backends.cuda_mpi import CudaMpiBackend
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The numpy stand-in for CuPy (the CUDA kind's checks before MPI starts need a GPU)."""
+    import fake_cupy
 
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake_cupy.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", fake_cupy.nccl)
+
+
+def test_cuda_across_processes_runs_one_device_per_process(fake_gpu):
     with pytest.raises(ValueError, match=r"placement: backend 'cuda' across processes runs "
                                          r"one device per process .* rank 0 owns 2 devices"):
-        CudaMpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2))
+        make_backend("cuda", 4, world=World(0, 2, source="mpi"),
+                     placement=Placement.blocks(4, 2))
 
 
-def test_a_placement_must_cover_the_cluster_exactly():
+def test_a_placement_must_cover_the_cluster_exactly(fake_gpu):
     Placement.blocks(4, 2).check_covers(4)
     with pytest.raises(ValueError, match="placement: covers 4 devices, the cluster has 6"):
         Placement.blocks(4, 2).check_covers(6)
-    from overlap.backends.cuda_mpi import CudaMpiBackend
-
-    with pytest.raises(ValueError, match="placement: covers 2 devices, the cluster has 4"):
-        CudaMpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement((0, 1)))
+    for kind in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match="placement: covers 2 devices, the cluster has 4"):
+            make_backend(kind, 4, world=World(0, 2, source="mpi"), placement=Placement((0, 1)))
 
 
 @pytest.mark.parametrize("grace", [-1.0, "3", True, float("nan")])
 def test_a_bad_exit_grace_is_named_before_mpi_starts(grace):
-    from overlap.backends.mpi import MpiBackend
-
     with pytest.raises(ValueError, match=r"grace: expected seconds >= 0"):
-        MpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2),
-                   grace=grace)
+        make_backend("cpu", 4, world=World(0, 2, source="mpi"),
+                     placement=Placement.blocks(4, 2), grace=grace)
 
 
-def test_broadcast_pieces_minimise_the_pipeline_model():
-    """The piece size the MPI backend picks is the best whole number of pieces under its own
-    model (k pieces through s stages: (k + s - 1) x (bytes / (k x bandwidth) + overhead))."""
-    from overlap.backends import mpi
-
-    def modeled(nbytes: int, stages: int, k: int) -> float:
-        return (k + stages - 1) * (nbytes / k / mpi.HOST_BYTES_PER_S + mpi.PIECE_OVERHEAD_S)
-
-    for nbytes in (1 << 20, 7 << 20, 64 << 20, 1 << 30):
-        for stages in (2, 3, 5, 9):
-            piece = mpi.piece_bytes(nbytes, stages)
-            assert piece >= mpi.MIN_PIECE_BYTES
-            k = -(-nbytes // piece)
-            best = min(modeled(nbytes, stages, j) for j in range(1, 2000))
-            assert modeled(nbytes, stages, k) <= best * 1.02, (nbytes, stages, k)
-    # One stage (one hop, nothing copied on): one message; small tensors: one piece.
-    assert mpi.piece_bytes(64 << 20, 1) == 64 << 20
-    assert mpi.piece_bytes(1000, 4) == 1000
-    assert mpi.piece_bytes(0, 1) == 1
-    # Longer pipelines cut finer.
-    assert mpi.piece_bytes(64 << 20, 9) < mpi.piece_bytes(64 << 20, 2)
-
-
-def test_a_bad_piece_size_is_named():
-    from overlap.backends.mpi import MpiBackend
+@pytest.mark.parametrize("chunk", [0, -3, True, 2.5, "4096"])
+def test_a_bad_piece_size_is_named(chunk):
+    from overlap.backends.wire import WireTransport
 
     with pytest.raises(ValueError, match=r"chunk_bytes: expected an int >= 1 or None"):
-        MpiBackend(4, world=World(0, 2, source="mpi"), placement=Placement.blocks(4, 2),
-                   chunk_bytes=0)
+        WireTransport(None, None, None, None, chunk_bytes=chunk)  # (checked before use)
+
+
+def test_host_links_are_on_unless_turned_off(monkeypatch):
+    from overlap.backends.distributed import HOST_LINKS_ENV, host_links_wanted
+
+    monkeypatch.delenv(HOST_LINKS_ENV, raising=False)
+    assert host_links_wanted(None) and not host_links_wanted(False)
+    monkeypatch.setenv(HOST_LINKS_ENV, "0")
+    assert not host_links_wanted(None) and host_links_wanted(True)  # (the argument wins)
+    monkeypatch.setenv(HOST_LINKS_ENV, "yes")
+    with pytest.raises(ValueError, match=r"OVERLAP_HOST_LINKS: expected 0 or 1, got 'yes'"):
+        host_links_wanted(None)
+    with pytest.raises(ValueError, match=r"host_links: expected True, False or None, got 1"):
+        host_links_wanted(1)
 
 
 def test_a_rank_prints_its_traceback_in_one_write(monkeypatch):
@@ -191,7 +213,6 @@ def test_a_rank_prints_its_traceback_in_one_write(monkeypatch):
     import traceback
 
     from overlap.backends.distributed import print_whole
-    from overlap.errors import CallMismatch
 
     class Recorder:
         def __init__(self) -> None:
@@ -216,630 +237,903 @@ def test_a_rank_prints_its_traceback_in_one_write(monkeypatch):
                                   "different call than rank 0\n")
 
 
-def test_a_wait_on_the_runtimes_messages_ends_at_once_when_aborted_past_its_timeout():
-    """A call aborted by a peer's failure notice after its timeout ran out raises at once:
-    it does not first ask the peers how far they got (the failed one never answers; the
-    call returned a second late)."""
-    from overlap.backends.distributed import Distributed
-    from overlap.errors import CollectiveAborted
+# ---- the control plane's ranks, played in this process -----------------------------------
 
-    class Never:
-        def Test(self) -> bool:
+
+@dataclass
+class Message:
+    """A point-to-point message the stand-in carried (``taken``: a receive got it)."""
+
+    comm: tuple[Any, ...]
+    src: int
+    dest: int
+    tag: int
+    data: bytes
+    taken: bool = False
+
+
+def _bytes_of(buf: Any) -> memoryview:
+    if isinstance(buf, (list, tuple)):  # ([buffer, MPI.BYTE])
+        buf = buf[0]
+    return memoryview(buf).cast("B")
+
+
+class FakeMpi:
+    """MPI for the ranks of a job played in one process: the calls ``Distributed`` makes on
+    the communicators it duplicates from the one it is given. A send completes at once (its
+    message waits, copied, for its receive); messages are matched by source and tag in the
+    order they were sent; a receive not matched yet can be taken back (``Cancel``: its next
+    test completes it as cancelled); ``Iallgather`` calls match in the order each rank makes
+    them. Every point-to-point message is kept in ``messages``."""
+
+    TAG_UB = 536870911  # (MPICH's)
+
+    def __init__(self, size: int) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.size = size
+        self.lock = threading.Condition()
+        self.messages: list[Message] = []
+        self.gathers: list[tuple[tuple[Any, ...], int]] = []  # (communicator, rank) per call
+        self.posted: dict[tuple[Any, int], list[FakeRecv]] = defaultdict(list)
+        self.queued: dict[tuple[Any, int], list[Message]] = defaultdict(list)
+        self.parts: dict[tuple[Any, int], dict[int, tuple[bytes, Any, FakeRequest]]] = \
+            defaultdict(dict)
+
+    def comm(self, rank: int) -> FakeComm:
+        return FakeComm(self, rank, ("world",))
+
+    def sent(self, comm: tuple[Any, ...] | None = None, src: int | None = None,
+             dest: int | None = None) -> list[Message]:
+        with self.lock:
+            return [m for m in self.messages if (comm is None or m.comm == comm)
+                    and (src is None or m.src == src) and (dest is None or m.dest == dest)]
+
+    def wait_for(self, done: Callable[[], bool], what: str) -> None:
+        """Until ``done()`` (checked whenever a message is sent), at most ``BOUND_S``."""
+        deadline = time.monotonic() + BOUND_S
+        with self.lock:
+            while not done():
+                left = deadline - time.monotonic()
+                assert left > 0, f"never: {what}"
+                self.lock.wait(min(left, 0.05))
+
+    def inject(self, comm: tuple[Any, ...], src: int, dest: int, tag: int, data: bytes) -> None:
+        """A message from ``src`` that no ``Distributed`` sent (a malformed one, say)."""
+        FakeComm(self, src, comm).Isend([data, None], dest, tag)
+
+    def match(self, msg: Message) -> None:
+        posted = self.posted[(msg.comm, msg.dest)]
+        recv = next((r for r in posted if r.matches(msg)), None)
+        if recv is None:
+            self.queued[(msg.comm, msg.dest)].append(msg)
+        else:
+            posted.remove(recv)
+            recv.land(msg)
+        self.lock.notify_all()
+
+
+class FakeRequest:
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+
+    def Test(self, status: Any = None) -> bool:
+        return self.done
+
+
+class FakeRecv:
+    def __init__(self, comm: FakeComm, buf: Any, source: int, tag: int) -> None:
+        self.job, self.key, self.rank = comm.job, comm.key, comm.rank
+        self.buf, self.source, self.tag = buf, source, tag
+        self.msg: Message | None = None
+        self.cancelled = False
+
+    def matches(self, msg: Message) -> bool:
+        MPI = self.job.MPI
+        return self.source in (MPI.ANY_SOURCE, msg.src) and self.tag in (MPI.ANY_TAG, msg.tag)
+
+    def land(self, msg: Message) -> None:
+        out = _bytes_of(self.buf)
+        assert len(msg.data) <= len(out), "a message longer than its receive (MPI truncates)"
+        out[:len(msg.data)] = msg.data
+        msg.taken = True
+        self.msg = msg
+
+    def Test(self, status: Any = None) -> bool:
+        with self.job.lock:
+            if self.cancelled or self.msg is not None:
+                if status is not None:
+                    status.Set_cancelled(self.cancelled)
+                    if self.msg is not None:
+                        status.Set_source(self.msg.src)
+                        status.Set_tag(self.msg.tag)
+                        status.Set_elements(self.job.MPI.BYTE, len(self.msg.data))
+                return True
             return False
 
-        def Cancel(self) -> None:
-            pass
-
-    class Backend:
-        abort_reason = "rank 0 failed"
-        timeout = 0.0  # run out already
-
-    class Control:
-        def lagging(self, calls: int, among=None) -> tuple[str, bool]:
-            raise AssertionError("asked the peers")
-
-    dist = object.__new__(Distributed)
-    dist.backend, dist.control, dist.calls, dist.rank = Backend(), Control(), 3, 1
-    dist.poll, dist.grace = Backoff(), 5.0
-    with pytest.raises(CollectiveAborted, match="rank 0 failed"):
-        dist.wait_polled(Never(), "train_step: losses")
+    def Cancel(self) -> None:
+        with self.job.lock:
+            posted = self.job.posted[(self.key, self.rank)]
+            if self in posted:
+                posted.remove(self)
+                self.cancelled = True
 
 
-def test_asking_the_peers_how_far_they_got_stops_waiting_once_aborted():
-    """A failure notice that arrives while this rank asks its peers is the explanation: the
-    question stops waiting for an answer a failed peer may never send."""
-    import time
+class FakeComm:
+    """One rank's communicator of a :class:`FakeMpi` job (``key``: which one)."""
 
-    from overlap.backends.distributed import _Control
+    def __init__(self, job: FakeMpi, rank: int, key: tuple[Any, ...]) -> None:
+        self.job, self.rank, self.key = job, rank, key
+        self.dups = 0  # (duplicates match by their order on each rank, as MPI's do)
+        self.gathered = 0
 
-    class Backend:
-        abort_reason = "rank 0 failed"
+    def Get_rank(self) -> int:
+        return self.rank
 
-    class Dist:
-        backend = Backend()
+    def Get_size(self) -> int:
+        return self.job.size
 
-    control = object.__new__(_Control)
-    control.dist, control.rank, control.size, control.replies = Dist(), 1, 2, {}
-    control.tell_all = lambda tag, msg, wait: None  # (rank 0 never answers)
-    started = time.monotonic()
-    said = control.behind(3, wait=60.0)
-    assert time.monotonic() - started < 5.0  # not the 60 s it would wait for an answer
-    assert "ranks [0] do not answer" in said
+    def Get_attr(self, attr: Any) -> int:
+        return FakeMpi.TAG_UB
+
+    def Dup(self) -> FakeComm:
+        self.dups += 1
+        return FakeComm(self.job, self.rank, (*self.key, self.dups))
+
+    def Idup(self) -> tuple[FakeComm, FakeRequest]:
+        return self.Dup(), FakeRequest(done=True)
+
+    def Free(self) -> None:
+        pass
+
+    def Isend(self, buf: Any, dest: int, tag: int) -> FakeRequest:
+        msg = Message(self.key, self.rank, dest, tag, bytes(_bytes_of(buf)))
+        with self.job.lock:
+            self.job.messages.append(msg)
+            self.job.match(msg)
+        return FakeRequest(done=True)
+
+    def Irecv(self, buf: Any, source: int, tag: int) -> FakeRecv:
+        job = self.job
+        recv = FakeRecv(self, buf, source, tag)
+        with job.lock:
+            queued = job.queued[(self.key, self.rank)]
+            msg = next((m for m in queued if recv.matches(m)), None)
+            if msg is None:
+                job.posted[(self.key, self.rank)].append(recv)
+            else:
+                queued.remove(msg)
+                recv.land(msg)
+        return recv
+
+    def Iprobe(self, source: int, tag: int, status: Any) -> bool:
+        job = self.job
+        probe = FakeRecv(self, None, source, tag)
+        with job.lock:
+            msg = next((m for m in job.queued[(self.key, self.rank)] if probe.matches(m)),
+                       None)
+            if msg is None:
+                return False
+            status.Set_source(msg.src)
+            status.Set_tag(msg.tag)
+            status.Set_elements(job.MPI.BYTE, len(msg.data))
+            return True
+
+    def Recv(self, buf: Any, source: int, tag: int) -> None:
+        job = self.job
+        recv = FakeRecv(self, buf, source, tag)
+        with job.lock:
+            queued = job.queued[(self.key, self.rank)]
+            msg = next(m for m in queued if recv.matches(m))  # (probed: it is there)
+            queued.remove(msg)
+            recv.land(msg)
+
+    def Iallgather(self, row: Any, table: Any) -> FakeRequest:
+        job = self.job
+        request = FakeRequest()
+        data = bytes(_bytes_of(row))
+        with job.lock:
+            part = job.parts[(self.key, self.gathered)]
+            self.gathered += 1
+            job.gathers.append((self.key, self.rank))
+            part[self.rank] = (data, table, request)
+            if len(part) == job.size:
+                for _, out, req in part.values():
+                    view = _bytes_of(out)
+                    for r, (row_bytes, _, _) in part.items():
+                        view[r * len(row_bytes):(r + 1) * len(row_bytes)] = row_bytes
+                    req.done = True
+        return request
+
+
+@dataclass
+class Job:
+    """The ranks of a job played in this process: ``dist[r]`` for every rank present (an
+    absent rank is mute: nothing reads what is sent to it), ``links[r]`` its host links
+    (None: none), ``mpi`` the stand-in."""
+
+    mpi: FakeMpi
+    dist: dict[int, Any]
+    links: dict[int, Any]
+
+    def scope(self, rank: int, what: str = "reshard") -> CancelScope:
+        """A call's scope on ``rank`` (a child of its runtime's)."""
+        return CancelScope(what, self.dist[rank].scope)
+
+    def control(self, rank: int) -> tuple[Any, ...]:
+        """The communicator ``rank``'s failure notices and queries go on."""
+        return self.dist[rank].control_comm.key
+
+    def rounds_comm(self, rank: int) -> tuple[Any, ...]:
+        return self.dist[rank].runtime_comm.key
+
+
+@contextlib.contextmanager
+def ranks(n: int, *, present: Sequence[int] | None = None, hosts: str | None = None,
+          timeout: float = 30.0, grace: float = 5.0) -> Iterator[Job]:
+    """A job of ``n`` ranks (2 devices each), ``present`` ones played here; ``hosts``: the
+    host of each rank ("aabb": ranks 0, 1 on one host, 2, 3 on another; default: one host
+    for all) — host links join the present ranks of a host."""
+    pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
+    from overlap.backends.distributed import Distributed
+    from overlap.backends.host_links import HostLinks
+
+    present = list(range(n) if present is None else present)
+    hosts = hosts or "a" * n
+    mpi = FakeMpi(n)
+    ends: dict[int, dict[int, socket.socket]] = {r: {} for r in present}
+    for a, b in itertools.combinations(present, 2):
+        if hosts[a] == hosts[b]:
+            ends[a][b], ends[b][a] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    job = Job(mpi, {}, {})
+    placement = Placement.blocks(2 * n, n)
+    try:
+        for r in present:
+            engine = Engine(f"test-engine-r{r}", poll=Backoff(start=1e-4, cap=2e-3))
+            links = HostLinks(r, ends[r], engine) if ends[r] else None
+            job.links[r] = links
+            dist = Distributed(World(r, n, source="mpi"), placement, engine, mpi.comm(r), links,
+                               timeout=timeout, grace=grace)
+            dist.scope = CancelScope(f"rank {r}'s runtime")
+            job.dist[r] = dist
+        yield job
+    finally:
+        for dist in job.dist.values():  # (a handled failure: nothing left for the exit)
+            dist.leave(handled=True)
+            dist.close()
+        for r in present:
+            if r not in job.dist:  # (setup failed half-way)
+                for s in ends[r].values():
+                    s.close()
+
+
+class Running:
+    """A coroutine run to its end on a thread of its own (its own event loop)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(make,), daemon=True)
+        self.thread.start()
+
+    def _run(self, make: Callable[[], Any]) -> None:
+        try:
+            self.value = asyncio.run(make())
+        except BaseException as exc:
+            self.error = exc
+
+    def result(self) -> Any:
+        self.thread.join(BOUND_S)
+        assert not self.thread.is_alive(), f"still waiting after {BOUND_S} s"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def until(done: Callable[[], bool], what: str) -> None:
+    """Until ``done()`` (something another thread does), at most ``BOUND_S``."""
+    deadline = time.monotonic() + BOUND_S
+    while not done():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.002)
+
+
+def cancelled(scope: CancelScope) -> BaseException:
+    """Until ``scope`` is cancelled (at most ``BOUND_S``): why it was."""
+    woken = threading.Event()
+    if scope.on_cancel(woken.set) is not None:
+        assert woken.wait(BOUND_S), f"{scope} never cancelled"
+    assert scope.error is not None
+    return scope.error
+
+
+def solo_calls(dist: Any, k: int, busy: bool = False) -> None:
+    """``k`` calls ``dist``'s rank makes on its own devices only (counted, no round); the
+    last one still in flight if ``busy``."""
+    for i in range(k):
+        assert dist.begin_call("solo", b"", (dist.rank,), CancelScope("solo")) is None
+        if i < k - 1 or not busy:
+            dist.end_call()
+
+
+def whole_call(job: Job, members: Sequence[int], digest: bytes = b"plan",
+               payload: Callable[[int], bytes] = lambda r: bytes([10 + r]) * 3
+               ) -> dict[int, Any]:
+    """One call made by every present rank: each member agrees and finishes (concurrently);
+    returns each member's end-of-call table."""
+    rounds = {r: d.begin_call("reshard: the plan", digest, tuple(members), job.scope(r))
+              for r, d in job.dist.items() if not d.closed}
+    assert all((rounds[r] is None) == (r not in members) for r in rounds)
+
+    def part(r: int) -> Callable[[], Any]:
+        async def go() -> dict[int, bytes]:
+            await rounds[r].agreed()
+            return await rounds[r].finish(payload(r))
+        return go
+
+    running = {r: Running(part(r)) for r in members if r in rounds}
+    tables = {r: run.result() for r, run in running.items()}
+    for r in rounds:
+        job.dist[r].end_call()
+    return tables
+
+
+# How a round goes (see Distributed.gather), by the hosts and the call's members:
+GATHER_CASES = {
+    "links, every rank": (4, "aaaa", (0, 1, 2, 3), "links"),
+    "links, three of four": (4, "aaaa", (0, 2, 3), "links"),
+    "links, two of six": (6, "aaaaaa", (1, 4), "links"),
+    "links within a host": (4, "aabb", (2, 3), "links"),
+    "allgather, no links": (3, "abc", (0, 1, 2), "allgather"),
+    "allgather, two hosts": (4, "aabb", (0, 1, 2, 3), "allgather"),
+    "mpi, three of four": (4, "abcd", (0, 2, 3), "mpi"),
+    "mpi, across hosts": (4, "aabb", (1, 2), "mpi"),
+}
+
+
+@pytest.mark.parametrize("before", [0, 2], ids=["call-1", "call-3"])
+@pytest.mark.parametrize("case", list(GATHER_CASES))
+def test_a_calls_rounds_gather_among_its_members_only(case, before):
+    """Both rounds of a call (the agreement, the end of the call) go among its members: all
+    to all over host links where they join every member; one ``Iallgather`` where every
+    rank is a member and some are not linked; else point to point over MPI among the
+    members. Every member gets every member's payload; a rank outside the call (which still
+    makes it, and counts it) sends and receives nothing."""
+    n, hosts, members, path = GATHER_CASES[case]
+    with ranks(n, hosts=hosts) as job:
+        for d in job.dist.values():
+            solo_calls(d, before)
+        tables = whole_call(job, members)
+        assert tables == {r: {q: bytes([10 + q]) * 3 for q in members} for r in members}
+        assert all(d.calls == before + 1 for d in job.dist.values())
+        outside = [r for r in range(n) if r not in members]
+        m = len(members)
+        frames = {r: (lk.frames_sent, lk.frames_received) if lk is not None else (0, 0)
+                  for r, lk in job.links.items()}
+        rounds_msgs = job.mpi.sent(job.rounds_comm(0))  # (the same communicator everywhere)
+        if path == "links":  # (two rounds: m - 1 rows out and in, each)
+            assert all(frames[r] == (2 * (m - 1), 2 * (m - 1)) for r in members), frames
+            assert rounds_msgs == [] and job.mpi.gathers == []
+        elif path == "allgather":  # (one collective a round on every rank: none is outside)
+            assert sorted(r for _, r in job.mpi.gathers) == sorted(2 * list(range(n)))
+            assert rounds_msgs == [] and all(f == (0, 0) for f in frames.values())
+        else:
+            assert job.mpi.gathers == [] and all(f == (0, 0) for f in frames.values())
+            pairs = sorted((msg.src, msg.dest) for msg in rounds_msgs)
+            assert pairs == sorted(2 * [(a, b) for a in members for b in members if a != b])
+        for r in outside:
+            assert frames[r] == (0, 0)
+            assert not any(r in (msg.src, msg.dest) for msg in rounds_msgs)
+
+
+ROUND_PATHS = {"links": (3, "aaa", (0, 1, 2)), "allgather": (3, "abc", (0, 1, 2)),
+               "mpi": (4, "abcd", (0, 1, 2))}
+
+
+@pytest.mark.parametrize("path", list(ROUND_PATHS))
+def test_a_mismatch_is_settled_by_the_thread_landing_the_last_row(path):
+    """Nobody awaits the agreement: the thread that lands its last row compares the rows and
+    a mismatch fails the call's scope at once — each rank names the members whose call
+    differs from its own — and the verdict then is that same error, without a wait."""
+    n, hosts, members = ROUND_PATHS[path]
+    with ranks(n, hosts=hosts) as job:
+        scopes = {r: job.scope(r) for r in job.dist}
+        rounds = {r: d.begin_call("reshard: the plan", b"other" if r == 2 else b"plan",
+                                  members, scopes[r]) for r, d in job.dist.items()}
+        named = {r: cancelled(scopes[r]) for r in members}
+        assert all(isinstance(e, CallMismatch) for e in named.values()), named
+        assert {r: e.ranks for r, e in named.items()} == {0: (2,), 1: (2,), 2: (0, 1)}
+        assert str(named[0]).startswith("reshard: the plan (call 1): ranks [2] made a "
+                                        "different call than rank 0 (every process must")
+        assert "ranks [0, 1] made a different call than rank 2" in str(named[2])
+        for r in members:
+            until(lambda r=r: rounds[r].agreement.over, "the round's sends complete too")
+            with pytest.raises(CallMismatch) as got:
+                Running(rounds[r].agreed).result()
+            assert got.value is named[r]
+        assert all(not s.cancelled for r, s in scopes.items() if r not in members)
+
+
+class HeldMembers(tuple):
+    """A call's members whose iteration, once ``armed``, holds the first comparison that
+    iterates them half-way (until ``go_on``): another thread settling the agreement."""
+
+    armed = False
+
+    def __new__(cls, members: Sequence[int]) -> HeldMembers:
+        obj = super().__new__(cls, members)
+        obj.comparing, obj.go_on = threading.Event(), threading.Event()
+        return obj
+
+    def __iter__(self) -> Iterator[int]:
+        if self.armed and not self.comparing.is_set():
+            self.comparing.set()
+            self.go_on.wait(BOUND_S)
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("verdict", ["agreed", "verdict_after_failure"])
+def test_a_verdict_asked_while_another_thread_settles_it_waits_for_that_verdict(verdict):
+    """The thread landing the last row compares the rows while the event loop asks for the
+    verdict (the call went on, or its work failed here): the loop waits for the comparison
+    under way — it does not take "being settled" for "agreed"."""
+    with ranks(2) as job:
+        members = HeldMembers((0, 1))
+        scope = job.scope(0)
+        mine = job.dist[0].begin_call("reshard: the plan", b"plan", members, scope)
+        if verdict == "verdict_after_failure":
+            scope.fail(RuntimeError("op failed"))  # (this rank's part failed)
+        members.armed = True
+        job.dist[1].begin_call("reshard: the plan", b"other", (0, 1), job.scope(1))
+        assert members.comparing.wait(BOUND_S)  # (rank 1's row landed: being compared)
+        asker = Running(getattr(mine, verdict))
+        asker.thread.join(0.2)
+        assert asker.thread.is_alive()  # (it cannot have a verdict before the comparison)
+        members.go_on.set()
+        if verdict == "agreed":
+            with pytest.raises(CallMismatch, match=r"ranks \[1\] made a different call"):
+                asker.result()
+        else:
+            found = asker.result()
+            assert isinstance(found, CallMismatch) and found.ranks == (1,)
+
+
+@pytest.mark.parametrize("peer", ["comes later", "failed after its row", "failed before",
+                                  "never made it", "mute", "never comes"])
+def test_the_verdict_after_a_failure_waits_only_while_the_round_can_complete(peer):
+    """A call whose work failed here still asks for the agreement's verdict — a mismatch
+    explains the failures it caused — and waits for the rows that can still come: from a
+    member that made the call (its row went, even if it failed since) or is still inside an
+    earlier one, at most half the grace. A member that failed before making the call, or is
+    idle behind it, or mute, will never post its row: no wait."""
+    grace = 0.4 if peer == "never comes" else 600.0  # (else: never waited for in full)
+    with ranks(2, present=[0] if peer == "mute" else None, grace=grace) as job:
+        solo_calls(job.dist[0], 1)  # (this rank's call 2 is rank 1's next)
+        if peer != "mute":  # (still inside its call 1, or idle after it)
+            solo_calls(job.dist[1], 1, busy=peer in ("comes later", "never comes"))
+        scope = job.scope(0)
+        mine = job.dist[0].begin_call("reshard: the plan", b"plan", (0, 1), scope)
+        scope.fail(RuntimeError("op failed"))
+        if peer == "failed before":
+            job.dist[1].announce_failure("train_step", RuntimeError("boom"))
+            assert cancelled(job.dist[0].scope).calls == 1
+        if peer == "failed after its row":
+            job.dist[1].begin_call("reshard: the plan", b"other", (0, 1), job.scope(1))
+            job.dist[1].announce_failure("reshard", RuntimeError("boom"))
+            failed = cancelled(job.dist[0].scope)
+            assert isinstance(failed, RankFailed) and failed.calls == 2
+        asker = Running(mine.verdict_after_failure)
+        if peer == "comes later":  # (once rank 1 answered it is still in its call 1)
+            job.mpi.wait_for(lambda: job.mpi.sent(job.control(1), 1, 0), "the answer")
+            job.dist[1].end_call()
+            job.dist[1].begin_call("reshard: the plan", b"other", (0, 1), job.scope(1))
+        found = asker.result()
+        if peer in ("comes later", "failed after its row"):
+            assert isinstance(found, CallMismatch) and found.ranks == (1,)
+        else:
+            assert found is None
+
+
+@pytest.mark.parametrize("peer", ["at work", "never made it", "done with it", "went on",
+                                  "mute"])
+def test_the_end_of_call_round_waits_past_the_timeout_while_every_peer_is_at_work(peer):
+    """A call returns once every member's part ended: past the timeout, a member waits on
+    while every peer it waits for answers that it is inside the call; a peer idle and behind,
+    done with the call, ahead of it or mute fails the wait with CollectiveTimeout naming it
+    (and its devices)."""
+    timeout = 0.1
+    with ranks(2, present=[0] if peer == "mute" else None, timeout=timeout) as job:
+        if peer == "went on":
+            solo_calls(job.dist[1], 2)
+        mine = job.dist[0].begin_call("reshard: the plan", b"plan", (0, 1), job.scope(0))
+        theirs = None
+        if peer in ("at work", "done with it"):
+            theirs = job.dist[1].begin_call("reshard: the plan", b"plan", (0, 1), job.scope(1))
+            Running(theirs.agreed).result()
+            if peer == "done with it":
+                job.dist[1].end_call()
+
+        async def part() -> dict[int, bytes]:
+            await mine.agreed()
+            return await mine.finish(b"x")
+
+        waiting = Running(part)
+        if peer == "at work":  # (rank 1's part ends after rank 0 asked twice)
+            job.mpi.wait_for(lambda: len(job.mpi.sent(job.control(0), 0, 1)) >= 2,
+                             "rank 0 asks rank 1 twice")
+            assert Running(lambda: theirs.finish(b"y")).result() == {0: b"x", 1: b"y"}
+            assert waiting.result() == {0: b"x", 1: b"y"}
+            return
+        said = {"never made it": r"ranks \[1\] never made this call \(they are at calls "
+                                 r"\[0\], this rank at 1\)",
+                "done with it": r"ranks \[1\] are done with this call \(call 1\) without "
+                                r"what this rank waits for",
+                "went on": r"ranks \[1\] went on without this rank \(they are at calls "
+                           r"\[2\], this rank at 1",
+                "mute": r"ranks \[1\] do not answer"}[peer]
+        where = re.escape("reshard: the plan (call 1)"
+                          + (": every rank's work" if peer == "done with it" else ""))
+        with pytest.raises(CollectiveTimeout, match=rf"^{where}: rank 0 waited 0.1 s; {said}"
+                           ) as got:
+            waiting.result()
+        assert got.value.missing == (2, 3)  # (rank 1's devices)
 
 
 def test_asking_how_far_the_peers_got_names_the_calls_members_only():
-    """Past a timeout, a rank asks every rank how many calls it made and whether it is inside
-    one, and names the call's members behind it (not in a call: they never made this one),
-    past it (they went on without this rank: another plan?) or mute — never a rank outside
-    the call, whose count says nothing about it. A wait may go on (patient) only while every
-    other member is at work: inside this call, or still inside an earlier one."""
-    from overlap.backends.distributed import _Control
-
-    class Backend:
-        abort_reason = None
-
-    class Dist:
-        backend = Backend()
-
-    control = object.__new__(_Control)
-    control.dist, control.rank, control.size, control.replies = Dist(), 2, 6, {}
-
-    def answer(tag, msg, wait) -> None:  # (rank 3 does not answer)
-        control.replies.update({0: (9, True), 1: (3, False), 4: (4, True), 5: (1, False),
-                                6: (2, True)})
-
-    control.tell_all = answer
-    control.size = 7
-    said, at_work = control.lagging(4, among=(0, 1, 2, 3, 4), wait=0.05)
-    assert "ranks [1] never made this call (they are at calls [3], this rank at 4)" in said
-    assert "ranks [0] went on without this rank (they are at calls [9]" in said
-    assert "ranks [3] do not answer" in said
-    assert "[5]" not in said and not at_work
-    said, at_work = control.lagging(4, among=(2, 4), wait=0.05)
-    assert at_work and "ranks [4] are in this call" in said
-    said, at_work = control.lagging(4, among=(2, 4, 6), wait=0.05)
-    assert at_work and "ranks [6] are still in calls [2], this rank at 4" in said
-    said, at_work = control.lagging(4, among=(1, 2, 6), wait=0.05)
-    assert not at_work and "ranks [1] never made this call" in said
+    """Past a timeout a rank asks the ranks it waits for — and no other — how many calls they
+    made and whether they are inside one, and names those behind it (not in a call: they
+    never made this one), past it (they went on without this rank: another plan?) or mute;
+    never a rank it did not ask. A wait may go on only while every one asked is at work:
+    inside this call, or still inside an earlier one (its own work is bounded)."""
+    with ranks(7, present=[0, 1, 2, 4, 5, 6]) as job:  # (rank 3 is mute)
+        for r, (calls, busy) in {0: (9, True), 1: (3, False), 2: (4, True), 4: (4, True),
+                                 5: (1, False), 6: (2, True)}.items():
+            solo_calls(job.dist[r], calls, busy)
+        asker = job.dist[2]
+        said = asker.ask((0, 1, 2, 3, 4))
+        assert "ranks [1] never made this call (they are at calls [3], this rank at 4)" \
+            in said.text
+        assert "ranks [0] went on without this rank (they are at calls [9]" in said.text
+        assert "ranks [3] do not answer" in said.text
+        assert "[5]" not in said.text and not said.at_work and not said.idle
+        asked = sorted({m.dest for m in job.mpi.sent(job.control(2), src=2)})
+        assert asked == [0, 1, 3, 4]  # (not rank 5 nor 6)
+        said = asker.ask((2, 4))
+        assert said.at_work and "ranks [4] are at work (calls [4], this rank at 4)" in said.text
+        said = asker.ask((2, 4, 6))
+        assert said.at_work and "ranks [4, 6] are at work (calls [4, 2]" in said.text
+        said = asker.ask((1, 2, 6))
+        assert not said.at_work and said.idle and "ranks [1] never made this call" in said.text
+        said = asker.ask((2,))
+        assert said.text == "no other rank to wait for" and not said.at_work
 
 
-def test_a_rank_that_left_fails_only_the_calls_it_is_a_member_of():
-    """A rank that left after one call: a later call among other ranks goes on; one that
-    needs it fails at once, naming it (and how it left)."""
-    from overlap.backends.distributed import Distributed
-    from overlap.errors import RankFailed
-
-    class Backend:
-        def __init__(self) -> None:
-            self.failures: list[BaseException] = []
-            self.aborted: list[str] = []
-
-        def note_failure(self, exc: BaseException) -> None:
-            self.failures.append(exc)
-
-        def abort(self, reason: str) -> None:
-            self.aborted.append(reason)
-
-    dist = object.__new__(Distributed)
-    dist.backend, dist.rank, dist.broken = Backend(), 0, None
-    dist.departed = {1: (1, "exited")}
-    dist._check_departed(2, (0, 2, 3))
-    dist._check_departed(2, (2, 1))  # (not this rank's call: it waits for nobody)
-    assert dist.backend.aborted == [] and dist.broken is None
-    with pytest.raises(RankFailed, match="rank 1 exited after 1 runtime calls; this rank's "
-                       "call 2 needs it"):
-        dist._check_departed(2, (0, 1))
-    assert dist.backend.aborted == ["rank 1 left"]
+def test_an_overdue_wait_goes_on_only_while_every_peer_is_at_work():
+    """``overdue``: returns (the wait goes on) while every peer asked is at work; else
+    raises CollectiveTimeout naming the wait, the timeout and — where every peer not at work
+    is idle — what it never did, the answers' account otherwise."""
+    with ranks(4, present=[0, 1, 2], timeout=2.0) as job:  # (rank 3 is mute)
+        solo_calls(job.dist[0], 1, busy=True)
+        solo_calls(job.dist[1], 1, busy=True)
+        scope = job.scope(0)
+        job.dist[0].overdue("broadcast[x] root 1", (1,), "rank 1 never sent it", scope)
+        with pytest.raises(CollectiveTimeout, match=r"^broadcast\[x\] root 2: rank 0 waited "
+                           r"2 s; rank 2 never sent it$") as got:
+            job.dist[0].overdue("broadcast[x] root 2", (2,), "rank 2 never sent it", scope)
+        assert got.value.missing == (4, 5) and got.value.op == "broadcast[x] root 2"
+        with pytest.raises(CollectiveTimeout, match=r"rank 0 waited 2 s; ranks \[3\] do not "
+                                                    r"answer"):
+            job.dist[0].overdue("broadcast[x] root 3", (1, 3), "rank 3 never sent it", scope)
 
 
-class _Pending:
-    """A request that completes at its ``n``-th test."""
-
-    def __init__(self, n: int) -> None:
-        self.left = n
-        self.cancelled = False
-
-    def Test(self) -> bool:
-        self.left -= 1
-        return self.left <= 0
-
-    def Cancel(self) -> None:
-        self.cancelled = True
-
-    def Wait(self) -> None:
-        pass
+def test_asking_the_peers_stops_waiting_for_answers_once_the_scope_is_cancelled():
+    """A failure notice that comes while this rank asks its peers is the explanation: the
+    question stops waiting for an answer a failed peer may never send."""
+    with ranks(2, present=[0]) as job:  # (rank 1 never answers)
+        scope = job.scope(0)
+        said: list[Any] = []
+        asking = threading.Thread(
+            target=lambda: said.append(job.dist[0].ask((1,), scope, wait=600.0)), daemon=True)
+        asking.start()
+        job.mpi.wait_for(lambda: job.mpi.sent(job.control(0), 0, 1), "the question")
+        scope.fail(RankFailed("rank 1 failed", rank=1, error="boom"))
+        asking.join(BOUND_S)  # (not the 600 s it would wait for an answer)
+        assert not asking.is_alive() and "ranks [1] do not answer" in said[0].text
 
 
-def _dist(inside: bool, timeout: float = 0.005):
-    """A Distributed with fakes: a timeout of 5 ms (each poll sleeps 2 ms); every peer answers
-    that it is inside this call (``inside``) or one is behind."""
-    from overlap.backends.distributed import Backoff, Distributed
+@pytest.mark.parametrize("when", ["before its wait", "during its wait"])
+def test_a_peers_failure_notice_ends_a_wait_at_once_without_asking(when):
+    """A peer's failure notice fails the runtime's scope (RankFailed naming the rank, what
+    it was doing, its error and how many calls it had made), which cancels the call in
+    flight: a round's wait ends at once — even one whose timeout ran out already, which does
+    not first ask the peers how far they got (the failed one may never answer)."""
+    timeout = 0.0 if when == "before its wait" else 600.0
+    with ranks(2, timeout=timeout) as job:
+        mine = job.dist[0].begin_call("train_step: the step graph", b"g", (0, 1),
+                                      job.scope(0, "train_step"))
+        if when == "during its wait":  # (rank 1 agrees, then never ends its part)
+            theirs = job.dist[1].begin_call("train_step: the step graph", b"g", (0, 1),
+                                            job.scope(1, "train_step"))
+            Running(theirs.agreed).result()
+            waiting = Running(lambda: mine.finish(b""))
+        job.dist[1].announce_failure("train_step", RuntimeError("boom"))
+        failed = cancelled(job.dist[0].scope)
+        calls = 1 if when == "during its wait" else 0
+        assert isinstance(failed, RankFailed)
+        assert (failed.rank, failed.error, failed.calls) == (1, "RuntimeError: boom", calls)
+        assert str(failed) == ("rank 1 failed during train_step: RuntimeError: boom (rank 0 "
+                               "stopped its work)")
+        if when == "before its wait":
+            waiting = Running(mine.agreed)
+        with pytest.raises(CollectiveAborted, match=r"aborted \(RankFailed: rank 1 failed "
+                                                    r"during train_step"):
+            waiting.result()
+        assert job.mpi.sent(job.control(0), 0, 1) == []  # (no question)
 
-    class Backend:
-        abort_reason = None
 
-    Backend.timeout = timeout
+@pytest.mark.parametrize("how, said", [("close", "closed its runtime"), ("exit", "exited")])
+def test_a_rank_that_left_fails_only_the_calls_it_is_a_member_of(how, said):
+    """A rank that left after one call: a later call among other ranks goes on, and one this
+    rank has no part in waits for nobody; one that needs it fails at once, naming it (and
+    how it left) — a RankFailed recorded in the call's scope."""
+    with ranks(3) as job:
+        for d in job.dist.values():
+            solo_calls(d, 1)
+        job.dist[1].leave(SystemExit(0) if how == "exit" else None)
+        until(lambda: 1 in job.dist[0].departed and 1 in job.dist[2].departed,
+              "rank 1's notice")
+        assert job.dist[0].departed[1] == (1, said)
+        assert whole_call(job, (0, 2)) == {r: {0: b"\n" * 3, 2: b"\x0c" * 3} for r in (0, 2)}
+        scope = job.scope(0)
+        assert job.dist[0].begin_call("reshard: the plan", b"p", (2, 1), scope) is None
+        job.dist[0].end_call()
+        assert not scope.cancelled
+        scope = job.scope(0)
+        with pytest.raises(RankFailed, match=rf"^rank 1 {said} after 1 runtime calls; this "
+                           r"rank's call 4 needs it \(rank 0 stopped its work\)$") as got:
+            job.dist[0].begin_call("reshard: the plan", b"p", (0, 1), scope)
+        assert scope.failures == [got.value] and got.value.rank == 1 and got.value.calls == 1
 
-    class Control:
-        asked = 0
 
-        def lagging(self, calls: int, among=None) -> tuple[str, bool]:
-            Control.asked += 1
-            return ("every rank made this call" if inside
-                    else "ranks [1] never made this call"), inside
+def test_a_rank_that_leaves_during_a_call_that_needs_it_fails_that_call_at_once():
+    """The call in flight waits for a member that leaves without having made it: its notice
+    fails the call at once, naming it — not after the timeout."""
+    with ranks(2, timeout=600.0) as job:
+        scope = job.scope(0)
+        mine = job.dist[0].begin_call("reshard: the plan", b"p", (0, 1), scope)
+        waiting = Running(mine.agreed)
+        job.dist[1].leave()
+        failed = cancelled(scope)
+        assert isinstance(failed, RankFailed) and str(failed).startswith(
+            "rank 1 closed its runtime after 0 runtime calls; this rank's call 1 needs it")
+        with pytest.raises(CollectiveAborted, match=r"aborted \(RankFailed: rank 1 closed"):
+            waiting.result()
+        assert not job.dist[0].scope.cancelled  # (the runtime goes on: a later call may not)
 
-    dist = object.__new__(Distributed)
-    dist.backend, dist.control, dist.calls, dist.rank = Backend(), Control(), 3, 0
-    dist.poll, dist.grace = Backoff(start=0.002, cap=0.002), 5.0
-    return dist
+
+def rows_reached(job: Job, src: int, dest: int, count: int) -> Callable[[], bool]:
+    """Whether ``count`` round rows from ``src`` reached ``dest``'s side (link or MPI)."""
+    links = job.links.get(dest)
+    if links is not None:
+        return lambda: links.frames_received >= count
+    return lambda: len(job.mpi.sent(job.rounds_comm(src), src, dest)) >= count
 
 
-@pytest.mark.parametrize("how", ["polled", "linked"])
-def test_the_end_of_call_barrier_waits_past_the_timeout_while_every_peer_is_in_the_call(how):
-    """The barrier waits for the others' whole remaining work: past the timeout it waits on
-    while every peer says it is inside this call; a wait that is not patient, or a peer
-    behind, fails naming them."""
-    import asyncio
+@pytest.mark.parametrize("stage", ["agreement", "end of call"])
+@pytest.mark.parametrize("path", ["links", "mpi"])
+def test_a_failed_call_takes_back_its_rounds_and_a_late_row_completes_no_later_round(path,
+                                                                                     stage):
+    """Rank 0's call 1 fails (in its agreement, or after its end-of-call row went) and is
+    abandoned: its rounds' receives are taken back, so rank 1's row of call 1, which comes
+    later, is taken by none of them — it waits unmatched. Rows are matched by the call number
+    (their tag): that stray row never completes a round of call 2, which agrees and ends
+    with rank 1's call-2 rows."""
+    from overlap.backends.distributed import AGREE_CHANNEL, DONE_CHANNEL
 
-    from overlap.errors import CollectiveTimeout
-
-    def wait(dist, req, patient: bool) -> None:
-        if how == "polled":
-            dist.wait_polled(req, "reshard: every rank's work", patient=patient)
+    n, hosts = (2, "aa") if path == "links" else (3, "abc")
+    with ranks(n, hosts=hosts, present=[0, 1]) as job:
+        scope = job.scope(0)
+        mine = job.dist[0].begin_call("reshard: the plan", b"plan", (0, 1), scope)
+        theirs = None
+        if stage == "end of call":
+            theirs = job.dist[1].begin_call("reshard: the plan", b"plan", (0, 1), job.scope(1))
+            Running(mine.agreed).result()
+            Running(theirs.agreed).result()
+            waiting = Running(lambda: mine.finish(b"x"))
+            until(rows_reached(job, 0, 1, 2), "rank 0's end-of-call row")
+        scope.fail(RuntimeError("op failed"))
+        if stage == "end of call":
+            with pytest.raises(CollectiveAborted, match=r"aborted \(RuntimeError: op failed"):
+                waiting.result()
+        mine.abandon()
+        job.dist[0].end_call()
+        if stage == "agreement":  # (rank 1's row of call 1 comes after the abandon)
+            theirs = job.dist[1].begin_call("reshard: the plan", b"plan", (0, 1),
+                                            job.scope(1))
+            until(rows_reached(job, 1, 0, 1), "rank 1's row of call 1")
+            Running(theirs.agreed).result()  # (rank 0's row of call 1 went before)
         else:
-            req.arm = lambda wake: None
-            asyncio.run(dist.wait_linked(req, "reshard: every rank's work", patient=patient))
-
-    dist = _dist(inside=True)
-    req = _Pending(10)  # (9 looks: 16 ms or more, past the 5 ms timeout)
-    wait(dist, req, patient=True)
-    assert req.left == 0 and dist.control.asked >= 1
-    with pytest.raises(CollectiveTimeout, match="every rank made this call"):
-        wait(_dist(inside=True), _Pending(10**9), patient=False)
-    with pytest.raises(CollectiveTimeout, match=r"ranks \[1\] never made this call"):
-        wait(_dist(inside=False), _Pending(10**9), patient=True)
-
-
-def test_a_cancel_that_comes_as_a_linked_round_completes_is_not_lost():
-    """Ctrl-C (a task's cancel) in the very loop pass where the round's completion wakes the
-    wait: the wait raises CancelledError and takes its receives back — it does not return
-    as if the call went on (asyncio.wait_for on 3.11 dropped such a cancel)."""
-    import asyncio
-
-    dist = _dist(inside=True, timeout=60.0)
-
-    class Round(_Pending):
-        def __init__(self) -> None:
-            super().__init__(10**9)
-            self.wake = None
-
-        def arm(self, wake) -> None:
-            self.wake = wake
-
-    async def main() -> None:
-        r = Round()
-        task = asyncio.create_task(dist.wait_linked(r, "train_step: the step graph"))
-        while r.wake is None:
-            await asyncio.sleep(0)
-        await asyncio.sleep(0.005)  # (asleep in its wait)
-        loop = asyncio.get_running_loop()
-
-        def complete() -> None:  # as the link thread would, then the cancel in that pass
-            r.left = 0
-            r.wake()
-            loop.call_soon(task.cancel)
-
-        loop.call_soon(complete)
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert r.cancelled
-
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize("n, members", [(4, (0, 1, 2, 3)), (4, (0, 2, 3)), (4, (1, 3)),
-                                        (6, (0, 1, 2, 3, 4, 5)), (6, (0, 2, 3, 4, 5))],
-                         ids=["every-rank", "three-of-four", "two-of-four", "six-of-six",
-                              "five-of-six"])
-@pytest.mark.parametrize("call", [0, 1, 5])
-def test_a_linked_round_gathers_among_the_calls_members_only(call, n, members):
-    """The runtime's rounds over host links (the agreement, the end-of-call barrier): every
-    member gets every member's row — up to DIRECT_MEMBERS (4) members each from each, one
-    hop; more through one member (the hub: the call number modulo the members, so the load
-    moves round), in 2 (m - 1) messages, not m (m - 1). A rank outside the call's members
-    sends and receives nothing. Whoever waits is woken once, when its round is over."""
-    import itertools
-    import socket
-    import threading
-
-    import numpy as np
-
-    from overlap.backends.distributed import DIRECT_MEMBERS, Distributed
-    from overlap.backends.host_links import HostLinks
-
-    m = len(members)
-    ends: dict[int, dict[int, socket.socket]] = {r: {} for r in range(n)}
-    for a, b in itertools.combinations(range(n), 2):
-        ends[a][b], ends[b][a] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    links = [HostLinks(r, ends[r]) for r in range(n)]
-    hub = members[call % m]
-    try:
-        tables, rounds = {}, {}
-        woken: dict[int, list[int]] = {}
-        done = {r: threading.Event() for r in members}
-        for r in [hub, *(r for r in members if r != hub)]:  # (the hub waits first)
-            dist = object.__new__(Distributed)
-            dist.rank, dist.links = r, links[r]
-            dist.world = type("World", (), {"size": n})()
-            mine = np.full(8, 10 + r, np.uint8)
-            every = np.zeros((n, 8), np.uint8)
-            every[r] = mine
-            tables[r] = every
-            rounds[r] = dist.gather_round(7, call, members, mine, every)
-            woken[r] = []
-            rounds[r].arm(lambda r=r: (woken[r].append(1), done[r].set()))
-        for r, rnd in rounds.items():
-            assert rnd.Test() or done[r].wait(10.0), "a round never completed"
-            assert rnd.Test()
-        # (The hub's round was armed before any row could land: its wake comes, just after
-        # its last row and the table it forwards.)
-        assert done[hub].wait(10.0)
-        for every in tables.values():
-            assert [every[r, 0] for r in members] == [10 + r for r in members]
-        sent = [lk.frames_sent for lk in links]
-        outside = [r for r in range(n) if r not in members]
-        assert all(sent[r] == 0 and links[r].frames_received == 0 for r in outside), sent
-        if m <= DIRECT_MEMBERS:
-            assert all(sent[r] == m - 1 for r in members), sent
+            assert Running(lambda: theirs.finish(b"y")).result() == {0: b"x", 1: b"y"}
+            until(rows_reached(job, 1, 0, 2), "rank 1's end-of-call row")
+        job.dist[1].end_call()
+        assert not mine.agreement.over or stage == "end of call"
+        if path == "links":  # (the row waits for a receive of its own: call 1's tag)
+            probe = job.links[0].irecv(AGREE_CHANNEL if stage == "agreement" else DONE_CHANNEL,
+                                       1, 1, bytearray(64))
+            assert probe.done
         else:
-            assert sent[hub] == m - 1 and sum(sent) == 2 * (m - 1), sent
-        assert (m <= DIRECT_MEMBERS) == (n == 4)  # (both ways are run)
-        # Its waiter is woken once a round (the hub's m - 1 rows land one by one).
-        assert len(woken[hub]) == 1 and all(len(w) <= 1 for w in woken.values()), woken
-    finally:
-        for lk in links:
-            lk.close()
+            stray = job.mpi.sent(job.rounds_comm(1), 1, 0)[-1]
+            assert not stray.taken
+        tables = whole_call(job, (0, 1), b"plan 2", lambda r: bytes([20 + r]))
+        assert tables == {r: {0: b"\x14", 1: b"\x15"} for r in (0, 1)}
 
 
-def _linked_pair(aborted: bool = False, linked: bool = True):
-    """Two ranks' Distributed (fakes but their host links: a socket pair)."""
-    import socket
+@pytest.mark.parametrize("last", [True, False], ids=["its-last-receive", "one-of-two"])
+def test_a_cancel_that_comes_as_a_round_completes_is_not_lost(last):
+    """Ctrl-C (a task's cancel) in the very loop pass where a receive's completion wakes the
+    round's wait: the wait raises CancelledError — it does not return as if the call went on
+    (asyncio.wait_for on 3.11 dropped such a cancel) — and takes back the receives still
+    pending."""
+    from overlap.backends.distributed import Round
 
-    from overlap.backends.distributed import Distributed
-    from overlap.backends.host_links import HostLinks
+    class Receive(Completion):
+        """A receive that can be taken back (as a link's or MPI's)."""
 
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    links = [HostLinks(0, {1: a}), HostLinks(1, {0: b})]
-    dists = []
-    for r in range(2):
-        dist = object.__new__(Distributed)
-        dist.rank, dist.links = r, links[r] if linked else None
-        dist.world = type("World", (), {"size": 2})()
-        dist.backend = type("Backend", (), {"abort_reason": "stop" if aborted else None,
-                                             "failures": []})()
-        dist.backend.note_failure = dist.backend.failures.append
-        dist.agreed_at = None
-        dists.append(dist)
-    return dists, links
+        __slots__ = ("cancelled",)
 
+        def Cancel(self) -> None:
+            self.cancelled = True
 
-@pytest.mark.parametrize("case", ["ended", "launched only", "failed", "aborted", "collective"])
-def test_the_end_of_call_row_goes_from_the_thread_that_ends_the_work(case):
-    """Where an event's completion is its work's end (the host backends), the end-of-call
-    round is posted by whoever completes the call's last event — a peer waiting for this
-    rank's row is not kept waiting until this rank's event loop runs. Not where completion
-    is a launch (CUDA), nor when an event failed or the work was aborted (the round would
-    only be taken back), nor for an MPI collective (posted in one order, from the loop)."""
-    import threading
+    with ranks(2, timeout=600.0) as job:
+        first, other = Receive("row from rank 1", 1), Receive("row from rank 2", 2)
+        first.cancelled = other.cancelled = False
+        rnd = Round(job.dist[0], [first] if last else [first, other], [], (0, 1, 2))
 
-    from overlap.backends.cpu import CpuEvent
-    from overlap.backends.distributed import AGREE_CHANNEL, Agreement
+        async def main() -> None:
+            task = asyncio.create_task(rnd.wait(job.scope(0), "train_step: the step graph"))
+            await asyncio.sleep(0)  # (the task runs up to its wait)
+            loop = asyncio.get_running_loop()
 
-    dists, links = _linked_pair(aborted=case == "aborted", linked=case != "collective")
-    try:
-        posted = []
-        if case == "collective":  # (no MPI here: the rounds it would post, recorded)
-            dists[0].gather_round = lambda channel, *a: posted.append(channel) or _Pending(1)
-        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
-        check.post()
-        sent = links[0].frames_sent
-        ev, other = CpuEvent("lane end"), CpuEvent("other lane end")
-        check.hurry_after([ev, other], ended=case != "launched only")
-        ev._complete()
-        assert check._done is None and links[0].frames_sent == sent  # (one lane still busy)
-        other._complete(RuntimeError("op failed") if case == "failed" else None)
-        # A round polled over MPI is hurried as the work ends; over links nothing polls.
-        assert check._hurry.is_set() if case == "collective" else check._hurry is None
-        if case != "ended":
-            assert check._done is None and links[0].frames_sent == sent
-            assert posted == ([AGREE_CHANNEL] if case == "collective" else [])
-            return
-        assert check._done is not None and links[0].frames_sent == sent + 1
-        peer = Agreement(dists[1], b"x" * 32, "reshard", 3, (0, 1))
-        peer.post_done()
-        for c in (check, peer):  # (each round over once the other's row lands)
-            landed = threading.Event()
-            c._done.arm(landed.set)
-            assert c._done.Test() or landed.wait(10.0)
-        check.post_done()  # (finish: posted already, not twice)
-        assert links[0].frames_sent == sent + 1
-    finally:
-        for lk in links:
-            lk.close()
+            def complete() -> None:  # (as the engine would, then the cancel in that pass)
+                first.complete()
+                loop.call_soon(task.cancel)
+
+            loop.call_soon(complete)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        Running(main).result()
+        assert not first.cancelled  # (it completed)
+        assert other.cancelled is (not last)  # (pending in the round: taken back)
 
 
-def _round_waits(dists) -> None:
-    """Give the fake ranks' Distributed the one wait ``Agreement.finish`` uses: until the
-    round is over (10 s at most)."""
-    async def wait_round(round_, what, **_):
-        landed = threading.Event()
-        round_.arm(landed.set)
-        assert round_.Test() or landed.wait(10.0), f"{what}: never over"
+def test_a_round_whose_wait_is_not_until_cancelled_ends_at_its_deadline():
+    """With ``until_cancelled=False`` (the verdict after a failure) a wait outlives the
+    scope's cancellation and ends at its deadline: False, the round still posted."""
+    with ranks(2, timeout=600.0) as job:
+        scope = job.scope(0)
+        mine = job.dist[0].begin_call("reshard: the plan", b"p", (0, 1), scope)
+        scope.fail(RuntimeError("op failed"))
 
-    for d in dists:
-        d.wait_round = wait_round
+        async def wait() -> bool:
+            return await mine.agreement.wait(scope, "reshard", until_cancelled=False,
+                                             deadline=time.perf_counter() + 0.05)
 
-
-def _landed(check) -> None:
-    """Until every row of ``check``'s agreement has landed (and been compared)."""
-    landed = threading.Event()
-    check._req.when_landed(landed.set)
-    assert landed.wait(10.0)
+        assert Running(wait).result() is False
+        with pytest.raises(CollectiveAborted, match=r"reshard: aborted \(RuntimeError: op"):
+            Running(lambda: mine.agreement.wait(scope, "reshard")).result()
 
 
-@pytest.mark.parametrize("rank0", ["ends first", "row went first"])
-def test_a_row_posted_once_the_work_ended_stands_for_the_end_of_call_round(rank0):
-    """Over host links a rank's row waits for its work's end (``hurry_after``) and says
-    so: where every member's row does, the call needs no end-of-call round — each member
-    sees the same table, so all skip it alike. A member whose row went before its work
-    ended (at ``post_within``'s time, say) makes every member use the round."""
-    import asyncio
-
-    from overlap.backends.cpu import CpuEvent
-    from overlap.backends.distributed import Agreement
-
-    dists, links = _linked_pair()
-    _round_waits(dists)
-    try:
-        checks = [Agreement(d, b"x" * 32, "reshard", 3, (0, 1)) for d in dists]
-        if rank0 == "row went first":
-            assert checks[0].post()  # (before its work ended: it says not)
-        for c in checks:
-            assert c.checked_early
-            ev = CpuEvent("lane end")
-            c.hurry_after([ev], ended=True)
-            assert c._req is None or rank0 == "row went first"
-            ev._complete()
-        sent = [lk.frames_sent for lk in links]
-        if rank0 == "ends first":
-            assert sent == [1, 1] and all(c._done is None for c in checks)
-        else:  # (rank 0's end-of-call row went as its work ended; rank 1's row said "ended")
-            assert sent == [2, 1] and checks[0]._done is not None and checks[1]._done is None
-        for c in checks:
-            _landed(c)
-            asyncio.run(c.wait())
-        for c in reversed(checks):  # (rank 1's end-of-call row goes in its finish)
-            asyncio.run(c.finish())
-        if rank0 == "ends first":
-            assert [lk.frames_sent for lk in links] == [1, 1]
-            assert all(c._done is None for c in checks)
-        else:
-            assert [lk.frames_sent for lk in links] == [2, 2]
-            assert all(c._done.Test() for c in checks)
-    finally:
-        for lk in links:
-            lk.close()
+@pytest.mark.parametrize("how, said", [("close", "closed its runtime"), ("exit", "exited")])
+def test_a_rank_that_leaves_says_so_once_and_after_how_many_calls(how, said):
+    """Leaving (the runtime closed, or the script ended with ``sys.exit(0)``) tells every
+    other rank, once: how it left and after how many calls."""
+    with ranks(3) as job:
+        solo_calls(job.dist[0], 2)
+        error = SystemExit(0) if how == "exit" else None
+        job.dist[0].leave(error)
+        job.dist[0].leave(error)  # (once)
+        for r in (1, 2):
+            until(lambda r=r: 0 in job.dist[r].departed, f"rank {r} hears it")
+            assert job.dist[r].departed[0] == (2, said) and 0 in job.dist[r].exiting
+        notices = job.mpi.sent(job.control(0), src=0)
+        assert sorted(m.dest for m in notices) == [1, 2]
+        assert all(json.loads(m.data) == {"rank": 0, "calls": 2, "how": said}
+                   for m in notices)
 
 
-def _held_row(dist):
-    """An agreement over host links whose row waits for its one lane's end (the event)."""
-    from overlap.backends.cpu import CpuEvent
-    from overlap.backends.distributed import Agreement
-
-    check = Agreement(dist, b"x" * 32, "reshard", 3, (0, 1))
-    ev = CpuEvent("lane end")
-    check.hurry_after([ev], ended=True)
-    return check, ev
-
-
-async def _past_held_time() -> None:
-    """Until a timer armed for now (``post_within(loop, 0)``) has run: timers run in time
-    order, and this one is due later."""
-    loop = asyncio.get_running_loop()
-    later = loop.create_future()
-    loop.call_later(0.001, later.set_result, None)
-    await later
+def test_a_failure_that_was_handled_is_not_announced_again_at_close():
+    """A rank whose call failed told its peers then; closing its runtime afterwards (the
+    failure handled) says nothing more — not that it left."""
+    with ranks(2) as job:
+        job.dist[0].failed("reshard", RuntimeError("op failed"))
+        failed = cancelled(job.dist[1].scope)
+        assert isinstance(failed, RankFailed) and failed.error == "RuntimeError: op failed"
+        before = len(job.mpi.sent(job.control(0), src=0))
+        job.dist[0].leave(handled=True)
+        assert len(job.mpi.sent(job.control(0), src=0)) == before
+        assert 0 not in job.dist[1].departed
 
 
-def test_a_row_held_for_the_works_end_goes_at_post_withins_time_at_the_latest():
-    """A peer's transfer timeouts and a mismatch's discovery wait for this rank's row: if
-    the work has not ended ``post_within`` seconds after the launch, the row goes then
-    (saying the work has not ended), and the work's end posts the end-of-call row."""
-    import asyncio
-
-    from overlap.backends.distributed import _ENDED
-
-    dists, links = _linked_pair()
-    try:
-        check, ev = _held_row(dists[0])
-
-        async def held() -> None:
-            check.post_within(asyncio.get_running_loop(), 0.0)
-            await _past_held_time()
-
-        asyncio.run(held())
-        assert check._req is not None and check._mine[_ENDED] == 0
-        assert links[0].frames_sent == 1
-        ev._complete()
-        assert check._done is not None and links[0].frames_sent == 2
-    finally:
-        for lk in links:
-            lk.close()
+def test_a_peers_failure_is_not_announced_back():
+    """A call that failed because a peer did (RankFailed) tells nobody: they know."""
+    with ranks(2) as job:
+        job.dist[0].failed("reshard", RankFailed("rank 1 failed", rank=1, error="boom"))
+        assert job.mpi.sent(job.control(0), src=0) == []
+        assert isinstance(job.dist[0].broken, RankFailed)
 
 
-@pytest.mark.parametrize("how", ["failed", "abandoned"])
-def test_no_row_goes_from_the_completing_thread_when_the_work_failed_or_the_call_ended(how):
-    """A failed part posts no row as it ends: the event loop's verdict (``wait``) posts it
-    (saying the work has not ended). After ``abandon`` (the call failed here) nothing goes
-    at all: neither the held row, at its time or at the work's end, nor the end-of-call
-    row."""
-    import asyncio
+def test_a_malformed_control_message_is_logged_and_dropped(caplog):
+    """Control messages are JSON objects of fixed, typed fields per kind: one that is not is
+    logged and dropped (nothing a peer sends is unpickled), and the next is taken in."""
+    import pickle
 
-    from overlap.backends.distributed import _ENDED
-
-    dists, links = _linked_pair()
-    try:
-        check, ev = _held_row(dists[0])
-
-        async def call() -> None:
-            check.post_within(asyncio.get_running_loop(), 0.0)
-            if how == "abandoned":
-                check.abandon()
-            else:
-                ev._complete(RuntimeError("op failed"))
-                assert check._req is None and links[0].frames_sent == 0
-                assert check.post()  # (what wait() does first)
-            await _past_held_time()
-
-        asyncio.run(call())
-        if how == "failed":
-            assert check._mine[_ENDED] == 0 and links[0].frames_sent == 1
-            return
-        ev._complete()
-        check.post_done()
-        assert check._req is None and check._done is None and links[0].frames_sent == 0
-    finally:
-        for lk in links:
-            lk.close()
+    with ranks(3, present=[0, 1]) as job:
+        job.dist[1].announce_failure("reshard", RuntimeError("boom"))  # (to ranks 0 and 2)
+        notice = job.mpi.sent(job.control(1), 1, 2)[0]  # (rank 2 is not here to read it)
+        failed = cancelled(job.dist[0].scope)
+        job.dist[0].scope = CancelScope("rank 0's next runtime")
+        bad = [b"{not json", pickle.dumps({"rank": 2}), b'{"rank": "2", "during": "x", '
+               b'"error": "y", "calls": 1}', b'[2, "x", "y", 1]']
+        with caplog.at_level("WARNING", logger="overlap"):
+            for data in bad:
+                job.mpi.inject(job.control(1), 2, 0, notice.tag, data)
+            job.mpi.inject(job.control(1), 2, 0, notice.tag, notice.data.replace(
+                b'"rank": 1', b'"rank": 2'))
+            again = cancelled(job.dist[0].scope)
+        assert isinstance(failed, RankFailed) and isinstance(again, RankFailed)
+        assert again.rank == 2 and again.error == "RuntimeError: boom"
+        dropped = [r for r in caplog.records if "ignored a malformed control message" in
+                   r.getMessage()]
+        assert len(dropped) == len(bad)
+        assert all(f"(tag {notice.tag}) from rank 2" in r.getMessage() for r in dropped)
 
 
-def test_a_row_that_cannot_go_from_the_completing_thread_is_the_event_loops_failure(caplog):
-    """The links closed before the work's end: the completing thread's post fails there,
-    quietly (not a callback's bug: nothing logged; the event's other callbacks run), and
-    the event loop's verdict meets the failure itself, raising it in the call."""
-    import asyncio
+def test_control_messages_are_parsed_field_by_field():
+    """(The parser's rules, message by message: exactly the fields of the kind, each of its
+    type — a bool is not an int; nothing larger than a control message can be.)"""
+    from overlap.backends.distributed import _EXITING, _FAILED, _LEFT, _QUERY, _REPLY, _parse
 
-    from overlap.backends.cpu import CpuEvent
-    from overlap.backends.distributed import Agreement
-    from overlap.errors import CollectiveAborted
+    def enc(msg: Any) -> bytes:
+        return json.dumps(msg).encode()
 
-    dists, links = _linked_pair()
-    try:
-        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
-        ev = CpuEvent("lane end")
-        check.hurry_after([ev], ended=True)
-        after: list[bool] = []
-        ev.add_done_callback(lambda _: after.append(True))
-        links[0].close()
-        with caplog.at_level("ERROR", logger="overlap"):
-            ev._complete()  # (raises nothing: the post failed quietly)
-        assert after == [True] and check._req is None and caplog.text == ""
-        with pytest.raises(CollectiveAborted, match="host links are closed"):
-            asyncio.run(check.wait())
-    finally:
-        for lk in links:
-            lk.close()
-
-
-def test_a_failed_call_takes_back_its_end_of_call_round():
-    """A call that fails after its end-of-call row went (its work ended here, a peer's
-    failed): the round's receive is taken back, not left posted on the link."""
-    dists, links = _linked_pair()
-    from overlap.backends.distributed import Agreement
-
-    try:
-        check = Agreement(dists[0], b"x" * 32, "reshard", 3, (0, 1))
-        check.post_done(early=True)
-        recv = check._done._recvs[0]
-        assert not recv.cancelled
-        check.abandon()
-        assert recv.cancelled
-    finally:
-        for lk in links:
-            lk.close()
+    failed = {"rank": 1, "during": "train_step", "error": "E: x", "calls": 3}
+    assert _parse(_FAILED, enc(failed)) == failed
+    assert _parse(_EXITING, enc({"rank": 2})) == {"rank": 2}
+    assert _parse(_QUERY, enc({})) == {}
+    assert _parse(_REPLY, enc({"calls": 4, "busy": False})) == {"calls": 4, "busy": False}
+    assert _parse(_LEFT, enc({"rank": 1, "calls": 2, "how": "exited"}))["how"] == "exited"
+    for tag, data in [
+        (_FAILED, enc({**failed, "extra": 1})),
+        (_FAILED, enc({k: v for k, v in failed.items() if k != "calls"})),
+        (_FAILED, enc({**failed, "calls": True})),  # (a bool is not an int)
+        (_FAILED, enc({**failed, "calls": 3.0})),
+        (_REPLY, enc({"calls": 4, "busy": 1})),
+        (_EXITING, enc([2])),
+        (_QUERY, b"\x80\x04K\x01."),  # (a pickle)
+        (_QUERY, b"\xff\xfe"),
+        (_EXITING, b"[" * 60_000),  # (nested past the parser's recursion limit)
+        (_EXITING, b"[" * 100_000),  # (longer than any control message)
+        (_EXITING, enc({"rank": 2, "pad": " " * (1 << 16)})),
+        (99, enc({})),  # (no such kind)
+    ]:
+        assert _parse(tag, data) is None, (tag, data[:40])
 
 
-@pytest.mark.parametrize("same", [True, False], ids=["same-call", "different-calls"])
-def test_over_host_links_the_agreement_is_settled_by_the_thread_landing_its_rows(same):
-    """No task waits for the agreement's rows over host links: the thread that lands the
-    last one compares them — a mismatch is recorded as the backend's failure (which stops
-    the work at once) before anyone awaits the verdict; the verdict then costs no wait."""
-    import asyncio
+def test_an_abandoned_mpi_round_receive_is_taken_back_by_mpi(tmp_path):
+    """(MPI's own cancel, which the stand-in above only imitates.) Over MPI point to point,
+    rank 0 abandons call 1 before rank 1's row of it comes: that row stays unmatched (an
+    ``Iprobe`` finds it after call 2), and call 2 agrees and ends with call 2's rows."""
+    pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
+    from test_mpi import MPIEXEC, mpiexec, outputs, verdicts
 
-    from overlap.backends.distributed import Agreement
-    from overlap.errors import CallMismatch
-
-    dists, links = _linked_pair()
-    try:
-        mine = Agreement(dists[0], b"a" * 32, "reshard: the plan (call 3)", 3, (0, 1))
-        mine.post()
-        assert mine.checked_early and dists[0].agreed_at is None
-        peer = Agreement(dists[1], (b"a" if same else b"b") * 32, "reshard", 3, (0, 1))
-        peer.post()
-        for a in (mine, peer):  # (each settled by the link thread as the other's row lands)
-            landed = threading.Event()
-            a._req.when_landed(landed.set)
-            assert landed.wait(10.0)
-        failures = dists[0].backend.failures
-        assert dists[0].agreed_at is not None
-        if same:
-            assert failures == []
-            asyncio.run(mine.wait())
-            return
-        assert [type(f) for f in failures] == [CallMismatch]
-        assert "ranks [1] made a different call than rank 0" in str(failures[0])
-        with pytest.raises(CallMismatch) as got:
-            asyncio.run(mine.wait())  # (no wait_round: Distributed has none of its state)
-        assert got.value is failures[0]
-    finally:
-        for lk in links:
-            lk.close()
-
-
-def test_a_verdict_asked_while_another_thread_settles_it_waits_for_that_verdict():
-    """The landing thread settles the agreement while the event loop asks for the verdict:
-    the loop waits for the comparison under way, it does not take "settled" for "agreed"."""
-    import asyncio
-
-    import numpy as np
-
-    from overlap.backends.distributed import Agreement, _LinkRound
-    from overlap.errors import CallMismatch
-
-    dists, links = _linked_pair()
-    try:
-        check = Agreement(dists[0], b"a" * 32, "reshard", 3, (0, 1))
-        check._every[1, :32] = np.frombuffer(b"b" * 32, np.uint8)  # (rank 1's row: another call)
-        check._req = _LinkRound([], [])  # (its rows are in)
-        comparing, go_on = threading.Event(), threading.Event()
-
-        class Members(tuple):
-            def __iter__(self):  # (the comparison, held half-way)
-                comparing.set()
-                go_on.wait(10.0)
-                return super().__iter__()
-
-        check.members = Members((0, 1))
-        lander = threading.Thread(target=check._settle)
-        lander.start()
-        assert comparing.wait(10.0)
-        verdict: list[BaseException | None] = []
-
-        def ask() -> None:
-            try:
-                asyncio.run(check.wait())
-                verdict.append(None)
-            except BaseException as exc:
-                verdict.append(exc)
-
-        asker = threading.Thread(target=ask)
-        asker.start()
-        asker.join(0.2)  # (it must wait for the comparison, not return meanwhile)
-        assert verdict == []
-        go_on.set()
-        asker.join(10.0)
-        lander.join(10.0)
-        assert len(verdict) == 1 and isinstance(verdict[0], CallMismatch)
-    finally:
-        for lk in links:
-            lk.close()
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    done, _ = mpiexec(4, "abandon", str(tmp_path), data="mpi")
+    assert done.returncode == 0, verdicts(done.stdout + done.stderr)
+    got = outputs(tmp_path, 4)
+    assert not bool(got[0]["abandoned_over"])  # (its receive was taken back: never landed)
+    assert bool(got[0]["stray_waits"]) and int(got[0]["stray_source"]) == 1
+    for r in (0, 1):
+        assert got[r]["table"].tolist() == [[20], [21]]

@@ -23,6 +23,7 @@ from typing import Any
 from ..world import Placement, World
 from .backend import SETTLE_GRACE_S, Backend, Remote
 from .cpu import CpuDevices
+from .engine import Backoff
 from .routes import Route
 from .streams import Busy, Event, Stream, Trace, TraceRecord
 
@@ -32,13 +33,15 @@ BACKENDS = ("cpu", "cuda")
 def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None,
                  world: World | None = None, placement: Placement | None = None,
-                 host_links: bool | None = None, grace: float = 5.0) -> Backend:
+                 host_links: bool | None = None, grace: float = 5.0,
+                 poll: Backoff | None = None) -> Backend:
     """A backend of device kind ``name`` ("cpu" or "cuda"). With a multi-process ``world``
     it also has what joins it to the other processes (this process drives the devices
     ``placement`` gives its rank): the process's progress engine, host links between the
     ranks of a host (unless ``host_links`` is False or ``OVERLAP_HOST_LINKS=0``), the
-    control plane, and the data plane — wires for the CPU kind, NCCL for CUDA. Collective
-    across processes: every rank calls it, from the main thread, in the same order."""
+    control plane, and the data plane — wires for the CPU kind, NCCL for CUDA (``poll``: how
+    the engine polls pending MPI requests; default ``Backoff()``). Collective across
+    processes: every rank calls it, from the main thread, in the same order."""
     if name not in BACKENDS:
         raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
     if name == "cuda":
@@ -50,11 +53,12 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
     if world is None or not world.distributed:
         return Backend(devices, num_devices, timeout=timeout, link_time=link_time)
     return _joined(devices, num_devices, world, placement or Placement.blocks(
-        num_devices, world.size), timeout, host_links, grace)
+        num_devices, world.size), timeout, host_links, grace, poll)
 
 
 def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
-            timeout: float, host_links: bool | None, grace: float) -> Backend:
+            timeout: float, host_links: bool | None, grace: float,
+            poll: Backoff | None) -> Backend:
     from ..world import mpi_world_comm
     from .distributed import Distributed, host_links_wanted
     from .engine import Engine
@@ -76,7 +80,7 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
                          f"MPI.COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()})")
     backend = Backend(devices, num_devices, timeout=timeout, placement=placement,
                       rank=world.rank)
-    engine = Engine(f"overlap-engine-r{world.rank}")
+    engine = Engine(f"overlap-engine-r{world.rank}", poll)
     try:
         links = HostLinks.connect(comm, engine) if links_on else None
         dist = Distributed(world, placement, engine, comm, links, timeout=timeout,
@@ -97,5 +101,6 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
     return backend
 
 
-__all__ = ["BACKENDS", "SETTLE_GRACE_S", "Backend", "Busy", "CpuDevices", "Event", "Remote",
+__all__ = ["BACKENDS", "SETTLE_GRACE_S", "Backend", "Backoff", "Busy", "CpuDevices", "Event",
+           "Remote",
            "Route", "Stream", "Trace", "TraceRecord", "make_backend"]

@@ -30,6 +30,8 @@ class Remote(Protocol):
     """A transport for collectives whose participants span processes."""
 
     def spans(self, group: Sequence[int]) -> bool: ...
+    def prepared(self, channels: dict[str, tuple[int, ...]],
+                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> bool: ...
     def prepare(self, channels: dict[str, tuple[int, ...]],
                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> None: ...
     def broadcast(self, order: tuple[int, ...], device: int, root: int, buffer: Any,
@@ -39,26 +41,6 @@ class Remote(Protocol):
                    scope: CancelScope) -> None: ...
     def all_gather(self, group: tuple[int, ...], device: int, buffer: Any, out: Any,
                    desc: str, namespace: str, tag: int | None, scope: CancelScope) -> None: ...
-    def route(self, order: Sequence[int], device: int, root: int, desc: str, namespace: str,
-              nbytes: int) -> Route:
-        """``device``'s part of a broadcast from ``root`` to the rest of ``order`` (the
-        receivers in chain order), resolved once (see :mod:`.routes`)."""
-        order = tuple(dict.fromkeys((root, *order)))
-        hop = None
-        if self.remote is not None and self.remote.spans(order):
-            hop = self.remote.hop(order, device, root, namespace, nbytes)
-        return Route(desc, namespace, root, order, device, nbytes,
-                     self.receives_strided(order), hop)
-
-    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope) -> None:
-        """Run ``route``'s part with ``buffer`` (the root's data, or where a receiver's
-        lands); ``tag`` names the transfer across processes."""
-        if route.hop is not None:
-            self.remote.transfer(route, buffer, tag, scope)  # type: ignore[union-attr]
-            return
-        self.local.broadcast(route.group, route.device, route.root, buffer, route.desc,
-                             route.namespace, scope)
-
     def receives_strided(self, group: Sequence[int]) -> bool: ...
     def hop(self, order: tuple[int, ...], device: int, root: int, namespace: str,
             nbytes: int) -> Any: ...
@@ -219,7 +201,7 @@ class Backend:
         group's — made where missing, in the same order on every process (collective;
         off the event loop)."""
         self.local.prepare(channels)
-        if self.remote is not None:
+        if self.remote is not None and not self.remote.prepared(channels, groups):
             await asyncio.to_thread(self.remote.prepare, channels, groups)
 
     # ---- around a call -------------------------------------------------------------------

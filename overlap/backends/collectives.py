@@ -28,7 +28,7 @@ from ..scope import CancelScope, sleep
 class _Slot:
     """One launch position of a communicator: who arrived, and the result."""
 
-    __slots__ = ("arrived", "done", "error", "result", "running", "start", "hold")
+    __slots__ = ("arrived", "done", "error", "hold", "result", "running", "start")
 
     def __init__(self) -> None:
         self.arrived: dict[int, tuple[str, Any]] = {}

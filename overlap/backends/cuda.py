@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DeviceFault, DeviceTimeout, OverlapRuntimeError
+from ..errors import CollectiveAborted, DeviceFault, DeviceTimeout, OverlapRuntimeError
 from .local import LocalTransport
 
 if TYPE_CHECKING:
@@ -88,6 +88,8 @@ class CompletionWaiters:
 
     def watch(self, event: Any, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
         with self._lock:  # started on first use
+            if self._closed:  # (its backend closed: no waiter would ever answer)
+                raise CollectiveAborted(f"waiting for {event!r}: the backend is closed")
             want = self._threads if self._started < self._threads else self._started + 1
             if self._idle == 0 and self._started < min(want, MAX_WAITER_THREADS):
                 self._started += 1

@@ -70,6 +70,7 @@ from ..scope import CancelScope
 from ..world import Placement, World, describe
 from .engine import Completion, Engine
 from .host_links import HostLinks
+from .mpi import MpiReceive
 
 _FAILED, _EXITING, _QUERY, _REPLY, _LEFT = 1, 2, 3, 4, 5  # control message tags
 # What each control message carries: field -> type. Messages are JSON objects of exactly
@@ -143,6 +144,7 @@ class Distributed:
         # guards (its peers' reports); one closed after it was handled stops it.
         self.listening = False
         self._replies: dict[int, tuple[int, bool, float]] = {}  # rank -> calls, busy, when
+        self._asked: dict[int, float] = {}  # rank -> when it was last asked
         self._replied = threading.Condition()
         self._sends: list[tuple[Any, bytes]] = []  # control sends in flight (kept alive)
         self._send_lock = threading.Lock()
@@ -242,10 +244,29 @@ class Distributed:
         tag = (call % span) * len(kinds) + kinds.index(channel)
         recvs, sends = [], []
         for r in others:
-            recvs.append(self._mpi_round_part(self.runtime_comm.Irecv(table[r], r, tag), r,
-                                              table))
+            recvs.append(self._mpi_round_recv(table[r], r, tag))
             sends.append(self._mpi_round_part(self.runtime_comm.Isend(row, r, tag), r, row))
         return Round(self, recvs, sends, members)
+
+    def _mpi_round_recv(self, buf: np.ndarray, peer: int, tag: int) -> MpiReceive:
+        """A round's receive over MPI point to point: one a failed call's ``abandon`` can
+        take back (MPI's cancel; else it would stay posted, take the peer's late row and
+        count as landed), and that, taken back, fails — it never completes the round."""
+        MPI = self.MPI
+        status = MPI.Status()
+        request = self.runtime_comm.Irecv(buf, peer, tag)
+        done = MpiReceive("the runtime's round over MPI", peer, request, buf)
+
+        def finished(st: Any) -> None:
+            if isinstance(st, BaseException):
+                done.fail(CollectiveAborted(f"{done.what}: {st}"))
+            elif st.Is_cancelled():
+                done.fail(CollectiveAborted(f"{done.what}: taken back"))
+            else:
+                done.complete()
+
+        self.engine.watch_mpi(request, finished, status)
+        return done
 
     def _mpi_round_part(self, request: Any, peer: int, keep: Any) -> Completion:
         done = Completion("the runtime's round over MPI", peer)
@@ -269,30 +290,43 @@ class Distributed:
         raise CollectiveTimeout(f"{what}: rank {self.rank} waited {self.timeout:g} s; "
                                 f"{account}", op=what, devices=(),
                                 missing=tuple(d for p in peers
-                                              for d in self.placement.devices_of(p)))
+                                              for d in self.placement.devices_of(p)),
+                                ranks=answers.absent)
 
-    def ask(self, among: Sequence[int], scope: CancelScope | None = None) -> Answers:
-        """Ask the ranks ``among`` how far they got (blocking, up to ``QUERY_WAIT_S``; see
+    def ask(self, among: Sequence[int], scope: CancelScope | None = None,
+            wait: float = QUERY_WAIT_S) -> Answers:
+        """Ask the ranks ``among`` how far they got (blocking, up to ``wait``; see
         :class:`Answers`)."""
         others = [r for r in dict.fromkeys(among) if r != self.rank]
         if not others:
             return Answers("no other rank to wait for", False, True)
-        asked = time.perf_counter()
-        for r in others:
+        now = time.perf_counter()
+        # A rank asked a moment ago is not asked again: its answer stands, and so does its
+        # silence (a frozen peer would cost every wait that asks another QUERY_WAIT_S).
+        recent = now - QUERY_WAIT_S
+        with self._replied:
+            known = {r: self._replies[r][:2] for r in others
+                     if r in self._replies and self._replies[r][2] >= recent}
+            silent = {r for r in others if r not in known
+                      and recent - QUERY_WAIT_S <= self._asked.get(r, -1.0) <= recent
+                      and self._replies.get(r, (0, False, -1.0))[2] < self._asked[r]}
+        to_ask = [r for r in others if r not in known and r not in silent]
+        for r in to_ask:
+            self._asked[r] = now
             self._tell(r, _QUERY, {})
-        deadline = asked + QUERY_WAIT_S
+        deadline = now + wait
         with self._replied:
             while True:
-                fresh = {r: v for r, v in self._replies.items() if v[2] >= asked}
+                got = {r: self._replies[r][:2] for r in to_ask
+                       if r in self._replies and self._replies[r][2] >= now}
                 left = deadline - time.perf_counter()
                 # (Not past a cancellation: a failure notice that came meanwhile is the
                 # explanation, and a failed peer may never answer.)
-                if all(r in fresh for r in others) or left <= 0 or (
+                if len(got) == len(to_ask) or left <= 0 or (
                         scope is not None and scope.cancelled):
                     break
                 self._replied.wait(min(left, LISTEN_TICK_S))
-        return Answers.of(self.calls, {r: (c, b) for r, (c, b, _) in fresh.items()
-                                       if r in others}, others)
+        return Answers.of(self.calls, {**known, **got}, others)
 
     # ---- control messages ----------------------------------------------------------------
 
@@ -430,6 +464,8 @@ class Answers:
     text: str
     at_work: bool
     idle: bool
+    absent: tuple[int, ...] = ()  # the ranks asked that are not at work (or did not answer)
+    behind: tuple[int, ...] = ()  # ...that never made this call and are in none, or are mute
 
     @classmethod
     def of(cls, calls: int, got: dict[int, tuple[int, bool]], asked: Sequence[int]) -> Answers:
@@ -455,7 +491,8 @@ class Answers:
         if not parts:
             parts.append(f"ranks {working} are at work (calls "
                          f"{[got[r][0] for r in working]}, this rank at {calls})")
-        return cls("; ".join(parts), len(working) == len(asked), not past and not mute)
+        return cls("; ".join(parts), len(working) == len(asked), not past and not mute,
+                   tuple(r for r in asked if r not in working), tuple(late + mute))
 
 
 class Round:
@@ -498,6 +535,12 @@ class Round:
     def over(self) -> bool:
         return all(c.done for c in self._all)
 
+    def missing(self) -> list[int]:
+        """The members whose rows have not landed (all others, for one MPI collective)."""
+        if any(c.peer < 0 and not c.done for c in self._recvs):
+            return [r for r in self.members if r != self.dist.rank]
+        return [c.peer for c in self._recvs if not c.done]
+
     def cancel(self) -> None:
         """Take back the receives still pending."""
         for r in self._recvs:
@@ -537,9 +580,11 @@ class Round:
                     return False
                 left = started + dist.timeout - now
                 if left <= 0:
-                    pending = [c.peer for c in self._all if not c.done and c.peer >= 0]
-                    await asyncio.to_thread(dist.overdue, what, pending or self.members, "",
-                                            scope)
+                    # (One MPI collective has no peer of its own: every other member. Never
+                    # this rank: its devices are not what the wait misses.)
+                    pending = [c.peer for c in self._all if not c.done and c.peer >= 0] or [
+                        r for r in self.members if r != dist.rank]
+                    await asyncio.to_thread(dist.overdue, what, pending, "", scope)
                     started = time.perf_counter()
                     continue
                 if deadline is not None:
@@ -622,8 +667,17 @@ class CallRounds:
         failures it caused — while the round can still complete (no member that failed
         never made this call), for at most half the ``grace`` (so this rank still reports to
         a failed peer before that peer's wait at exit ends); else None."""
-        if self._settled:
-            return self.mismatch
+        with self._lock:  # (the landing thread may be comparing the rows now: its verdict)
+            if self._settled:
+                return self.mismatch
+        # A missing row may still come from a member that made this call (it posted its row
+        # then) or is still in an earlier one; never from one behind it and idle, or mute.
+        missing = self.agreement.missing()
+        if missing:
+            # (A short ask: a wrong "mute" here only skips a verdict — the call failed.)
+            answers = await asyncio.to_thread(self.dist.ask, missing, None, QUERY_WAIT_S / 2)
+            if answers.behind:
+                return None
         deadline = time.perf_counter() + self.dist.grace / 2
         while not self.agreement.over and self._can_complete():
             if time.perf_counter() >= deadline:

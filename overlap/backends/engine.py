@@ -213,10 +213,13 @@ class Engine:
         dropped.wait(wait)
 
     def every(self, seconds: float, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` on the engine's thread every ``seconds``."""
+        """Call ``fn()`` on the engine's thread every ``seconds`` — also after a call that
+        raised (logged): one bad tick must not end the control messages' look for good."""
         def again() -> None:
-            fn()
-            self._at(time.perf_counter() + seconds, again)
+            try:
+                fn()
+            finally:
+                self._at(time.perf_counter() + seconds, again)
 
         self.call_soon(lambda: self._at(time.perf_counter() + seconds, again))
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import OverlapRuntimeError
+from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope
 from .nccl_bootstrap import bootstrap_nccl
 from .routes import Route
@@ -113,12 +113,19 @@ class NcclGroups:
                     c.destroy()
             self._declared[namespace] = group
 
-    def _comm(self, namespace: str, group: tuple[int, ...], device: int
-              ) -> tuple[Any, tuple[int, ...]]:
+    def _comm(self, namespace: str, group: tuple[int, ...], device: int, scope: CancelScope,
+              what: str) -> tuple[Any, tuple[int, ...]]:
         """The communicator of ``device`` for this collective, and its ranks' devices: the
-        declared channel's when it covers the group on distinct GPUs, else the group's own."""
+        declared channel's when it covers the group on distinct GPUs, else the group's own.
+
+        Raises if ``scope`` is cancelled: the host rendezvous lets its last arriver through
+        (and a waiter that sees it complete) even after a cancel, and the abort has cleared
+        the communicators — new ones would carry a send or recv whose peer never comes, a
+        kernel spinning for good. (Checked under the lock the abort takes.)"""
         physical = self.kind.physical
         with self._lock:
+            if scope.cancelled:
+                raise scope.aborted(f"{what} on device {device}")
             members = self._declared.get(namespace, group)
             if not set(group) <= set(members) or len({physical(d) for d in members}) < len(
                     members):
@@ -148,7 +155,7 @@ class NcclGroups:
         what = f"broadcast[{desc}] root {root}"
         # Match launch positions on the host first: mismatches and missing peers are named.
         backend.comms.get(namespace, group).run(device, what, None, lambda _: 0.0, scope)
-        comm, ranks = self._comm(namespace, group, device)
+        comm, ranks = self._comm(namespace, group, device, scope, what)
         stream = self.kind.current_native().ptr
         count, dtype = buffer.size, nccl_dtype(buffer.dtype)
         with self.issuing(device):
@@ -169,9 +176,9 @@ class NcclGroups:
                    scope: CancelScope) -> None:
         reduction = nccl_op(op)  # before any rendezvous: an unknown op fails alone
         self._aborter.watch(scope)
-        backend.comms.get(namespace, group).run(device, f"all_reduce[{desc}]", None,
-                                                lambda _: 0.0, scope)
-        comm, _ = self._comm(f"{namespace}:{group}", group, device)
+        what = f"all_reduce[{desc}]"
+        backend.comms.get(namespace, group).run(device, what, None, lambda _: 0.0, scope)
+        comm, _ = self._comm(f"{namespace}:{group}", group, device, scope, what)
         with self.issuing(device):
             comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size,
                            nccl_dtype(buffer.dtype), reduction, self.kind.current_native().ptr)
@@ -222,9 +229,19 @@ class NcclLinks:
         self._comms[key] = bootstrap_nccl(self._boot, members, self.rank, self._nccl(),
                                           timeout=self.timeout)
 
+    def _comm(self, key: Any) -> Any:
+        """The communicator ``key``; after :meth:`abort` (a call's scope was cancelled) a
+        call of that call's that got past its own check fails as aborted — a consequence,
+        not a ``KeyError`` that would pass for the call's root cause."""
+        comm = self._comms.get(key)
+        if comm is None:
+            raise CollectiveAborted(f"NCCL communicator {key!r}: aborted (the call was "
+                                    "cancelled), or never opened")
+        return comm
+
     def send_many(self, key: Any, buf: Any, peers: Sequence[int], stream: Any) -> None:
         nccl = self._nccl()
-        comm = self._comms[key]
+        comm = self._comm(key)
         with self._issue:
             nccl.groupStart()
             try:
@@ -234,20 +251,22 @@ class NcclLinks:
                 nccl.groupEnd()
 
     def recv(self, key: Any, buf: Any, peer: int, stream: Any) -> None:
+        comm = self._comm(key)
         with self._issue:
-            self._comms[key].recv(buf.data.ptr, buf.size, nccl_dtype(buf.dtype), peer,
-                                  stream.ptr)
+            comm.recv(buf.data.ptr, buf.size, nccl_dtype(buf.dtype), peer, stream.ptr)
 
     def all_reduce(self, key: Any, buf: Any, stream: Any) -> None:
         nccl = self._nccl()
+        comm = self._comm(key)
         with self._issue:
-            self._comms[key].allReduce(buf.data.ptr, buf.data.ptr, buf.size,
-                                       nccl_dtype(buf.dtype), nccl.NCCL_SUM, stream.ptr)
+            comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl_dtype(buf.dtype),
+                           nccl.NCCL_SUM, stream.ptr)
 
     def all_gather(self, key: Any, buf: Any, out: Any, stream: Any) -> None:
+        comm = self._comm(key)
         with self._issue:
-            self._comms[key].allGather(buf.data.ptr, out.data.ptr, buf.size,
-                                       nccl_dtype(buf.dtype), stream.ptr)
+            comm.allGather(buf.data.ptr, out.data.ptr, buf.size, nccl_dtype(buf.dtype),
+                           stream.ptr)
 
     def abort(self) -> None:
         comms, self._comms = list(self._comms.values()), {}
@@ -282,6 +301,14 @@ class NcclTransport:
 
     def spans(self, group: Sequence[int]) -> bool:
         return self.placement.ranks_of(tuple(group)) != (self.rank,)
+
+    def prepared(self, channels: dict[str, tuple[int, ...]],
+                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> bool:
+        """Whether every one of these channels and groups has its communicator already."""
+        owners = self.placement.ranks_of
+        return (all(self._members.get(n) == tuple(sorted(set(owners(d))))
+                    for n, d in channels.items())
+                and all((n, tuple(sorted(set(g)))) in self._members for n, g in groups))
 
     def prepare(self, channels: dict[str, tuple[int, ...]],
                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> None:
@@ -329,6 +356,7 @@ class NcclTransport:
         self._aborter.watch(scope)
         group = tuple(sorted(set(order)))
         what = f"broadcast[{desc}] root {root}"
+        scope.check(what)  # (cancelled: the links were aborted; a peer may never come)
         members = self._members_of(namespace, group, what)
         stream = self.kind.current_native()
         owner = self.placement.owners
@@ -347,6 +375,7 @@ class NcclTransport:
             raise OverlapRuntimeError(f"all_reduce[{desc}]: across processes only the sum "
                                       "runs (NCCL_SUM)")
         self._aborter.watch(scope)
+        scope.check(f"all_reduce[{desc}]")
         self._members_of((namespace, group), group, f"all_reduce[{desc}]")
         self._links.all_reduce((namespace, group), buffer, self.kind.current_native())
         self.kind.keep(self.kind.arrive(), buffer)
@@ -354,6 +383,7 @@ class NcclTransport:
     def all_gather(self, group: tuple[int, ...], device: int, buffer: Any, out: Any,
                    desc: str, namespace: str, tag: int | None, scope: CancelScope) -> None:
         self._aborter.watch(scope)
+        scope.check(f"all_gather[{desc}]")
         self._members_of((namespace, group), group, f"all_gather[{desc}]")
         self._links.all_gather((namespace, group), buffer, out, self.kind.current_native())
         self.kind.keep(self.kind.arrive(), buffer, out)

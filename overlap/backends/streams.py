@@ -365,11 +365,22 @@ class Stream:
 
     def abandon(self, reason: str) -> None:
         """Leave the thread stuck in its op: it is a daemon (it cannot keep the process
-        alive), it runs nothing more when the op returns, and this stream refuses work."""
+        alive), it runs nothing more when the op returns, and this stream refuses work. What
+        was queued behind the op is dropped now (its records fail, naming ``reason``): the
+        stuck thread keeps nothing of later work alive — nor, through it, its callers."""
         self.lost = reason
         self._closed = True
         with self._lock:
             self._thread = None
+        dropped = []
+        while True:
+            try:
+                dropped.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for item in dropped:
+            if item is not _STOP and item[0] == _RECORD:
+                item[1]._complete(OverlapRuntimeError(reason))
         self._queue.put(_STOP)
 
     def close(self) -> threading.Thread | None:

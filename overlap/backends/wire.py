@@ -145,6 +145,13 @@ class WireTransport:
             known = self._spans[key] = self.placement.ranks_of(key) != (self.rank,)
         return known
 
+    def prepared(self, channels: dict[str, tuple[int, ...]],
+                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> bool:
+        """Whether every one of these channels and groups is made already (every call asks:
+        a call with nothing new goes on without a thread hop)."""
+        return ("compute" in self._channels and all(n in self._channels for n in channels)
+                and all((n, tuple(sorted(set(g)))) in self._group_ids for n, g in groups))
+
     def prepare(self, channels: dict[str, tuple[int, ...]],
                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> None:
         """Make each new channel's communicator (an ``MPI_Comm_idup`` over every rank, in

@@ -32,6 +32,7 @@ from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
 from .checks import check_count, check_meshes, check_modules, module_device_dtype
 from .tensors import from_torch, numpy_dtype, op_stream, to_torch
+from .threads import check_threads, default_threads, run_with
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -53,6 +54,11 @@ class TorchPipeline:
             schedule with several stages per rank (``interleaved-1f1b``, ``zbv``) share it.
         loss_fn: ``loss_fn(output, target)`` (or ``loss_fn(output)`` when a step gets no
             targets) on the last stage's output; returns the microbatch's scalar loss.
+        num_threads: torch's intra-op threads in every stage function (they run on the
+            runtime's stream threads, where the caller's ``torch.set_num_threads`` does not
+            reach). Default: the calling thread's setting, or, with several ranks on a host
+            and no ``OMP_NUM_THREADS``, the host's cores per rank (see
+            :mod:`overlap.torch.threads`).
 
     Intra-stage parallelism: **replication**. Every device of a stage's mesh runs the whole
     stage on the whole microbatch (boundary layouts ``P()`` on both sides), and every replica
@@ -62,7 +68,9 @@ class TorchPipeline:
     """
 
     def __init__(self, modules: Sequence[nn.Module | Sequence[nn.Module]],
-                 meshes: Sequence[DeviceMesh], loss_fn: LossFn) -> None:
+                 meshes: Sequence[DeviceMesh], loss_fn: LossFn, *,
+                 num_threads: int | None = None) -> None:
+        self.num_threads = check_threads(num_threads)
         self.meshes = check_meshes(meshes)
         self.modules = check_modules(modules, self.meshes)
         if not callable(loss_fn):
@@ -82,6 +90,7 @@ class TorchPipeline:
             Stage(mesh, self._forward(s), self._backward_input(s), self._backward_weight(s))
             for s, mesh in enumerate(self.meshes))
         self._targets: list[torch.Tensor] | None = None
+        self._threads = 1  # intra-op threads of the step in flight (set by train_step)
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
         self._boundaries: dict[Any, tuple[Boundary, ...]] = {}
 
@@ -117,6 +126,7 @@ class TorchPipeline:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("TorchPipeline: a step is already running on this pipeline")
         self._targets = tgts
+        self._threads = self.num_threads or default_threads(rt.world)
         try:
             return await rt.train_step(self.split_stages if split else self.stages, boundaries,
                                        mbs,
@@ -263,6 +273,7 @@ class TorchPipeline:
         modules = self._by_device[s]
 
         def forward(ctx: StageContext, x: Any) -> Any:
+            run_with(self._threads)  # (intra-op threads are per thread too: module doc)
             with op_stream(ctx), torch.enable_grad():  # grad mode is per thread in torch
                 xt = to_torch(x, ctx)
                 if s > 0:
@@ -280,6 +291,7 @@ class TorchPipeline:
 
     def _backward(self, s: int) -> Callable[[StageContext, Any], Any]:
         def backward(ctx: StageContext, dy: Any) -> Any:
+            run_with(self._threads)
             xt, out = ctx.saved.pop("x"), ctx.saved.pop("out")
             with op_stream(ctx):
                 if out.requires_grad:
@@ -296,6 +308,7 @@ class TorchPipeline:
         """``I``: the input's gradient only; the graph and the incoming gradient are kept
         for ``W`` (stage 0's input needs none: its ``I`` leaves everything to ``W``)."""
         def backward_input(ctx: StageContext, dy: Any) -> Any:
+            run_with(self._threads)
             xt, out = ctx.saved["x"], ctx.saved["out"]
             with op_stream(ctx):
                 grad = None if dy is None else to_torch(dy, ctx)
@@ -314,6 +327,7 @@ class TorchPipeline:
         modules = self._by_device[s]
 
         def backward_weight(ctx: StageContext) -> None:
+            run_with(self._threads)
             out, grad = ctx.saved.pop("out"), ctx.saved.pop("grad")
             ctx.saved.pop("x")
             params = [p for p in modules[ctx.device].parameters() if p.requires_grad]

@@ -267,6 +267,8 @@ def main() -> int:
             if backend == "cuda":
                 saved.update(small_pipeline(rt))
             save_links(rt, out_dir)
+        elif mode == "abandon":
+            saved.update(abandoned_round(rt))
         else:
             raise SystemExit(f"mode: unknown {mode!r}")
         np.savez(out_dir / f"rank{rank}.npz", **saved)
@@ -275,8 +277,6 @@ def main() -> int:
 
 def fault_matrix(out_dir: Path) -> int:
     """See module doc (``faults``)."""
-    import threading
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fault_pipeline import CLUSTER, FaultyMLP, every_fault
 
@@ -528,6 +528,56 @@ def small_plan(cluster: Cluster, rt: Runtime):
     shards = {d: full[tuple(slice(a, b) for a, b in r)]
               for d, r in src.device_regions((64, 8)).items() if d in rt.local_devices}
     return plan, shards
+
+
+def abandoned_round(rt: Runtime) -> dict[str, np.ndarray]:
+    """``abandon OUT`` (4 ranks, every byte over MPI): rank 0 makes call 1 between ranks 0
+    and 1, fails and abandons it; only then does rank 1 make it (its row comes late). Then
+    call 2 between them. Ranks 0 and 1 save call 2's end-of-call table; rank 0 whether the
+    abandoned call's agreement completed, and whether an ``Iprobe`` finds rank 1's late row
+    still unmatched after call 2."""
+    from mpi4py import MPI
+
+    from overlap.scope import CancelScope
+
+    dist = rt.backend.dist
+    rank = rt.world.rank
+    sync = MPI.COMM_WORLD.Dup()  # (every rank, in the same order)
+
+    def begin(what: str, digest: bytes):
+        return dist.begin_call(what, digest, (0, 1), CancelScope(what, rt.scope))
+
+    out: dict[str, np.ndarray] = {}
+    first = None
+    if rank == 0:
+        first = begin("abandon: call 1", b"plan")
+        first.scope.fail(RuntimeError("op failed"))
+        first.abandon()
+        dist.end_call()
+    sync.Barrier()  # (rank 1's row of call 1 goes only now)
+    if rank != 0:
+        theirs = begin("abandon: call 1", b"plan")
+        if theirs is not None:
+            rt.run_sync(theirs.agreed())  # (rank 0's row went before it failed)
+        dist.end_call()
+    second = begin("abandon: call 2", b"plan 2")
+    if second is not None:
+        async def both() -> dict[int, bytes]:
+            await second.agreed()
+            return await second.finish(bytes([20 + rank]))
+
+        table = rt.run_sync(both())
+        out["table"] = np.array([list(table[r]) for r in (0, 1)])
+    dist.end_call()
+    if first is not None:
+        status = MPI.Status()
+        waits = dist.runtime_comm.Iprobe(1, MPI.ANY_TAG, status)
+        out["stray_waits"] = np.array(waits)
+        out["stray_source"] = np.array(status.Get_source() if waits else -1)
+        out["abandoned_over"] = np.array(first.agreement.over)
+    sync.Barrier()
+    sync.Free()
+    return out
 
 
 if __name__ == "__main__":
