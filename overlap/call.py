@@ -4,9 +4,9 @@ watch, finish — and on exit, recover and name one root cause.
 - **Admit.** One call at a time per runtime, from whichever thread or event loop
   (:class:`CallGate`: callers queue, in order); a call from inside a stage function (a
   stream thread of the runtime) is refused. Then what an interrupted call left running is
-  settled, the communicators the call needs across processes are made, and in a
-  multi-process job the call is announced to its members (:mod:`.backends.distributed`: its
-  agreement row goes out; a member known to have left fails the call at once).
+  settled; in a multi-process job the call is announced to its members
+  (:mod:`.backends.distributed`: its agreement row goes out; a member known to have left
+  fails the call at once), and the communicators it needs across processes are made.
 - **Launch.** The call's step graph is enqueued on the streams, every item under the call's
   :class:`~overlap.scope.CancelScope` — a child of the runtime's.
 - **Watch.** The call waits for its lanes' end events all at once (woken once, by the last
@@ -14,8 +14,11 @@ watch, finish — and on exit, recover and name one root cause.
   compute op (user code, which nothing can interrupt) past the timeout is hung and becomes
   :class:`~overlap.errors.StageTimeout` naming it. Waits bound themselves: a collective's
   rendezvous and a wait on the wire raise past the timeout, naming who never came.
-- **Finish.** Across processes, the agreement's verdict and the end-of-call round: a call
-  returns only once every member's part of it ended well.
+- **Finish.** Across processes, the agreement's verdict; and, for a call whose result every
+  member returns (a training step's losses), the end-of-call round: such a call returns only
+  once every member's part of it ended well. A resharding has no such round: it returns
+  once its agreement is settled and this rank's part ended, and a peer's failure after that
+  reaches this rank's next call.
 - **Exit.** On a failure the scope is cancelled — every wait of the call wakes at once —
   and the streams are settled: each gets through the call's remaining work (skipped), an op
   still running gets until its time bound, and a stream stuck past it is abandoned
@@ -214,10 +217,13 @@ class Call:
                   | None = None, digest: bytes = b"", members: tuple[int, ...] | None = None,
                   payload: Callable[[], bytes] | None = None, subject: str = ""
                   ) -> dict[int, bytes] | None:
-        """Admit, launch, watch and finish the call; returns, across processes, every
-        member's end-of-call payload (``payload()``: this rank's, once its part ended); None
-        in one process. Raises the root cause of a failure. ``digest``: what the call's
-        agreement compares (a hash of ``subject``: its plan, its step graph)."""
+        """Admit, launch, watch and finish the call. Raises the root cause of a failure.
+        ``digest``: what the call's agreement compares (a hash of ``subject``: its plan, its
+        step graph). With ``payload`` (a call whose result every member returns: a training
+        step's losses), across processes the call ends with the end-of-call round and
+        returns every member's ``payload()`` (this rank's, once its part ended); without,
+        it returns once its agreement is settled and this rank's part ended (a peer's
+        failure after that reaches this rank's next call). None in one process."""
         backend, scope, dist = self.backend, self.scope, self.dist
         rounds: CallRounds | None = None
         try:
@@ -232,7 +238,9 @@ class Call:
             if rounds is None:
                 return None
             await rounds.agreed()
-            return await rounds.finish(payload() if payload is not None else b"")
+            if payload is None:
+                return None
+            return await rounds.finish(payload())
         except BaseException as exc:
             root = await self._fail(exc, rounds)
             if root is exc:

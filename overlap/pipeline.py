@@ -243,9 +243,10 @@ class _Binder:
         run = self._bind(op, device)
         keys = buffers_used(op.body, len(self.stages))
 
-        def then_release() -> None:
-            run()
+        def then_release() -> Any:
+            issued = run()  # (device work left in flight: its buffers stay alive with it)
             self._release(keys, device)
+            return issued
         return then_release
 
     def _release(self, keys: tuple[tuple[object, int], ...], d: int) -> None:

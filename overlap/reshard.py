@@ -246,19 +246,20 @@ def transfer_op(backend: Backend, route: Route, t: Transfer, src: Mapping[int, R
 
     xp = backend.xp  # numpy on the CPU backend, cupy on CUDA
 
-    def part() -> None:
+    def part() -> Any:  # (the device work it left in flight, if any: see Backend.transfer)
         if device == route.root:
             buf = holding(device)  # pack (free when contiguous; ascontiguousarray would
             if not buf.flags.c_contiguous:  # make a 0-d region 1-d)
                 buf = buf.copy(order="C")
-            backend.transfer(route, buf, tag, scope)
-            return
+            return backend.transfer(route, buf, tag, scope)
         view = outs[device][_local(dst[device], region)]
         if view.flags.c_contiguous or route.strided:
-            backend.transfer(route, view, tag, scope)  # in place
-        else:
-            buf = xp.empty(shape, dtype)
-            backend.transfer(route, buf, tag, scope)
-            view[...] = buf  # unpack
+            return backend.transfer(route, view, tag, scope)  # in place
+        buf = xp.empty(shape, dtype)
+        work = backend.transfer(route, buf, tag, scope)
+        if work is not None:  # (the unpack reads what lands: host work after the device's)
+            work.block(scope, route.what)
+        view[...] = buf  # unpack
+        return None
 
     return part

@@ -59,6 +59,7 @@ from .call import Call, CallGate, refuse_reentry, settle_leftovers
 from .errors import CollectiveAborted, DeviceThreadLost, OverlapRuntimeError, RankFailed
 from .nvtx import range_end, range_start
 from .pipeline import Stage, StepState, check_pipeline, check_split, launch_step, step_channels
+from .polling import PollFirstSelector
 from .profiling import profile_window
 from .reshard import (
     BufferTable,
@@ -92,9 +93,10 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     where uvloop arms its signal wake-up at every run (a socket pair, ``set_wakeup_fd``, a
     watch on it, then all undone: ~12 µs each call of every process, twice stock asyncio's
     whole run). There stock asyncio's loop: a Ctrl-C interrupts its wait as any system call
-    (EINTR), and a whole training step takes as long on either (measured)."""
+    (EINTR), and a whole training step takes as long on either (measured) — and its
+    selector looks again briefly before it sleeps (:mod:`overlap.polling`)."""
     if threading.current_thread() is threading.main_thread():
-        return asyncio.SelectorEventLoop()
+        return asyncio.SelectorEventLoop(PollFirstSelector())
     try:
         import uvloop
     except ImportError:
@@ -396,8 +398,7 @@ class Runtime:
         # A plan this runtime did not make may be broken (edited JSON, another tool): checked
         # once, with its graph, before anything moves, so that no destination keeps
         # uninitialised memory.
-        graph, routes = self._cached(("reshard", plan, stream), lambda: self._reshard_program(
-            plan, stream))
+        graph = self._cached(("reshard", plan, stream), lambda: self._reshard_graph(plan, stream))
         digest, members = (self._cached(("digest", plan), lambda: self._plan_check(plan))
                            if self.world.distributed else (b"", None))
         # Each destination buffer is made on first use, by its device's stream (its memory).
@@ -408,6 +409,7 @@ class Runtime:
 
         def go(scope: CancelScope) -> list[Any]:
             base, self._reshards = self._reshards * len(plan.transfers), self._reshards + 1
+            routes = self._routes(graph, lambda op: f"#{op.id}")
             return launch_reshard(backend, plan, shards, outs, graph, routes, (src, regions),
                                   scope=scope, tag_base=base)
 
@@ -422,10 +424,16 @@ class Runtime:
         # Devices that got nothing: empty regions. In a multi-process job, this process's.
         return {d: outs[d] for d in regions if self.backend.is_local(d)}
 
-    def _reshard_program(self, plan: ReshardPlan, stream: str) -> tuple[StepGraph, Any]:
+    def _reshard_graph(self, plan: ReshardPlan, stream: str) -> StepGraph:
         plan.check()
-        graph = reshard_graph(plan, stream)
-        return graph, resolve(self.backend, graph, lambda op: f"#{op.id}")
+        return reshard_graph(plan, stream)
+
+    def _routes(self, graph: StepGraph, name: Callable[[Any], str]) -> Any:
+        """Each transfer op's part on each local device, resolved once per graph — at its
+        first launch, once the call prepared the channels it spans (a route resolved before
+        would have to be resolved again at every transfer)."""
+        return self._cached(("routes", id(graph)), lambda: (graph, resolve(
+            self.backend, graph, name)))[1]
 
     def reshard_sync(self, plan: ReshardPlan, shards: Mapping[int, np.ndarray], *,
                      out: Mapping[int, np.ndarray] | None = None,
@@ -479,8 +487,6 @@ class Runtime:
                              "named schedule's peaks are fixed (Schedule.peak_activations)")
         graph, digest = await self._step_graph(stages, boundaries, len(microbatches), schedule,
                                                options, graph, max_activations)
-        routes = self._cached(("routes", id(graph)), lambda: (graph, resolve(
-            self.backend, graph, lambda op: str(op.body))))[1]
         state = StepState()
         m = len(microbatches)
         backend, compute_time = self.backend, self.compute_time
@@ -494,6 +500,7 @@ class Runtime:
             return np.array([float(state.losses[i]) for i in range(m)], np.float64).tobytes()
 
         def go(scope: CancelScope) -> list[Any]:
+            routes = self._routes(graph, lambda op: str(op.body))
             return launch_step(backend, graph, stages, boundaries, input_sharding, microbatches,
                                routes=routes, scope=scope, compute_time=compute_time,
                                state=state)
@@ -632,7 +639,8 @@ class Runtime:
         compare op by op. In a multi-process job: this process's devices (each process
         writes its own trace)."""
         if self._last_trace is None:
-            raise OverlapRuntimeError("timeline: no train_step (or reshard) has run yet")
+            raise OverlapRuntimeError("timeline: no traced call has run yet (a train_step, or a "
+                                      "reshard with trace=True)")
         return self._timeline(*self._last_trace)
 
     def _timeline(self, trace: Trace, graph: StepGraph) -> Timeline:
@@ -780,8 +788,9 @@ class Runtime:
         """End every thread the runtime started: idle ones are joined; one stuck in an op
         that never returns is abandoned once that op has run ``timeout`` seconds (a daemon;
         it runs nothing more). Returns within ``timeout`` + a fraction of a second, whatever
-        the stage functions do. Idempotent. Not from inside a stage function (refused: the
-        call it runs in closes nothing)."""
+        the stage functions do (across processes up to two seconds more: telling the peers
+        it left, and the progress engine's last messages). Idempotent. Not from inside a
+        stage function (refused: the call it runs in closes nothing)."""
         refuse_reentry("close", self.backend)
         # A multi-process runtime that failed: closed with no exception in flight, the
         # failure was handled and the job may go on (with a fresh Runtime); closed while one

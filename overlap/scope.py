@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CollectiveAborted
+from .polling import POLL_FIRST_S, poll_first
 
 
 class Waiter:
@@ -41,10 +42,17 @@ class Waiter:
             self._lock.release()
 
     def block(self, timeout: float | None = None) -> bool:
-        """Until woken (True), or ``timeout`` seconds (False)."""
+        """Until woken (True), or ``timeout`` seconds (False) — looking again briefly before
+        it sleeps (:mod:`overlap.polling`)."""
+        lock = self._lock
+        if lock.acquire(blocking=False):
+            return True
+        budget = POLL_FIRST_S if timeout is None else min(POLL_FIRST_S, max(0.0, timeout))
+        if poll_first(lambda: lock.acquire(blocking=False), budget):
+            return True
         if timeout is None:
-            return self._lock.acquire()
-        return self._lock.acquire(timeout=max(0.0, timeout))
+            return lock.acquire()
+        return lock.acquire(timeout=max(0.0, timeout - budget))
 
 
 class CancelScope:

@@ -99,8 +99,8 @@ def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
     device_waits = []
     real_waited = cuda.CudaDevices.waited
 
-    def counting_waited(self, stream, event):  # (the kind's hook after a stream's host wait)
-        real_waited(self, stream, event)
+    def counting_waited(self, stream, event, *rest):  # (the kind's hook after a host wait)
+        real_waited(self, stream, event, *rest)
         if event.native is not None:
             device_waits.append(event.label)
 

@@ -335,6 +335,13 @@ def test_a_call_between_two_ranks_leaves_the_others_out(tmp_path, data):
     assert done.returncode == 0, verdicts(done.stderr)
     ranks = outputs(tmp_path, 4)
     assert [int(r["calls"]) for r in ranks] == [5] * 4
+    # A traced call: each rank's timeline has a span for every transfer on each of its
+    # devices — the sender's too, whose messages the socket took at once.
+    transfers = ranks[0]["transfers"]
+    for r, devices in ((0, range(4)), (1, range(4, 8)), (2, ()), (3, ())):
+        want = sorted((op, d) for op, row in enumerate(transfers) for d in set(row.tolist())
+                      if d in devices)
+        assert ranks[r]["spans"].tolist() == [list(x) for x in want], r
     full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
     got = {k: a for r in ranks for k, a in r.items() if k.startswith("pair/")}
     assert sorted(got) == [f"pair/{d}" for d in range(4, 8)]

@@ -89,12 +89,6 @@ def test_measured_trace_round_trips_through_the_report(toy, tmp_path, capsys):
     assert out.count("\n") >= 2 + 9  # a header and one line per device
 
 
-def test_timeline_before_any_step_is_an_error(toy):
-    cluster, _, _ = toy
-    with Runtime(cluster) as rt, pytest.raises(Exception, match="no train_step"):
-        rt.timeline()
-
-
 def test_trace_report_on_a_bad_file(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

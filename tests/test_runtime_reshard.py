@@ -308,6 +308,27 @@ def test_emulated_links_take_at_least_the_cost_model_time():
     assert_delivered(out, glob, dst, "emulated")
 
 
+def test_timeline_covers_the_last_traced_call_and_says_when_there_is_none():
+    cluster = Cluster(2, 2, nic_gbps=100)
+    src = Sharding(DeviceMesh([0, 1], "a"), ShardingSpec("a"))
+    dst = Sharding(DeviceMesh([2, 3], "a"), ShardingSpec())
+    plan = plan_resharding((4, 2), "float64", src, dst, cluster)
+    glob = global_array((4, 2))
+    with Runtime(cluster, timeout=SETTLE_S) as rt:
+        with pytest.raises(OverlapRuntimeError, match=r"timeline: no traced call has run"):
+            rt.timeline()
+        rt.reshard_sync(plan, cut_shards(glob, src))  # not traced: still nothing to show
+        with pytest.raises(OverlapRuntimeError, match=r"reshard with trace=True"):
+            rt.timeline()
+        out = rt.reshard_sync(plan, cut_shards(glob, src), trace=True)
+        assert_delivered(out, glob, dst, "traced")
+        spans = rt.timeline().spans
+        # one span per transfer on each device it involves
+        assert {s.op for s in spans} == set(range(len(plan.transfers)))
+        devices = {d for t in plan.transfers for d in (t.sender, *t.receivers)}
+        assert {s.device for s in spans} == devices
+
+
 def test_emulated_links_cover_local_copies():
     """``emulate_links`` promises every transfer at least its cost-model time; a local copy is
     a transfer too (the model charges it NVLink latency + bytes / NVLink bandwidth)."""

@@ -44,7 +44,7 @@ class Remote(Protocol):
     def receives_strided(self, group: Sequence[int]) -> bool: ...
     def hop(self, order: tuple[int, ...], device: int, root: int, namespace: str,
             nbytes: int) -> Any: ...
-    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope) -> None: ...
+    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope) -> Any: ...
     def close(self) -> None: ...
 
 
@@ -177,14 +177,16 @@ class Backend:
         return Route(desc, namespace, root, order, device, nbytes,
                      self.receives_strided(order), hop)
 
-    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope) -> None:
+    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope) -> Any:
         """Run ``route``'s part with ``buffer`` (the root's data, or where a receiver's
-        lands); ``tag`` names the transfer across processes."""
+        lands); ``tag`` names the transfer across processes. Returns the device work it left
+        in flight (across processes, a part whose messages are posted and nothing else is
+        left to do: :class:`~.streams.DeviceWork`), or None once it is done."""
         if route.hop is not None:
-            self.remote.transfer(route, buffer, tag, scope)  # type: ignore[union-attr]
-            return
+            return self.remote.transfer(route, buffer, tag, scope)  # type: ignore[union-attr]
         self.local.broadcast(route.group, route.device, route.root, buffer, route.desc,
                              route.namespace, scope)
+        return None
 
     def receives_strided(self, group: Sequence[int]) -> bool:
         """Whether a broadcast among ``group`` may land in a strided view of the destination

@@ -18,6 +18,7 @@ import numpy as np
 from .local import LocalTransport
 
 if TYPE_CHECKING:
+    from ..scope import CancelScope
     from .backend import Backend
     from .streams import Event, Stream
 
@@ -40,8 +41,10 @@ class CpuDevices:
     def attach(self, stream: Stream) -> None:
         """A stream's thread starts (nothing to make on the CPU)."""
 
-    def run(self, stream: Stream, fn: Callable[[], Any]) -> None:
-        fn()
+    def run(self, stream: Stream, fn: Callable[[], Any]) -> Any:
+        """Run an op's host code; what it returns may be device work left in flight (a
+        transfer's messages: :class:`~.streams.DeviceWork`)."""
+        return fn()
 
     def mark(self, stream: Stream) -> float:
         return time.perf_counter()
@@ -49,8 +52,11 @@ class CpuDevices:
     def record(self, stream: Stream, event: Event) -> None:
         """The stream reached a record (nothing to enqueue on the CPU)."""
 
-    def waited(self, stream: Stream, event: Event) -> None:
-        """The stream's thread waited for ``event`` (nothing to enqueue on the CPU)."""
+    def waited(self, stream: Stream, event: Event, scope: CancelScope, what: str) -> None:
+        """The stream's thread waited for ``event`` to be reached; the host is the device, so
+        it also waits for the device work recorded before it (messages still on the wire)."""
+        if event.native is not None:
+            event.native.block(scope, what)
 
     # ---- collectives' data movement (the in-process transport's) -------------------------
 

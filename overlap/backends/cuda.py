@@ -211,7 +211,8 @@ class CudaDevices:
         event.native = ev
         event.device_wait = self.device_wait
 
-    def waited(self, stream: Stream, event: Event) -> None:
+    def waited(self, stream: Stream, event: Event, scope: CancelScope | None = None,
+               what: str = "") -> None:
         """After the host wait (the other stream enqueued its record): the device-side wait
         (CUDA waits on an unrecorded event are no-ops, so the order matters)."""
         if event.native is not None:

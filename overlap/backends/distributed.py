@@ -9,16 +9,18 @@ CPU kind, :mod:`.nccl` for CUDA) and a :class:`Distributed`.
 **A call's rounds** (:class:`CallRounds`) are among its members only — the ranks holding a
 device of the call (a resharding: of either layout; a training step: every rank). Every
 process still makes every call and counts it, but a rank outside a call posts nothing and
-waits for no one. Two rounds a call, each posted once:
+waits for no one. At most two rounds a call, each posted once:
 
 - the **agreement**, at admission: each member's row is the first 24 bytes of a SHA-256 of
   the call's plan or step graph and the call number; the rows are compared by the thread
   that lands the last of them, and a mismatch (:class:`~overlap.errors.CallMismatch`, naming
   the ranks whose call differs) fails the call's scope at once — it is the root cause
   everywhere, the failures it causes come second;
-- the **end of the call**, once this rank's part ended well: a call returns only once every
-  member's did (a rank whose part ended early learns here of a peer's failure). Its rows
-  carry a payload: a training step's losses, from the last stage's owner.
+- the **end of the call**, for a call whose result every member returns (a training step:
+  its rows carry the losses, from the last stage's owner), once this rank's part ended well:
+  such a call returns only once every member's did (a rank whose part ended early learns
+  here of a peer's failure). A resharding has none: nothing to share, and a peer's failure
+  after this rank's part ended reaches this rank's next call.
 
 A round goes all-to-all over host links where they join every member, as one
 ``MPI_Iallgather`` where every rank is a member and some are not linked, else point to point
@@ -146,8 +148,6 @@ class Distributed:
         self._replies: dict[int, tuple[int, bool, float]] = {}  # rank -> calls, busy, when
         self._asked: dict[int, float] = {}  # rank -> when it was last asked
         self._replied = threading.Condition()
-        self._sends: list[tuple[Any, bytes]] = []  # control sends in flight (kept alive)
-        self._send_lock = threading.Lock()
         self._probe = MPI.Status()
         # The runtime's rounds go over links when they join this rank to every other.
         self.rounds_linked = links is not None and len(links.peers) == world.size - 1

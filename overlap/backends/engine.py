@@ -6,8 +6,9 @@ tests them, backing off from 20 µs to 200 µs between looks while any is pendin
 no completion a thread could sleep on, and a rendezvous send completes only while its
 receiver's process calls into MPI), and timers (the control messages' look, every
 ``LISTEN_TICK_S``). What it completes is a :class:`Completion`: a stream thread blocked on
-one wakes, an awaiting coroutine is called back on its loop. Nothing else ever reads a
-socket or tests a request, and the engine never runs user code nor advances a stream.
+one wakes, an awaiting coroutine is called back on its loop. Nothing else reads a link's
+socket or tests a request (but the NCCL bootstrap, which tests its few while it makes
+communicators), and the engine never runs user code nor advances a stream.
 
 Work is handed to it from any thread: a posting thread makes its MPI call itself (MPI is
 initialised ``MPI_THREAD_MULTIPLE``) and gives the engine the request; a socket write that
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CollectiveAborted
+from ..polling import POLL_FIRST_S, poll_first
 from ..scope import CancelScope, Waiter
 
 log = logging.getLogger("overlap")
@@ -256,7 +258,7 @@ class Engine:
                 readers = [wake, *self._readers]
                 writers = list(self._writers)
                 try:
-                    ready_r, ready_w = _select(readers, writers, timeout)
+                    ready_r, ready_w = self._wait(readers, writers, timeout)
                 except OSError:  # a descriptor closed under it (not forgotten first): dropped
                     self._drop_closed()
                     continue
@@ -286,6 +288,28 @@ class Engine:
         except BaseException as exc:  # a bug here must not pass for a silent wire
             self.failure = exc
             log.exception("the progress engine stopped")
+
+    def _wait(self, readers: list[int], writers: list[int], timeout: float | None
+              ) -> tuple[list[int], list[int]]:
+        """``select``, looking again briefly first when it would sleep longer than that
+        (:mod:`overlap.polling`)."""
+        ready = _select(readers, writers, 0)
+        if ready[0] or ready[1] or (timeout is not None and timeout <= POLL_FIRST_S):
+            return ready if (ready[0] or ready[1] or not timeout) else \
+                _select(readers, writers, timeout)
+        found: list[tuple[list[int], list[int]]] = []
+
+        def look() -> bool:
+            got = _select(readers, writers, 0)
+            if got[0] or got[1]:
+                found.append(got)
+                return True
+            return False
+
+        if poll_first(look):
+            return found[0]
+        return _select(readers, writers, None if timeout is None
+                       else max(0.0, timeout - POLL_FIRST_S))
 
     def _drop_closed(self) -> None:
         for table in (self._readers, self._writers):

@@ -42,7 +42,7 @@ from .engine import Completion, Engine
 
 log = logging.getLogger("overlap")
 
-HEADER = struct.Struct("<IiQ")  # channel id, tag, payload bytes
+HEADER = struct.Struct("<IqQ")  # channel id, tag (64 bits: see wire.py), payload bytes
 SOCKET_BUFFER_BYTES = 4 << 20  # asked of the kernel (it caps it: wmem_max)
 CONNECT_TIMEOUT_S = 30.0  # link setup: every rank of the host is inside the same call
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer: an error, not SIGPIPE
@@ -131,9 +131,6 @@ class HostLinks:
         self._conns = {p: _Conn(p, s) for p, s in peers.items()}
         self._closing = False
         self.frames_received = 0  # messages read whole (for tests and benchmarks)
-        # A control channel's messages go to its handler (``on_channel``) as they land,
-        # whatever was posted: (channel -> fn(peer, tag, bytes)), on the engine's thread.
-        self._handlers: dict[int, Any] = {}
         for c in self._conns.values():
             c.sock.setblocking(False)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -216,11 +213,6 @@ class HostLinks:
         """Whether the link to ``peer`` is closed (its process closed it, or it broke)."""
         conn = self._conns.get(peer)
         return conn is None or conn.closed is not None
-
-    def on_channel(self, channel: int, handler: Any) -> None:
-        """Hand every message of ``channel`` to ``handler(peer, tag, data)`` on the engine's
-        thread as it lands, instead of matching it to a posted receive (control messages)."""
-        self._handlers[channel] = handler
 
     # ---- requests (any thread) -----------------------------------------------------------
 
@@ -374,14 +366,12 @@ class HostLinks:
         """A header is in: choose where the payload lands."""
         channel, tag, nbytes = HEADER.unpack(conn.header)
         conn.frame = (channel, tag, nbytes)
-        req = None
-        if channel not in self._handlers:
-            with self._lock:
-                req = self._take_posted((conn.peer, channel, tag))
+        with self._lock:
+            req = self._take_posted((conn.peer, channel, tag))
+            if req is not None:
+                req.matched = True  # (under the lock: a cancel now comes too late, and knows)
         conn.target = req
         # In place when the sizes agree; else in a copy (its size reported, as MPI's count).
-        if req is not None:
-            req.matched = True
         conn.body = req.view if req is not None and req.nbytes == nbytes else \
             memoryview(bytearray(nbytes))
         conn.got = 0
@@ -395,10 +385,6 @@ class HostLinks:
         conn.body, conn.target, conn.got = None, None, 0
         self.frames_received += 1  # (only the engine writes it)
         assert body is not None
-        handler = self._handlers.get(channel)
-        if handler is not None:
-            handler(conn.peer, tag, bytes(body))
-            return
         if req is None:
             key = (conn.peer, channel, tag)
             with self._lock:

@@ -18,12 +18,14 @@ stage-collective group. Alpa creates one per distinct device set instead.
   send_many, recv, all_reduce, all_gather), which the tests replace with the same operations
   over MPI on a stand-in GPU.
 
-NCCL calls of one GPU are issued one at a time (NCCL documents concurrent calls on one device
-from several threads as unsafe; a GPU's channel threads and compute thread are several
-threads), held only while a call enqueues. When a call's scope is cancelled every NCCL
-communicator is aborted (a receiver whose sender failed would spin in its kernel otherwise);
-the next collective makes new ones. Sums reduce in NCCL's order: not bit for bit with one
-process.
+NCCL calls of one GPU are issued one at a time (NCCL documents concurrent calls on one
+device from several threads as unsafe; a GPU's channel threads and compute thread are
+several threads), held only while a call enqueues. When a call's scope is cancelled every
+NCCL communicator is aborted (a receiver whose sender failed would spin in its kernel
+otherwise). In one process the next collective makes new ones (:class:`NcclGroups`); across
+processes none is made again (:class:`NcclTransport`): a multi-process runtime does not go
+on after a failure (its calls are refused; a fresh ``Runtime`` makes new communicators).
+Sums reduce in NCCL's order: not bit for bit with one process.
 """
 
 from __future__ import annotations

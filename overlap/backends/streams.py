@@ -28,10 +28,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ..errors import OverlapRuntimeError, StreamError
 from ..nvtx import range_end, range_start
+from ..polling import poll_first
 from ..scope import CancelScope, Waiter
 
 log = logging.getLogger("overlap")
@@ -178,6 +179,45 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+class DeviceWork(Protocol):
+    """Work an op left in flight on its device when its host code returned — as a GPU runs
+    a kernel after the host thread that launched it went on. On the CPU: a transfer's
+    messages on the wire, which the progress engine completes (:mod:`.wire`). An op that
+    returns one is *issued*, not done: what the stream runs after it waits for it, and an
+    event recorded after it is done once it is."""
+
+    @property
+    def done(self) -> bool: ...
+    @property
+    def over(self) -> bool: ...  # done, or failed (its failure failed the call's scope)
+    def add_callback(self, cb: Callable[[], None]) -> bool: ...
+    def block(self, scope: CancelScope, what: str) -> None: ...
+    async def wait(self) -> None: ...
+
+
+class InFlight:
+    """The device work an event was recorded after (its ``native``): done once all of it
+    is; waited for on a thread (:meth:`block`) or awaited (:meth:`wait`), either raising
+    what failed it."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list[DeviceWork]) -> None:
+        self.works = works
+
+    @property
+    def done(self) -> bool:
+        return all(w.done for w in self.works)
+
+    def block(self, scope: CancelScope, what: str) -> None:
+        for w in self.works:
+            w.block(scope, what)
+
+    async def wait(self, _: Event | None = None) -> None:
+        for w in self.works:
+            await w.wait()
+
+
 _OP, _RECORD, _WAIT = 0, 1, 2
 _STOP = None  # the item that ends a stream's thread
 
@@ -205,6 +245,9 @@ class Stream:
         # loopback: the copy's own events): its trace span is that.
         self.data_span: tuple[Any, Any] | None = None
         self.tracing = False  # the op running now belongs to a call that records a trace
+        # Device work the ops before left in flight (CPU: transfers' messages on the wire):
+        # what runs next waits for it, a record after it is done once it is.
+        self._inflight: list[DeviceWork] = []
 
     def __repr__(self) -> str:
         return f"Stream(device {self.device}, {self.name!r})"
@@ -266,7 +309,7 @@ class Stream:
         _local.stream = self
         self.kind.attach(self)
         while True:
-            item = self._queue.get()
+            item = self._next()
             if item is _STOP or self._thread is not me:
                 return  # closed, or abandoned while it was stuck: run nothing more
             self._current = (item, time.perf_counter())
@@ -276,6 +319,24 @@ class Stream:
                 log.exception("device %d stream %r: an item failed", self.device, self.name)
             finally:
                 self._current = None
+
+    def _next(self) -> Any:
+        """The next item: looking again briefly before the thread sleeps for one
+        (:mod:`overlap.polling`; measured, docs/benchmarks.md: the next call's work often
+        comes within that time)."""
+        q = self._queue
+        got: list[Any] = []
+
+        def look() -> bool:
+            try:
+                got.append(q.get_nowait())
+            except queue.Empty:
+                return False
+            return True
+
+        if look() or poll_first(look):
+            return got[0]
+        return q.get()
 
     def _do(self, item: tuple[Any, ...]) -> None:
         code, scope = item[0], item[-1]
@@ -290,6 +351,10 @@ class Stream:
                 self._fail(scope, exc, f"record {ev.label}")
                 ev._complete(_failure(scope))
                 return
+            self._inflight = [w for w in self._inflight if not w.over]
+            if self._inflight:  # done once the device work before it is (as on a GPU)
+                ev.native = InFlight(list(self._inflight))
+                ev.device_wait = ev.native.wait
             ev._complete()
             return
         if scope.cancelled:
@@ -298,9 +363,9 @@ class Stream:
             ev = item[1]
             rng = range_start(f"wait {ev.label} (device {self.device})", "wait")
             try:
-                ev.block(scope, f"device {self.device} stream {self.name!r} waiting for "
-                                f"{ev.label}")
-                self.kind.waited(self, ev)
+                what = f"device {self.device} stream {self.name!r} waiting for {ev.label}"
+                ev.block(scope, what)
+                self.kind.waited(self, ev, scope, what)
             except BaseException as exc:
                 if not scope.cancelled:
                     self._fail(scope, exc, f"wait {ev.label}")
@@ -313,9 +378,22 @@ class Stream:
         self.data_span = None
         self.tracing = trace is not None
         try:
+            if self._inflight:  # (what the op reads or writes may be the wire's yet)
+                works, self._inflight = self._inflight, []
+                for w in works:
+                    w.block(scope, label)
             start = self.kind.mark(self) if trace is not None else None
-            self.kind.run(self, fn)
-            if trace is not None:
+            issued = self.kind.run(self, fn)
+            if _is_work(issued):
+                self._inflight.append(issued)
+                if trace is not None:  # (its span ends when its device work does)
+                    def ended(trace: Trace = trace, op: int = op, start: Any = start) -> None:
+                        trace.records.append(TraceRecord(op, self.device, self.name, start,
+                                                         self.kind.mark(self)))
+
+                    if not issued.add_callback(ended):
+                        ended()  # (over already: a send the socket took at once)
+            elif trace is not None:
                 # (A compute's own collectives set it too: its span stays the op's.)
                 span = self.data_span if category == "comm" else None
                 first, last = span or (start, self.kind.mark(self))
@@ -391,6 +469,12 @@ class Stream:
             thread = self._thread
         self._queue.put(_STOP)
         return thread
+
+
+def _is_work(value: Any) -> bool:
+    """Whether an op returned device work in flight (``block`` and ``done``: see
+    :class:`DeviceWork`), not a plain value."""
+    return value is not None and hasattr(value, "block") and hasattr(value, "add_callback")
 
 
 def _failure(scope: CancelScope) -> BaseException:

@@ -11,12 +11,12 @@ file with those two methods.
 
 **Broadcast** (a plan's transfer): a chain over the ranks it spans, in the plan's receiver
 order (the chain the cost model prices). Each transfer part is resolved once per step graph
-into a frozen :class:`Hop` (this rank's place in the chain, the piece size, the channel), the
-route's ``hop``. The bytes go in pieces when someone forwards them (a chain of three ranks or
-more) or copies them on to other devices of its rank; each piece is forwarded the moment it
-lands. How many pieces is a pipelining trade-off (:func:`piece_bytes`). A rank with several
-participants meets them first (a rendezvous by launch position); the last to arrive moves
-the bytes through its rank's part of the chain and copies them to the others.
+into a frozen :class:`Hop` (this rank's place in the chain, the piece size, the channel),
+the route's ``hop``. The bytes go in pieces when someone forwards them (a chain of three
+ranks or more); each piece is forwarded the moment it lands. How many pieces is a pipelining
+trade-off (:func:`piece_bytes`). A rank with several participants meets them first (a
+rendezvous by launch position); the last to arrive moves the bytes through its rank's part
+of the chain and copies them to the others.
 
 **All-reduce / all-gather** (stage collectives): every rank sends its participants'
 contributions to every other rank of the group and reduces in device order, so results equal
@@ -35,7 +35,9 @@ for; one idle, behind or mute is named in a :class:`~overlap.errors.CollectiveTi
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,8 +45,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..errors import CollectiveMismatch, OverlapRuntimeError
-from ..scope import CancelScope
+from ..errors import CollectiveAborted, CollectiveMismatch, OverlapRuntimeError
+from ..scope import CancelScope, Waiter
 from .collectives import Communicators, check_alike, reduce_in_order
 from .engine import Completion
 from .routes import Route
@@ -194,23 +196,37 @@ class WireTransport:
         chain = self.placement.ranks_of(order)
         me = chain.index(self.rank)
         local = tuple(d for d in order if owners[d] == self.rank)
-        # Pieces when someone forwards them (a chain of 3+ ranks) or copies them on to other
-        # devices of its rank as they land; every rank computes the same size.
-        per_rank = [sum(1 for d in order if owners[d] == r) for r in chain]
-        stages = len(chain) - 1 + (1 if any(k > 1 for k in per_rank[1:]) else 0)
+        # Pieces when someone forwards them as they land (a chain of 3+ ranks); every rank
+        # computes the same size. (A rank's copies to its other devices follow its whole
+        # part, so they are no stage of the pipeline.)
+        stages = len(chain) - 1
         piece = (self.chunk_bytes if self.chunk_bytes is not None and stages > 1
                  else piece_bytes(nbytes, stages))
         return Hop(self._channels.get(namespace, -1), chain[me - 1] if me else None,
                    chain[me + 1] if me + 1 < len(chain) else None, piece, local)
 
-    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope) -> None:
-        """``route.device``'s part of a broadcast across processes (see module doc)."""
+    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope
+                 ) -> WireWork | None:
+        """``route.device``'s part of a broadcast across processes (see module doc). Where
+        nothing is left to do on this rank once its messages are posted — the root's sends
+        on to one rank, the last rank's receives into a buffer that takes them in place —
+        the part is *issued*: it returns the messages as :class:`WireWork`, device work the
+        engine completes (the stream goes on; what waits for it waits for that work, as for
+        a GPU's). Every other part (a relay's, or one with several devices of this rank)
+        returns when it is done."""
         hop: Hop = route.hop
         if hop.channel < 0:  # (resolved before its channel was prepared)
             hop = self.hop(route.order, route.device, route.root, route.namespace, route.nbytes)
         if len(hop.local) == 1:
+            root = route.device == route.root
+            if (hop.prev is None or hop.next is None) and (root or buffer.flags.c_contiguous):
+                if root and not buffer.flags.c_contiguous:
+                    raise OverlapRuntimeError(f"{route.what}: the root's buffer is not "
+                                              "contiguous")
+                return self._issue(hop, route.what, buffer.reshape(-1).view(np.uint8), tag,
+                                   scope)
             self._move(hop, route, buffer, tag, scope)
-            return
+            return None
 
         def combine(bufs: dict[int, Any]) -> float:
             leader = route.root if route.root in bufs else hop.local[0]
@@ -228,6 +244,32 @@ class WireTransport:
 
         self.comms.get(route.namespace, hop.local).run(route.device, route.what, buffer,
                                                        combine, scope)
+        return None
+
+    def _issue(self, hop: Hop, what: str, data: np.ndarray, tag: int, scope: CancelScope
+               ) -> WireWork:
+        """Post this rank's messages of a hop that ends here (the root sends, or the last
+        rank receives): their completions as one :class:`WireWork`."""
+        prev, nxt, n, step = hop.prev, hop.next, data.nbytes, hop.piece
+        pieces = [data[i:i + step] for i in range(0, n, step)] or [data[:0]]
+        posted = time.perf_counter()
+        if prev is not None:
+            parts = [self._wire(prev, step).irecv(hop.channel, prev, tag, p) for p in pieces]
+            peer, who = prev, f"rank {prev} never sent it"
+        elif nxt is not None:
+            parts = [self._wire(nxt, step).isend(hop.channel, nxt, tag, p) for p in pieces]
+            peer, who = nxt, f"rank {nxt} never received it"
+        else:  # (a chain of one rank: nothing crosses)
+            parts, peer, who = [], -1, ""
+        sizes = [p.nbytes for p in pieces] if prev is not None else None
+        timing = None
+        if self.hop_timings is not None:
+            timings = self.hop_timings
+
+            def timing(landed: float | None) -> None:
+                timings.append(HopTiming(tag, prev, nxt, n, posted, landed,
+                                         time.perf_counter()))
+        return WireWork(self, parts, what, peer, who, scope, sizes, timing)
 
     def broadcast(self, order: tuple[int, ...], device: int, root: int, buffer: Any,
                   desc: str, namespace: str, tag: int | None, scope: CancelScope) -> None:
@@ -236,8 +278,10 @@ class WireTransport:
             raise OverlapRuntimeError(f"broadcast[{desc}] root {root}: spans ranks "
                                       f"{list(self.placement.ranks_of(order))} and needs a tag")
         hop = self.hop(order, device, root, namespace, buffer.nbytes)
-        self.transfer(Route(desc, namespace, root, order, device, buffer.nbytes, True, hop),
-                      buffer, tag, scope)
+        work = self.transfer(Route(desc, namespace, root, order, device, buffer.nbytes, True,
+                                   hop), buffer, tag, scope)
+        if work is not None:  # (asked to broadcast, not to issue: done when it returns)
+            work.block(scope, f"broadcast[{desc}] root {root}")
 
     def _move(self, hop: Hop, route: Route, buffer: Any, tag: int, scope: CancelScope) -> None:
         """This rank's part of the chain with ``buffer``: the root's data, or where it lands
@@ -385,5 +429,147 @@ class WireTransport:
         self.mpi.close()
 
 
+class WireWork:
+    """A transfer part's messages in flight (:class:`~.streams.DeviceWork`): done once the
+    engine completed every one of them (and a receive's sizes were right). It is bounded as
+    every wait on the wire: past the timeout, the peer is asked how far it got
+    (:meth:`Distributed.overdue <overlap.backends.distributed.Distributed.overdue>`). A
+    failure — a message of the wrong size, a link that failed — fails the call's scope; the
+    scope's cancellation takes the receives back."""
+
+    def __init__(self, transport: WireTransport, parts: list[Completion], what: str,
+                 peer: int, who: str, scope: CancelScope, sizes: list[int] | None,
+                 timing: Callable[[float | None], None] | None) -> None:
+        self.transport, self.parts, self.what = transport, parts, what
+        self.peer, self.who, self.scope = peer, who, scope
+        self._sizes, self._timing = sizes, timing
+        self._lock = threading.Lock()
+        self._left = len(parts)
+        self.done = False
+        self.error: BaseException | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._cancel = scope.on_cancel(self._take_back)
+        if self._cancel is None:  # (cancelled already)
+            self._take_back()
+            return
+        for c in parts:
+            if not c.add_callback(self._one):
+                self._one()
+        if not parts:
+            self._finished(None)
+
+    @property
+    def over(self) -> bool:
+        return self.done or self.error is not None
+
+    def _one(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        error = next((c.error for c in self.parts if c.error is not None), None)
+        if error is None and self._sizes is not None:
+            for c, want in zip(self.parts, self._sizes):
+                if c.count != want:
+                    error = CollectiveMismatch(
+                        f"{self.what}: rank {self.transport.rank} received {c.count} bytes "
+                        f"from rank {self.peer} where {want} were expected (different plans?)")
+                    break
+        self._finished(error)
+
+    def _finished(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self.over:
+                return
+            if error is None:
+                self.done = True
+            else:
+                self.error = error
+            callbacks, self._callbacks = self._callbacks, []
+        self.scope.remove(self._cancel)
+        if error is not None and not isinstance(error, CollectiveAborted):
+            self.scope.fail(error)
+        if error is None and self._timing is not None:
+            self._timing(time.perf_counter() if self._sizes is not None else None)
+        for cb in callbacks:
+            cb()
+
+    def _take_back(self) -> None:
+        self._give_up(self.scope.aborted(self.what))
+
+    def _give_up(self, error: BaseException) -> None:
+        """Over with ``error``: the receives still pending are taken back first (a message
+        that comes later goes to the next receive, not to this buffer)."""
+        for c in self.parts:
+            if not c.over and hasattr(c, "Cancel"):
+                c.Cancel()
+        self._finished(error)
+
+    def _overdue(self, scope: CancelScope) -> None:
+        """Past the timeout: on, while the peer is at work; else give up, naming it."""
+        try:
+            self.transport.dist.overdue(self.what, (self.peer,), self.who, scope)
+        except BaseException as exc:
+            self._give_up(exc)
+            raise
+
+    def add_callback(self, cb: Callable[[], None]) -> bool:
+        """``cb()`` once it is over (done or failed); False, and no call, if it is."""
+        with self._lock:
+            if not self.over:
+                self._callbacks.append(cb)
+                return True
+        return False
+
+    def block(self, scope: CancelScope, what: str) -> None:
+        """Block this thread until it is done (raising what failed it, or at the scope's
+        cancellation): past the timeout, the liveness rule."""
+        while not self.over:
+            waiter = Waiter()
+            if not self.add_callback(waiter.wake):
+                break
+            handle = scope.on_cancel(waiter.wake)
+            try:
+                if handle is None:
+                    raise scope.aborted(what)
+                woken = waiter.block(self.transport.timeout)
+                if self.over:
+                    break  # (its own failure first: it may be what cancelled the scope)
+                if scope.cancelled:
+                    raise scope.aborted(what)
+                if not woken:
+                    self._overdue(scope)
+            finally:
+                scope.remove(handle)
+        if self.error is not None:
+            raise self.error
+
+    async def wait(self, _: Any = None) -> None:
+        """Await it on the event loop (raising what failed it): past the timeout, the
+        liveness rule, asked off the loop."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        while not self.over:
+            fut: asyncio.Future[None] = loop.create_future()
+
+            def wake(f: asyncio.Future[None] = fut) -> None:
+                with contextlib.suppress(RuntimeError):  # (the loop closed: nobody waits)
+                    loop.call_soon_threadsafe(_settle, f)
+
+            if not self.add_callback(wake):
+                break
+            done, _ = await asyncio.wait({fut}, timeout=self.transport.timeout)
+            if not done and not self.over:
+                await asyncio.to_thread(self._overdue, self.scope)
+        if self.error is not None:
+            raise self.error
+
+
+def _settle(fut: Any) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 __all__ = ["GROUP_TAG_BITS", "LINK_MAX_PIECE_BYTES", "Hop", "HopTiming", "WireTransport",
-           "piece_bytes"]
+           "WireWork", "piece_bytes"]

@@ -486,6 +486,12 @@ def pair_calls(cluster: Cluster, rt: Runtime, differ: bool) -> dict[str, np.ndar
         out = {f"pair/{d}": np.asarray(a) for d, a in rt.reshard_sync(plan, shards).items()}
     out["calls"] = np.array(rt.backend.dist.calls)
     out["moved"] = np.array(moved() - before)
+    if not differ:  # one traced call more: the transfers this rank's devices ran, as spans
+        rt.reshard_sync(plan, shards, trace=True)
+        out["spans"] = np.array(sorted((s.op, s.device) for s in rt.timeline().spans),
+                                dtype=np.int64).reshape(-1, 2)
+        out["transfers"] = np.array([(t.sender, *t.receivers) for t in plan.transfers],
+                                    dtype=np.int64).reshape(len(plan.transfers), -1)
     return out
 
 
