@@ -38,7 +38,9 @@ What it does (each part logs to ``$OUT/gpu_check.log`` when ``OUT`` is set):
    the exposed communication ``overlap trace report`` finds in its trace against the runtime's
    own CUDA-event trace of the same step — **target: within 10 %**; the runtime's trace of
    that step goes to ``$OUT/gpu_1f1b_events.json``, the profiler's to
-   ``$OUT/gpu_torch_profile.json.gz``.
+   ``$OUT/gpu_torch_profile.json.gz``;
+7. ``examples/gpt_pipeline.py`` in bfloat16 on the GPU (4 virtual stages, loopback): its
+   self-check against plain torch on the same GPU, tokens/s and exposed communication.
 
 It prints a short table last. Each section runs on its own: one that fails or hangs (the
 test run is bounded) is reported as such and the others still run; each section's result
@@ -397,6 +399,41 @@ def profiler_vs_events(cp) -> dict[str, Any]:
             tl.iteration_time * 1e3, "work": len(capture.work)}
 
 
+def gpt_example(cp) -> dict[str, Any]:
+    """``examples/gpt_pipeline.py`` on the GPU in bfloat16: 4 virtual stages on one GPU
+    (loopback transfers; tensor-parallel degree 1, since a tensor-parallel device needs a GPU
+    of its own), 8 blocks of width 512, sequence 256; its self-check against plain torch's
+    bfloat16 run on the same GPU, tokens/s and the exposed communication it reports."""
+    import contextlib
+    import importlib.util
+    import io
+
+    if importlib.util.find_spec("torch") is None:
+        return {"skipped": "PyTorch is not installed here (the GPU machine has it)"}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "torch has no CUDA here (the stand-in cannot run torch kernels)"}
+    spec = importlib.util.spec_from_file_location("gpt_pipeline", ROOT / "examples" /
+                                                  "gpt_pipeline.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    out = io.StringIO()
+    trace_dir = str(OUT) if OUT is not None else "traces"
+    with contextlib.redirect_stdout(out):
+        rc = ex.main(["--backend", "cuda", "--dtype", "bfloat16", "--tp", "1,1,1,1",
+                      "--layers", "8", "--width", "512", "--heads", "8", "--seq", "256",
+                      "--vocab", "8192", "--batch", "32", "--microbatches", "8", "--steps", "4",
+                      "--schedule", "1f1b", "--trace-dir", trace_dir])
+    text = out.getvalue()
+    log(text)
+    verdict = [line for line in text.splitlines() if "match plain torch" in line or
+               "FAILED" in line]
+    if rc != 0 or not verdict:
+        raise RuntimeError(f"the GPT example failed (rc {rc}): {text[-400:]}")
+    return {"verdict": verdict[-1]}
+
+
 def at_receivers(work: list, keep_only: bool) -> list:
     """Each transfer's work on its receiving stage's device (stage s is device s in this
     check's pipeline): the runtime's trace keeps only the receiver's span of it
@@ -517,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"CUDA events {pv['events_exposed_ms']:.2f} ms: {pv['ratio']:.3f} x "
                      f"(target within 10%: {'met' if ok else 'NOT met'}); "
                      f"{pv['work']} pieces of GPU work, {pv['profiler_devices']} devices"))
+    gpt = section(rows, "gpt example", lambda: gpt_example(cp), t0)
+    if gpt is not None:
+        rows.append(("GPT example (bf16)", "skipped" if "skipped" in gpt else "ok",
+                     gpt.get("skipped") or gpt["verdict"][:160]))
     width = max(len(r[0]) for r in rows)
     log("\n== gpu_check ==")
     for name, value, note in rows:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
+from scheduler.dtypes import is_floating
 from scheduler.graph import buffers_used, input_channel, output_channel
 from scheduler.lowering import channels
 from scheduler.regions import region_shape
@@ -376,7 +377,8 @@ def check_loss(value: Any, what: str) -> None:
         raise ValueError(f"{what} returned a loss of shape {tuple(shape)}; the last stage's "
                          "forward must return a real scalar (a 0-d or size-1 array)")
     try:
-        kind = np.dtype(dtype).kind
+        dt = np.dtype(dtype)
+        kind = "f" if is_floating(dt) else dt.kind
     except TypeError:  # another library's dtype (torch.float32, ...): read its name
         name = str(dtype).rsplit(".", 1)[-1]
         kind = "b" if name == "bool" else "c" if name.startswith("complex") else "f"

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .cluster import Cluster
+from .dtypes import check_dtype
 from .errors import ClusterError
 from .graph import (
     COMPUTE,
@@ -41,7 +42,6 @@ from .plan import ReshardPlan
 from .planner import PlanCache, PlanOptions
 from .schedules import Schedule, dependency_order
 from .sharding import Sharding
-from .tasks import check_dtype
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import check_dtype
 from .errors import PlanError, load_json
 from .regions import Region, contains, fmt_region, intersect, volume
 from .sharding import Sharding
@@ -121,7 +122,7 @@ class ReshardPlan:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
+        return check_dtype(self.dtype, "plan dtype").itemsize
 
     @property
     def nbytes(self) -> int:
@@ -251,7 +252,7 @@ class ReshardPlan:
     def _from_data(cls, data: dict[str, Any]) -> ReshardPlan:
         return cls(
             shape=tuple(int(n) for n in data["shape"]),
-            dtype=str(data["dtype"]),
+            dtype=check_dtype(str(data["dtype"]), "plan JSON dtype").name,
             src=Sharding.from_json(data["src"]),
             dst=Sharding.from_json(data["dst"]),
             transfers=tuple(Transfer.from_json(t) for t in data["transfers"]),

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 from .balance import BALANCES, Send, balance_sends
 from .cluster import Cluster
+from .dtypes import check_dtype
 from .plan import ReshardPlan, Transfer
 from .regions import Region, is_empty, split_region, volume
 from .sharding import Sharding
-from .tasks import UnitTask, check_dtype, unit_tasks
+from .tasks import UnitTask, unit_tasks
 
 STRATEGIES = ("send_recv", "local_allgather", "broadcast")
 

@@ -14,9 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from .cluster import Cluster
+from .dtypes import check_dtype
 from .errors import ClusterError, ShardingError
 from .regions import Region
 from .sharding import Sharding, check_shape
@@ -30,22 +29,6 @@ class UnitTask:
     needers: tuple[int, ...]  # destination devices needing it, in destination-mesh order
 
 
-def check_dtype(dtype: object) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)  # type: ignore[call-overload]
-    except TypeError:
-        raise TypeError(f"dtype: {dtype!r} is not a numpy dtype or dtype name") from None
-    if dt.kind not in NUMERIC_KINDS:
-        raise TypeError(f"dtype: {dtype!r} ({dt}) is not a numeric or bool dtype; plans move "
-                        "bool, integer, floating and complex tensors")
-    if not dt.isnative:
-        raise TypeError(f"dtype: {dtype!r} is {'big' if dt.byteorder == '>' else 'little'}-"
-                        "endian, not this machine's byte order; convert the tensor first "
-                        f"(x.astype({dt.newbyteorder('=').name!r}))")
-    return np.dtype(dt.name)  # canonical: '<f4' and '=f4' are 'float32'
-
-
-NUMERIC_KINDS = "biufc"  # bool, signed and unsigned integers, floating point, complex
 
 
 def check_fits(sharding: Sharding, cluster: Cluster, *, argument: str) -> None:

@@ -372,8 +372,8 @@ cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=Extern
 # which communicators were aborted or destroyed.
 
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
-NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
-NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
 NCCL_API = 14  # the CuPy major version whose unique-id and constructor API this models
 nccl_calls: list[tuple] = []
 _group_depth = [0]
@@ -476,8 +476,8 @@ def get_unique_id() -> bytes | tuple[int, ...]:
 
 nccl = types.ModuleType("cupy.cuda.nccl")
 for _name in ("NCCL_SUM", "NCCL_PROD", "NCCL_MAX", "NCCL_MIN", "NCCL_AVG", "NCCL_FLOAT16",
-              "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_INT8", "NCCL_UINT8", "NCCL_INT32",
-              "NCCL_INT64", "NcclCommunicator", "NcclError", "groupStart", "groupEnd",
-              "get_unique_id"):
+              "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_BFLOAT16", "NCCL_INT8", "NCCL_UINT8",
+              "NCCL_INT32", "NCCL_UINT32", "NCCL_INT64", "NCCL_UINT64", "NcclCommunicator",
+              "NcclError", "groupStart", "groupEnd", "get_unique_id"):
     setattr(nccl, _name, globals()[_name])
 cuda.nccl = nccl

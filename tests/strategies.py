@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from scheduler import Cluster, DeviceMesh, Sharding, ShardingSpec
 
-DTYPES = ("int8", "float16", "int32", "float32", "int64")
+DTYPES = ("int8", "float16", "bfloat16", "float8_e5m2", "int32", "float32", "int64")
 
 
 @st.composite

@@ -59,7 +59,16 @@ def mpiexec(n: int, *args: str, flags: tuple[str, ...] = (), guard: bool = False
 
 
 def outputs(out: Path, n: int) -> list[dict[str, np.ndarray]]:
-    return [dict(np.load(out / f"rank{r}.npz")) for r in range(n)]
+    """Each rank's saved arrays, narrow floats put back to their dtype (``job.savable``)."""
+    ranks = []
+    for r in range(n):
+        saved = dict(np.load(out / f"rank{r}.npz"))
+        for key in [k for k in saved if k.endswith(".dtype")]:
+            name = str(saved.pop(key))
+            base = key[:-len(".dtype")]
+            saved[base] = saved[base].view(np.dtype(name))
+        ranks.append(saved)
+    return ranks
 
 
 def assert_same_as_single(ranks: list[dict[str, np.ndarray]], single: dict[str, np.ndarray],

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from scheduler.dtypes import NARROW_FLOATS
+
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope
 from .nccl_bootstrap import bootstrap_nccl
@@ -62,18 +64,29 @@ def nccl_op(op: Callable[[Any, Any], Any]) -> int:
 
 
 def nccl_dtype(dtype: Any) -> int:
+    """NCCL's type for a reduction or gather over ``dtype`` (TypeError where NCCL has none:
+    float8, bool, complex). Point-to-point transfers move bytes (:func:`nccl_bytes`)."""
     from cupy.cuda import nccl
 
     table = {
         np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
-        np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.int32): nccl.NCCL_INT32,
-        np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int8): nccl.NCCL_INT8,
-        np.dtype(np.uint8): nccl.NCCL_UINT8,
+        np.dtype(np.float64): nccl.NCCL_FLOAT64, NARROW_FLOATS["bfloat16"]: nccl.NCCL_BFLOAT16,
+        np.dtype(np.int8): nccl.NCCL_INT8, np.dtype(np.uint8): nccl.NCCL_UINT8,
+        np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.uint32): nccl.NCCL_UINT32,
+        np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.uint64): nccl.NCCL_UINT64,
     }
     try:
         return table[np.dtype(dtype)]
     except KeyError:
-        raise TypeError(f"dtype: NCCL has no {np.dtype(dtype)}") from None
+        raise TypeError(f"dtype: NCCL reduces and gathers no {np.dtype(dtype)}") from None
+
+
+def nccl_bytes(buf: Any) -> tuple[int, int]:
+    """(count, NCCL type) that move ``buf``'s bytes whatever its dtype — a send and its
+    receive agree on them, and every dtype a plan may carry (float8 too) crosses."""
+    from cupy.cuda import nccl
+
+    return buf.size * buf.itemsize, nccl.NCCL_UINT8
 
 
 class _Aborter:
@@ -159,7 +172,7 @@ class NcclGroups:
         backend.comms.get(namespace, group).run(device, what, None, lambda _: 0.0, scope)
         comm, ranks = self._comm(namespace, group, device, scope, what)
         stream = self.kind.current_native().ptr
-        count, dtype = buffer.size, nccl_dtype(buffer.dtype)
+        count, dtype = nccl_bytes(buffer)
         with self.issuing(device):
             if device == root:
                 nccl.groupStart()
@@ -248,14 +261,14 @@ class NcclLinks:
             nccl.groupStart()
             try:
                 for p in peers:
-                    comm.send(buf.data.ptr, buf.size, nccl_dtype(buf.dtype), p, stream.ptr)
+                    comm.send(buf.data.ptr, *nccl_bytes(buf), p, stream.ptr)
             finally:
                 nccl.groupEnd()
 
     def recv(self, key: Any, buf: Any, peer: int, stream: Any) -> None:
         comm = self._comm(key)
         with self._issue:
-            comm.recv(buf.data.ptr, buf.size, nccl_dtype(buf.dtype), peer, stream.ptr)
+            comm.recv(buf.data.ptr, *nccl_bytes(buf), peer, stream.ptr)
 
     def all_reduce(self, key: Any, buf: Any, stream: Any) -> None:
         nccl = self._nccl()
@@ -398,4 +411,4 @@ class NcclTransport:
         self._links.close()
 
 
-__all__ = ["NcclGroups", "NcclLinks", "NcclTransport", "nccl_dtype", "nccl_op"]
+__all__ = ["NcclGroups", "NcclLinks", "NcclTransport", "nccl_bytes", "nccl_dtype", "nccl_op"]

@@ -27,7 +27,24 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "pip install torch==2.13.0)"
     ) from exc
 
+from .parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    Shard,
+    TensorParallel,
+    parallelize,
+)
 from .pipeline import LossFn, TorchPipeline, replicate
 from .profiling import profiler
+from .report import BoundaryReport
 
-__all__ = ["LossFn", "TorchPipeline", "profiler", "replicate"]
+__all__ = ["BoundaryReport", "ColwiseParallel", "LossFn", "ParallelStyle",
+           "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
+           "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TensorParallel",
+           "TorchPipeline", "parallelize", "profiler", "replicate"]

@@ -31,9 +31,12 @@ def check_meshes(meshes: Any) -> tuple[DeviceMesh, ...]:
     return tuple(meshes)
 
 
-def check_modules(modules: Any, meshes: Sequence[DeviceMesh]
+def check_modules(modules: Any, meshes: Sequence[DeviceMesh],
+                  shards: Sequence[Sequence[nn.Module] | None] = ()
                   ) -> tuple[tuple[nn.Module, ...], ...]:
-    """One module per device of each stage's mesh (a bare module for a one-device mesh)."""
+    """One module per device of each stage's mesh (a bare module for a one-device mesh);
+    ``shards[s]``, where given, are stage s's tensor-parallel shards (made from its one full
+    module by ``parallelize``), which stand for the entry."""
     if isinstance(modules, nn.Module) or not isinstance(modules, Sequence):
         raise TypeError(f"modules: expected a sequence with one entry per stage, got "
                         f"{type(modules).__name__}")
@@ -42,6 +45,9 @@ def check_modules(modules: Any, meshes: Sequence[DeviceMesh]
     out = []
     for s, (entry, mesh) in enumerate(zip(modules, meshes)):
         n = len(mesh.device_ids)
+        if s < len(shards) and shards[s] is not None:
+            out.append(tuple(shards[s]))  # type: ignore[arg-type]
+            continue
         replicas = (entry,) if isinstance(entry, nn.Module) else entry
         if not isinstance(replicas, Sequence):
             raise TypeError(f"modules[{s}]: expected an nn.Module or a list of them (one per "
@@ -56,6 +62,8 @@ def check_modules(modules: Any, meshes: Sequence[DeviceMesh]
         out.append(tuple(replicas))
     _check_distinct(out)
     for s, replicas in enumerate(out):
+        if s < len(shards) and shards[s] is not None:
+            continue  # (shards differ by design)
         for k in range(1, len(replicas)):
             _check_same(replicas[0], replicas[k], f"modules[{s}][{k}]", f"modules[{s}][0]")
     return tuple(out)

@@ -18,20 +18,23 @@ intermediate gradients) would.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from scheduler import Boundary, DeviceMesh, P, PlanOptions, Schedule, Sharding
+from scheduler import Boundary, Cluster, DeviceMesh, PlanOptions, Schedule, Sharding
 
 from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
 from .checks import check_count, check_meshes, check_modules, module_device_dtype
-from .tensors import from_torch, numpy_dtype, op_stream, to_torch
+from .parallel import Replicate, TensorParallel, parallelize, spec_of
+from .report import BoundaryReport, report_boundary
+from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
 from .threads import check_threads, default_threads, run_with
 
 LossFn = Callable[..., torch.Tensor]
@@ -54,25 +57,35 @@ class TorchPipeline:
             schedule with several stages per rank (``interleaved-1f1b``, ``zbv``) share it.
         loss_fn: ``loss_fn(output, target)`` (or ``loss_fn(output)`` when a step gets no
             targets) on the last stage's output; returns the microbatch's scalar loss.
+        plans: per stage, a tensor-parallel plan (``{"mlp.fc1": ColwiseParallel(), ...}``,
+            :mod:`overlap.torch.parallel`) or None. A stage with a plan takes ONE full module,
+            of which every device of its mesh gets its shard; its boundary layouts follow from
+            the plan, and every boundary is planned by the resharding planner.
+        axis: the mesh axis plans split over (default: each mesh's only axis); on a 2-d mesh
+            the other axis replicates.
         num_threads: torch's intra-op threads in every stage function (they run on the
             runtime's stream threads, where the caller's ``torch.set_num_threads`` does not
             reach). Default: the calling thread's setting, or, with several ranks on a host
             and no ``OMP_NUM_THREADS``, the host's cores per rank (see
             :mod:`overlap.torch.threads`).
 
-    Intra-stage parallelism: **replication**. Every device of a stage's mesh runs the whole
-    stage on the whole microbatch (boundary layouts ``P()`` on both sides), and every replica
-    gets the full gradient in its own ``.grad`` — give the optimizer :meth:`parameters` and the
-    replicas stay identical. Tensor or data parallelism inside a stage is not done by this
-    adapter (write an :class:`overlap.Stage` with ``ctx.all_reduce`` for that).
+    Intra-stage parallelism: a stage without a plan is **replicated** — every device of its
+    mesh runs the whole stage on the whole microbatch (layouts ``P()``). A stage with a plan
+    is **tensor-parallel**: each device runs its shard, with the plan's collectives. Either
+    way every device's parameters get their exact gradient in their own ``.grad`` — give the
+    optimizer :meth:`parameters` and replicas stay identical. :meth:`stage_state_dict` gathers
+    a stage back into its full module's names.
     """
 
     def __init__(self, modules: Sequence[nn.Module | Sequence[nn.Module]],
                  meshes: Sequence[DeviceMesh], loss_fn: LossFn, *,
+                 plans: Sequence[Any] | None = None, axis: str | None = None,
                  num_threads: int | None = None) -> None:
         self.num_threads = check_threads(num_threads)
         self.meshes = check_meshes(meshes)
-        self.modules = check_modules(modules, self.meshes)
+        self.tp: tuple[TensorParallel | None, ...] = self._parallelize(modules, plans, axis)
+        self.modules = check_modules(modules, self.meshes,
+                                     [None if t is None else t.modules for t in self.tp])
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (output, target) -> scalar loss "
                             f"tensor, got {type(loss_fn).__name__}")
@@ -82,6 +95,9 @@ class TorchPipeline:
                               for s, reps in enumerate(self.modules)]
         self._by_device = [dict(zip(mesh.device_ids, reps))
                            for mesh, reps in zip(self.meshes, self.modules)]
+        # Each tensor-parallel device's collectives read the op's context (parallel.py).
+        self._comms = [{} if t is None else dict(zip(t.mesh.device_ids, t.comms))
+                       for t in self.tp]
         self.stages: tuple[Stage, ...] = tuple(
             Stage(mesh, self._forward(s), self._backward(s)) for s, mesh in enumerate(self.meshes)
         )
@@ -93,6 +109,52 @@ class TorchPipeline:
         self._threads = 1  # intra-op threads of the step in flight (set by train_step)
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
         self._boundaries: dict[Any, tuple[Boundary, ...]] = {}
+        # Devices this process drives, once a multi-process runtime has run a step.
+        self._local: frozenset[int] | None = None
+
+    def _parallelize(self, modules: Any, plans: Sequence[Any] | None, axis: str | None
+                     ) -> tuple[TensorParallel | None, ...]:
+        p = len(self.meshes)
+        if plans is None:
+            return (None,) * p
+        if isinstance(plans, Mapping) or not isinstance(plans, Sequence):
+            raise TypeError(f"plans: expected one plan (a dict) or None per stage, got "
+                            f"{type(plans).__name__}")
+        if len(plans) != p:
+            raise ValueError(f"plans: {len(plans)} entries, but meshes has {p} stages")
+        if not isinstance(modules, Sequence) or len(modules) != p:
+            return (None,) * p  # (check_modules names the problem)
+        out: list[TensorParallel | None] = []
+        for s, plan in enumerate(plans):
+            if plan is None:
+                out.append(None)
+                continue
+            if not isinstance(modules[s], nn.Module):
+                raise TypeError(f"modules[{s}]: a stage with a plan takes one full nn.Module "
+                                f"(its shards are made from it), got {type(modules[s]).__name__}")
+            try:
+                out.append(parallelize(modules[s], self.meshes[s], plan, axis=axis))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"plans[{s}]: {exc}") from None
+        last = out[-1]
+        if last is not None and not isinstance(last.output_layout, Replicate):
+            raise ValueError(f"plans[{p - 1}]: the last stage's output is {last.output_layout!r}; "
+                             "loss_fn needs the whole output on every device — gather it "
+                             "(ColwiseParallel(output_layouts=Replicate()) on the head)")
+        return tuple(out)
+
+    @contextlib.contextmanager
+    def _entered(self, s: int, ctx: StageContext) -> Iterator[None]:
+        """The op's context for the stage's tensor-parallel collectives (comm.py)."""
+        comm = self._comms[s].get(ctx.device)
+        if comm is None:
+            yield
+            return
+        comm.ctx = ctx
+        try:
+            yield
+        finally:
+            comm.ctx = None
 
     # ---- what a training loop uses --------------------------------------------------------
 
@@ -102,9 +164,40 @@ class TorchPipeline:
             for m in reps:
                 yield from m.parameters()
 
+    def stage_state_dict(self, stage: int) -> dict[str, torch.Tensor]:
+        """Stage ``stage``'s parameters and buffers under its full module's names (copies):
+        a tensor-parallel stage's shards gathered, a replicated stage's first replica."""
+        check_index(stage, len(self.meshes), "stage")
+        if self._local is not None:
+            away = [d for d in self.meshes[stage].device_ids if d not in self._local]
+            if away:
+                raise ValueError(f"stage: stage {stage}'s devices {away} are driven by other "
+                                 "processes, whose parameters this one does not have; call it "
+                                 "where all of the stage's devices are local")
+        tp = self.tp[stage]
+        if tp is not None:
+            return tp.state_dict()
+        return {k: v.detach().clone() for k, v in self.modules[stage][0].state_dict().items()}
+
+    def layouts(self, stage: int) -> tuple[Any, Any]:
+        """Stage ``stage``'s (input, output) layouts over its mesh axis: ``Replicate()`` or
+        ``Shard(dim)`` (a stage without a plan: replicated both ways)."""
+        check_index(stage, len(self.meshes), "stage")
+        tp = self.tp[stage]
+        return (Replicate(), Replicate()) if tp is None else (tp.input_layout, tp.output_layout)
+
     @property
     def input_sharding(self) -> Sharding:
-        return Sharding(self.meshes[0], P())
+        """How stage 0 receives a microbatch (a layout on a negative dimension needs the
+        microbatch's rank: :meth:`prepare` resolves it)."""
+        return self._sharding(0, "input", None)
+
+    def _sharding(self, s: int, side: str, rank: int | None) -> Sharding:
+        layout = self.layouts(s)[0 if side == "input" else 1]
+        tp = self.tp[s]
+        axis = tp.axis if tp is not None else self.meshes[s].axis_names[0]
+        name = f"plans[{s}]" if tp is not None else f"modules[{s}]"
+        return Sharding(self.meshes[s], spec_of(layout, rank, axis, f"{name} {side} layout"))
 
     async def train_step(self, rt: Runtime, inputs: torch.Tensor,
                          targets: torch.Tensor | None = None, *, num_microbatches: int,
@@ -130,7 +223,9 @@ class TorchPipeline:
         try:
             return await rt.train_step(self.split_stages if split else self.stages, boundaries,
                                        mbs,
-                                       input_sharding=self.input_sharding, schedule=schedule,
+                                       input_sharding=self._sharding(0, "input",
+                                                                     mbs[0].ndim),
+                                       schedule=schedule,
                                        options=options, max_activations=max_activations)
         finally:
             self._targets = None
@@ -165,30 +260,49 @@ class TorchPipeline:
                                  f"batch of inputs {tuple(inputs.shape)} along dim 0")
         cuda = rt.backend.name == "cuda"
         self._check_placement(rt, cuda)
+        self._local = frozenset(rt.local_devices) if rt.world.distributed else None
         want = torch.device("cuda") if cuda else torch.device("cpu")
         if inputs.device.type != want.type:
             raise ValueError(f"inputs: on {inputs.device}, the runtime's {rt.backend.name} "
                              f"backend needs them on {want.type}")
         xs = inputs.detach().chunk(m)
-        mbs = [x.numpy() if not cuda else rt.backend.xp.from_dlpack(x) for x in xs]
+        mbs = [as_array(x, rt.backend.xp) for x in xs]
         tgts = list(targets.detach().chunk(m)) if targets is not None else None
         return mbs, tgts, list(self.boundaries(xs[0], tgts[0] if tgts else None))
 
     def boundaries(self, microbatch: torch.Tensor,
                    target: torch.Tensor | None = None) -> tuple[Boundary, ...]:
-        """Each stage's output per microbatch (shape, dtype; replicated layouts), found by
-        running the stages once without autograd on ``microbatch`` (cached per shape)."""
+        """Each stage's output per microbatch: shape, dtype and the two layouts (the
+        producer's output layout over its mesh, the consumer's input layout over its own;
+        ``P()`` for replicated stages), found by running the (full) stage modules once
+        without autograd on ``microbatch`` (cached per shape)."""
         key = (tuple(microbatch.shape), microbatch.dtype,
                None if target is None else (tuple(target.shape), target.dtype))
         if key not in self._boundaries:
             self._boundaries[key] = self._probe(microbatch, target)
         return self._boundaries[key]
 
+    def boundary_report(self, cluster: Cluster | Runtime, microbatch: torch.Tensor,
+                        target: torch.Tensor | None = None,
+                        options: PlanOptions | None = None) -> tuple[BoundaryReport, ...]:
+        """Every boundary for ``microbatch`` (see :meth:`boundaries`), both directions,
+        planned on ``cluster`` (or a runtime's) with ``options``: the plan's estimate, the
+        lower bound, their ratio (:class:`overlap.torch.report.BoundaryReport`)."""
+        if isinstance(cluster, Runtime):
+            cluster = cluster.cluster
+        if not isinstance(cluster, Cluster):
+            raise TypeError(f"cluster: expected a scheduler.Cluster or an overlap.Runtime, got "
+                            f"{type(cluster).__name__}")
+        return tuple(row for i, b in enumerate(self.boundaries(microbatch, target))
+                     for row in report_boundary(i, b, cluster, options))
+
     def _check_placement(self, rt: Runtime, cuda: bool) -> None:
         top = max(d for mesh in self.meshes for d in mesh.device_ids)
         if top >= rt.cluster.num_devices:
             raise ValueError(f"meshes: device {top} is outside the runtime's cluster "
                              f"(devices 0..{rt.cluster.num_devices - 1})")
+        if cuda:
+            self._check_own_gpus(rt)
         for s, mesh in enumerate(self.meshes):
             for k, d in enumerate(mesh.device_ids):
                 dev, _ = self._device_dtype[s][k]
@@ -199,6 +313,27 @@ class TorchPipeline:
                 if dev != want:
                     raise ValueError(f"modules[{s}][{k}]: on {dev}, but device {d} of the "
                                      f"runtime's {rt.backend.name} backend is {want}")
+
+    def _check_own_gpus(self, rt: Runtime) -> None:
+        """On CUDA torch runs every backward of one GPU on that GPU's one autograd thread: a
+        device of a tensor-parallel stage, waiting there in a collective, would hold up every
+        other device of its GPU, and two groups sharing GPUs could wait on each other. So
+        such a device has its GPU to itself (one process per GPU always does)."""
+        on: dict[int, set[int]] = {}
+        for mesh in self.meshes:
+            for d in mesh.device_ids:
+                on.setdefault(rt.backend.physical(d), set()).add(d)
+        for s, tp in enumerate(self.tp):
+            if tp is None or tp.degree == 1:
+                continue
+            for d in tp.mesh.device_ids:
+                gpu = rt.backend.physical(d)
+                if len(on[gpu]) > 1:
+                    raise ValueError(
+                        f"plans[{s}]: device {d} of this tensor-parallel stage shares GPU {gpu} "
+                        f"with devices {sorted(on[gpu] - {d})}; torch runs all backward work "
+                        "of one GPU on one thread, where their collectives would wait on "
+                        "each other — give each device of a tensor-parallel stage its own GPU")
 
     def _probe(self, x: torch.Tensor, target: torch.Tensor | None) -> tuple[Boundary, ...]:
         # The probe must leave no trace: buffers (BatchNorm's running statistics) and the
@@ -223,8 +358,11 @@ class TorchPipeline:
             for s, reps in enumerate(self.modules):
                 dev, _ = self._device_dtype[s][0]
                 name = f"modules[{s}]"
+                tp = self.tp[s]
+                if s == 0:
+                    self._fits(x, 0, "input", "inputs: a microbatch")
                 try:
-                    y = reps[0](x if dev is None else x.to(dev))
+                    y = (reps[0] if tp is None else tp.module)(x if dev is None else x.to(dev))
                 except Exception as exc:
                     raise ValueError(f"{name}: forward failed on a microbatch of shape "
                                      f"{tuple(x.shape)} {x.dtype}: {exc}") from exc
@@ -238,15 +376,32 @@ class TorchPipeline:
                 npd = numpy_dtype(y.dtype)
                 if not y.is_floating_point() or npd is None:
                     raise ValueError(f"{name}: output dtype {y.dtype}; a boundary must be a "
-                                     f"floating dtype numpy knows (gradients cross it)")
+                                     f"floating dtype (float16/32/64, bfloat16, float8: "
+                                     f"gradients cross it)")
                 if nxt is not None and y.dtype != nxt:
                     raise ValueError(f"modules[{s + 1}]: its parameters are {nxt}, but boundary "
                                      f"{s} (modules[{s}]'s output) is {y.dtype}")
+                what = f"boundary {s} ({tuple(y.shape)} {y.dtype})"
                 out.append(Boundary(tuple(y.shape), str(npd),
-                                    Sharding(self.meshes[s], P()),
-                                    Sharding(self.meshes[s + 1], P())))
+                                    self._fits(y, s, "output", what),
+                                    self._fits(y, s + 1, "input", what)))
                 x = y
         return tuple(out)
+
+    def _fits(self, y: torch.Tensor, s: int, side: str, what: str) -> Sharding:
+        """Stage s's ``side`` layout for ``y``, checked to split it evenly."""
+        sharding = self._sharding(s, side, y.dim())
+        for dim, entry in enumerate(sharding.spec.padded(y.dim())):
+            if entry is None:
+                continue
+            k = self.meshes[s].axis_sizes[entry]
+            if y.shape[dim] % k:
+                owner = f"plans[{s}]" if self.tp[s] is not None else f"modules[{s}]"
+                layout = self.layouts(s)[0 if side == "input" else 1]
+                raise ValueError(f"{owner}: stage {s}'s {side} layout {layout!r} splits "
+                                 f"dimension {dim} of {what} ({y.shape[dim]}) over mesh axis "
+                                 f"{entry!r} of size {k}, which does not divide it")
+        return sharding
 
     def _probe_loss(self, y: torch.Tensor, target: torch.Tensor | None) -> None:
         try:
@@ -274,7 +429,8 @@ class TorchPipeline:
 
         def forward(ctx: StageContext, x: Any) -> Any:
             run_with(self._threads)  # (intra-op threads are per thread too: module doc)
-            with op_stream(ctx), torch.enable_grad():  # grad mode is per thread in torch
+            with op_stream(ctx), torch.enable_grad(), self._entered(s, ctx):  # (grad mode
+                # is per thread in torch)
                 xt = to_torch(x, ctx)
                 if s > 0:
                     xt.requires_grad_(True)  # its .grad is what backward returns
@@ -293,7 +449,7 @@ class TorchPipeline:
         def backward(ctx: StageContext, dy: Any) -> Any:
             run_with(self._threads)
             xt, out = ctx.saved.pop("x"), ctx.saved.pop("out")
-            with op_stream(ctx):
+            with op_stream(ctx), self._entered(s, ctx):
                 if out.requires_grad:
                     grad = None if dy is None else to_torch(dy, ctx)
                     torch.autograd.backward(out, grad)
@@ -310,7 +466,7 @@ class TorchPipeline:
         def backward_input(ctx: StageContext, dy: Any) -> Any:
             run_with(self._threads)
             xt, out = ctx.saved["x"], ctx.saved["out"]
-            with op_stream(ctx):
+            with op_stream(ctx), self._entered(s, ctx):
                 grad = None if dy is None else to_torch(dy, ctx)
                 ctx.saved["grad"] = grad
                 if s == 0:
@@ -332,9 +488,15 @@ class TorchPipeline:
             ctx.saved.pop("x")
             params = [p for p in modules[ctx.device].parameters() if p.requires_grad]
             if params and out.requires_grad:
-                with op_stream(ctx):
+                with op_stream(ctx), self._entered(s, ctx):
                     torch.autograd.backward(out, grad, inputs=params)
         return backward_weight
+
+
+def check_index(value: Any, n: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+        raise ValueError(f"{name}: expected an int in 0..{n - 1}, got {value!r}")
+    return value
 
 
 def replicate(module: nn.Module, n: int) -> list[nn.Module]:

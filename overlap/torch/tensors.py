@@ -9,6 +9,12 @@ and takes arrays back. A torch stage must not pay a copy on each crossing:
   torch's kernels are enqueued where the runtime's events expect them and the DLPack
   exchange needs no stream synchronization (producer and consumer stream are the same).
   **This path has not run on a GPU yet** (no session so far was lent one).
+
+Narrow floats (``torch.bfloat16``, ``torch.float8_*``) have no numpy type of their own; the
+runtime carries them as ``ml_dtypes``' types (:mod:`scheduler.dtypes`). Neither
+``torch.from_numpy`` nor every DLPack version knows those, so they cross as views of an
+unsigned integer of the same size (the same bytes, no copy) and are viewed back on the other
+side. On CUDA the runtime's buffers of such a dtype need CuPy >= 14 (its ml_dtypes support).
 """
 
 from __future__ import annotations
@@ -20,7 +26,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from scheduler.dtypes import NARROW_FLOATS
+
 from ..pipeline import StageContext
+
+# torch's narrow floats, their ml_dtypes twin and the same-size integer both sides can view.
+_NARROW: dict[torch.dtype, tuple[np.dtype, torch.dtype]] = {
+    getattr(torch, name): (dt, {1: torch.uint8, 2: torch.int16}[dt.itemsize])
+    for name, dt in NARROW_FLOATS.items() if hasattr(torch, name)
+}
+_TORCH_OF = {dt.name: t for t, (dt, _) in _NARROW.items()}
 
 
 def on_cpu(ctx: StageContext) -> bool:
@@ -42,22 +57,41 @@ def op_stream(ctx: StageContext) -> Iterator[None]:
         yield
 
 
-def to_torch(x: Any, ctx: StageContext) -> torch.Tensor:
-    """The runtime's array as a tensor sharing its memory (call inside :func:`op_stream`)."""
-    if on_cpu(ctx):
-        return torch.from_numpy(np.asarray(x))
-    return torch.from_dlpack(x)
+def to_torch(x: Any, ctx: StageContext | None = None) -> torch.Tensor:
+    """The runtime's array as a tensor sharing its memory (call inside :func:`op_stream`);
+    ``ctx`` None: a numpy array (the CPU backend's, or a step's inputs)."""
+    cpu = ctx is None or on_cpu(ctx)
+    arr = np.asarray(x) if cpu else x
+    twin = _TORCH_OF.get(arr.dtype.name) if arr.dtype.name in NARROW_FLOATS else None
+    if twin is not None:
+        bits = arr.view(f"u{arr.dtype.itemsize}" if arr.dtype.itemsize == 1 else "i2")
+        t = torch.from_numpy(bits) if cpu else torch.from_dlpack(bits)
+        return t.view(twin)
+    return torch.from_numpy(arr) if cpu else torch.from_dlpack(arr)
 
 
-def from_torch(t: torch.Tensor, ctx: StageContext) -> Any:
-    """A tensor (no grad) as the runtime's array, sharing its memory."""
-    if on_cpu(ctx):
-        return t.numpy()
-    return ctx.xp.from_dlpack(t)
+def from_torch(t: torch.Tensor, ctx: StageContext | None = None) -> Any:
+    """A tensor (no grad) as the runtime's array, sharing its memory (``ctx`` None: numpy)."""
+    return as_array(t, np if ctx is None or on_cpu(ctx) else ctx.xp)
+
+
+def as_array(t: torch.Tensor, xp: Any) -> Any:
+    """``t`` (no grad) as an array of ``xp`` (numpy for a CPU tensor, cupy for a CUDA one),
+    sharing its memory."""
+    cpu = xp is np
+    narrow = _NARROW.get(t.dtype)
+    if narrow is not None:
+        dt, bits = narrow
+        t = t.view(bits)
+        return (t.numpy() if cpu else xp.from_dlpack(t)).view(dt)
+    return t.numpy() if cpu else xp.from_dlpack(t)
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
-    """numpy's name for a torch dtype (None where numpy has none, e.g. bfloat16)."""
+    """The runtime's dtype for a torch dtype: numpy's, or ml_dtypes' for bfloat16 and the
+    float8 types; None where there is none."""
+    if dtype in _NARROW:
+        return _NARROW[dtype][0]
     try:
         return torch.empty(0, dtype=dtype).numpy().dtype
     except TypeError:

@@ -69,6 +69,7 @@ from toy import ToyMLP
 
 from overlap import Runtime
 from scheduler import Cluster, ReshardPlan
+from scheduler.dtypes import NARROW_FLOATS
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
 
@@ -271,8 +272,22 @@ def main() -> int:
             saved.update(abandoned_round(rt))
         else:
             raise SystemExit(f"mode: unknown {mode!r}")
-        np.savez(out_dir / f"rank{rank}.npz", **saved)
+        np.savez(out_dir / f"rank{rank}.npz", **savable(saved))
     return 0
+
+
+def savable(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` as ``np.savez`` can write them: a narrow float (bfloat16, float8; numpy
+    stores them as opaque bytes) as its bits in an unsigned integer of its size, its dtype
+    name under ``<key>.dtype`` (``tests/test_mpi.outputs`` puts it back)."""
+    out: dict[str, np.ndarray] = {}
+    for key, a in arrays.items():
+        a = np.asarray(a)
+        if a.dtype.name in NARROW_FLOATS:
+            out[f"{key}.dtype"] = np.array(a.dtype.name)
+            a = a.view(f"u{a.dtype.itemsize}")
+        out[key] = a
+    return out
 
 
 def fault_matrix(out_dir: Path) -> int:

@@ -1,0 +1,65 @@
+"""What each boundary of a pipeline costs: the planner's plan against its lower bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler import Boundary, Cluster, CostModel, PlanOptions, lower_bound, plan_resharding
+
+
+@dataclass(frozen=True)
+class BoundaryReport:
+    """One boundary, one direction (``"fwd"``: the activation, producer to consumer;
+    ``"bwd"``: its gradient, back): the layouts, the plan's transfers, the bytes they deliver
+    per microbatch (every receiver's, inside hosts too) and those that cross the network, the
+    plan's estimated seconds on the cluster, the lower bound no plan can beat, and their
+    ratio (1.0 when nothing has to move)."""
+
+    boundary: int
+    direction: str
+    shape: tuple[int, ...]
+    dtype: str
+    src: str
+    dst: str
+    transfers: int
+    bytes: int
+    network_bytes: int
+    plan_seconds: float
+    bound_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        if self.bound_seconds <= 0:
+            return 1.0 if self.plan_seconds <= 0 else float("inf")
+        return self.plan_seconds / self.bound_seconds
+
+    def __str__(self) -> str:
+        return (f"boundary {self.boundary} {self.direction}: {self.shape} {self.dtype} "
+                f"{self.src} -> {self.dst}: {self.transfers} transfers, {self.bytes} bytes "
+                f"({self.network_bytes} over the network), plan {self.plan_seconds * 1e6:.1f} us, "
+                f"bound {self.bound_seconds * 1e6:.1f} us, ratio {self.ratio:.3f}")
+
+
+def report_boundary(index: int, b: Boundary, cluster: Cluster,
+                    options: PlanOptions | None = None) -> tuple[BoundaryReport, ...]:
+    """Both directions of boundary ``index`` planned on ``cluster``."""
+    model = CostModel(cluster)
+    rows = []
+    for direction, src, dst in (("fwd", b.producer, b.consumer),
+                                ("bwd", b.consumer, b.producer)):
+        plan = plan_resharding(b.shape, b.dtype, src, dst, cluster, options)
+        rows.append(BoundaryReport(
+            index, direction, tuple(b.shape), str(b.dtype), _fmt(src), _fmt(dst),
+            len(plan.transfers), sum(t.nbytes * len(t.receivers) for t in plan.transfers),
+            model.network_bytes(plan), model.plan_time(plan),
+            lower_bound(b.shape, b.dtype, src, dst, cluster)))
+    return tuple(rows)
+
+
+def _fmt(sharding: object) -> str:
+    mesh = sharding.mesh  # type: ignore[attr-defined]
+    spec = sharding.spec  # type: ignore[attr-defined]
+    return f"{spec!r} on {mesh.shape} {list(mesh.device_ids)}"
+
+
+__all__ = ["BoundaryReport", "report_boundary"]

@@ -1,0 +1,97 @@
+"""examples/gpt_pipeline.py: a GPT in stages of tensor-parallel degrees 1, 2, 4, 2 trains
+under every schedule with plain torch's numerics, in one process and under mpiexec, and
+fails loudly when it does not."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 (the "
+                                    "'torch' extra) to run the GPT example")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt_pipeline.py"
+SMALL = ["--layers", "8", "--width", "32", "--heads", "4", "--seq", "8", "--vocab", "64",
+         "--batch", "8", "--microbatches", "4", "--steps", "2"]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpt_pipeline_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def example(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave the suite's alone
+    return _load()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager-1f1b", "zb-h1",
+                                      "interleaved-1f1b", "zbv"])
+def test_every_schedule_trains_the_tensor_parallel_gpt_like_torch(example, schedule, tmp_path,
+                                                                   capsys):
+    assert example.main([*SMALL, "--schedule", schedule, "--trace-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "match plain torch" in out and "tokens/s" in out
+    # Every boundary is reported with its plan/bound ratio (at least 1).
+    ratios = [float(line.rsplit("ratio ", 1)[1]) for line in out.splitlines()
+              if line.strip().startswith("boundary")]
+    stages = 8 if schedule in ("interleaved-1f1b", "zbv") else 4
+    assert len(ratios) == 2 * (stages - 1) and min(ratios) >= 1.0
+
+
+@pytest.mark.parametrize("args", [["--dtype", "bfloat16"], ["--sequence-parallel"],
+                                  ["--dtype", "bfloat16", "--sequence-parallel",
+                                   "--schedule", "zb-h1"]])
+def test_bfloat16_and_sequence_parallel_match_torch(example, args, tmp_path, capsys):
+    assert example.main([*SMALL, *args, "--trace-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "match plain torch" in out
+    if "--sequence-parallel" in args:
+        assert "P(None, 'tp')" in out  # boundaries sharded along the sequence
+
+
+def test_the_example_fails_when_a_gradient_is_wrong(example, tmp_path, monkeypatch, capsys):
+    # A tensor-parallel all-reduce that drops the other devices' part must fail the check.
+    from overlap.torch import comm
+
+    real = comm.AxisComm.run
+
+    def partial(self, op, t, dim, what):
+        if op == "all_reduce" and "(backward)" in what:
+            return t
+        return real(self, op, t, dim, what)
+
+    monkeypatch.setattr(comm.AxisComm, "run", partial)
+    assert example.main([*SMALL, "--trace-dir", str(tmp_path)]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("schedule, extra", [("1f1b", []),
+                                             ("interleaved-1f1b", ["--sequence-parallel"])])
+def test_the_gpt_example_under_mpiexec(tmp_path, schedule, extra):
+    # 4 ranks of 3-4 devices: stage meshes span ranks (TP collectives over the wire).
+    pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
+        shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    done = subprocess.run([mpiexec, "-n", "4", sys.executable, str(EXAMPLE), *SMALL,
+                           "--schedule", schedule, *extra, "--trace-dir", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("match plain torch") == 1 and "FAILED" not in done.stdout
+    assert len(list(tmp_path.glob("gpt-*-rank*.json"))) == 4
