@@ -281,6 +281,9 @@ def test_pipeline_plan_errors_are_named():
     meshes = [MESH2, DeviceMesh([2, 3], ("tp",))]
     with pytest.raises(ValueError, match=r"plans: 1 entries, but meshes has 2 stages"):
         TorchPipeline([Block(), Block()], meshes, _sum_loss, plans=[MEGATRON])
+    with pytest.raises(ValueError, match=r"axis: 'tp' names the axis tensor-parallel plans "
+                                         r"split over, and no plans= were given"):
+        TorchPipeline([Block(), Block()], meshes, _sum_loss, axis="tp")
     with pytest.raises(TypeError, match=r"plans: expected one plan \(a dict\) or None per"):
         TorchPipeline([Block(), Block()], meshes, _sum_loss, plans=MEGATRON)
     with pytest.raises(TypeError, match=r"modules\[1\]: a stage with a plan takes one full "

@@ -285,15 +285,17 @@ def _vocab_parallel(module: nn.Embedding, comm: AxisComm, name: str,
     """Rows of this device's vocabulary block; other ids read as zero, then summed."""
     rows = module.weight.shape[0]
     lo = comm.index * rows
-    masks: list[torch.Tensor] = []  # (one forward at a time on a device's stream)
+    # The ids outside the block, from the pre-hook to the hook of the same call (one forward
+    # at a time on a device's stream; a slot, not a stack: a forward that raised in between
+    # leaves nothing behind for the next one).
+    outside: dict[str, torch.Tensor] = {}
 
     def shift(ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < lo) | (ids >= lo + rows)
-        masks.append(outside)
-        return torch.where(outside, torch.zeros_like(ids), ids - lo)
+        outside["ids"] = mask = (ids < lo) | (ids >= lo + rows)
+        return torch.where(mask, torch.zeros_like(ids), ids - lo)
 
     def finish(y: torch.Tensor) -> torch.Tensor:
-        y = y.masked_fill(masks.pop().unsqueeze(-1), 0.0)
+        y = y.masked_fill(outside.pop("ids").unsqueeze(-1), 0.0)
         return convert(y, comm, *reduce, dim, f"{name} output")
     module.register_forward_pre_hook(_pre(shift))
     module.register_forward_hook(_post(finish))

@@ -116,6 +116,9 @@ class TorchPipeline:
                      ) -> tuple[TensorParallel | None, ...]:
         p = len(self.meshes)
         if plans is None:
+            if axis is not None:
+                raise ValueError(f"axis: {axis!r} names the axis tensor-parallel plans split "
+                                 "over, and no plans= were given")
             return (None,) * p
         if isinstance(plans, Mapping) or not isinstance(plans, Sequence):
             raise TypeError(f"plans: expected one plan (a dict) or None per stage, got "
@@ -303,16 +306,31 @@ class TorchPipeline:
                              f"(devices 0..{rt.cluster.num_devices - 1})")
         if cuda:
             self._check_own_gpus(rt)
+            self._place_shards(rt)
         for s, mesh in enumerate(self.meshes):
             for k, d in enumerate(mesh.device_ids):
                 dev, _ = self._device_dtype[s][k]
-                if dev is None:
+                if dev is None or not rt.backend.is_local(d):  # (another process runs it)
                     continue
                 want = torch.device("cuda", rt.backend.physical(d)) if cuda else \
                     torch.device("cpu")
                 if dev != want:
                     raise ValueError(f"modules[{s}][{k}]: on {dev}, but device {d} of the "
                                      f"runtime's {rt.backend.name} backend is {want}")
+
+    def _place_shards(self, rt: Runtime) -> None:
+        """Tensor-parallel shards (the adapter's own modules, made on the full module's
+        device) move to their device's GPU. ``Module.to`` keeps the Parameter objects, so an
+        optimizer made over :meth:`parameters` before still holds them."""
+        for s, tp in enumerate(self.tp):
+            if tp is None:
+                continue
+            for k, d in enumerate(tp.mesh.device_ids):
+                want = torch.device("cuda", rt.backend.physical(d))
+                if rt.backend.is_local(d) and self._device_dtype[s][k][0] != want:
+                    tp.modules[k].to(want)
+                    self._device_dtype[s][k] = module_device_dtype(tp.modules[k],
+                                                                   f"modules[{s}][{k}]")
 
     def _check_own_gpus(self, rt: Runtime) -> None:
         """On CUDA torch runs every backward of one GPU on that GPU's one autograd thread: a
@@ -356,9 +374,10 @@ class TorchPipeline:
             raise ValueError(f"inputs: dtype {x.dtype}, but modules[0] has {dt0} parameters")
         with torch.no_grad():
             for s, reps in enumerate(self.modules):
-                dev, _ = self._device_dtype[s][0]
-                name = f"modules[{s}]"
                 tp = self.tp[s]
+                dev = self._device_dtype[s][0][0] if tp is None else \
+                    module_device_dtype(tp.module, f"modules[{s}]")[0]  # (the full module's)
+                name = f"modules[{s}]"
                 if s == 0:
                     self._fits(x, 0, "input", "inputs: a microbatch")
                 try:
