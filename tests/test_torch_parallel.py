@@ -368,3 +368,41 @@ def test_state_dict_of_a_stage_across_processes_is_refused_under_mpiexec():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "rank 0: ok" in done.stdout and "rank 1: ok" in done.stdout
+
+
+def test_projections_of_one_input_reduce_its_gradient_once(monkeypatch):
+    # q, k and v column-parallel on one replicated input: one all-reduce of the input's
+    # gradient per microbatch and device (Megatron's), not three — same numerics.
+    from overlap.pipeline import StageContext
+
+    class QKV(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(8, 8) for _ in range(3))
+            self.o = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.o(self.q(x) * self.k(x) + self.v(x))
+
+    calls: list[str] = []
+    real = StageContext.all_reduce
+
+    def counted(self, x, axis=None):
+        calls.append(self.phase)
+        return real(self, x, axis)
+
+    monkeypatch.setattr(StageContext, "all_reduce", counted)
+    torch.manual_seed(4)
+    meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2], ("tp",))]
+    modules = [nn.Linear(8, 8).double(), QKV().double()]
+    reference = copy.deepcopy(modules)
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+            "o": RowwiseParallel()}
+    pipe = TorchPipeline(modules, meshes, _sum_loss, plans=[None, plan])
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        losses = pipe.train_step_sync(rt, x, num_microbatches=2, schedule="1f1b")
+    assert losses == pytest.approx(_reference(reference, x.chunk(2), _sum_loss), rel=1e-12)
+    _assert_grads_match(pipe, reference, tol=1e-10)
+    # Per microbatch and device: forward one (o's sum), backward one (the shared input's).
+    assert calls.count("F") == 2 * 2 and calls.count("B") == 2 * 2

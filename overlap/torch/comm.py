@@ -23,6 +23,9 @@ all-gather        split              a sharded output made replicated (``output_
 split             all-gather         a replicated input made sharded
 ================  =================  ======================================================
 
+Column-parallel modules that read one tensor within one op share its conversion
+(:meth:`AxisComm.shared`): autograd sums their gradients first, and the sum is reduced once.
+
 A reduce-scatter is an all-reduce of which each device keeps its block (the runtime has no
 reduce-scatter collective: it moves twice the bytes one would).
 
@@ -53,7 +56,31 @@ class AxisComm:
         self.index = group.index(device)
         # Rows of an all-gather come in device-id order; shards are in mesh order.
         self._rows = [sorted(group).index(d) for d in group]
-        self.ctx: StageContext | None = None
+        self._ctx: StageContext | None = None
+        self._made: dict[tuple[int, object], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def ctx(self) -> StageContext | None:
+        return self._ctx
+
+    @ctx.setter
+    def ctx(self, ctx: StageContext | None) -> None:
+        """The op's context (None between ops); what :meth:`shared` made dies with it."""
+        self._ctx = ctx
+        self._made.clear()
+
+    def shared(self, x: torch.Tensor, key: object, make: Any) -> torch.Tensor:
+        """``make()`` once per input tensor and conversion within one op: column-parallel
+        q, k and v reading one replicated input then share one conversion, whose backward
+        reduces their summed gradient once (Megatron's one all-reduce) instead of three."""
+        k = (id(x), key)
+        hit = self._made.get(k)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        y = make()
+        if self._ctx is not None:  # (kept only inside an op: the slot is cleared after it)
+            self._made[k] = (x, y)
+        return y
 
     def _context(self, what: str) -> StageContext:
         if self.ctx is None:

@@ -209,8 +209,9 @@ class ColwiseParallel(ParallelStyle):
         src = _first(self.input_layouts, "input_layouts")
         out = _first(self.output_layouts, "output_layouts")
         if not isinstance(module, nn.Embedding):  # (token ids carry no gradient)
-            module.register_forward_pre_hook(_pre(
-                lambda x: _to(x, comm, src, Replicate(), f"{name} input", True)))
+            module.register_forward_pre_hook(_pre(lambda x: comm.shared(
+                x, ("colwise input", src),
+                lambda: _to(x, comm, src, Replicate(), f"{name} input", True))))
         if isinstance(out, Replicate):
             module.register_forward_hook(_post(
                 lambda y: convert(y, comm, "all_gather", "split", -1, f"{name} output")))
