@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({times[-1] * 1e3:.0f} ms; loss vs torch {diff:.2g})")
         tl = rt.timeline()
         rank = rt.world.rank
-        suffix = f"-rank{rank}" if rt.world.distributed else ""
+        suffix = f".rank{rank}" if rt.world.distributed else ""
         trace = rt.write_trace(Path(args.trace_dir) / f"gpt-{args.schedule}{suffix}.json")
         local = set(rt.local_devices)
         distributed = rt.world.distributed

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import overlap
 from overlap.torch import TorchPipeline
-from scheduler import Cluster
+from scheduler import Cluster, DeviceMesh
 
 TOL = 1e-5
 
@@ -61,18 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     modules = [stage(args.width) for _ in range(4)]
     reference = nn.Sequential(*(copy.deepcopy(m) for m in modules))  # same initial weights
-    cluster = Cluster.preset("p3.8xlarge", num_hosts=4)
-    meshes = [cluster.mesh([h], gpus=1) for h in range(4)]  # one device per stage
+    cluster = Cluster.local(4)  # 4 virtual devices on this machine
+    meshes = [DeviceMesh([d], ("gpu",)) for d in range(4)]  # one device per stage
     pipe = TorchPipeline(modules, meshes, loss_fn=nn.functional.mse_loss)
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
 
-    print(f"torch pipeline: 4 stages of Linear({args.width}, {args.width}) -> ReLU -> "
-          f"Linear, batch {args.batch} in {args.microbatches} microbatches, {args.schedule}, "
-          f"{args.steps} SGD steps, float32, CPU backend")
     data = torch.Generator().manual_seed(1)
     worst = 0.0
     with overlap.Runtime(cluster) as rt:
+        rank = rt.world.rank
+        say = print if rank == 0 else (lambda *a, **k: None)  # one process speaks
+        say(f"torch pipeline: 4 stages of Linear({args.width}, {args.width}) -> ReLU -> "
+            f"Linear, batch {args.batch} in {args.microbatches} microbatches, "
+            f"{args.schedule}, {args.steps} SGD steps, float32, CPU backend")
         for step in range(args.steps):
             x = torch.randn(args.batch, args.width, generator=data)
             y = torch.randn(args.batch, args.width, generator=data)
@@ -93,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
 
             diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
             worst = max(worst, diff)
-            print(f"  step {step}: mean loss {sum(losses) / len(losses):.6f}  ({ms:.1f} ms; "
+            say(f"  step {step}: mean loss {sum(losses) / len(losses):.6f}  ({ms:.1f} ms; "
                   f"largest loss difference from torch {diff:.2g})")
         tl = rt.timeline()
-        trace = rt.write_trace(Path(args.trace_dir) / f"torch-{args.schedule}.json")
+        suffix = f".rank{rank}" if rt.world.distributed else ""  # one trace per rank
+        trace = rt.write_trace(Path(args.trace_dir) / f"torch-{args.schedule}{suffix}.json")
         # This process's stages: the ones whose devices it drives (all of them, alone).
         mine = [s for s, mesh in enumerate(meshes)
                 if all(rt.backend.is_local(d) for d in mesh.device_ids)]
@@ -110,13 +113,14 @@ def main(argv: list[str] | None = None) -> int:
 
         worst = MPI.COMM_WORLD.allreduce(worst, op=MPI.MAX)
     if worst > TOL:
-        print(f"FAILED: the pipeline differs from plain torch by {worst:.3g} > {TOL}")
+        say(f"FAILED: the pipeline differs from plain torch by {worst:.3g} > {TOL}")
         return 1
-    print(f"losses of every step and all parameters after {args.steps} steps match plain "
+    say(f"losses of every step and all parameters after {args.steps} steps match plain "
           f"torch (largest difference {worst:.3g} <= {TOL})")
-    print(f"\noverlap report ({args.schedule}, last step):")
-    print(tl.report())
-    print(f"\ntrace: {trace} (open in https://ui.perfetto.dev, or: overlap trace report {trace})")
+    say(f"\noverlap report ({args.schedule}, last step"
+        f"{', this rank' if distributed else ''}):")
+    say(tl.report())
+    say(f"\ntrace: {trace} (open in https://ui.perfetto.dev, or: overlap trace report {trace})")
     return 0
 
 

@@ -98,6 +98,16 @@ class Cluster:
             ) from None
         return cls(num_hosts=num_hosts, **params)
 
+    @classmethod
+    def local(cls, num_devices: int) -> Cluster:
+        """``num_devices`` virtual devices 0..n−1 on one host: what a run on this machine's
+        CPU backend (or its GPUs) has, without naming a cloud machine. Its links are
+        memory copies — 80 Gbps (10 GB/s) at 1 µs for the cost model; nothing crosses a
+        network. Presets stay for planning clusters you do not have."""
+        check_positive_int("num_devices", num_devices)
+        return cls(1, num_devices, nic_gbps=80.0, nics_per_host=1, nvlink_gbps=80.0,
+                   nic_latency_us=1.0, nvlink_latency_us=1.0)
+
     @staticmethod
     def preset_names() -> tuple[str, ...]:
         return tuple(sorted(_PRESETS))

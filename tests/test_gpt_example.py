@@ -94,4 +94,4 @@ def test_the_gpt_example_under_mpiexec(tmp_path, schedule, extra):
                           env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("match plain torch") == 1 and "FAILED" not in done.stdout
-    assert len(list(tmp_path.glob("gpt-*-rank*.json"))) == 4
+    assert len(list(tmp_path.glob("gpt-*.rank*.json"))) == 4

@@ -107,6 +107,7 @@ class TorchPipeline:
             for s, mesh in enumerate(self.meshes))
         self._targets: list[torch.Tensor] | None = None
         self._threads = 1  # intra-op threads of the step in flight (set by train_step)
+        self._loss_scale: float | None = None  # 1 / microbatches with scale_grads
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
         self._boundaries: dict[Any, tuple[Boundary, ...]] = {}
         # Devices this process drives, once a multi-process runtime has run a step.
@@ -206,15 +207,23 @@ class TorchPipeline:
                          targets: torch.Tensor | None = None, *, num_microbatches: int,
                          schedule: str | Schedule = "eager-1f1b",
                          options: PlanOptions | None = None,
-                         max_activations: int | Sequence[int] | None = None) -> list[float]:
+                         max_activations: int | Sequence[int] | None = None,
+                         scale_grads: bool = False) -> list[float]:
         """One step: split ``inputs`` (and ``targets``) into ``num_microbatches`` along dim 0,
         run forward and backward of each on ``rt``; return the per-microbatch losses
         (``schedule``, ``options`` and ``max_activations`` as for
         :meth:`overlap.Runtime.train_step`).
 
-        Gradients are *added* to ``.grad`` (call ``zero_grad`` between steps, as in torch);
-        after a failed step they hold a partial sum — zero them before the next one.
+        Gradients are *added* to ``.grad`` (call ``zero_grad`` between steps, as in torch):
+        the sum over the microbatches, or with ``scale_grads=True`` their mean — what
+        ``torch.distributed.pipelining``'s schedules do by default (``scale_grads=True``
+        there), the gradient of the batch's mean loss. (Each microbatch's backward starts
+        from ``loss / num_microbatches``; the losses returned are not scaled.) After a failed
+        step ``.grad`` holds a partial sum — zero it before the next one.
         """
+        if not isinstance(scale_grads, bool):
+            raise TypeError(f"scale_grads: expected a bool (True: the mean over microbatches, "
+                            f"False: their sum), got {scale_grads!r}")
         mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches)
         # ("auto" gets the fused backward: it then chooses among unsplit schedules.)
         split = schedule != "auto" and bool(
@@ -223,6 +232,7 @@ class TorchPipeline:
             raise RuntimeError("TorchPipeline: a step is already running on this pipeline")
         self._targets = tgts
         self._threads = self.num_threads or default_threads(rt.world)
+        self._loss_scale = 1.0 / len(mbs) if scale_grads else None
         try:
             return await rt.train_step(self.split_stages if split else self.stages, boundaries,
                                        mbs,
@@ -232,6 +242,7 @@ class TorchPipeline:
                                        options=options, max_activations=max_activations)
         finally:
             self._targets = None
+            self._loss_scale = None
             self._busy.release()
 
     def train_step_sync(self, rt: Runtime, inputs: torch.Tensor,
@@ -458,7 +469,8 @@ class TorchPipeline:
                 if last:
                     loss = self._loss(y, None if self._targets is None
                                       else self._targets[ctx.microbatch])
-                    ctx.saved["out"] = loss
+                    scale = self._loss_scale
+                    ctx.saved["out"] = loss if scale is None else loss * scale
                     return loss.detach()  # float() after the step: no device sync here
                 ctx.saved["out"] = y
                 return from_torch(y.detach(), ctx)
