@@ -315,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             ref_opt.step()
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
             worst = max(worst, diff / rtol)
-            say(f"  step {step}: mean loss {sum(losses) / len(losses):.4f} "
-                f"({times[-1] * 1e3:.0f} ms; loss vs torch {diff:.2g})")
+            stats = rt.last_step  # the runtime's own figures of the step (its trace)
+            say(f"  step {step}: mean loss {sum(losses) / len(losses):.4f}, loss vs torch "
+                f"{diff:.2g}; {stats.seconds * 1e3:.0f} ms, bubble {stats.bubble:.0%}, "
+                f"exposed communication {stats.exposed_comm:.1%}")
         tl = rt.timeline()
         rank = rt.world.rank
         suffix = f".rank{rank}" if rt.world.distributed else ""

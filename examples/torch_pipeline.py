@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
             diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
             worst = max(worst, diff)
-            say(f"  step {step}: mean loss {sum(losses) / len(losses):.6f}  ({ms:.1f} ms; "
-                  f"largest loss difference from torch {diff:.2g})")
+            stats = rt.last_step  # the runtime's figures of the step, from its trace
+            say(f"  step {step}: mean loss {sum(losses) / len(losses):.6f}  ({ms:.1f} ms, "
+                f"bubble {stats.bubble:.0%}, exposed communication {stats.exposed_comm:.1%};"
+                f" largest loss difference from torch {diff:.2g})")
         tl = rt.timeline()
         suffix = f".rank{rank}" if rt.world.distributed else ""  # one trace per rank
         trace = rt.write_trace(Path(args.trace_dir) / f"torch-{args.schedule}{suffix}.json")

@@ -34,6 +34,7 @@ from .errors import (
 )
 from .pipeline import Stage, StageContext
 from .runtime import Runtime, run
+from .stats import StepStats
 
 __version__ = "0.1.0"
 
@@ -56,6 +57,7 @@ __all__ = [
     "Stage",
     "StageContext",
     "StageTimeout",
+    "StepStats",
     "StreamError",
     "Transfer",
     "__version__",

@@ -19,6 +19,7 @@ import logging
 import math
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -71,6 +72,7 @@ from .reshard import (
     shards_match,
 )
 from .scope import CancelScope
+from .stats import StepStats, step_stats
 from .world import Placement, World, detect_world
 
 T = TypeVar("T")
@@ -359,6 +361,9 @@ class Runtime:
         # (``auto`` takes its measured compute times).
         self._last_trace: tuple[Any, StepGraph] | None = None
         self._last_step: tuple[Any, StepGraph] | None = None
+        # The last successful step's (index, seconds, trace, graph), or its StepStats once
+        # made (last_step).
+        self._stats: tuple[Any, ...] | StepStats | None = None
         # Dropped without close(): end the threads anyway, and say so (as files and event
         # loops do). The callback holds the scope, the backend and the loop, never the
         # runtime — nor does anything a stream thread holds.
@@ -512,6 +517,8 @@ class Runtime:
             self._profiler(True)
         step_range = range_start(f"step {index}", "step")  # Nsight: one range a step
         trace = self.backend.start_trace()
+        began = time.perf_counter()
+        self._stats = None  # (a failed step has none)
         try:
             table = await self._call("train_step", graph, go, subject="the step graph",
                                      channels=step_channels(graph, boundaries, stages),
@@ -522,6 +529,7 @@ class Runtime:
             if window is not None and index == window.stop - 1:
                 self._profiler(False)
             self._last_trace = self._last_step = (trace, graph)
+        self._stats = (index, time.perf_counter() - began, trace, graph)
         if not self.world.distributed:
             return [float(state.losses[i]) for i in range(m)]
         owner = self.backend.placement.owners[first]  # type: ignore[union-attr]
@@ -667,6 +675,18 @@ class Runtime:
         stage_of = {d: graph.stage_of(d) for d in graph.devices if self.backend.is_local(d)}
         return Timeline(tuple(spans), len(graph.stages), tuple(sorted(stage_of)), stage_of,
                         graph.data_inputs)
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """The last successful :meth:`train_step`'s figures (:class:`overlap.StepStats`: wall
+        time, bubble, exposed communication, compute per stage, peak activations), from the
+        runtime's own trace, made on first access; None before any step or after a failed
+        one. In a multi-process job: this process's devices."""
+        if self._stats is None or isinstance(self._stats, StepStats):
+            return self._stats
+        index, seconds, trace, graph = self._stats
+        self._stats = step_stats(index, seconds, self._timeline(trace, graph))
+        return self._stats
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the last call's measured timeline as Chrome/Perfetto JSON."""

@@ -162,3 +162,46 @@ def test_a_capture_window_on_the_cpu_backend_still_opens_step_ranges(ranges):
         with rt.capture():
             model.step(rt)
     assert [m for m, c in opened if c == "step"] == ["step 0", "step 1"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_last_step_reports_the_step_from_the_runtimes_trace(toy, schedule):
+    from overlap import StepStats
+    from scheduler import make_schedule
+
+    cluster, model, mbs = toy
+    with Runtime(cluster) as rt:
+        assert rt.last_step is None  # no step yet
+        _step(rt, model, mbs, schedule)
+        first = rt.last_step
+        _step(rt, model, mbs, schedule)
+        st = rt.last_step
+        assert isinstance(st, StepStats) and st is rt.last_step  # made once per step
+        tl = rt.timeline()
+    assert (first.step, st.step) == (0, 1)
+    assert 0 < st.iteration_time <= st.seconds
+    assert st.bubble == pytest.approx(tl.bubble_fraction)
+    assert st.exposed_comm == pytest.approx(tl.exposed_comm_fraction)
+    assert sorted(st.compute) == [0, 1, 2, 3] and all(t > 0 for t in st.compute.values())
+    sched = make_schedule(schedule, 4, len(mbs))
+    assert st.peak_activations == {s: sched.peak_activations(s) for s in range(4)}
+    assert f"step 1: {st.seconds * 1e3:.1f} ms" in str(st)
+
+
+def test_a_failed_step_leaves_no_last_step(toy):
+    from overlap import Stage, StreamError
+
+    cluster, model, mbs = toy
+    stages = model.stages()
+
+    def broken(ctx, x):
+        raise RuntimeError("boom")
+
+    stages[2] = Stage(stages[2].mesh, broken, stages[2].backward)
+    with Runtime(cluster) as rt:
+        _step(rt, model, mbs)
+        assert rt.last_step is not None
+        with pytest.raises(StreamError):
+            rt.train_step_sync(stages, model.boundaries(), mbs,
+                               input_sharding=model.input_sharding(), schedule="1f1b")
+        assert rt.last_step is None

@@ -73,3 +73,34 @@ def test_a_local_cluster_is_one_host_of_n_devices():
     for bad, error in ((0, ValueError), (2.0, TypeError), (True, TypeError)):
         with pytest.raises(error, match=r"num_devices"):
             Cluster.local(bad)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_return_outputs_gives_the_last_stages_output_per_microbatch(schedule):
+    modules = _stages()
+    reference = copy.deepcopy(modules)
+    meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1], ("tp",)), DeviceMesh([2, 3], ("tp",))]
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}  # replicated out: the whole output
+    pipe = TorchPipeline(modules, meshes, nn.functional.mse_loss, plans=[None, None, plan])
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    with Runtime(Cluster.local(4), timeout=20) as rt:
+        losses, outputs = pipe.train_step_sync(rt, x, y, num_microbatches=4,
+                                               schedule=schedule, return_outputs=True)
+        plain = pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule=schedule)
+    assert plain == losses  # (the same step again: return_outputs changes nothing else)
+    assert len(outputs) == 4
+    for xm, out in zip(x.chunk(4), outputs):
+        h = xm
+        for m in reference:
+            h = m(h)
+        assert not out.requires_grad
+        torch.testing.assert_close(out, h.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_return_outputs_must_be_a_bool():
+    pipe = TorchPipeline(_stages()[:1], [DeviceMesh([0], ("tp",))], nn.functional.mse_loss)
+    with Runtime(Cluster.local(1), timeout=20) as rt, \
+            pytest.raises(TypeError, match=r"return_outputs: expected a bool"):
+        pipe.train_step_sync(rt, torch.randn(2, 6, dtype=torch.float64),
+                             torch.randn(2, 6, dtype=torch.float64), num_microbatches=1,
+                             return_outputs=1)

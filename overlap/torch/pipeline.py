@@ -108,6 +108,7 @@ class TorchPipeline:
         self._targets: list[torch.Tensor] | None = None
         self._threads = 1  # intra-op threads of the step in flight (set by train_step)
         self._loss_scale: float | None = None  # 1 / microbatches with scale_grads
+        self._outputs: dict[int, torch.Tensor] | None = None  # with return_outputs
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
         self._boundaries: dict[Any, tuple[Boundary, ...]] = {}
         # Devices this process drives, once a multi-process runtime has run a step.
@@ -208,7 +209,7 @@ class TorchPipeline:
                          schedule: str | Schedule = "eager-1f1b",
                          options: PlanOptions | None = None,
                          max_activations: int | Sequence[int] | None = None,
-                         scale_grads: bool = False) -> list[float]:
+                         scale_grads: bool = False, return_outputs: bool = False) -> Any:
         """One step: split ``inputs`` (and ``targets``) into ``num_microbatches`` along dim 0,
         run forward and backward of each on ``rt``; return the per-microbatch losses
         (``schedule``, ``options`` and ``max_activations`` as for
@@ -220,7 +221,14 @@ class TorchPipeline:
         there), the gradient of the batch's mean loss. (Each microbatch's backward starts
         from ``loss / num_microbatches``; the losses returned are not scaled.) After a failed
         step ``.grad`` holds a partial sum — zero it before the next one.
+
+        ``return_outputs=True`` returns ``(losses, outputs)``: ``outputs`` the last stage's
+        output of each microbatch (detached, in microbatch order, on the device it was
+        computed on) in the process that drives the last stage's first device, None in the
+        others — as torch's ``schedule.step`` returns outputs on the last stage only.
         """
+        if not isinstance(return_outputs, bool):
+            raise TypeError(f"return_outputs: expected a bool, got {return_outputs!r}")
         if not isinstance(scale_grads, bool):
             raise TypeError(f"scale_grads: expected a bool (True: the mean over microbatches, "
                             f"False: their sum), got {scale_grads!r}")
@@ -233,16 +241,23 @@ class TorchPipeline:
         self._targets = tgts
         self._threads = self.num_threads or default_threads(rt.world)
         self._loss_scale = 1.0 / len(mbs) if scale_grads else None
+        self._outputs = {} if return_outputs else None
         try:
-            return await rt.train_step(self.split_stages if split else self.stages, boundaries,
-                                       mbs,
-                                       input_sharding=self._sharding(0, "input",
-                                                                     mbs[0].ndim),
-                                       schedule=schedule,
-                                       options=options, max_activations=max_activations)
+            losses = await rt.train_step(self.split_stages if split else self.stages,
+                                         boundaries, mbs,
+                                         input_sharding=self._sharding(0, "input",
+                                                                       mbs[0].ndim),
+                                         schedule=schedule,
+                                         options=options, max_activations=max_activations)
+            if not return_outputs:
+                return losses
+            outs = self._outputs
+            here = rt.backend.is_local(self.meshes[-1].device_ids[0])
+            return losses, [outs[i] for i in range(len(mbs))] if here else None
         finally:
             self._targets = None
             self._loss_scale = None
+            self._outputs = None
             self._busy.release()
 
     def train_step_sync(self, rt: Runtime, inputs: torch.Tensor,
@@ -471,6 +486,9 @@ class TorchPipeline:
                                       else self._targets[ctx.microbatch])
                     scale = self._loss_scale
                     ctx.saved["out"] = loss if scale is None else loss * scale
+                    if self._outputs is not None and ctx.device == ctx.mesh.device_ids[0]:
+                        self._outputs[ctx.microbatch] = y.detach()  # (one device's: the
+                        # last stage's output is replicated over its mesh)
                     return loss.detach()  # float() after the step: no device sync here
                 ctx.saved["out"] = y
                 return from_torch(y.detach(), ctx)

@@ -1,6 +1,7 @@
 """Under ``mpiexec -n 2``: a tensor-parallel stage whose devices span both ranks trains, and
 ``stage_state_dict`` refuses it on each rank (half its shards live elsewhere) while a stage
-of this rank's own devices gathers to plain torch's. Exits 0 when all of that holds."""
+of this rank's own devices gathers to plain torch's; ``return_outputs`` gives the last
+stage's outputs on its rank only. Exits 0 when all of that holds."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ from scheduler import Cluster, DeviceMesh
 PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}
 
 
+def reference_out(modules, x):
+    with torch.no_grad():
+        for m in modules:
+            x = m(x)
+    return x
+
+
 def main() -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -28,13 +36,17 @@ def main() -> int:
     meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2], ("tp",)), DeviceMesh([3], ("tp",))]
     modules = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)) for _ in meshes]
     reference = copy.deepcopy(modules)
+    reference_initial = copy.deepcopy(modules)
     pipe = TorchPipeline(modules, meshes, lambda y: y.pow(2).mean(),
                          plans=[PLAN, PLAN, PLAN])
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
     x = torch.randn(4, 4)
     with overlap.Runtime(cluster, timeout=30) as rt:
-        pipe.train_step_sync(rt, x, num_microbatches=2, schedule="1f1b")
+        _, outputs = pipe.train_step_sync(rt, x, num_microbatches=2, schedule="1f1b",
+                                          return_outputs=True)
         rank = rt.world.rank
+    # The last stage (device 3) is rank 1's: its outputs there, None on rank 0.
+    assert (outputs is None) == (rank == 0), (rank, outputs)
     opt.step()
     for xm in x.chunk(2):
         h = xm
@@ -42,6 +54,9 @@ def main() -> int:
             h = m(h)
         h.pow(2).mean().backward()
     torch.optim.SGD([p for m in reference for p in m.parameters()], lr=0.5).step()
+    if outputs is not None:
+        for xm, out in zip(x.chunk(2), outputs):
+            torch.testing.assert_close(out, reference_out(reference_initial, xm))
     mine = 0 if rank == 0 else 2
     state = pipe.stage_state_dict(mine)
     assert list(state) == list(reference[mine].state_dict())
