@@ -361,9 +361,7 @@ class Runtime:
         # (``auto`` takes its measured compute times).
         self._last_trace: tuple[Any, StepGraph] | None = None
         self._last_step: tuple[Any, StepGraph] | None = None
-        # The last successful step's (index, seconds, trace, graph), or its StepStats once
-        # made (last_step).
-        self._stats: tuple[Any, ...] | StepStats | None = None
+        self._stats: tuple[Any, ...] | StepStats | None = None  # (see last_step)
         # Dropped without close(): end the threads anyway, and say so (as files and event
         # loops do). The callback holds the scope, the backend and the loop, never the
         # runtime — nor does anything a stream thread holds.
