@@ -27,6 +27,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "pip install torch==2.13.0)"
     ) from exc
 
+from .checkpoint import LoadResult
 from .parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -44,7 +45,7 @@ from .pipeline import LossFn, TorchPipeline, replicate
 from .profiling import profiler
 from .report import BoundaryReport
 
-__all__ = ["BoundaryReport", "ColwiseParallel", "LossFn", "ParallelStyle",
+__all__ = ["BoundaryReport", "ColwiseParallel", "LoadResult", "LossFn", "ParallelStyle",
            "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
            "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TensorParallel",
            "TorchPipeline", "parallelize", "profiler", "replicate"]

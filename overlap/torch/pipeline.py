@@ -31,6 +31,7 @@ from scheduler import Boundary, Cluster, DeviceMesh, PlanOptions, Schedule, Shar
 
 from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
+from .checkpoint import LoadResult, load
 from .checks import check_count, check_meshes, check_modules, module_device_dtype
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
@@ -168,6 +169,28 @@ class TorchPipeline:
         for reps in self.modules:
             for m in reps:
                 yield from m.parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's stages' weights (copies) under the plain model's names —
+        ``"<stage>.<name>"``, as ``nn.Sequential(*stage_modules).state_dict()`` has them —
+        tensor-parallel shards gathered (:mod:`overlap.torch.checkpoint`). Save it with
+        ``torch.save`` per process; a stage whose devices this process shares with another
+        is refused (gathering across processes is not done)."""
+        out: dict[str, torch.Tensor] = {}
+        for s, mesh in enumerate(self.meshes):
+            if self._local is None or any(d in self._local for d in mesh.device_ids):
+                out.update({f"{s}.{k}": v for k, v in self.stage_state_dict(s).items()})
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+                        ) -> LoadResult:
+        """Load weights named as :meth:`state_dict` names them (from this pipeline, another
+        placement or plan, or the plain model's ``nn.Sequential(*stages).state_dict()``) into
+        every device of this process's stages: split for tensor-parallel shards, copied
+        into every replica. Keys of stages this process does not run are ignored. With
+        ``strict`` a missing or unexpected key raises ``KeyError`` naming them; a wrong
+        shape or a non-tensor always raises. Nothing is changed when anything raises."""
+        return load(self, state_dict, strict, None if self._local is None else set(self._local))
 
     def stage_state_dict(self, stage: int) -> dict[str, torch.Tensor]:
         """Stage ``stage``'s parameters and buffers under its full module's names (copies):

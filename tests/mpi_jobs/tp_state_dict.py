@@ -68,6 +68,21 @@ def main() -> int:
         assert "driven by other processes" in str(exc), exc
     else:
         raise AssertionError("stage_state_dict gathered a stage half on another process")
+    # A whole-model checkpoint loads on every rank: its own stages, and its own shards of
+    # the stage it shares (keys of the other rank's stage are that rank's).
+    torch.manual_seed(1)
+    fresh = nn.Sequential(*(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+                            for _ in meshes))
+    assert pipe.load_state_dict(fresh.state_dict()) == ([], [])
+    for key, value in fresh[mine].state_dict().items():
+        torch.testing.assert_close(pipe.stage_state_dict(mine)[key], value)
+    tp = pipe.tp[1]
+    k = 0 if rank == 0 else 1  # device 1 is rank 0's, device 2 rank 1's
+    for name, p in tp.modules[k].named_parameters():
+        want = fresh[1].state_dict()[name]
+        if name in tp.split:
+            want = want.chunk(2, tp.split[name])[k]
+        torch.testing.assert_close(p.detach(), want)
     print(f"rank {rank}: ok")
     return 0
 

@@ -1,0 +1,93 @@
+"""``TorchPipeline.state_dict`` / ``load_state_dict``: a pipeline's weights under the names of
+the plain model they came from.
+
+The keys are those of ``nn.Sequential(*stage_modules).state_dict()`` — ``"<stage>.<name>"``
+with each stage's full module names — so a checkpoint moves both ways between a pipeline and
+the single-process torch model, and between pipelines of other placements, schedules and
+tensor-parallel plans: a tensor-parallel stage's shards are gathered on the way out and
+split again on the way in, a replicated stage's copies all get the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+# (``pipe`` below is a TorchPipeline, which imports this module: typed as Any, no cycle.)
+TorchPipeline = Any
+
+
+class LoadResult(NamedTuple):
+    """As torch's ``load_state_dict`` returns: keys the stages wanted and did not get, and
+    keys that name nothing here (both empty under ``strict=True``, which raises instead)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def stage_keys(pipe: TorchPipeline, s: int) -> dict[str, torch.Tensor]:
+    """Stage ``s``'s full-module state (names and tensors of the template: shapes)."""
+    tp = pipe.tp[s]
+    return (tp.module if tp is not None else pipe.modules[s][0]).state_dict()
+
+
+def load(pipe: TorchPipeline, state: Any, strict: bool, here: set[int] | None) -> LoadResult:
+    """Check everything, then copy (nothing is changed when a check fails)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state_dict: expected a mapping of names to tensors, got "
+                        f"{type(state).__name__}")
+    p = len(pipe.meshes)
+    by_stage: dict[int, dict[str, Any]] = {}
+    unexpected = []
+    for key, value in state.items():
+        head, _, rest = str(key).partition(".")
+        if not head.isdigit() or int(head) >= p or not rest:
+            unexpected.append(str(key))
+            continue
+        by_stage.setdefault(int(head), {})[rest] = value
+    missing = []
+    plans = []
+    for s in range(p):
+        devices = [k for k, d in enumerate(pipe.meshes[s].device_ids)
+                   if here is None or d in here]
+        if not devices:
+            continue  # another process's stage: its keys are for that process
+        want = stage_keys(pipe, s)
+        given = by_stage.get(s, {})
+        missing += [f"{s}.{k}" for k in want if k not in given]
+        unexpected += [f"{s}.{k}" for k in given if k not in want]
+        for k, ref in want.items():
+            if k not in given:
+                continue
+            v = given[k]
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"state_dict[{f'{s}.{k}'!r}]: expected a tensor, got "
+                                f"{type(v).__name__}")
+            if tuple(v.shape) != tuple(ref.shape):
+                raise ValueError(f"state_dict[{f'{s}.{k}'!r}]: shape {tuple(v.shape)}, but "
+                                 f"stage {s}'s {k} is {tuple(ref.shape)}")
+        plans.append((s, devices, given))
+    if strict and (missing or unexpected):
+        raise KeyError(f"state_dict: missing keys {missing[:8]}"
+                       f"{' …' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}"
+                       f"{' …' if len(unexpected) > 8 else ''} (strict=True; keys are "
+                       "'<stage>.<name>', as nn.Sequential(*stages) names them)")
+    with torch.no_grad():
+        for s, devices, given in plans:
+            tp = pipe.tp[s]
+            for k in devices:
+                module = pipe.modules[s][k]
+                target = module.state_dict()
+                for name, value in given.items():
+                    if name not in target:
+                        continue
+                    if tp is not None and name in tp.split:
+                        comm = tp.comms[k]
+                        value = value.chunk(comm.size, tp.split[name])[comm.index]
+                    target[name].copy_(value)
+    return LoadResult(missing, unexpected)
+
+
+__all__ = ["LoadResult", "load", "stage_keys"]
