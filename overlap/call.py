@@ -295,7 +295,12 @@ class Call:
                         timer.cancel()
                     with lock:
                         box[0] = loop.create_future()
-                        state[1] = False
+                        # Done (all ends, or cancelled): no later end may wake the loop
+                        # again — a failure's siblings end right after it.
+                        if left[0] == 0 or scope.cancelled:
+                            state[0] = False
+                        else:
+                            state[1] = False
                     if left[0] > 0:
                         self._name_hang()
             finally:
