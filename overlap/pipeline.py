@@ -92,12 +92,7 @@ class StageContext:
         return dict(zip(self.mesh.axis_names, idx))
 
     def _group(self, axis: str | None) -> tuple[int, ...]:
-        if axis is None:
-            return self.mesh.device_ids
-        ax = self.mesh.axis_index(axis)
-        here = self.mesh.coords()[self.device]
-        return tuple(d for d, c in self.mesh.coords().items()
-                     if all(c[i] == here[i] for i in range(len(c)) if i != ax))
+        return self.mesh.device_ids if axis is None else axis_line(self.mesh, self.device, axis)
 
     @property
     def xp(self) -> Any:
@@ -428,6 +423,16 @@ class _Lazy(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def axis_line(mesh: DeviceMesh, device: int, axis: str) -> tuple[int, ...]:
+    """The devices of ``mesh`` that differ from ``device`` only along ``axis``, in the order of
+    their index along it (``device`` included): the group of an axis collective."""
+    ax = mesh.axis_index(axis)
+    coords = mesh.coords()  # (in index order: along the axis too)
+    here = coords[device]
+    return tuple(d for d, c in coords.items()
+                 if all(c[i] == here[i] for i in range(len(c)) if i != ax))
 
 
 def mesh_groups(mesh: DeviceMesh) -> list[tuple[int, ...]]:

@@ -4,7 +4,6 @@ fails loudly when it does not."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -21,19 +20,13 @@ SMALL = ["--layers", "8", "--width", "32", "--heads", "4", "--seq", "8", "--voca
          "--batch", "8", "--microbatches", "4", "--steps", "2"]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpt_pipeline_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture
 def example(monkeypatch):
     import torch
+    from torch_reference import load_example
 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave the suite's alone
-    return _load()
+    return load_example("gpt_pipeline.py")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager-1f1b", "zb-h1",

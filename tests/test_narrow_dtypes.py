@@ -116,6 +116,7 @@ def test_nccl_types_for_reductions_and_bytes_for_transfers():
 def test_a_torch_pipeline_in_half_precision_equals_plain_torch_bit_for_bit(dtype_name):
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from torch import nn
+    from torch_reference import reference_losses
 
     from overlap.torch import TorchPipeline
 
@@ -131,14 +132,7 @@ def test_a_torch_pipeline_in_half_precision_equals_plain_torch_bit_for_bit(dtype
         boundaries = pipe.boundaries(x[:2], y[:2])
         assert all(isinstance(b, Boundary) and b.dtype == dtype_name for b in boundaries)
         losses = pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule="1f1b")
-    want = []
-    for xm, ym in zip(x.chunk(4), y.chunk(4)):
-        h = xm
-        for m in ref:
-            h = m(h)
-        loss = nn.functional.mse_loss(h, ym)
-        loss.backward()
-        want.append(loss.item())
+    want = reference_losses(ref, x.chunk(4), nn.functional.mse_loss, y.chunk(4))
     assert losses == want
     for a, b in zip(mods, ref):
         for p, q in zip(a.parameters(), b.parameters()):

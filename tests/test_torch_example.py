@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,19 +13,13 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_pipeline.py"
 SMALL = ["--steps", "2", "--width", "32", "--batch", "16", "--microbatches", "4"]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("torch_pipeline_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture
 def example(monkeypatch):
     import torch
+    from torch_reference import load_example
 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave the suite's alone
-    return _load()
+    return load_example("torch_pipeline.py")
 
 
 def test_example_matches_plain_torch(example, tmp_path, capsys):

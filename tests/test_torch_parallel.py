@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: pip install
 
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
+from torch_reference import assert_grads_match, reference_losses  # noqa: E402
 
 from overlap import Runtime  # noqa: E402
 from overlap.torch import (  # noqa: E402
@@ -54,35 +55,6 @@ SEQUENCE = {"ln": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard
             "fc2": RowwiseParallel(output_layouts=Shard(1))}
 
 
-def _reference(modules, xs, loss_fn, ys=None):
-    losses = []
-    for i, x in enumerate(xs):
-        h = x
-        for m in modules:
-            h = m(h)
-        loss = loss_fn(h) if ys is None else loss_fn(h, ys[i])
-        loss.backward()
-        losses.append(loss.item())
-    return losses
-
-
-def _assert_grads_match(pipe, reference, tol=1e-5):
-    """Every device's parameter gradient equals its block of plain torch's."""
-    for s, reps in enumerate(pipe.modules):
-        full = dict(reference[s].named_parameters())
-        tp = pipe.tp[s]
-        for k, module in enumerate(reps):
-            for name, p in module.named_parameters():
-                want = full[name].grad
-                if tp is not None and name in tp.split:
-                    comm = tp.comms[k]
-                    want = want.chunk(comm.size, tp.split[name])[comm.index]
-                assert p.grad is not None, f"stage {s} device {k} {name}: no gradient"
-                where = f"stage {s} device {k} {name}"
-                torch.testing.assert_close(p.grad, want, rtol=tol, atol=tol,
-                                           msg=lambda m, where=where: f"{where}: {m}")
-
-
 def _sum_loss(y):
     return y.pow(2).mean()
 
@@ -102,9 +74,9 @@ def test_tensor_parallel_stages_match_plain_torch(plan, schedule):
     x = torch.randn(8, 4, 8, dtype=torch.float64)
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
         losses = pipe.train_step_sync(rt, x, num_microbatches=4, schedule=schedule)
-    want = _reference(reference, x.chunk(4), _sum_loss)
+    want = reference_losses(reference, x.chunk(4), _sum_loss)
     assert losses == pytest.approx(want, rel=1e-12)
-    _assert_grads_match(pipe, reference, tol=1e-10)
+    assert_grads_match(pipe, reference, rtol=1e-10, atol=1e-10)
     # The gathered state is the full module's, under its names.
     for s in range(len(meshes)):
         state = pipe.stage_state_dict(s)
@@ -159,9 +131,9 @@ def test_vocabulary_parallel_embedding_and_gathered_head_match_plain_torch():
         with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
             losses = pipe.train_step_sync(rt, ids, target, num_microbatches=2,
                                           schedule="1f1b")
-        want = _reference(reference, ids.chunk(2), loss_fn, target.chunk(2))
+        want = reference_losses(reference, ids.chunk(2), loss_fn, target.chunk(2))
         assert losses == pytest.approx(want, rel=1e-12)
-        _assert_grads_match(pipe, reference, tol=1e-10)
+        assert_grads_match(pipe, reference, rtol=1e-10, atol=1e-10)
 
 
 def test_heads_are_split_per_shard():
@@ -187,8 +159,8 @@ def test_heads_are_split_per_shard():
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
         losses = pipe.train_step_sync(rt, x, num_microbatches=1, schedule="gpipe")
-    assert losses == pytest.approx(_reference(reference, [x], _sum_loss), rel=1e-12)
-    _assert_grads_match(pipe, reference, tol=1e-10)
+    assert losses == pytest.approx(reference_losses(reference, [x], _sum_loss), rel=1e-12)
+    assert_grads_match(pipe, reference, rtol=1e-10, atol=1e-10)
 
 
 def test_bfloat16_tensor_parallel_step_matches_plain_torch_in_bfloat16():
@@ -202,14 +174,14 @@ def test_bfloat16_tensor_parallel_step_matches_plain_torch_in_bfloat16():
         (b,) = pipe.boundaries(x[:2])
         assert b.dtype == "bfloat16"
         losses = pipe.train_step_sync(rt, x, num_microbatches=2, schedule="1f1b")
-    want = _reference(reference, x.chunk(2), _sum_loss)
+    want = reference_losses(reference, x.chunk(2), _sum_loss)
     assert losses == pytest.approx(want, rel=2 ** -6)
     # The sums over the axis round in another order than one matmul: a few bf16 ulps.
     for reps in pipe.modules:
         for module in reps:
             for p in module.parameters():
                 assert p.grad.dtype == torch.bfloat16
-    _assert_grads_match(pipe, reference, tol=2 ** -4)
+    assert_grads_match(pipe, reference, rtol=2 ** -4, atol=2 ** -4)
 
 
 # ---- named errors, before anything runs ---------------------------------------------------
@@ -402,7 +374,7 @@ def test_projections_of_one_input_reduce_its_gradient_once(monkeypatch):
     x = torch.randn(4, 3, 8, dtype=torch.float64)
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
         losses = pipe.train_step_sync(rt, x, num_microbatches=2, schedule="1f1b")
-    assert losses == pytest.approx(_reference(reference, x.chunk(2), _sum_loss), rel=1e-12)
-    _assert_grads_match(pipe, reference, tol=1e-10)
+    assert losses == pytest.approx(reference_losses(reference, x.chunk(2), _sum_loss), rel=1e-12)
+    assert_grads_match(pipe, reference, rtol=1e-10, atol=1e-10)
     # Per microbatch and device: forward one (o's sum), backward one (the shared input's).
     assert calls.count("F") == 2 * 2 and calls.count("B") == 2 * 2

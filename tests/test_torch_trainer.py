@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: pip install
                                             "(the 'torch' extra) to test overlap.torch")
 
 from torch import nn  # noqa: E402
+from torch_reference import assert_grads_match, reference_losses  # noqa: E402
 
 from overlap import Runtime  # noqa: E402
 from overlap.torch import ColwiseParallel, RowwiseParallel, TorchPipeline  # noqa: E402
@@ -35,26 +36,10 @@ def test_scale_grads_gives_the_mean_over_microbatches_as_torch_does(schedule, sc
     with Runtime(Cluster.local(4), timeout=20) as rt:
         losses = pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule=schedule,
                                       scale_grads=scale)
-    want = []
-    for xm, ym in zip(x.chunk(4), y.chunk(4)):
-        h = xm
-        for m in reference:
-            h = m(h)
-        loss = nn.functional.mse_loss(h, ym)
-        (loss / 4 if scale else loss).backward()
-        want.append(loss.item())
+    want = reference_losses(reference, x.chunk(4), nn.functional.mse_loss, y.chunk(4),
+                            scale=1 / 4 if scale else 1.0)
     assert losses == pytest.approx(want, rel=1e-12)  # the losses themselves are not scaled
-    for s in (0, 2):
-        for p, q in zip(modules[s].parameters(), reference[s].parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
-    full = dict(reference[1].named_parameters())
-    tp = pipe.tp[1]
-    for module, comm in zip(tp.modules, tp.comms):
-        for name, p in module.named_parameters():
-            g = full[name].grad
-            if name in tp.split:
-                g = g.chunk(comm.size, tp.split[name])[comm.index]
-            torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+    assert_grads_match(pipe, reference, rtol=1e-12, atol=1e-14)
 
 
 def test_scale_grads_must_be_a_bool():

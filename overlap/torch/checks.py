@@ -131,3 +131,9 @@ def check_count(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
+
+
+def check_index(value: Any, n: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+        raise ValueError(f"{name}: expected an int in 0..{n - 1}, got {value!r}")
+    return value

@@ -53,6 +53,7 @@ from torch.nn import functional as F
 
 from scheduler import DeviceMesh, P, ShardingSpec
 
+from ..pipeline import axis_line
 from .comm import AxisComm, convert, reduce_grad
 
 
@@ -177,14 +178,27 @@ def _to(x: torch.Tensor, comm: AxisComm, src: Layout, dst: Layout, what: str,
                      "adapter does not do; gather to Replicate() in between")
 
 
+class _LinearStyle(ParallelStyle):
+    """Column- and row-parallel styles: ``input_layouts`` and ``output_layouts`` fields."""
+
+    input_layouts: Any
+    output_layouts: Any
+    supports = (nn.Linear, nn.Embedding)
+
+    def input_layout(self) -> Layout:
+        return _first(self.input_layouts, "input_layouts")
+
+    def output_layout(self) -> Layout:
+        return _first(self.output_layouts, "output_layouts")
+
+
 @dataclass(frozen=True)
-class ColwiseParallel(ParallelStyle):
+class ColwiseParallel(_LinearStyle):
     """Output features split (``nn.Linear``: weight rows and bias; ``nn.Embedding``: the
     embedding dimension). See the module doc for the layouts."""
 
     input_layouts: Any = Replicate()
     output_layouts: Any = Shard(-1)
-    supports = (nn.Linear, nn.Embedding)
 
     def __post_init__(self) -> None:
         _first(self.input_layouts, "ColwiseParallel.input_layouts")
@@ -216,21 +230,14 @@ class ColwiseParallel(ParallelStyle):
             module.register_forward_hook(_post(
                 lambda y: convert(y, comm, "all_gather", "split", -1, f"{name} output")))
 
-    def input_layout(self) -> Layout:
-        return _first(self.input_layouts, "input_layouts")
-
-    def output_layout(self) -> Layout:
-        return _first(self.output_layouts, "output_layouts")
-
 
 @dataclass(frozen=True)
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_LinearStyle):
     """Input features split (``nn.Linear``: weight columns; ``nn.Embedding``: the
     vocabulary); the partial results summed. See the module doc for the layouts."""
 
     input_layouts: Any = Shard(-1)
     output_layouts: Any = Replicate()
-    supports = (nn.Linear, nn.Embedding)
 
     def __post_init__(self) -> None:
         src = _first(self.input_layouts, "RowwiseParallel.input_layouts")
@@ -273,12 +280,6 @@ class RowwiseParallel(ParallelStyle):
             y = convert(F.linear(x, self.weight), comm, *reduce, dim, f"{name} output")
             return y if self.bias is None else y + self.bias
         module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
-
-    def input_layout(self) -> Layout:
-        return _first(self.input_layouts, "input_layouts")
-
-    def output_layout(self) -> Layout:
-        return _first(self.output_layouts, "output_layouts")
 
 
 def _vocab_parallel(module: nn.Embedding, comm: AxisComm, name: str,
@@ -466,23 +467,25 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Parallel
             raise ValueError("plan['']: the root takes PrepareModuleInput, PrepareModuleOutput "
                              "or PrepareModuleInputOutput (the stage's boundary layouts)")
         style.check(subs[name], name, n)
-    _check_heads(module, plan, n)
+    heads = _heads_owners(module, plan)
+    for owner, attr in heads:
+        count = getattr(subs[owner], attr)
+        if count % n:
+            raise ValueError(f"plan: {owner or 'the module'}.{attr} = {count} heads do not "
+                             f"split over the mesh axis of size {n}")
     ordered = [k for k in subs if k in plan]  # (forward order, as registered)
     split = {f"{k}.{p}" if k else p: dim for k in ordered
              for p, dim in plan[k].shards(subs[k], n).items()}
     in_layout, out_layout = _stage_layouts(plan, ordered)
     modules, comms = [], []
-    coords = mesh.coords()
-    ax = mesh.axis_index(axis)
     for d in mesh.device_ids:
-        line = tuple(e for e, c in sorted(coords.items(), key=lambda kv: kv[1][ax])
-                     if all(c[i] == coords[d][i] for i in range(len(c)) if i != ax))
-        comm = AxisComm(d, axis, line)
+        comm = AxisComm(d, axis, axis_line(mesh, d, axis))
         shard = _shard(module, split, comm)
         shard_subs = dict(shard.named_modules())
         for k in ordered:
             plan[k].install(shard_subs[k], comm, k)
-        _set_heads(shard, plan, n)
+        for owner, attr in heads:  # (torchtitan sets these by hand)
+            setattr(shard_subs[owner], attr, getattr(shard_subs[owner], attr) // n)
         modules.append(shard)
         comms.append(comm)
     return TensorParallel(module, mesh, axis, tuple(modules), tuple(comms), in_layout,
@@ -536,28 +539,13 @@ def _heads_owners(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[
     return found
 
 
-def _check_heads(module: nn.Module, plan: Mapping[str, ParallelStyle], n: int) -> None:
-    subs = dict(module.named_modules())
-    for name, attr in _heads_owners(module, plan):
-        heads = getattr(subs[name], attr)
-        if heads % n:
-            raise ValueError(f"plan: {name or 'the module'}.{attr} = {heads} heads do not "
-                             f"split over the mesh axis of size {n}")
-
-
-def _set_heads(shard: nn.Module, plan: Mapping[str, ParallelStyle], n: int) -> None:
-    subs = dict(shard.named_modules())
-    for name, attr in _heads_owners(shard, plan):
-        setattr(subs[name], attr, getattr(subs[name], attr) // n)
-
-
 def _stage_layouts(plan: Mapping[str, ParallelStyle], ordered: Sequence[str]
                    ) -> tuple[Layout, Layout]:
     root = plan.get("")
     styles = [plan[k] for k in ordered if k]
     first = root.input_layout() if root is not None else None
     if first is None:
-        first = Shard(styles[0].sequence_dim) if styles and isinstance(
+        first = styles[0].input_layout() if styles and isinstance(
             styles[0], SequenceParallel) else Replicate()
     last = root.output_layout() if root is not None else None
     if last is None:

@@ -32,7 +32,7 @@ from scheduler import Boundary, Cluster, DeviceMesh, PlanOptions, Schedule, Shar
 from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
 from .checkpoint import LoadResult, load
-from .checks import check_count, check_meshes, check_modules, module_device_dtype
+from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
 from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
@@ -421,14 +421,13 @@ class TorchPipeline:
         _, dt0 = self._device_dtype[0][0]
         if x.is_floating_point() and dt0 is not None and x.dtype != dt0:
             raise ValueError(f"inputs: dtype {x.dtype}, but modules[0] has {dt0} parameters")
+        self._fits(x, 0, "input", "inputs: a microbatch")
         with torch.no_grad():
             for s, reps in enumerate(self.modules):
                 tp = self.tp[s]
                 dev = self._device_dtype[s][0][0] if tp is None else \
                     module_device_dtype(tp.module, f"modules[{s}]")[0]  # (the full module's)
                 name = f"modules[{s}]"
-                if s == 0:
-                    self._fits(x, 0, "input", "inputs: a microbatch")
                 try:
                     y = (reps[0] if tp is None else tp.module)(x if dev is None else x.to(dev))
                 except Exception as exc:
@@ -563,12 +562,6 @@ class TorchPipeline:
                 with op_stream(ctx), self._entered(s, ctx):
                     torch.autograd.backward(out, grad, inputs=params)
         return backward_weight
-
-
-def check_index(value: Any, n: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
-        raise ValueError(f"{name}: expected an int in 0..{n - 1}, got {value!r}")
-    return value
 
 
 def replicate(module: nn.Module, n: int) -> list[nn.Module]:

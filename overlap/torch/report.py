@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler import Boundary, Cluster, CostModel, PlanOptions, lower_bound, plan_resharding
+from scheduler import (
+    Boundary,
+    Cluster,
+    CostModel,
+    PlanOptions,
+    Sharding,
+    lower_bound,
+    plan_resharding,
+)
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,9 @@ def report_boundary(index: int, b: Boundary, cluster: Cluster,
     return tuple(rows)
 
 
-def _fmt(sharding: object) -> str:
-    mesh = sharding.mesh  # type: ignore[attr-defined]
-    spec = sharding.spec  # type: ignore[attr-defined]
-    return f"{spec!r} on {mesh.shape} {list(mesh.device_ids)}"
+def _fmt(sharding: Sharding) -> str:
+    mesh = sharding.mesh
+    return f"{sharding.spec!r} on {mesh.shape} {list(mesh.device_ids)}"
 
 
 __all__ = ["BoundaryReport", "report_boundary"]
