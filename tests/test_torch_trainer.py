@@ -89,3 +89,113 @@ def test_return_outputs_must_be_a_bool():
         pipe.train_step_sync(rt, torch.randn(2, 6, dtype=torch.float64),
                              torch.randn(2, 6, dtype=torch.float64), num_microbatches=1,
                              return_outputs=1)
+
+
+# ---- each process builds only what it runs ----------------------------------------------
+
+def _factory_stage(s: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+
+
+def _seeded(s: int, seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + s)
+        return _factory_stage(s)
+
+
+@pytest.mark.parametrize("with_rt", [False, True])
+def test_a_stage_factory_builds_each_stage_once_seeded_as_plain_torch(with_rt):
+    meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2], ("tp",)), DeviceMesh([3], ("tp",))]
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    calls: list[int] = []
+
+    def stage_fn(s):
+        calls.append(s)
+        return _factory_stage(s)
+
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    before = torch.get_rng_state()
+    with Runtime(Cluster.local(4), timeout=20) as rt:
+        pipe = TorchPipeline(stage_fn, meshes, nn.functional.mse_loss, seed=11,
+                             plans=[plan, None, None], rt=rt if with_rt else None)
+        assert torch.equal(torch.get_rng_state(), before), "the caller's RNG was touched"
+        assert calls == [0, 1, 2]  # one process: every stage, each built once
+        assert [(st.index, st.devices) for st in pipe.local_stages] == \
+            [(0, (0,)), (1, (1, 2)), (2, (3,))]
+        # The replicated stage's two devices hold copies, not one module twice.
+        a, b = pipe.local_stages[1].modules
+        assert a is not b and torch.equal(a[0].weight, b[0].weight)
+        assert len(list(pipe.parameters())) == 4 + 2 * 4 + 4
+        losses = pipe.train_step_sync(rt, x, y, num_microbatches=2, schedule="1f1b")
+    reference = [_seeded(s, 11) for s in range(3)]
+    want = reference_losses(reference, x.chunk(2), nn.functional.mse_loss, y.chunk(2))
+    assert losses == pytest.approx(want, rel=1e-12)
+    assert_grads_match(pipe, reference, rtol=1e-12, atol=1e-14)
+
+
+def test_a_stage_factory_default_seed_is_torchs_initial_seed():
+    torch.manual_seed(5)
+    mesh = [DeviceMesh([0], ("tp",))]
+    pipe = TorchPipeline(_factory_stage, mesh, nn.functional.mse_loss)
+    assert torch.equal(pipe.modules[0][0][0].weight, _seeded(0, 5)[0].weight)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(modules=lambda s: "not a module"), TypeError, r"stage_fn\(0\): expected an nn.Module"),
+    (dict(seed=-1), ValueError, r"seed: expected an int >= 0"),
+    (dict(seed=1.5), ValueError, r"seed: expected an int >= 0"),
+    (dict(modules=[_factory_stage(0)], seed=3), ValueError, r"seed: seeds the stages a "
+                                                             r"stage_fn builds"),
+    (dict(rt="runtime"), TypeError, r"rt: expected an overlap.Runtime"),
+])
+def test_bad_factory_arguments_are_named(kwargs, error, match):
+    args = dict(modules=_factory_stage, meshes=[DeviceMesh([0], ("tp",))],
+                loss_fn=nn.functional.mse_loss)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        TorchPipeline(args.pop("modules"), args.pop("meshes"), args.pop("loss_fn"), **args)
+
+
+def test_a_factory_built_elsewhere_is_built_on_meta_and_must_make_no_real_tensors():
+    from overlap.torch.stages import build_stages, is_meta
+
+    meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1], ("tp",))]
+    out = build_stages(_factory_stage, meshes, [False, False], frozenset({0}), 0,
+                       lambda d: None)
+    assert not is_meta(out[0][0]) and is_meta(out[1][0])  # device 1 is another process's
+
+    def explicit(s):
+        m = _factory_stage(s)
+        m.register_buffer("table", torch.zeros(3, device="cpu"))
+        return m
+    with pytest.raises(ValueError, match=r"stage_fn\(1\): built under torch.device\('meta'\)"):
+        build_stages(explicit, meshes, [False, False], frozenset({0}), 0, lambda d: None)
+
+
+def test_runtime_outside_the_meshes_is_named_at_construction():
+    with Runtime(Cluster.local(2), timeout=20) as rt, \
+            pytest.raises(ValueError, match=r"meshes: device 3 is outside the runtime"):
+        TorchPipeline(_factory_stage, [DeviceMesh([3], ("tp",))], nn.functional.mse_loss,
+                      rt=rt)
+
+
+def test_under_mpiexec_each_rank_builds_and_trains_only_its_stages():
+    pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
+        shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    job = Path(__file__).parent / "mpi_jobs" / "stage_factory.py"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    done = subprocess.run([mpiexec, "-n", "2", sys.executable, str(job)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "rank 0: ok" in done.stdout and "rank 1: ok" in done.stdout

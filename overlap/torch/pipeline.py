@@ -35,6 +35,7 @@ from .checkpoint import LoadResult, load
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
+from .stages import META, LocalStage, StageFn, build_stages, check_seed
 from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
 from .threads import check_threads, default_threads, run_with
 
@@ -53,7 +54,11 @@ class TorchPipeline:
         modules: one entry per stage — an ``nn.Module`` for a one-device mesh, or a list of
             modules, one per device of the stage's mesh in ``mesh.device_ids`` order. Each
             device needs its own module object (replicas: ``copy.deepcopy``), identical
-            at the start; the stage's output must be one tensor.
+            at the start; the stage's output must be one tensor. Or a **factory**
+            ``stage_fn(stage_index) -> nn.Module`` (the stage's one module, replicated or
+            sharded here): with ``rt=`` each process builds for real only the stages it
+            runs, and the others on the meta device, for their shapes
+            (:mod:`overlap.torch.stages`).
         meshes: each stage's device mesh: disjoint, except that stages of one rank of a
             schedule with several stages per rank (``interleaved-1f1b``, ``zbv``) share it.
         loss_fn: ``loss_fn(output, target)`` (or ``loss_fn(output)`` when a step gets no
@@ -69,6 +74,12 @@ class TorchPipeline:
             reach). Default: the calling thread's setting, or, with several ranks on a host
             and no ``OMP_NUM_THREADS``, the host's cores per rank (see
             :mod:`overlap.torch.threads`).
+        rt: the runtime the pipeline will train on, so that a multi-process job builds
+            (with a factory) and hands the optimizer (:meth:`parameters`) only this
+            process's stages; on the CUDA backend a factory's modules go to their GPUs.
+        seed: with a factory, stage ``s`` is built under ``torch.manual_seed(seed + s)``
+            on a forked RNG — the same on every process (default ``torch.initial_seed()``:
+            seed torch alike on every process, or pass it).
 
     Intra-stage parallelism: a stage without a plan is **replicated** — every device of its
     mesh runs the whole stage on the whole microbatch (layouts ``P()``). A stage with a plan
@@ -78,13 +89,23 @@ class TorchPipeline:
     a stage back into its full module's names.
     """
 
-    def __init__(self, modules: Sequence[nn.Module | Sequence[nn.Module]],
+    def __init__(self, modules: Sequence[nn.Module | Sequence[nn.Module]] | StageFn,
                  meshes: Sequence[DeviceMesh], loss_fn: LossFn, *,
                  plans: Sequence[Any] | None = None, axis: str | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, rt: Runtime | None = None,
+                 seed: int | None = None) -> None:
         self.num_threads = check_threads(num_threads)
         self.meshes = check_meshes(meshes)
+        # Devices this process drives (None: all of them, one process).
+        self._local: frozenset[int] | None = self._local_of(rt)
+        self._built_for = self._local
+        if callable(modules) and not isinstance(modules, nn.Module):
+            modules = self._build(modules, plans, rt, check_seed(seed))
+        elif seed is not None:
+            raise ValueError("seed: seeds the stages a stage_fn builds; modules given "
+                             "already built take none")
         self.tp: tuple[TensorParallel | None, ...] = self._parallelize(modules, plans, axis)
+        self._meta_away()
         self.modules = check_modules(modules, self.meshes,
                                      [None if t is None else t.modules for t in self.tp])
         if not callable(loss_fn):
@@ -112,8 +133,6 @@ class TorchPipeline:
         self._outputs: dict[int, torch.Tensor] | None = None  # with return_outputs
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
         self._boundaries: dict[Any, tuple[Boundary, ...]] = {}
-        # Devices this process drives, once a multi-process runtime has run a step.
-        self._local: frozenset[int] | None = None
 
     def _parallelize(self, modules: Any, plans: Sequence[Any] | None, axis: str | None
                      ) -> tuple[TensorParallel | None, ...]:
@@ -149,6 +168,40 @@ class TorchPipeline:
                              "(ColwiseParallel(output_layouts=Replicate()) on the head)")
         return tuple(out)
 
+    def _local_of(self, rt: Runtime | None) -> frozenset[int] | None:
+        if rt is None:
+            return None
+        _check_runtime(rt)
+        top = max(d for mesh in self.meshes for d in mesh.device_ids)
+        if top >= rt.cluster.num_devices:
+            raise ValueError(f"meshes: device {top} is outside the runtime's cluster "
+                             f"(devices 0..{rt.cluster.num_devices - 1})")
+        return frozenset(rt.local_devices) if rt.world.distributed else None
+
+    def _build(self, stage_fn: StageFn, plans: Any, rt: Runtime | None, seed: int
+               ) -> list[Any]:
+        """Each stage from ``stage_fn`` (:mod:`overlap.torch.stages`): for real where this
+        process runs it — on its GPU on the CUDA backend — on the meta device elsewhere."""
+        planned = [False] * len(self.meshes)
+        if isinstance(plans, Sequence) and not isinstance(plans, Mapping) \
+                and len(plans) == len(self.meshes):
+            planned = [p is not None for p in plans]  # (_parallelize checks the rest)
+        cuda = rt is not None and rt.backend.name == "cuda"
+
+        def device_of(d: int) -> torch.device | None:
+            return torch.device("cuda", rt.backend.physical(d)) if cuda else None  # type: ignore[union-attr]
+        return build_stages(stage_fn, self.meshes, planned, self._local, seed, device_of)
+
+    def _meta_away(self) -> None:
+        """Shards of devices another process drives keep their shapes only."""
+        if self._local is None:
+            return
+        for tp in self.tp:
+            if tp is not None:
+                for k, d in enumerate(tp.mesh.device_ids):
+                    if d not in self._local:
+                        tp.modules[k].to(META)
+
     @contextlib.contextmanager
     def _entered(self, s: int, ctx: StageContext) -> Iterator[None]:
         """The op's context for the stage's tensor-parallel collectives (comm.py)."""
@@ -165,10 +218,25 @@ class TorchPipeline:
     # ---- what a training loop uses --------------------------------------------------------
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """Every parameter of every device's module (each replica's own), for the optimizer."""
-        for reps in self.modules:
-            for m in reps:
+        """Every parameter of this process's devices' modules (each replica's and shard's
+        own), for the optimizer: every device's in one process."""
+        for st in self.local_stages:
+            for m in st.modules:
                 yield from m.parameters()
+
+    @property
+    def local_stages(self) -> tuple[LocalStage, ...]:
+        """The stages this process runs, with its devices of each and their modules (every
+        stage in one process). Known from construction when built with ``rt=``, else after
+        the first step of a multi-process runtime (every stage until then)."""
+        out = []
+        for s, mesh in enumerate(self.meshes):
+            ks = [k for k, d in enumerate(mesh.device_ids)
+                  if self._local is None or d in self._local]
+            if ks:
+                out.append(LocalStage(s, tuple(mesh.device_ids[k] for k in ks),
+                                      tuple(self.modules[s][k] for k in ks)))
+        return tuple(out)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This process's stages' weights (copies) under the plain model's names —
@@ -312,7 +380,12 @@ class TorchPipeline:
                                  f"batch of inputs {tuple(inputs.shape)} along dim 0")
         cuda = rt.backend.name == "cuda"
         self._check_placement(rt, cuda)
-        self._local = frozenset(rt.local_devices) if rt.world.distributed else None
+        local = frozenset(rt.local_devices) if rt.world.distributed else None
+        if self._built_for is not None and local != self._built_for:
+            raise ValueError(f"rt: this pipeline was built (rt=) for a process driving devices "
+                             f"{sorted(self._built_for)}; this runtime's process drives "
+                             f"{sorted(local or range(rt.cluster.num_devices))}")
+        self._local = local
         want = torch.device("cuda") if cuda else torch.device("cpu")
         if inputs.device.type != want.type:
             raise ValueError(f"inputs: on {inputs.device}, the runtime's {rt.backend.name} "
@@ -428,6 +501,8 @@ class TorchPipeline:
                 dev = self._device_dtype[s][0][0] if tp is None else \
                     module_device_dtype(tp.module, f"modules[{s}]")[0]  # (the full module's)
                 name = f"modules[{s}]"
+                if dev is not None and x.is_meta and dev != META:
+                    x = torch.zeros_like(x, device=dev)  # (after a stage run elsewhere)
                 try:
                     y = (reps[0] if tp is None else tp.module)(x if dev is None else x.to(dev))
                 except Exception as exc:
@@ -437,7 +512,8 @@ class TorchPipeline:
                     raise TypeError(f"{name}: forward returned {type(y).__name__}; a stage must "
                                     f"return one tensor")
                 if s == p - 1:
-                    self._probe_loss(y, target)
+                    if not y.is_meta:  # (the last stage's own processes check its loss)
+                        self._probe_loss(y, target)
                     break
                 _, nxt = self._device_dtype[s + 1][0]
                 npd = numpy_dtype(y.dtype)
