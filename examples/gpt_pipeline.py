@@ -19,13 +19,13 @@ prints tokens/s and the exposed communication of the last step.
 
     python examples/gpt_pipeline.py                       # float32, 1f1b
     python examples/gpt_pipeline.py --dtype bfloat16 --schedule zb-h1 --sequence-parallel
-    mpiexec -n 4 python examples/gpt_pipeline.py          # each rank trains its devices
+    torchrun --standalone --nproc-per-node 4 examples/gpt_pipeline.py   # each rank builds
+    mpiexec -n 4 python examples/gpt_pipeline.py          # and trains only its devices
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import sys
@@ -49,7 +49,9 @@ from overlap.torch import (
     SequenceParallel,
     Shard,
     TorchPipeline,
+    build_stage,
 )
+from overlap.world import max_over_ranks
 from scheduler import Cluster, DeviceMesh, make_schedule
 
 # (rtol, atol) as in torch.testing.assert_close: |a - b| <= atol + rtol * |b| per element.
@@ -261,16 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.Generator().manual_seed(1)
     worst, times = 0.0, []
     with overlap.Runtime(cluster, backend=args.backend) as rt:
-        torch.manual_seed(0)
         per = [args.layers // p + (s < args.layers % p) for s in range(p)]
-        stages = [GPTStage(args.vocab, args.seq, args.width, args.heads, per[s], s == 0,
-                           s == p - 1).to(dtype) for s in range(p)]
-        if args.backend == "cuda":  # each stage on its first device's GPU (TP needs one each)
-            stages = [m.to(torch.device("cuda", rt.backend.physical(mesh.device_ids[0])))
-                      for m, mesh in zip(stages, meshes)]
-        reference = [copy.deepcopy(m) for m in stages]  # plain torch, same initial weights
-        plans = [stage_plan(m, args.sequence_parallel) for m in stages]
-        pipe = TorchPipeline(stages, meshes, lm_loss, plans=plans, axis="tp")
+
+        def stage_fn(s: int) -> GPTStage:
+            return GPTStage(args.vocab, args.seq, args.width, args.heads, per[s], s == 0,
+                            s == p - 1).to(dtype)
+        with torch.device("meta"):  # (a plan needs only the stage's structure)
+            plans = [stage_plan(stage_fn(s), args.sequence_parallel) for s in range(p)]
+        # Each process builds only its stages' shards (on their GPUs with --backend cuda).
+        pipe = TorchPipeline(stage_fn, meshes, lm_loss, plans=plans, axis="tp", rt=rt, seed=0)
+        # Plain torch, every stage, with the pipeline's initial weights.
+        reference = [build_stage(stage_fn, s, seed=0) for s in range(p)]
+        if args.backend == "cuda":  # each reference stage on its first device's GPU
+            reference = [m.to(torch.device("cuda", rt.backend.physical(mesh.device_ids[0])))
+                         for m, mesh in zip(reference, meshes)]
         # eps 1e-5, not 1e-8: a parameter whose gradient is rounding noise (~1e-9: two sums in
         # another order) would move by ±lr in one run and not the other at AdamW's default, and
         # no reordered float32 computation could match that to 5e-5.
@@ -324,23 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         suffix = f".rank{rank}" if rt.world.distributed else ""
         trace = rt.write_trace(Path(args.trace_dir) / f"gpt-{args.schedule}{suffix}.json")
         local = set(rt.local_devices)
-        distributed = rt.world.distributed
-
-    # Every shard this process trained against the same block of the reference.
-    for s, tp in enumerate(pipe.tp):
-        full = dict(reference[s].named_parameters())
-        for module, comm in zip(tp.modules, tp.comms):
-            if comm.device not in local:
-                continue
-            for name, param in module.named_parameters():
-                want = full[name]
-                if name in tp.split:
-                    want = want.chunk(comm.size, tp.split[name])[comm.index]
-                worst = max(worst, closeness(param, want, rtol, atol))
-    if distributed:
-        from mpi4py import MPI
-
-        worst = MPI.COMM_WORLD.allreduce(worst, op=MPI.MAX)
+        # Every shard this process trained against the same block of the reference.
+        for s, tp in enumerate(pipe.tp):
+            full = dict(reference[s].named_parameters())
+            for module, comm in zip(tp.modules, tp.comms):
+                if comm.device not in local:
+                    continue
+                for name, param in module.named_parameters():
+                    want = full[name]
+                    if name in tp.split:
+                        want = want.chunk(comm.size, tp.split[name])[comm.index]
+                    worst = max(worst, closeness(param, want, rtol, atol))
+        worst = max_over_ranks(worst, rt.world)  # every process: the worst of all of them
     step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     within = f"rtol {rtol:g}, atol {atol:g}"
     if worst > 1 and not rank:

@@ -8,19 +8,21 @@ parameter are compared with the same model trained in plain single-process torch
 non-zero if they do not. It writes a Perfetto trace of the last step and prints the overlap
 report.
 
-Under ``mpiexec -n 4`` (or 2) each process drives some stages' devices and trains only their
-parameters: each compares its own stages with the reference, and the processes agree on the
-worst difference (``MPI.MAX``), so all of them pass or fail together.
+Each stage is built by a factory (``stage_fn(s)``), for real only on the process that runs
+it. Under ``torchrun --nproc-per-node 4`` or ``mpiexec -n 4`` (or 2) each process builds,
+drives and trains only its stages: each compares its own stages with the reference (built
+with the same seeds), and the processes agree on the worst difference, so all of them pass
+or fail together.
 
     pip install torch==2.13.0 && pip install -e '.[torch]'
     python examples/torch_pipeline.py
+    torchrun --standalone --nproc-per-node 4 examples/torch_pipeline.py
     mpiexec -n 4 python examples/torch_pipeline.py      # the 'mpi' extra
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -35,7 +37,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import overlap
-from overlap.torch import TorchPipeline
+from overlap.torch import TorchPipeline, build_stage
+from overlap.world import max_over_ranks
 from scheduler import Cluster, DeviceMesh
 
 TOL = 1e-5
@@ -58,18 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     # Four device threads share the cores: one intra-op thread each (as BLAS above).
     torch.set_num_threads(1)
 
-    torch.manual_seed(0)
-    modules = [stage(args.width) for _ in range(4)]
-    reference = nn.Sequential(*(copy.deepcopy(m) for m in modules))  # same initial weights
     cluster = Cluster.local(4)  # 4 virtual devices on this machine
     meshes = [DeviceMesh([d], ("gpu",)) for d in range(4)]  # one device per stage
-    pipe = TorchPipeline(modules, meshes, loss_fn=nn.functional.mse_loss)
-    opt = torch.optim.SGD(pipe.parameters(), lr=args.lr)
+
+    def stage_fn(s: int) -> nn.Module:
+        return stage(args.width)
+
+    # Plain torch, every stage, with the pipeline's initial weights (stage s: seed 0 + s).
+    reference = nn.Sequential(*(build_stage(stage_fn, s, seed=0) for s in range(4)))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
 
     data = torch.Generator().manual_seed(1)
     worst = 0.0
     with overlap.Runtime(cluster) as rt:
+        # This process's stages only are built (the others: shapes, on the meta device).
+        pipe = TorchPipeline(stage_fn, meshes, loss_fn=nn.functional.mse_loss, rt=rt, seed=0)
+        opt = torch.optim.SGD(pipe.parameters(), lr=args.lr)
         rank = rt.world.rank
         say = print if rank == 0 else (lambda *a, **k: None)  # one process speaks
         say(f"torch pipeline: 4 stages of Linear({args.width}, {args.width}) -> ReLU -> "
@@ -102,18 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         tl = rt.timeline()
         suffix = f".rank{rank}" if rt.world.distributed else ""  # one trace per rank
         trace = rt.write_trace(Path(args.trace_dir) / f"torch-{args.schedule}{suffix}.json")
-        # This process's stages: the ones whose devices it drives (all of them, alone).
-        mine = [s for s, mesh in enumerate(meshes)
-                if all(rt.backend.is_local(d) for d in mesh.device_ids)]
         distributed = rt.world.distributed
-
-    for s in mine:
-        for p, q in zip(modules[s].parameters(), reference[s].parameters()):
-            worst = max(worst, float((p.detach() - q.detach()).abs().max()))
-    if distributed:  # every process's verdict is the worst of all of them
-        from mpi4py import MPI
-
-        worst = MPI.COMM_WORLD.allreduce(worst, op=MPI.MAX)
+        for st in pipe.local_stages:  # this process's stages against plain torch's
+            for p, q in zip(st.modules[0].parameters(), reference[st.index].parameters()):
+                worst = max(worst, float((p.detach() - q.detach()).abs().max()))
+        worst = max_over_ranks(worst, rt.world)  # every process's verdict: the worst of all
     if worst > TOL:
         say(f"FAILED: the pipeline differs from plain torch by {worst:.3g} > {TOL}")
         return 1

@@ -308,12 +308,6 @@ class Runtime:
                             f"{type(placement).__name__}")
         world = detect_world() if world is None else world
         if world.distributed:
-            if world.source == "env":
-                raise RuntimeError(
-                    f"world: {world.size} processes described by torchrun-style variables "
-                    "(RANK, WORLD_SIZE), but overlap's data plane between processes is MPI, "
-                    "which needs its launcher: start the job with `mpiexec -n N` or `srun "
-                    "--mpi=pmix` (README: Running on several processes and hosts)")
             if emulate_links:
                 raise ValueError("emulate_links: link emulation plays a cluster inside one "
                                  "process; it is not available in a multi-process job")

@@ -2,16 +2,17 @@
 
 The same script runs as one process (today's default: every device is local) or as N
 processes under an MPI launcher — ``mpiexec -n N``, ``mpirun``, Slurm's ``srun --mpi=pmix``
-(or ``pmi2``). :func:`detect_world` reads where it was started:
+(or ``pmi2``) — or under ``torchrun --nproc-per-node N`` (multi-node too).
+:func:`detect_world` reads where it was started:
 
 1. **MPI**: a launcher variable is set (``PMI_RANK``/``PMI_SIZE`` — MPICH's hydra, Intel MPI,
    ``srun --mpi=pmi2``; ``PMIX_RANK`` — PMIx launchers, Open MPI 5, ``srun --mpi=pmix``;
    ``OMPI_COMM_WORLD_RANK`` — Open MPI; ``MV2_COMM_WORLD_RANK`` — MVAPICH). Rank and size
    come from ``MPI.COMM_WORLD`` (mpi4py); the local rank from a shared-memory split of it.
-2. **torchrun-style variables** when no MPI launcher variable is set: ``RANK``,
-   ``WORLD_SIZE``, ``LOCAL_RANK`` (``LOCAL_WORLD_SIZE``). They name the process; the data plane
-   between processes is still MPI's, so a world of more than one process described only by
-   these variables is refused with an error saying how to launch it (see README).
+2. **torchrun** (its variables, when no MPI launcher variable is set): ``RANK``,
+   ``WORLD_SIZE``, ``LOCAL_RANK`` (``LOCAL_WORLD_SIZE``). The processes join through
+   ``torch.distributed``'s rendezvous (``MASTER_ADDR``/``MASTER_PORT``) and talk over links
+   (:mod:`overlap.backends.host_links`): no MPI is needed.
 3. Otherwise a world of one process.
 
 ``OVERLAP_WORLD=single`` forces a one-process world (e.g. a helper script started by an MPI
@@ -37,7 +38,8 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job. ``source``: "single", "mpi" or "env"."""
+    """This process's place in the job. ``source``: "single", "mpi" or "torchrun" (the
+    torchrun-style variables)."""
 
     rank: int = 0
     size: int = 1
@@ -56,8 +58,9 @@ class World:
         if self.local_size < 1 or not 0 <= self.local_rank < self.local_size:
             raise ValueError(f"local_rank/local_size: need 0 <= local_rank < local_size, got "
                              f"{self.local_rank} of {self.local_size}")
-        if self.source not in ("single", "mpi", "env"):
-            raise ValueError(f"source: expected 'single', 'mpi' or 'env', got {self.source!r}")
+        if self.source not in ("single", "mpi", "torchrun"):
+            raise ValueError(f"source: expected 'single', 'mpi' or 'torchrun', got "
+                             f"{self.source!r}")
 
     @property
     def distributed(self) -> bool:
@@ -108,7 +111,7 @@ def detect_world(env: Mapping[str, str] | None = None) -> World:
         local_rank = _env_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
         local_size = (_env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env
                       else max(local_rank + 1, 1))
-        return World(rank, size, local_rank, local_size, "env")
+        return World(rank, size, local_rank, local_size, "torchrun")
     return World()
 
 
@@ -187,6 +190,23 @@ class Placement:
     def ranks_of(self, devices: Sequence[int]) -> tuple[int, ...]:
         """The distinct owners of ``devices``, in the order they first appear."""
         return tuple(dict.fromkeys(self.owners[d] for d in devices))
+
+
+def max_over_ranks(value: float, world: World) -> float:
+    """The largest ``value`` of every process of the job (collective: every process calls
+    it, from its main thread, once its runtime is made), over the launcher's own channel —
+    MPI's world, or ``torch.distributed`` under torchrun. For a job's verdict: every process
+    passes or fails together."""
+    if not world.distributed:
+        return value
+    if world.source == "mpi":
+        MPI = _mpi()
+        return float(MPI.COMM_WORLD.allreduce(value, op=MPI.MAX))
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * world.size
+    dist.all_gather_object(every, float(value))
+    return max(every)
 
 
 def describe(world: World, devices: Sequence[int]) -> str:

@@ -4,13 +4,10 @@ fails loudly when it does not."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launchers import launch
 
 pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 (the "
                                     "'torch' extra) to run the GPT example")
@@ -70,21 +67,14 @@ def test_the_example_fails_when_a_gradient_is_wrong(example, tmp_path, monkeypat
     assert "FAILED" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("schedule, extra", [("1f1b", []),
-                                             ("interleaved-1f1b", ["--sequence-parallel"])])
-def test_the_gpt_example_under_mpiexec(tmp_path, schedule, extra):
+@pytest.mark.parametrize("launcher, schedule, extra", [
+    ("mpiexec", "1f1b", []), ("torchrun", "1f1b", []),
+    ("mpiexec", "interleaved-1f1b", ["--sequence-parallel"]),
+    ("torchrun", "zb-h1", ["--sequence-parallel"])])
+def test_the_gpt_example_under_a_launcher(tmp_path, launcher, schedule, extra):
     # 4 ranks of 3-4 devices: stage meshes span ranks (TP collectives over the wire).
-    pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
-        shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec (pip install mpich)")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    done = subprocess.run([mpiexec, "-n", "4", sys.executable, str(EXAMPLE), *SMALL,
-                           "--schedule", schedule, *extra, "--trace-dir", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=180)
+    done = launch(launcher, 4, EXAMPLE, *SMALL, "--schedule", schedule, *extra,
+                  "--trace-dir", str(tmp_path), timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("match plain torch") == 1 and "FAILED" not in done.stdout
     assert len(list(tmp_path.glob("gpt-*.rank*.json"))) == 4

@@ -502,3 +502,33 @@ def _mesh(n: int) -> list[dict[int, socket.socket]]:
         for p in range(r + 1, n):
             ends[r][p], ends[p][r] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     return ends
+
+
+def test_a_listened_channel_hands_every_frame_to_its_handler_in_order(pair):
+    """Control messages of a job without MPI: a channel whose frames (any tag, any size)
+    go to a handler on the engine's thread, in order; other channels still match receives,
+    and a handler that raises loses its message only."""
+    a, b = pair
+    got: list[tuple[int, int, bytes, bool]] = []
+    done = threading.Event()
+
+    def handler(peer: int, tag: int, data: bytes) -> None:
+        got.append((peer, tag, data, threading.current_thread() is b.engine._thread))
+        if data == b"boom":
+            raise ValueError("the handler's own failure")
+        if len(got) == 4:
+            done.set()
+
+    b.listen(7, handler)
+    plain = np.zeros(4, np.uint8)
+    recv = b.irecv(0, 0, 3, plain)
+    for tag, data in ((1, b"x" * 3), (2, b"boom"), (9, b""), (1, b"y" * 70000)):
+        wait(a.isend(7, 1, tag, np.frombuffer(data, np.uint8) if data else np.zeros(0, np.uint8)))
+    wait(a.isend(0, 1, 3, np.arange(4, dtype=np.uint8)))
+    wait(recv)
+    assert done.wait(BOUND_S)
+    assert [(p, t, d) for p, t, d, _ in got] == [(0, 1, b"xxx"), (0, 2, b"boom"), (0, 9, b""),
+                                                 (0, 1, b"y" * 70000)]
+    assert all(on_engine for *_, on_engine in got)
+    assert list(plain) == [0, 1, 2, 3]
+    assert b.engine.failure is None and not b.closed_to(0)

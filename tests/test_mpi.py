@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from job_results import assert_same_as_single, links_of, outputs, verdicts
 from strategies import problems
 
 pytest.importorskip("mpi4py", reason="the mpi extra is not installed: pip install -e '.[mpi]'")
@@ -58,37 +59,6 @@ def mpiexec(n: int, *args: str, flags: tuple[str, ...] = (), guard: bool = False
     return done, time.perf_counter() - start
 
 
-def outputs(out: Path, n: int) -> list[dict[str, np.ndarray]]:
-    """Each rank's saved arrays, narrow floats put back to their dtype (``job.savable``)."""
-    ranks = []
-    for r in range(n):
-        saved = dict(np.load(out / f"rank{r}.npz"))
-        for key in [k for k in saved if k.endswith(".dtype")]:
-            name = str(saved.pop(key))
-            base = key[:-len(".dtype")]
-            saved[base] = saved[base].view(np.dtype(name))
-        ranks.append(saved)
-    return ranks
-
-
-def assert_same_as_single(ranks: list[dict[str, np.ndarray]], single: dict[str, np.ndarray],
-                          replicated: tuple[str, ...] = ()) -> None:
-    """Every rank's arrays equal the one-process run's, bit for bit; every per-device array
-    comes from exactly one rank, and together they cover the one-process run."""
-    seen: dict[str, int] = {}
-    for r, arrays in enumerate(ranks):
-        for key, a in arrays.items():
-            assert key in single, f"rank {r} wrote {key}, the one-process run did not"
-            b = single[key]
-            assert a.dtype == b.dtype and a.shape == b.shape, key
-            assert a.tobytes() == b.tobytes(), f"rank {r}: {key} differs from one process"
-            if not any(s in key for s in replicated):
-                assert key not in seen, f"{key} from ranks {seen[key]} and {r}"
-                seen[key] = r
-    missing = [k for k in single if k not in seen and not any(s in k for s in replicated)]
-    assert not missing, f"no rank produced {missing[:5]}"
-
-
 # ---- results equal the one-process run -------------------------------------------------------
 
 def toy_single() -> dict[str, np.ndarray]:
@@ -97,10 +67,6 @@ def toy_single() -> dict[str, np.ndarray]:
         for schedule in ("gpipe", "1f1b", "eager-1f1b"):
             single.update(toy_job.run_toy(rt, schedule))
     return single
-
-
-def links_of(out: Path, n: int) -> list[dict | None]:
-    return [json.loads((out / f"links{r}.json").read_text()) for r in range(n)]
 
 
 @pytest.mark.parametrize("data", ["links", "mpi"])
@@ -248,14 +214,6 @@ def assert_failed_job(done: subprocess.CompletedProcess[str], failed: int, n: in
     text = done.stdout + done.stderr
     assert done.returncode != 0, verdicts(text)
     return text
-
-
-def verdicts(text: str) -> str:
-    """What each rank said in the end (its log lines, the errors it raised, its abort), for
-    assertion messages: the whole output of four tracebacks is too long to show."""
-    keep = ("overlap: ", "overlap.errors.", "Abort(", "BAD TERMINATION", "KILLED")
-    return "\n".join(line for line in text.splitlines() if line.lstrip().startswith(keep)
-                     or "Error: " in line)
 
 
 def test_a_rank_that_raises_mid_step_ends_the_job_naming_it(tmp_path):

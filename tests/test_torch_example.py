@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from launchers import LAUNCHERS, launch
 
 pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 (the "
                                     "'torch' extra) to run the torch example")
@@ -49,25 +50,11 @@ def test_example_exits_nonzero_when_the_check_fails(example, tmp_path, monkeypat
     assert "FAILED" in capsys.readouterr().out
 
 
-def test_example_under_mpiexec_compares_each_processs_own_stages(tmp_path):
-    # Each process trains only its stages' parameters; comparing every stage made every
-    # process print FAILED although every loss matched (issue 17, point 5).
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
-        shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec (pip install mpich)")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    done = subprocess.run([mpiexec, "-n", "4", sys.executable, str(EXAMPLE), *SMALL,
-                           "--trace-dir", str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=120)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_example_under_a_launcher_compares_each_processs_own_stages(tmp_path, launcher):
+    # Each process builds and trains only its stages' parameters; comparing every stage made
+    # every process print FAILED although every loss matched (issue 17, point 5).
+    done = launch(launcher, 4, EXAMPLE, *SMALL, "--trace-dir", str(tmp_path))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # One process speaks; every rank writes its own trace.
     assert done.stdout.count("match plain torch") == 1 and "FAILED" not in done.stdout

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 "
                                             "(the 'torch' extra) to test overlap.torch")
 
+from launchers import LAUNCHERS, launch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch_reference import assert_grads_match, reference_losses  # noqa: E402
@@ -321,23 +322,11 @@ def test_stage_index_is_checked():
         pipe.boundary_report("dgx", torch.randn(1, 2, 8))
 
 
-def test_state_dict_of_a_stage_across_processes_is_refused_under_mpiexec():
-    import os
-    import shutil
-    import subprocess
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_state_dict_of_a_stage_across_processes_is_refused_under_a_launcher(launcher):
     from pathlib import Path
 
-    pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
-        shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec (pip install mpich)")
-    job = Path(__file__).parent / "mpi_jobs" / "tp_state_dict.py"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    done = subprocess.run([mpiexec, "-n", "2", sys.executable, str(job)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = launch(launcher, 2, Path(__file__).parent / "mpi_jobs" / "tp_state_dict.py")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "rank 0: ok" in done.stdout and "rank 1: ok" in done.stdout
 

@@ -4,12 +4,14 @@ and a local cluster that names no cloud machine. Expected values from plain torc
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 "
                                             "(the 'torch' extra) to test overlap.torch")
 
+from launchers import LAUNCHERS, launch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_reference import assert_grads_match, reference_losses  # noqa: E402
 
@@ -179,23 +181,9 @@ def test_runtime_outside_the_meshes_is_named_at_construction():
                       rt=rt)
 
 
-def test_under_mpiexec_each_rank_builds_and_trains_only_its_stages():
-    pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
-        shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec (pip install mpich)")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_under_a_launcher_each_rank_builds_and_trains_only_its_stages(launcher):
     job = Path(__file__).parent / "mpi_jobs" / "stage_factory.py"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    done = subprocess.run([mpiexec, "-n", "2", sys.executable, str(job)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = launch(launcher, 2, job)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "rank 0: ok" in done.stdout and "rank 1: ok" in done.stdout

@@ -50,7 +50,7 @@ def test_no_launcher_is_a_one_process_world():
 def test_torchrun_variables_name_the_process():
     w = detect_world({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                       "LOCAL_WORLD_SIZE": "2"})
-    assert (w.rank, w.size, w.local_rank, w.local_size, w.source) == (3, 4, 1, 2, "env")
+    assert (w.rank, w.size, w.local_rank, w.local_size, w.source) == (3, 4, 1, 2, "torchrun")
 
 
 @pytest.mark.parametrize("env, match", [
@@ -74,9 +74,19 @@ def test_overlap_world_single_wins_over_a_launcher():
     assert detect_world({"OVERLAP_WORLD": "single", "PMI_RANK": "1", "PMI_SIZE": "2"}) == World()
 
 
-def test_a_multi_process_torchrun_world_is_refused_with_the_launch_to_use():
-    with pytest.raises(RuntimeError, match="mpiexec -n N"):
-        Runtime(CLUSTER, world=World(0, 2, source="env"))
+def test_a_torchrun_world_without_its_rendezvous_says_what_is_missing(monkeypatch):
+    pytest.importorskip("torch.distributed")
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="RANK and WORLD_SIZE are set but not MASTER_ADDR"):
+        Runtime(CLUSTER, world=World(0, 2, source="torchrun"))
+
+
+def test_a_torchrun_world_moves_every_byte_over_links(monkeypatch):
+    monkeypatch.setenv("OVERLAP_HOST_LINKS", "0")
+    with pytest.raises(ValueError, match=r"host_links: a job started by torchrun moves every "
+                                         r"byte over links"):
+        Runtime(CLUSTER, world=World(0, 2, source="torchrun"))
 
 
 def test_link_emulation_is_refused_across_processes():

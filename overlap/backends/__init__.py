@@ -60,7 +60,8 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
             timeout: float, host_links: bool | None, grace: float,
             poll: Backoff | None) -> Backend:
     from ..world import mpi_world_comm
-    from .distributed import Distributed, host_links_wanted
+    from .bootstrap import Bootstrap, MpiBootstrap, TorchBootstrap
+    from .distributed import HOST_LINKS_ENV, Distributed, host_links_wanted
     from .engine import Engine
     from .host_links import HostLinks
 
@@ -74,15 +75,29 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
             f"placement: backend 'cuda' across processes runs one device per process (one "
             f"process per GPU); rank {world.rank} owns {len(placement.devices_of(world.rank))} "
             "devices — launch as many processes as the cluster has devices")
-    comm = mpi_world_comm("a multi-process world")
-    if comm.Get_size() != world.size or comm.Get_rank() != world.rank:
-        raise ValueError(f"world: rank {world.rank} of {world.size} does not match "
-                         f"MPI.COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()})")
+    torchrun = world.source == "torchrun"
+    if torchrun:
+        if not links_on:
+            raise ValueError(f"host_links: a job started by torchrun moves every byte over "
+                             f"links (it has no MPI); {HOST_LINKS_ENV}=0 / host_links=False "
+                             "need an MPI launcher")
+        comm: Any = None
+        boot: Bootstrap = TorchBootstrap(world.rank, world.size, timeout)
+    else:
+        comm = mpi_world_comm("a multi-process world")
+        if comm.Get_size() != world.size or comm.Get_rank() != world.rank:
+            raise ValueError(f"world: rank {world.rank} of {world.size} does not match "
+                             f"MPI.COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()})")
+        boot = MpiBootstrap(comm)
     backend = Backend(devices, num_devices, timeout=timeout, placement=placement,
                       rank=world.rank)
     engine = Engine(f"overlap-engine-r{world.rank}", poll)
     try:
-        links = HostLinks.connect(comm, engine) if links_on else None
+        links = HostLinks.connect(boot, engine, network=torchrun) if links_on else None
+        if torchrun and links is None:
+            raise RuntimeError(f"rank {world.rank}: could not link every pair of ranks of "
+                               "this torchrun job (TCP between nodes, Unix sockets within "
+                               "one); a firewall between the nodes?")
         dist = Distributed(world, placement, engine, comm, links, timeout=timeout,
                            grace=grace)
         backend.dist = dist
@@ -94,7 +109,8 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
             from .mpi import MpiWire
             from .wire import WireTransport
 
-            backend.remote = WireTransport(backend, dist, MpiWire(comm, engine), links)
+            backend.remote = WireTransport(backend, dist, None if comm is None else
+                                           MpiWire(comm, engine), links)
     except BaseException:
         engine.close()
         raise

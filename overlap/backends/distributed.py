@@ -87,6 +87,8 @@ _FIELDS: dict[int, dict[str, type]] = {
 _MAX_MESSAGE = 1 << 16  # bytes: a control message is a few hundred
 # Host-link channels of the runtime's own rounds (a data plane numbers its channels from 0).
 AGREE_CHANNEL, DONE_CHANNEL = 0xFFFF_FFFF, 0xFFFF_FFFD
+CONTROL_CHANNEL = 0xFFFF_FFFB  # control messages, in a job without MPI
+NCCL_ID_CHANNEL = 0xFFFF_FFF9  # NCCL's unique ids, in a job without MPI
 HOST_LINKS_ENV = "OVERLAP_HOST_LINKS"
 _TAGS = 1 << 31  # a round's tag is its call number modulo this (a link's tags are int32)
 LISTEN_TICK_S = 0.02  # how often the engine looks for control messages
@@ -115,9 +117,14 @@ class Distributed:
 
     def __init__(self, world: World, placement: Placement, engine: Engine, comm: Any,
                  links: HostLinks | None, *, timeout: float, grace: float = 5.0) -> None:
-        from mpi4py import MPI
+        if comm is None:  # (torchrun: no MPI; links join every pair of ranks)
+            if links is None or len(links.peers) != world.size - 1:
+                raise RuntimeError("a job without MPI needs links between every two ranks")
+            self.MPI: Any = None
+        else:
+            from mpi4py import MPI
 
-        self.MPI = MPI
+            self.MPI = MPI
         self.world = world
         self.placement = placement
         self.rank = world.rank
@@ -126,11 +133,11 @@ class Distributed:
         self.links = links
         self.timeout = timeout
         self.grace = grace
-        self.comm = comm  # COMM_WORLD: duplicated, never used directly
+        self.comm = comm  # COMM_WORLD: duplicated, never used directly (None: no MPI)
         # Collective over every rank, in the same order everywhere (main thread).
-        self.runtime_comm = comm.Dup()  # the rounds over MPI
-        self.control_comm = comm.Dup()  # failure notices and queries
-        self.tag_ub = int(comm.Get_attr(MPI.TAG_UB))
+        self.runtime_comm = None if comm is None else comm.Dup()  # the rounds over MPI
+        self.control_comm = None if comm is None else comm.Dup()  # notices and queries
+        self.tag_ub = _TAGS - 1 if comm is None else int(comm.Get_attr(self.MPI.TAG_UB))
         # The runtime's scope: a peer's failure cancels it (the job cannot go on).
         self.scope: CancelScope | None = None
         self.broken: BaseException | None = None
@@ -148,10 +155,14 @@ class Distributed:
         self._replies: dict[int, tuple[int, bool, float]] = {}  # rank -> calls, busy, when
         self._asked: dict[int, float] = {}  # rank -> when it was last asked
         self._replied = threading.Condition()
-        self._probe = MPI.Status()
         # The runtime's rounds go over links when they join this rank to every other.
         self.rounds_linked = links is not None and len(links.peers) == world.size - 1
-        engine.every(LISTEN_TICK_S, self._listen)
+        if comm is None:
+            assert links is not None
+            links.listen(CONTROL_CHANNEL, self._take)
+        else:
+            self._probe = self.MPI.Status()
+            engine.every(LISTEN_TICK_S, self._listen)
         _LIVE.add(self)
         _install_exit_guards()
 
@@ -333,6 +344,14 @@ class Distributed:
     def _tell(self, dest: int, tag: int, msg: dict[str, Any]) -> Completion:
         """Post one control message (JSON bytes); kept alive until MPI is done with it."""
         data = json.dumps(msg).encode()
+        if self.control_comm is None:
+            assert self.links is not None
+            try:
+                return self.links.isend(CONTROL_CHANNEL, dest, tag, data)
+            except CollectiveAborted as exc:  # (the links closed: nobody hears it)
+                gone = Completion(f"control message to rank {dest}", dest)
+                gone.fail(exc)
+                return gone
         done = Completion(f"control message to rank {dest}", dest)
         done.keep = data
         request = self.control_comm.Isend([data, self.MPI.BYTE], dest=dest, tag=tag)
@@ -355,12 +374,16 @@ class Distributed:
             source, tag = status.Get_source(), status.Get_tag()
             buf = bytearray(status.Get_count(MPI.BYTE))
             self.control_comm.Recv([buf, MPI.BYTE], source=source, tag=tag)
-            msg = _parse(tag, bytes(buf))
-            if msg is None:
-                log.warning("overlap: ignored a malformed control message (tag %d) from rank "
-                            "%d", tag, source)
-                continue
-            self._handle(source, tag, msg)
+            self._take(source, tag, bytes(buf))
+
+    def _take(self, source: int, tag: int, data: bytes) -> None:
+        """(The engine's.) One control message from ``source``."""
+        msg = _parse(tag, data)
+        if msg is None:
+            log.warning("overlap: ignored a malformed control message (tag %d) from rank %d",
+                        tag, source)
+            return
+        self._handle(source, tag, msg)
 
     def _handle(self, source: int, tag: int, msg: dict[str, Any]) -> None:
         if tag == _EXITING:
@@ -430,6 +453,16 @@ class Distributed:
         if not self.left:
             self.left = True
             self.tell_all(_LEFT, {"rank": self.rank, "calls": self.calls, "how": how})
+
+    def bootstrap_comm(self) -> Any:
+        """What carries NCCL's unique ids between ranks (collective: every rank, in the
+        same order): a duplicate of MPI's world, or a channel of the links without MPI."""
+        if self.comm is None:
+            from .host_links import LinksComm
+
+            assert self.links is not None
+            return LinksComm(self.links, NCCL_ID_CHANNEL)
+        return self.comm.Dup()
 
     def duplicate(self, what: str) -> Any:
         """A new communicator over every rank (``MPI_Comm_idup`` of the runtime's), its
@@ -796,6 +829,8 @@ def _at_exit() -> None:
     # what it has not read when MPI_Abort tears the job down (seen under load: a rank's
     # error, and the aborting ranks' own "Abort(1)" lines, missing from the job's output).
     time.sleep(min(_LINGER_S, b.grace))
+    if b.MPI is None:  # (torchrun: the agent ends the other workers of a failed one)
+        os._exit(1)
     b.MPI.COMM_WORLD.Abort(1)
 
 

@@ -33,11 +33,12 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope
+from .bootstrap import Bootstrap, reachable_address
 from .engine import Completion, Engine
 
 log = logging.getLogger("overlap")
@@ -129,6 +130,8 @@ class HostLinks:
         self._posted: dict[tuple[int, int, int], deque[LinkRequest]] = {}
         self._unexpected: dict[tuple[int, int, int], deque[bytearray]] = {}
         self._conns = {p: _Conn(p, s) for p, s in peers.items()}
+        # Channels whose frames go to a handler (peer, tag, payload) instead of a receive.
+        self._handlers: dict[int, Callable[[int, int, bytes], None]] = {}
         self._closing = False
         self.frames_received = 0  # messages read whole (for tests and benchmarks)
         for c in self._conns.values():
@@ -141,60 +144,71 @@ class HostLinks:
     # ---- setup ---------------------------------------------------------------------------
 
     @classmethod
-    def connect(cls, comm: Any, engine: Engine, *, timeout: float = CONNECT_TIMEOUT_S
-                ) -> HostLinks | None:
-        """Collective over ``comm`` (every rank, same thread order): link this rank to every
-        other rank on its host (same ``MPI.Get_processor_name()``). None where links cannot
-        be made on every rank that needs them: the data then goes over MPI everywhere."""
-        from mpi4py import MPI
-
-        rank, size = comm.Get_rank(), comm.Get_size()
-        hosts = comm.allgather(MPI.Get_processor_name())
-        token = comm.bcast(secrets.token_hex(8) if rank == 0 else None, root=0)
+    def connect(cls, boot: Bootstrap, engine: Engine, *, network: bool = False,
+                timeout: float = CONNECT_TIMEOUT_S) -> HostLinks | None:
+        """Collective over ``boot`` (every rank, same thread order): link this rank to every
+        other rank on its host (same ``boot.host()``: a Unix socket) and, with ``network``,
+        to every rank on other hosts too (TCP: a job with no MPI, started by torchrun). None
+        where links cannot be made on every rank that needs them."""
+        rank, size = boot.rank, boot.size
+        hosts = boot.allgather(boot.host())
+        token = boot.bcast(secrets.token_hex(8) if rank == 0 else None, root=0)
         mates = [r for r in range(size) if r != rank and hosts[r] == hosts[rank]]
+        remote = [r for r in range(size) if r != rank and hosts[r] != hosts[rank]] \
+            if network else []
         peers: dict[int, socket.socket] = {}
-        ok = True
-        listener = None
+        ok, unix, tcp, where = True, None, None, None
         try:
             if mates:
-                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                listener.bind(_address(token, rank))
-                listener.listen(len(mates))
+                unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                unix.bind(_address(token, rank))
+                unix.listen(len(mates))
+            if remote:
+                tcp = socket.create_server((reachable_address(), 0), backlog=len(remote))
+                where = tcp.getsockname()[:2]
         except OSError:
             ok = False
         # Everyone listens before anyone connects; a rank that cannot makes every rank fall
         # back (links are all or nothing: both ends of a pair must agree).
-        ok = bool(comm.allreduce(int(ok), op=MPI.MIN))
+        addresses = boot.allgather(where)
+        ok = boot.all_true(ok)
         try:
             if ok:
-                for r in (r for r in mates if r > rank):  # lower ranks connect, higher accept
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                hello = struct.pack("<i", rank) + token.encode()
+                for r in (r for r in (*mates, *remote) if r > rank):  # lower ranks connect
+                    s = _dial(_address(token, r) if r in mates else tuple(addresses[r]),
+                              timeout)
                     peers[r] = s
-                    s.settimeout(timeout)
-                    s.connect(_address(token, r))
-                    s.sendall(struct.pack("<i", rank))
-                for _ in (r for r in mates if r < rank):
-                    assert listener is not None
-                    listener.settimeout(timeout)
-                    s, _addr = listener.accept()
-                    s.settimeout(timeout)
-                    who = struct.unpack("<i", _read_exactly(s, 4))[0]
-                    if who not in mates or who > rank or who in peers:
-                        raise OSError(f"link from unexpected rank {who}")
-                    peers[who] = s
+                    s.sendall(hello)
+                for listener, group in ((unix, mates), (tcp, remote)):
+                    for _ in (r for r in group if r < rank):  # higher ranks accept
+                        assert listener is not None
+                        listener.settimeout(timeout)
+                        s, _addr = listener.accept()
+                        s.settimeout(timeout)
+                        who = struct.unpack("<i", _read_exactly(s, 4))[0]
+                        if _read_exactly(s, len(token)).decode() != token or \
+                                who not in group or who > rank or who in peers:
+                            s.close()
+                            raise OSError(f"link from unexpected rank {who}")
+                        peers[who] = s
         except OSError:
             ok = False
         finally:
-            if listener is not None:
-                listener.close()
-                if not sys.platform.startswith("linux"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(_address(token, rank))
-        ok = bool(comm.allreduce(int(ok), op=MPI.MIN))
+            for listener in (unix, tcp):
+                if listener is not None:
+                    listener.close()
+            if unix is not None and not sys.platform.startswith("linux"):
+                with contextlib.suppress(OSError):
+                    os.unlink(_address(token, rank))
+        ok = boot.all_true(ok)
         if not ok:
             for s in peers.values():
                 s.close()
             return None
+        for r in remote:
+            with contextlib.suppress(OSError):  # (frames are small and latency-bound)
+                peers[r].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(rank, peers, engine)
 
     def has(self, peer: int) -> bool:
@@ -205,6 +219,12 @@ class HostLinks:
         return tuple(sorted(self._conns))
 
     @property
+    def network_peers(self) -> tuple[int, ...]:
+        """The peers linked over TCP (on other hosts, in a job without MPI)."""
+        return tuple(p for p, c in sorted(self._conns.items())
+                     if c.sock.family != socket.AF_UNIX)
+
+    @property
     def frames_sent(self) -> int:
         """Messages sent on every link (for tests and benchmarks)."""
         return sum(c.sent for c in self._conns.values())
@@ -213,6 +233,12 @@ class HostLinks:
         """Whether the link to ``peer`` is closed (its process closed it, or it broke)."""
         conn = self._conns.get(peer)
         return conn is None or conn.closed is not None
+
+    def listen(self, channel: int, handler: Callable[[int, int, bytes], None]) -> None:
+        """Every frame of ``channel`` (from any peer, any tag) goes to ``handler(peer, tag,
+        payload)`` on the engine's thread, in arrival order per peer — MPI's "any source"
+        receive, for messages whose size the receiver cannot know (control messages)."""
+        self._handlers[channel] = handler
 
     # ---- requests (any thread) -----------------------------------------------------------
 
@@ -366,10 +392,12 @@ class HostLinks:
         """A header is in: choose where the payload lands."""
         channel, tag, nbytes = HEADER.unpack(conn.header)
         conn.frame = (channel, tag, nbytes)
-        with self._lock:
-            req = self._take_posted((conn.peer, channel, tag))
-            if req is not None:
-                req.matched = True  # (under the lock: a cancel now comes too late, and knows)
+        req = None
+        if channel not in self._handlers:
+            with self._lock:
+                req = self._take_posted((conn.peer, channel, tag))
+                if req is not None:
+                    req.matched = True  # (under the lock: a cancel now comes too late)
         conn.target = req
         # In place when the sizes agree; else in a copy (its size reported, as MPI's count).
         conn.body = req.view if req is not None and req.nbytes == nbytes else \
@@ -385,6 +413,14 @@ class HostLinks:
         conn.body, conn.target, conn.got = None, None, 0
         self.frames_received += 1  # (only the engine writes it)
         assert body is not None
+        handler = self._handlers.get(channel)
+        if handler is not None:
+            try:
+                handler(conn.peer, tag, bytes(body))
+            except Exception:  # (the handler's own failure: not the link's)
+                log.exception("rank %d: handling a message from rank %d failed", self.rank,
+                              conn.peer)
+            return
         if req is None:
             key = (conn.peer, channel, tag)
             with self._lock:
@@ -482,6 +518,21 @@ class HostLinks:
                 conn.sock.close()
 
 
+class LinksComm:
+    """One channel of :class:`HostLinks` with the point-to-point calls of an MPI
+    communicator that a bootstrap uses (``Isend``/``Irecv`` returning requests with ``Test``
+    and ``Cancel``): how NCCL's unique ids travel in a job without MPI."""
+
+    def __init__(self, links: HostLinks, channel: int) -> None:
+        self.links, self.channel = links, channel
+
+    def Isend(self, buf: Any, dest: int, tag: int) -> LinkRequest:
+        return self.links.isend(self.channel, dest, tag, buf)
+
+    def Irecv(self, buf: Any, source: int, tag: int) -> LinkRequest:
+        return self.links.irecv(self.channel, source, tag, buf)
+
+
 def _address(token: str, rank: int) -> str:
     """Where ``rank`` listens: Linux's abstract namespace (nothing on disk to clean up),
     elsewhere a path in the temporary directory."""
@@ -491,6 +542,18 @@ def _address(token: str, rank: int) -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), name)
+
+
+def _dial(address: Any, timeout: float) -> socket.socket:
+    family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(address)
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def _read_exactly(s: socket.socket, n: int) -> bytes:
@@ -540,4 +603,4 @@ def _closed(conn: _Conn) -> CollectiveAborted:
     return CollectiveAborted(f"the link to rank {conn.peer} is closed ({conn.closed})")
 
 
-__all__ = ["HostLinks", "LinkRequest"]
+__all__ = ["HostLinks", "LinkRequest", "LinksComm"]

@@ -12,9 +12,10 @@ stage-collective group. Alpa creates one per distinct device set instead.
 - Across processes (:class:`NcclTransport`, one device per process): communicators made when
   a call first needs them, in the same order on every rank, by
   :func:`~.nccl_bootstrap.bootstrap_nccl` (the lowest member rank makes the unique id and
-  sends it to the others over MPI). NCCL matches point-to-point operations by their order per
-  pair of ranks; with one device per rank each communicator is used by one thread per rank in
-  the channel's order, so orders match. The NCCL calls sit behind :class:`NcclLinks` (open,
+  sends it to the others over MPI, or over the links of a job started by torchrun). NCCL
+  matches point-to-point operations by their order per pair of ranks; with one device per
+  rank each communicator is used by one thread per rank in the channel's order, so orders
+  match. The NCCL calls sit behind :class:`NcclLinks` (open,
   send_many, recv, all_reduce, all_gather), which the tests replace with the same operations
   over MPI on a stand-in GPU.
 
@@ -310,7 +311,8 @@ class NcclTransport:
         self.kind = kind
         self.placement = backend.placement
         self.rank = backend.rank
-        self._links = self.links_class(dist.comm.Dup(), world.rank, timeout=backend.timeout)
+        self._links = self.links_class(dist.bootstrap_comm(), world.rank,
+                                       timeout=backend.timeout)
         self._members: dict[Any, tuple[int, ...]] = {}
         self._aborter = _Aborter(self._links.abort)
 

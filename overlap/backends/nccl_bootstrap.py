@@ -1,4 +1,5 @@
-"""NCCL communicators across processes, bootstrapped over MPI.
+"""NCCL communicators across processes, bootstrapped over MPI (or the links of a job that
+torchrun started: the same two calls, :class:`~.host_links.LinksComm`).
 
 NCCL needs every member of a communicator to call ``ncclCommInitRank(n, id, rank)`` with the
 same 128-byte unique id, made by one member (``ncclGetUniqueId``). Between processes that id

@@ -115,7 +115,7 @@ class WireTransport:
     """Collectives whose participants span processes, over wires (see module doc). Part of
     a multi-process CPU backend (its ``remote``)."""
 
-    def __init__(self, backend: Backend, dist: Distributed, mpi: MpiWire,
+    def __init__(self, backend: Backend, dist: Distributed, mpi: MpiWire | None,
                  links: HostLinks | None, *, chunk_bytes: int | None = None) -> None:
         if chunk_bytes is not None and (isinstance(chunk_bytes, bool)
                                         or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
@@ -125,9 +125,12 @@ class WireTransport:
         self.placement = backend.placement
         self.rank = backend.rank
         self.dist = dist
-        self.mpi = mpi
+        self.mpi = mpi  # (None: a job without MPI, every byte over links)
         # The data's links (None: every byte over MPI; the control plane keeps its own).
         self.links = links
+        if mpi is None and (links is None or len(links.peers) != dist.world.size - 1):
+            raise OverlapRuntimeError("a wire without MPI needs links to every other rank")
+        self.tag_ub = dist.tag_ub if mpi is None else mpi.tag_ub
         self.chunk_bytes = chunk_bytes  # a broadcast's pieces (None: piece_bytes's choice)
         self.timeout = backend.timeout
         self.comms = Communicators(backend.timeout)  # this rank's participants' rendezvous
@@ -164,20 +167,21 @@ class WireTransport:
         for namespace in channels:
             if namespace not in self._channels:
                 self._new_channel(namespace)
-        limit = (self.mpi.tag_ub >> GROUP_TAG_BITS) + 1
+        limit = (self.tag_ub >> GROUP_TAG_BITS) + 1
         for namespace, g in groups:
             key = (namespace, tuple(sorted(set(g))))
             if key not in self._group_ids:
                 if len(self._group_ids) >= limit:
-                    raise OverlapRuntimeError(f"more than {limit} collective groups: MPI's tag "
-                                              f"range ({self.mpi.tag_ub}) has no room for more")
+                    raise OverlapRuntimeError(f"more than {limit} collective groups: the "
+                                              f"tag range ({self.tag_ub}) has no room for more")
                 self._group_ids[key] = len(self._group_ids)
 
     def _new_channel(self, namespace: str) -> None:
         channel = len(self._channels)
-        comm = self.dist.duplicate(f"making channel {namespace!r}'s communicator (with every "
-                                   "rank)")
-        self.mpi.add_channel(channel, comm)
+        if self.mpi is not None:  # (links match by channel id: nothing to make)
+            comm = self.dist.duplicate(f"making channel {namespace!r}'s communicator (with "
+                                       "every rank)")
+            self.mpi.add_channel(channel, comm)
         self._channels[namespace] = channel
 
     def _channel(self, namespace: str, what: str) -> int:
@@ -330,8 +334,8 @@ class WireTransport:
 
     def _wire(self, peer: int | None, size: int) -> Any:
         links = self.links
-        if (links is not None and peer is not None and size <= LINK_MAX_PIECE_BYTES
-                and links.has(peer)):
+        if links is not None and peer is not None and links.has(peer) and (
+                size <= LINK_MAX_PIECE_BYTES or self.mpi is None):
             return links
         return self.mpi
 
@@ -397,8 +401,9 @@ class WireTransport:
             by_rank.setdefault(self.placement.owners[d], []).append(d)
         others = [r for r in by_rank if r != self.rank]
         inbox = {r: np.empty((len(by_rank[r]), *shape), dtype) for r in others}
-        recvs = {r: self.mpi.irecv(channel, r, tag, inbox[r]) for r in others}
-        sends = [self.mpi.isend(channel, r, tag, packed) for r in others]
+        wire: Any = self.mpi if self.mpi is not None else self.links
+        recvs = {r: wire.irecv(channel, r, tag, inbox[r]) for r in others}
+        sends = [wire.isend(channel, r, tag, packed) for r in others]
         try:
             for r, c in recvs.items():
                 self._wait(c, scope, what, r, f"rank {r} never sent its part")
@@ -426,7 +431,8 @@ class WireTransport:
         self.comms.forget()
 
     def close(self) -> None:
-        self.mpi.close()
+        if self.mpi is not None:
+            self.mpi.close()
 
 
 class WireWork:

@@ -1,9 +1,9 @@
 """Use overlap from a PyTorch trainer: ``nn.Module`` stages, autograd backward, zero-copy.
 
     from overlap.torch import TorchPipeline
-    pipe = TorchPipeline([m0, m1, m2, m3], meshes, loss_fn=torch.nn.functional.mse_loss)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    with overlap.Runtime(cluster) as rt:
+    with overlap.Runtime(Cluster.local(4)) as rt:       # or under torchrun / mpiexec
+        pipe = TorchPipeline(make_stage, meshes, loss_fn=torch.nn.functional.mse_loss, rt=rt)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)  # this process's stages only
         opt.zero_grad()
         losses = pipe.train_step_sync(rt, x, y, num_microbatches=8, schedule="eager-1f1b")
         opt.step()
@@ -44,8 +44,10 @@ from .parallel import (
 from .pipeline import LossFn, TorchPipeline, replicate
 from .profiling import profiler
 from .report import BoundaryReport
+from .stages import LocalStage, build_stage
 
-__all__ = ["BoundaryReport", "ColwiseParallel", "LoadResult", "LossFn", "ParallelStyle",
+__all__ = ["BoundaryReport", "ColwiseParallel", "LoadResult", "LocalStage", "LossFn",
+           "ParallelStyle",
            "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
            "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TensorParallel",
-           "TorchPipeline", "parallelize", "profiler", "replicate"]
+           "TorchPipeline", "build_stage", "parallelize", "profiler", "replicate"]

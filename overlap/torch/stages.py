@@ -72,6 +72,12 @@ def build_stages(stage_fn: StageFn, meshes: Sequence[DeviceMesh], planned: Seque
     return out
 
 
+def build_stage(stage_fn: StageFn, stage: int, seed: int) -> nn.Module:
+    """Stage ``stage`` as a pipeline built with ``stage_fn`` and ``seed`` builds it: the same
+    initial weights, for a plain torch reference or a single-process copy of the model."""
+    return _call(stage_fn, stage, check_seed(seed), real=True)
+
+
 def _call(stage_fn: StageFn, s: int, seed: int, *, real: bool) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + s)
@@ -98,4 +104,4 @@ def is_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-__all__ = ["LocalStage", "StageFn", "build_stages", "check_seed", "is_meta"]
+__all__ = ["LocalStage", "StageFn", "build_stage", "build_stages", "check_seed", "is_meta"]

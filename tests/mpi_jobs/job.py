@@ -21,8 +21,9 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
   makes the call a second late, when the others have already reported the mismatch.
 - ``silent OUT``: rank 1 waits on a broadcast rooted on rank 0, which never sends (backend
   level, through the documented backend protocol; timeout 2 s).
-- ``nccl OUT``: NCCL communicators bootstrapped over MPI with a stand-in NCCL (no GPU):
-  each rank saves the (size, id, rank) its communicators were made with.
+- ``nccl OUT``: NCCL communicators bootstrapped with a stand-in NCCL (no GPU) over what the
+  runtime bootstraps them with (MPI, or the links under torchrun): each rank saves the
+  (size, id, rank) its communicators were made with.
 - ``stuck OUT RANK``: rank RANK is stuck in its own code (a minute) instead of making a
   resharding call the others make (their timeout: 2 s).
 - ``leave OUT RANK HOW [seen]``: after one resharding call, rank RANK leaves — ``exit``
@@ -150,7 +151,8 @@ def save_links(rt: Runtime, out_dir: Path) -> None:
     links = dist.links
     info = None if links is None else {"peers": list(links.peers), "sent": links.frames_sent,
                                        "received": links.frames_received,
-                                       "rounds": dist.rounds_linked}
+                                       "rounds": dist.rounds_linked,
+                                       "tcp": list(links.network_peers)}
     (out_dir / f"links{rt.world.rank}.json").write_text(json.dumps(info))
 
 
@@ -199,7 +201,7 @@ def main() -> int:
                 raise scope.failures[0]
             time.sleep(60)
         elif mode == "nccl":
-            saved.update(nccl_bootstrap_check(rank))
+            saved.update(nccl_bootstrap_check(rt))
         elif mode == "outside":
             model = ToyMLP.build(cluster, hidden=8, batch=8)
             for step in range(3):
@@ -460,12 +462,11 @@ class FakeNccl14(FakeNccl):
             self.args = (n, tuple(uid), rank)
 
 
-def nccl_bootstrap_check(rank: int) -> dict[str, np.ndarray]:
-    from mpi4py import MPI
-
+def nccl_bootstrap_check(rt: Runtime) -> dict[str, np.ndarray]:
     from overlap.backends.nccl_bootstrap import bootstrap_nccl
 
-    comm = MPI.COMM_WORLD.Dup()
+    rank = rt.world.rank
+    comm = rt.backend.dist.bootstrap_comm()  # (MPI's, or the links' under torchrun)
     out = {}
     for name, members, nccl in (("all", [0, 1, 2, 3], FakeNccl()), ("pair", [2, 1], FakeNccl()),
                                 ("tail", [1, 3], FakeNccl()), ("v14", [3, 0, 2], FakeNccl14())):
@@ -474,7 +475,8 @@ def nccl_bootstrap_check(rank: int) -> dict[str, np.ndarray]:
             n, uid, r = c.args
             out[f"{name}/n"], out[f"{name}/id"], out[f"{name}/rank"] = (
                 np.array(n), np.array(uid), np.array(r))
-    comm.Free()
+    if hasattr(comm, "Free"):
+        comm.Free()
     return out
 
 
