@@ -47,6 +47,7 @@ stages share its mesh: the step graph runs the rank's list on its devices' compu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -244,6 +245,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     stages_per_rank: int = 1
     placement: str = "loop"
+    forward_only: bool = False  # an evaluation step: F alone (see forward_order)
 
     def __post_init__(self) -> None:
         check_positive_int("num_stages", self.num_stages)
@@ -255,6 +257,8 @@ class Schedule:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement: expected one of {PLACEMENTS}, got "
                              f"{self.placement!r}")
+        if not isinstance(self.forward_only, bool):
+            raise TypeError(f"forward_only: expected a bool, got {self.forward_only!r}")
         if self.placement == "v" and v != 2:
             raise ValueError(f"placement: 'v' places two stages per rank, not {v}")
         if len(self.actions) != self.num_ranks:
@@ -271,7 +275,7 @@ class Schedule:
         # Hashed once: a runtime's cache keys on the schedule every step, and hashing every
         # action of 64 stages × 256 microbatches took 3 ms.
         return hash((self.name, self.num_stages, self.num_microbatches, self.actions,
-                     self.stages_per_rank, self.placement))
+                     self.stages_per_rank, self.placement, self.forward_only))
 
     @property
     def num_ranks(self) -> int:
@@ -324,6 +328,9 @@ class Schedule:
                 raise ValueError(f"actions[{r}]: {a.torch_token(st)}: microbatch beyond "
                                  f"0..{self.num_microbatches - 1}")
             done = state.get((st, a.microbatch), "")
+            if self.forward_only and a.kind != "F":
+                raise ValueError(f"actions[{r}]: {a.torch_token(st)} in a forward-only "
+                                 "schedule (F actions alone)")
             need = {"F": "", "B": "F", "I": "F", "W": "FI"}[a.kind]
             if done != need:
                 problem = (f"comes before {need[len(done)]}{a.microbatch} of stage {st}"
@@ -331,12 +338,26 @@ class Schedule:
                            f"is one too many (that microbatch ran {done} there already)")
                 raise ValueError(f"actions[{r}]: {a.torch_token(st)} {problem}")
             state[(st, a.microbatch)] = done + a.kind
+        whole = ("F",) if self.forward_only else ("FB", "FIW")
         for st in mine:
             for i in range(self.num_microbatches):
-                if state.get((st, i)) not in ("FB", "FIW"):
+                if self.forward_only and state.get((st, i)) != "F":
+                    raise ValueError(f"actions[{r}]: microbatch {i} of stage {st} needs one F "
+                                     f"in a forward-only schedule; got "
+                                     f"{state.get((st, i), 'nothing')!r}")
+                if state.get((st, i)) not in whole:
                     raise ValueError(f"actions[{r}]: microbatch {i} of stage {st} needs an F "
                                      f"and a B (or an I and a W); got "
                                      f"{state.get((st, i), 'nothing')!r}")
+
+    def forward_order(self) -> Schedule:
+        """This schedule's forwards alone, in its order on every rank: an evaluation step
+        (nothing waits for a backward, no activation is kept for one)."""
+        if self.forward_only:
+            return self
+        return dataclasses.replace(
+            self, name=f"{self.name}/forward", forward_only=True,
+            actions=tuple(tuple(a for a in acts if a.kind == "F") for acts in self.actions))
 
     def peak_activations(self, stage: int) -> int:
         """Most microbatches whose F has run on ``stage`` and whose B (or W) has not."""
@@ -394,6 +415,7 @@ class Schedule:
             "placement": self.placement,
             "actions": [[str(a) if a.stage is None else a.torch_token(a.stage) for a in acts]
                         for acts in self.actions],
+            **({"forward_only": True} if self.forward_only else {}),
         })
 
     @classmethod
@@ -409,6 +431,7 @@ class Schedule:
             actions=tuple(tuple(Action.parse(a) for a in acts) for acts in data["actions"]),
             stages_per_rank=data.get("stages_per_rank", 1),
             placement=data.get("placement", "loop"),
+            forward_only=data.get("forward_only", False),
         )
 
     # ---- torch.distributed.pipelining's compute-only CSV -------------------------------

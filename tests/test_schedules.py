@@ -414,3 +414,31 @@ def test_a_deadlock_across_ranks_names_each_ranks_blocker():
     with pytest.raises(ValueError, match="schedule deadlocks: rank 0 at 0B0 waits for B0 of "
                                          "stage 1; rank 1 at 5F0 waits for F0 of stage 4"):
         dependency_order(sched)
+
+
+# ---- forward-only schedules (evaluation steps) -----------------------------------------------
+
+@pytest.mark.parametrize("name, p", [("1f1b", 4), ("eager-1f1b", 3), ("zb-h1", 4),
+                                     ("interleaved-1f1b", 4), ("zbv", 4)])
+def test_forward_order_keeps_each_ranks_forwards_in_order(name, p):
+    full = make_schedule(name, p, 6)
+    fwd = full.forward_order()
+    assert fwd.forward_only and fwd.kinds == {"F"} and fwd.name == f"{name}/forward"
+    for r in range(full.num_ranks):
+        assert fwd.actions[r] == tuple(a for a in full.actions[r] if a.kind == "F")
+    assert fwd.forward_order() is fwd
+    assert Schedule.from_json(fwd.to_json()) == fwd
+    assert [a for _, a in dependency_order(fwd)]  # (it lowers: no deadlock)
+    assert all(fwd.peak_activations(s) == 6 for s in range(full.num_stages))
+
+
+def test_a_forward_only_schedule_takes_forwards_alone_once_each():
+    Schedule("eval", 2, 2, (acts("F0 F1"), acts("F0 F1")), forward_only=True)
+    with pytest.raises(ValueError, match=r"actions\[0\]: 0B0 in a forward-only schedule"):
+        Schedule("eval", 1, 1, (acts("F0 B0"),), forward_only=True)
+    with pytest.raises(ValueError, match=r"microbatch 1 of stage 0 needs one F"):
+        Schedule("eval", 1, 2, (acts("F0"),), forward_only=True)
+    with pytest.raises(ValueError, match=r"needs an F and a B"):  # (a training schedule)
+        Schedule("train", 1, 1, (acts("F0"),))
+    with pytest.raises(TypeError, match=r"forward_only: expected a bool"):
+        Schedule("eval", 1, 1, (acts("F0"),), forward_only=1)

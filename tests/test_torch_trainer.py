@@ -187,3 +187,68 @@ def test_under_a_launcher_each_rank_builds_and_trains_only_its_stages(launcher):
     done = launch(launcher, 2, job)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "rank 0: ok" in done.stdout and "rank 1: ok" in done.stdout
+
+
+# ---- evaluation: forward only -------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "auto", "interleaved-1f1b"])
+def test_eval_step_runs_forward_only_as_plain_torch_under_no_grad(schedule):
+    torch.manual_seed(0)
+    interleaved = schedule == "interleaved-1f1b"
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    if interleaved:  # 4 stages on 2 ranks: stage s on the mesh of rank s % 2
+        rank_meshes = [DeviceMesh([0, 1], ("tp",)), DeviceMesh([2, 3], ("tp",))]
+        meshes, plans = [rank_meshes[s % 2] for s in range(4)], [plan] * 4
+    else:
+        meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2], ("tp",)), DeviceMesh([3], ("tp",))]
+        plans = [None, plan, None]
+    modules = [nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+               for _ in meshes]
+    reference = copy.deepcopy(modules)
+    pipe = TorchPipeline(modules, meshes, nn.functional.mse_loss, plans=plans)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    with Runtime(Cluster.local(4), timeout=20) as rt:
+        losses, outputs = pipe.eval_step_sync(rt, x, y, num_microbatches=4, schedule=schedule,
+                                              return_outputs=True)
+        assert pipe.eval_step_sync(rt, x, y, num_microbatches=4, schedule=schedule) == losses
+        stats = rt.last_step
+    assert all(p.grad is None for p in pipe.parameters())  # no backward ran
+    assert stats.seconds > 0
+    with torch.no_grad():
+        for i, (xm, ym) in enumerate(zip(x.chunk(4), y.chunk(4))):
+            h = xm
+            for m in reference:
+                h = m(h)
+            assert not outputs[i].requires_grad
+            torch.testing.assert_close(outputs[i], h, rtol=1e-12, atol=1e-14)
+            assert losses[i] == pytest.approx(nn.functional.mse_loss(h, ym).item(), rel=1e-12)
+
+
+def test_eval_between_train_steps_changes_no_gradient_and_no_weight():
+    modules = _stages()
+    meshes = [DeviceMesh([d], ("tp",)) for d in range(3)]
+    pipe = TorchPipeline(modules, meshes, nn.functional.mse_loss)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    with Runtime(Cluster.local(3), timeout=20) as rt:
+        pipe.train_step_sync(rt, x, y, num_microbatches=2)
+        grads = [p.grad.clone() for p in pipe.parameters()]
+        weights = [p.detach().clone() for p in pipe.parameters()]
+        pipe.eval_step_sync(rt, x, y, num_microbatches=4)
+        again = pipe.train_step_sync(rt, x, y, num_microbatches=2)
+    for p, g, w in zip(pipe.parameters(), grads, weights):
+        assert torch.equal(p.detach(), w)
+        torch.testing.assert_close(p.grad, 2 * g)  # the second train step added its own
+    assert len(again) == 2
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"return_outputs": "yes"}, TypeError, r"return_outputs: expected a bool"),
+    ({"schedule": "nope"}, ValueError, r"nope"),
+    ({"num_microbatches": 3}, ValueError, r"num_microbatches=3"),
+])
+def test_bad_eval_step_arguments_are_named(kwargs, error, match):
+    pipe = TorchPipeline(_stages()[:1], [DeviceMesh([0], ("tp",))], nn.functional.mse_loss)
+    args = {"num_microbatches": 2, **kwargs}
+    with Runtime(Cluster.local(1), timeout=20) as rt, pytest.raises(error, match=match):
+        pipe.eval_step_sync(rt, torch.randn(4, 6, dtype=torch.float64),
+                            torch.randn(4, 6, dtype=torch.float64), **args)

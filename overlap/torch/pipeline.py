@@ -123,6 +123,10 @@ class TorchPipeline:
         self.stages: tuple[Stage, ...] = tuple(
             Stage(mesh, self._forward(s), self._backward(s)) for s, mesh in enumerate(self.meshes)
         )
+        # Forward only (eval_step): no graph recorded, nothing kept, no backward.
+        self.eval_stages: tuple[Stage, ...] = tuple(
+            Stage(mesh, self._forward(s, train=False), _no_backward)
+            for s, mesh in enumerate(self.meshes))
         # For schedules with I and W: the same forwards, the backward in two.
         self.split_stages: tuple[Stage, ...] = tuple(
             Stage(mesh, self._forward(s), self._backward_input(s), self._backward_weight(s))
@@ -340,16 +344,60 @@ class TorchPipeline:
                                                                        mbs[0].ndim),
                                          schedule=schedule,
                                          options=options, max_activations=max_activations)
-            if not return_outputs:
-                return losses
-            outs = self._outputs
-            here = rt.backend.is_local(self.meshes[-1].device_ids[0])
-            return losses, [outs[i] for i in range(len(mbs))] if here else None
+            return self._result(rt, losses, len(mbs)) if return_outputs else losses
         finally:
             self._targets = None
             self._loss_scale = None
             self._outputs = None
             self._busy.release()
+
+    async def eval_step(self, rt: Runtime, inputs: torch.Tensor,
+                        targets: torch.Tensor | None = None, *, num_microbatches: int,
+                        schedule: str | Schedule = "gpipe",
+                        options: PlanOptions | None = None,
+                        return_outputs: bool = False) -> Any:
+        """Forward only, under ``torch.no_grad``: each microbatch through every stage in
+        ``schedule``'s forward order (:meth:`scheduler.Schedule.forward_order`; every
+        schedule of one stage per rank has the same one, and ``"auto"`` means ``"gpipe"``),
+        no backward, no activation kept, no ``.grad`` touched. Returns the per-microbatch
+        losses (``loss_fn`` as in :meth:`train_step`), or with ``return_outputs=True``
+        ``(losses, outputs)`` as :meth:`train_step` does. Modules stay in the mode you set
+        (``module.eval()`` for dropout and batch norm, as in torch)."""
+        if not isinstance(return_outputs, bool):
+            raise TypeError(f"return_outputs: expected a bool, got {return_outputs!r}")
+        mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches)
+        order = _schedule("gpipe" if schedule == "auto" else schedule, len(self.meshes),
+                          len(mbs)).forward_order()
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("TorchPipeline: a step is already running on this pipeline")
+        self._targets = tgts
+        self._threads = self.num_threads or default_threads(rt.world)
+        self._outputs = {} if return_outputs else None
+        try:
+            losses = await rt.train_step(self.eval_stages, boundaries, mbs,
+                                         input_sharding=self._sharding(0, "input",
+                                                                       mbs[0].ndim),
+                                         schedule=order, options=options)
+            return self._result(rt, losses, len(mbs)) if return_outputs else losses
+        finally:
+            self._targets = None
+            self._outputs = None
+            self._busy.release()
+
+    def eval_step_sync(self, rt: Runtime, inputs: torch.Tensor,
+                       targets: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        """:meth:`eval_step` for synchronous callers (on the runtime's kept event loop)."""
+        _check_runtime(rt)
+        return rt.run_sync(self.eval_step(rt, inputs, targets, **kwargs),
+                           "TorchPipeline.eval_step_sync")
+
+    def _result(self, rt: Runtime, losses: list[float], m: int) -> tuple[Any, Any]:
+        """(losses, the last stage's outputs in microbatch order where its first device is
+        this process's, else None)."""
+        outs = self._outputs
+        assert outs is not None
+        here = rt.backend.is_local(self.meshes[-1].device_ids[0])
+        return losses, [outs[i] for i in range(m)] if here else None
 
     def train_step_sync(self, rt: Runtime, inputs: torch.Tensor,
                         targets: torch.Tensor | None = None, **kwargs: Any) -> list[float]:
@@ -566,29 +614,33 @@ class TorchPipeline:
 
     # ---- the stage functions --------------------------------------------------------------
 
-    def _forward(self, s: int) -> Callable[[StageContext, Any], Any]:
+    def _forward(self, s: int, train: bool = True) -> Callable[[StageContext, Any], Any]:
         last = s == len(self.meshes) - 1
         modules = self._by_device[s]
+        grad_mode = torch.enable_grad if train else torch.no_grad
 
         def forward(ctx: StageContext, x: Any) -> Any:
             run_with(self._threads)  # (intra-op threads are per thread too: module doc)
-            with op_stream(ctx), torch.enable_grad(), self._entered(s, ctx):  # (grad mode
-                # is per thread in torch)
+            with op_stream(ctx), grad_mode(), self._entered(s, ctx):  # (grad mode is per
+                # thread in torch)
                 xt = to_torch(x, ctx)
-                if s > 0:
+                if s > 0 and train:
                     xt.requires_grad_(True)  # its .grad is what backward returns
                 y = modules[ctx.device](xt)
-                ctx.saved["x"] = xt
+                if train:
+                    ctx.saved["x"] = xt
                 if last:
                     loss = self._loss(y, None if self._targets is None
                                       else self._targets[ctx.microbatch])
                     scale = self._loss_scale
-                    ctx.saved["out"] = loss if scale is None else loss * scale
+                    if train:
+                        ctx.saved["out"] = loss if scale is None else loss * scale
                     if self._outputs is not None and ctx.device == ctx.mesh.device_ids[0]:
                         self._outputs[ctx.microbatch] = y.detach()  # (one device's: the
                         # last stage's output is replicated over its mesh)
                     return loss.detach()  # float() after the step: no device sync here
-                ctx.saved["out"] = y
+                if train:
+                    ctx.saved["out"] = y
                 return from_torch(y.detach(), ctx)
         return forward
 
@@ -638,6 +690,10 @@ class TorchPipeline:
                 with op_stream(ctx), self._entered(s, ctx):
                     torch.autograd.backward(out, grad, inputs=params)
         return backward_weight
+
+
+def _no_backward(ctx: StageContext, dy: Any) -> Any:
+    raise RuntimeError("an evaluation step has no backward (its schedule is forward-only)")
 
 
 def replicate(module: nn.Module, n: int) -> list[nn.Module]:
