@@ -5,8 +5,10 @@ plans, with named errors and nothing changed when a load is refused."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
+from launchers import LAUNCHERS, launch
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 "
                                             "(the 'torch' extra) to test overlap.torch")
@@ -118,3 +120,138 @@ def test_strict_false_reports_missing_and_unexpected_keys():
     result = pipe.load_state_dict(state, strict=False)
     assert result.missing_keys == ["2.2.weight"] and result.unexpected_keys == ["extra"]
     torch.testing.assert_close(pipe.state_dict()["1.2.weight"], state["1.2.weight"])
+
+
+# ---- optimizer state, and checkpoints saved by N processes loaded on M ----------------------
+
+def _adam_steps(pipe_or_model, opt, batches, rt=None):
+    for x, y in batches:
+        opt.zero_grad()
+        if rt is None:
+            for xm, ym in zip(x.chunk(2), y.chunk(2)):
+                (nn.functional.mse_loss(pipe_or_model(xm), ym) / 2).backward()
+        else:
+            pipe_or_model.train_step_sync(rt, x, y, num_microbatches=2, scale_grads=True)
+        opt.step()
+
+
+def test_optimizer_state_is_torchs_layout_and_continues_training_elsewhere():
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = _model(0)
+    reference = copy.deepcopy(model)
+    pipe = _tp_pipe(model)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 6, generator=gen, dtype=torch.float64),
+                torch.randn(8, 6, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    with Runtime(Cluster.local(8), timeout=20) as rt:
+        _adam_steps(pipe, opt, batches[:2], rt)
+        saved = pipe.optimizer_state_dict(opt)
+    _adam_steps(reference, ref_opt, batches[:2])
+    want = get_optimizer_state_dict(reference, ref_opt)
+    assert saved["param_groups"] == want["param_groups"]
+    assert list(saved["state"]) == list(want["state"])
+    for name, entry in want["state"].items():
+        assert set(saved["state"][name]) == set(entry)
+        for key, value in entry.items():
+            torch.testing.assert_close(saved["state"][name][key], value, rtol=1e-10, atol=1e-12)
+    # Into another plan and placement: the third step there is plain torch's third step.
+    other = _replicated_pipe(_model(9))
+    other.load_state_dict(pipe.state_dict())
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.5)  # (lr comes from the file)
+    other.load_optimizer_state_dict(other_opt, saved)
+    assert other_opt.param_groups[0]["lr"] == 0.01
+    with Runtime(Cluster.local(8), timeout=20) as rt:
+        _adam_steps(other, other_opt, batches[2:], rt)
+    _adam_steps(reference, ref_opt, batches[2:])
+    for s in range(3):
+        for key, value in reference[s].state_dict().items():
+            torch.testing.assert_close(other.stage_state_dict(s)[key], value, rtol=1e-9,
+                                       atol=1e-12)
+
+
+def test_a_bad_optimizer_state_is_named_and_changes_nothing():
+    pipe = _tp_pipe(_model(0))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    with Runtime(Cluster.local(8), timeout=20) as rt:
+        _adam_steps(pipe, opt, [(x, y)], rt)
+    saved = pipe.optimizer_state_dict(opt)
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(saved)
+    bad["state"]["2.2.weight"]["exp_avg"] = torch.zeros(3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"\['2.2.weight'\]\['exp_avg'\]: shape \(3, 3\)"):
+        pipe.load_optimizer_state_dict(opt, bad)
+    with pytest.raises(ValueError, match=r"optimizer_state_dict: expected \{'state'"):
+        pipe.load_optimizer_state_dict(opt, {"state": {}})
+    with pytest.raises(TypeError, match=r"optimizer: expected a torch.optim.Optimizer"):
+        pipe.optimizer_state_dict("adam")
+    stranger = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizer: it steps a parameter that is none"):
+        pipe.optimizer_state_dict(stranger)
+    after = opt.state_dict()
+    for k, v in before["state"].items():
+        for key, t in v.items():
+            assert torch.equal(after["state"][k][key], t)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_checkpoint_of_two_processes_loads_on_one_and_into_plain_torch(tmp_path, launcher):
+    """Saved by 2 processes (stage 1 tensor-parallel across them: gathered through the
+    runtime), merged, and loaded by one process on another plan and into plain torch — both
+    then take the same next step as plain torch trained all along."""
+    import sys
+
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from overlap.torch import build_stage
+
+    jobs = Path(__file__).parent / "mpi_jobs"
+    done = launch(launcher, 2, jobs / "tp_checkpoint.py", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    sys.path.insert(0, str(jobs))
+    import tp_checkpoint as job
+
+    files = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    model = {**files[0]["model"], **files[1]["model"]}
+    optim = {"state": {**files[0]["optim"]["state"], **files[1]["optim"]["state"]},
+             "param_groups": files[0]["optim"]["param_groups"]}
+    assert not set(files[0]["model"]) & set(files[1]["model"])  # each stage written once
+    reference = nn.Sequential(*(build_stage(job.stage_fn, s, job.SEED) for s in range(3)))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    batches = [job.batch(k) for k in range(3)]
+    _adam_steps(reference, ref_opt, batches[:2])
+    assert list(model) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6)
+    want = get_optimizer_state_dict(reference, ref_opt)["state"]
+    assert set(optim["state"]) == set(want)
+    for name, entry in want.items():
+        for key, value in entry.items():
+            torch.testing.assert_close(optim["state"][name][key], value, rtol=1e-5, atol=1e-6)
+    # Plain torch resumes from it; so does one process with stage 1 over 4 devices.
+    plain = nn.Sequential(*(job.stage_fn(s) for s in range(3)))
+    plain.load_state_dict(model)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    set_optimizer_state_dict(plain, plain_opt, optim)
+    meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2, 3, 4], ("tp",)),
+              DeviceMesh([5], ("tp",))]
+    pipe = TorchPipeline(job.stage_fn, meshes, nn.functional.mse_loss, plans=[None, PLAN, None])
+    pipe.load_state_dict(model)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    pipe.load_optimizer_state_dict(opt, optim)
+    with Runtime(Cluster.local(6), timeout=20) as rt:
+        _adam_steps(pipe, opt, batches[2:], rt)
+    _adam_steps(plain, plain_opt, batches[2:])
+    _adam_steps(reference, ref_opt, batches[2:])
+    for s in range(3):
+        for key, value in reference[s].state_dict().items():
+            torch.testing.assert_close(pipe.stage_state_dict(s)[key], value, rtol=1e-5,
+                                       atol=1e-6)
+            torch.testing.assert_close(plain[s].state_dict()[key], value, rtol=1e-5,
+                                       atol=1e-6)

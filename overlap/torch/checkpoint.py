@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .gather import gather_split
+
 # (``pipe`` below is a TorchPipeline, which imports this module: typed as Any, no cycle.)
 TorchPipeline = Any
 
@@ -25,6 +27,40 @@ class LoadResult(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+def stage_state(pipe: TorchPipeline, s: int, rt: Any, owners: tuple[int, ...] | None,
+                rank: int) -> dict[str, torch.Tensor] | None:
+    """Stage ``s``'s state under its full module's names (copies), from the process that
+    writes it — the one driving the stage's first device; None elsewhere. ``owners``:
+    device -> rank (None: one process). A tensor-parallel stage spanning processes is
+    gathered through ``rt`` (:mod:`overlap.torch.gather`: collective, every process calls
+    this for every stage in order)."""
+    ids = pipe.meshes[s].device_ids
+    tp = pipe.tp[s]
+    if owners is None or len({owners[d] for d in ids}) == 1:
+        if owners is not None and owners[ids[0]] != rank:
+            return None
+        if tp is not None:
+            return tp.state_dict()
+        return {k: v.detach().clone() for k, v in pipe.modules[s][0].state_dict().items()}
+    writer = owners[ids[0]] == rank
+    here = [k for k, d in enumerate(ids) if owners[d] == rank]
+    out: dict[str, torch.Tensor] = {}
+    first = pipe.modules[s][0].state_dict() if writer else {}
+    if tp is None:  # replicas: the first device's copy
+        return {k: v.detach().clone() for k, v in first.items()} if writer else None
+    states = {ids[k]: pipe.modules[s][k].state_dict() for k in here}
+    for key, ref in tp.module.state_dict().items():
+        if key in tp.split:
+            full = gather_split(rt, tp, key, tuple(ref.shape), ref.dtype,
+                                {d: st[key] for d, st in states.items()})
+            if writer:
+                assert full is not None
+                out[key] = full
+        elif writer:
+            out[key] = first[key].detach().clone()
+    return out if writer else None
 
 
 def stage_keys(pipe: TorchPipeline, s: int) -> dict[str, torch.Tensor]:
@@ -90,4 +126,4 @@ def load(pipe: TorchPipeline, state: Any, strict: bool, here: set[int] | None) -
     return LoadResult(missing, unexpected)
 
 
-__all__ = ["LoadResult", "load", "stage_keys"]
+__all__ = ["LoadResult", "load", "stage_keys", "stage_state"]

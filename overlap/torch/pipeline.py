@@ -31,7 +31,8 @@ from scheduler import Boundary, Cluster, DeviceMesh, PlanOptions, Schedule, Shar
 
 from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
-from .checkpoint import LoadResult, load
+from .checkpoint import LoadResult, load, stage_state
+from .optimizer_state import load_optimizer_state, optimizer_state
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
@@ -99,6 +100,7 @@ class TorchPipeline:
         # Devices this process drives (None: all of them, one process).
         self._local: frozenset[int] | None = self._local_of(rt)
         self._built_for = self._local
+        self._runtime: Runtime | None = rt  # (the last step's: state_dict gathers through it)
         if callable(modules) and not isinstance(modules, nn.Module):
             modules = self._build(modules, plans, rt, check_seed(seed))
         elif seed is not None:
@@ -243,15 +245,20 @@ class TorchPipeline:
         return tuple(out)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This process's stages' weights (copies) under the plain model's names —
-        ``"<stage>.<name>"``, as ``nn.Sequential(*stage_modules).state_dict()`` has them —
-        tensor-parallel shards gathered (:mod:`overlap.torch.checkpoint`). Save it with
-        ``torch.save`` per process; a stage whose devices this process shares with another
-        is refused (gathering across processes is not done)."""
+        """The weights (copies) under the plain model's names — ``"<stage>.<name>"``, as
+        ``nn.Sequential(*stage_modules).state_dict()`` has them — of the stages this process
+        writes: each stage is written by the process that drives its first device, its
+        tensor-parallel shards gathered (across processes through the runtime's resharding:
+        then call it on every process together, while the runtime is open). Save it with
+        ``torch.save`` per process; the union of the processes' files is the whole model's
+        ``state_dict``, which loads into any placement or plan (:meth:`load_state_dict`) and
+        into plain torch."""
         out: dict[str, torch.Tensor] = {}
-        for s, mesh in enumerate(self.meshes):
-            if self._local is None or any(d in self._local for d in mesh.device_ids):
-                out.update({f"{s}.{k}": v for k, v in self.stage_state_dict(s).items()})
+        rt = self._runtime
+        owners = None if self._local is None or rt is None else rt.backend.placement.owners
+        for s in range(len(self.meshes)):
+            part = stage_state(self, s, rt, owners, 0 if rt is None else rt.world.rank)
+            out.update({f"{s}.{k}": v for k, v in (part or {}).items()})
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True
@@ -263,6 +270,25 @@ class TorchPipeline:
         ``strict`` a missing or unexpected key raises ``KeyError`` naming them; a wrong
         shape or a non-tensor always raises. Nothing is changed when anything raises."""
         return load(self, state_dict, strict, None if self._local is None else set(self._local))
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state (made over :meth:`parameters`) under the plain model's
+        parameter names, in ``torch.distributed.checkpoint``'s layout — ``{"state": {name:
+        {...}}, "param_groups": [{..., "params": [names]}]}`` — per-element state of a
+        tensor-parallel parameter gathered like it; each stage written by the process that
+        :meth:`state_dict` writes it from (collective in the same way)
+        (:mod:`overlap.torch.optimizer_state`)."""
+        rt = self._runtime
+        owners = None if self._local is None or rt is None else rt.backend.placement.owners
+        return optimizer_state(self, optimizer, rt, owners, 0 if rt is None else rt.world.rank)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                  state_dict: Mapping[str, Any]) -> None:
+        """Set ``optimizer``'s state from :meth:`optimizer_state_dict`'s (of this pipeline, of
+        another placement or plan, or the union of several processes'): every parameter of
+        ``optimizer`` named there gets its block, each group its saved hyperparameters. A
+        parameter not named keeps its state; a wrong shape raises before anything changes."""
+        load_optimizer_state(self, optimizer, state_dict)
 
     def stage_state_dict(self, stage: int) -> dict[str, torch.Tensor]:
         """Stage ``stage``'s parameters and buffers under its full module's names (copies):
@@ -434,6 +460,7 @@ class TorchPipeline:
                              f"{sorted(self._built_for)}; this runtime's process drives "
                              f"{sorted(local or range(rt.cluster.num_devices))}")
         self._local = local
+        self._runtime = rt
         want = torch.device("cuda") if cuda else torch.device("cpu")
         if inputs.device.type != want.type:
             raise ValueError(f"inputs: on {inputs.device}, the runtime's {rt.backend.name} "
