@@ -108,6 +108,37 @@ class Cluster:
         return cls(1, num_devices, nic_gbps=80.0, nics_per_host=1, nvlink_gbps=80.0,
                    nic_latency_us=1.0, nvlink_latency_us=1.0)
 
+    @classmethod
+    def detect(cls, env: Mapping[str, str] | None = None, *, like: str = "dgx-h100"
+               ) -> Cluster:
+        """The devices this job really has (:mod:`scheduler.detect`): the visible GPUs of
+        this host — at least one per process of the host — times the hosts the launcher
+        (torchrun, Slurm, mpiexec) started the job on; with no GPU, one virtual device per
+        process (the CPU backend's; ``Cluster.local(n)`` gives a process more). Links are
+        not measured: GPUs get the link figures of preset ``like`` (NICs per host as there
+        when they divide the GPUs, else one), CPU devices :meth:`local`'s."""
+        import os
+
+        from .detect import job_hosts, visible_gpus
+
+        env = os.environ if env is None else env
+        hosts, per_host = job_hosts(env)
+        gpus = visible_gpus(env)
+        if gpus == 0:
+            local = cls.local(per_host)
+            return cls(hosts, per_host, **{k: v for k, v in asdict(local).items()
+                                          if k not in ("num_hosts", "gpus_per_host")})
+        try:
+            figures = dict(_PRESETS[like])
+        except (KeyError, TypeError):
+            raise ValueError(f"like: unknown cluster preset {like!r}; known presets: "
+                             f"{sorted(_PRESETS)}") from None
+        per_host = max(gpus, per_host)
+        if per_host % figures["nics_per_host"]:
+            figures["nics_per_host"] = 1
+        figures["gpus_per_host"] = per_host
+        return cls(num_hosts=hosts, **figures)
+
     @staticmethod
     def preset_names() -> tuple[str, ...]:
         return tuple(sorted(_PRESETS))
