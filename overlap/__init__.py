@@ -34,7 +34,7 @@ from .errors import (
 )
 from .pipeline import Stage, StageContext
 from .runtime import Runtime, run
-from .stats import StepStats
+from .stats import StepHookHandle, StepStats
 
 __version__ = "0.1.0"
 
@@ -57,6 +57,7 @@ __all__ = [
     "Stage",
     "StageContext",
     "StageTimeout",
+    "StepHookHandle",
     "StepStats",
     "StreamError",
     "Transfer",

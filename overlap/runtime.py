@@ -72,7 +72,7 @@ from .reshard import (
     shards_match,
 )
 from .scope import CancelScope
-from .stats import StepStats, step_stats
+from .stats import StepHookHandle, StepHooks, StepStats, step_stats
 from .world import Placement, World, detect_world
 
 T = TypeVar("T")
@@ -356,6 +356,7 @@ class Runtime:
         self._last_trace: tuple[Any, StepGraph] | None = None
         self._last_step: tuple[Any, StepGraph] | None = None
         self._stats: tuple[Any, ...] | StepStats | None = None  # (see last_step)
+        self._step_hooks = StepHooks()
         # Dropped without close(): end the threads anyway, and say so (as files and event
         # loops do). The callback holds the scope, the backend and the loop, never the
         # runtime — nor does anything a stream thread holds.
@@ -522,6 +523,7 @@ class Runtime:
                 self._profiler(False)
             self._last_trace = self._last_step = (trace, graph)
         self._stats = (index, time.perf_counter() - began, trace, graph)
+        self._step_hooks.run(self)
         if not self.world.distributed:
             return [float(state.losses[i]) for i in range(m)]
         owner = self.backend.placement.owners[first]  # type: ignore[union-attr]
@@ -667,6 +669,15 @@ class Runtime:
         stage_of = {d: graph.stage_of(d) for d in graph.devices if self.backend.is_local(d)}
         return Timeline(tuple(spans), len(graph.stages), tuple(sorted(stage_of)), stage_of,
                         graph.data_inputs)
+
+    def register_step_hook(self, hook: Callable[[StepStats], Any]) -> StepHookHandle:
+        """Call ``hook(stats)`` after every successful :meth:`train_step`, with the step's
+        :attr:`last_step` — a logger in one line (``rt.register_step_hook(lambda s:
+        writer.add_scalar("bubble", s.bubble, s.step))``). Hooks run in the order registered,
+        on the caller's event loop thread, before the step returns; one that raises makes the
+        step's call raise (its gradients are in place). Returns a handle whose ``remove()``
+        unregisters it, as torch's hooks do."""
+        return self._step_hooks.add(hook)
 
     @property
     def last_step(self) -> StepStats | None:

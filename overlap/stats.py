@@ -6,8 +6,9 @@ are made from it when asked, once per step, so keeping them on costs nothing per
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler import Timeline
 
@@ -62,4 +63,37 @@ def step_stats(step: int, seconds: float, tl: Timeline) -> StepStats:
                      {s: tl.peak_activations(s) for s in stages})
 
 
-__all__ = ["StepStats", "step_stats"]
+class StepHookHandle:
+    """What :meth:`overlap.Runtime.register_step_hook` returns: ``remove()`` unregisters."""
+
+    def __init__(self, hooks: StepHooks, key: int) -> None:
+        self._hooks, self._key = hooks, key
+
+    def remove(self) -> None:
+        self._hooks.hooks.pop(self._key, None)
+
+
+class StepHooks:
+    """A runtime's step hooks, in registration order."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[int, Callable[[StepStats], Any]] = {}
+        self._next = 0
+
+    def add(self, hook: Callable[[StepStats], Any]) -> StepHookHandle:
+        if not callable(hook):
+            raise TypeError(f"hook: expected a callable (StepStats) -> None, got "
+                            f"{type(hook).__name__}")
+        self._next += 1
+        self.hooks[self._next] = hook
+        return StepHookHandle(self, self._next)
+
+    def run(self, rt: Any) -> None:
+        if not self.hooks:
+            return  # (no figures made: nobody asked)
+        stats = rt.last_step
+        for hook in list(self.hooks.values()):
+            hook(stats)
+
+
+__all__ = ["StepHookHandle", "StepHooks", "StepStats", "step_stats"]

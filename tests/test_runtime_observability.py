@@ -205,3 +205,41 @@ def test_a_failed_step_leaves_no_last_step(toy):
             rt.train_step_sync(stages, model.boundaries(), mbs,
                                input_sharding=model.input_sharding(), schedule="1f1b")
         assert rt.last_step is None
+
+
+def test_step_hooks_get_every_successful_steps_figures_until_removed(toy):
+    from overlap import Stage, StreamError
+
+    cluster, model, mbs = toy
+    seen: list[tuple[str, int]] = []
+    with Runtime(cluster) as rt:
+        first = rt.register_step_hook(lambda st: seen.append(("a", st.step)))
+        rt.register_step_hook(lambda st: seen.append(("b", st.step)))
+        _step(rt, model, mbs)
+        assert seen == [("a", 0), ("b", 0)]
+        stages = model.stages()
+        stages[1] = Stage(stages[1].mesh, lambda ctx, x: 1 / 0, stages[1].backward)
+        with pytest.raises(StreamError):
+            rt.train_step_sync(stages, model.boundaries(), mbs,
+                               input_sharding=model.input_sharding(), schedule="1f1b")
+        assert seen == [("a", 0), ("b", 0)]  # a failed step calls no hook
+        first.remove()
+        first.remove()  # (twice: nothing)
+        _step(rt, model, mbs)
+        assert seen[-1] == ("b", 2) and ("a", 2) not in seen
+        assert rt.last_step.step == 2
+
+
+def test_a_step_hook_that_raises_makes_the_step_raise_and_a_bad_hook_is_named(toy):
+    cluster, model, mbs = toy
+
+    def logger(stats):
+        raise OSError("the logging server is down")
+
+    with Runtime(cluster) as rt:
+        with pytest.raises(TypeError, match=r"hook: expected a callable"):
+            rt.register_step_hook("print")
+        rt.register_step_hook(logger)
+        with pytest.raises(OSError, match="logging server is down"):
+            _step(rt, model, mbs)
+        assert rt.last_step is not None and rt.last_step.step == 0  # the step itself ran

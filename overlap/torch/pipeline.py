@@ -32,8 +32,8 @@ from scheduler import Boundary, Cluster, DeviceMesh, PlanOptions, Schedule, Shar
 from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
 from .checkpoint import LoadResult, load, stage_state
-from .optimizer_state import load_optimizer_state, optimizer_state
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
+from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
 from .stages import META, LocalStage, StageFn, build_stages, check_seed
