@@ -252,3 +252,14 @@ def test_bad_eval_step_arguments_are_named(kwargs, error, match):
     with Runtime(Cluster.local(1), timeout=20) as rt, pytest.raises(error, match=match):
         pipe.eval_step_sync(rt, torch.randn(4, 6, dtype=torch.float64),
                             torch.randn(4, 6, dtype=torch.float64), **args)
+
+
+def test_a_meta_module_where_its_stage_runs_is_named():
+    with torch.device("meta"):
+        meta = _factory_stage(0)
+    pipe = TorchPipeline([meta], [DeviceMesh([0], ("tp",))], nn.functional.mse_loss)
+    with Runtime(Cluster.local(1), timeout=20) as rt, \
+            pytest.raises(ValueError, match=r"modules\[0\]\[0\]: on the meta device .* pass a "
+                                            r"stage_fn"):
+        pipe.train_step_sync(rt, torch.randn(2, 6, dtype=torch.float64),
+                             torch.randn(2, 6, dtype=torch.float64), num_microbatches=1)

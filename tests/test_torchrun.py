@@ -99,15 +99,16 @@ def test_two_torchrun_nodes_link_over_tcp_and_equal_one_process(tmp_path):
 
 # ---- failures end the whole job, naming the failed rank --------------------------------------
 
-def test_a_rank_that_raises_mid_step_ends_the_torchrun_job_naming_it(tmp_path):
-    done, _ = torchrun(4, "raise", str(tmp_path), "2")
+@pytest.mark.parametrize("n, failing", [(4, 2), (2, 1)])
+def test_a_rank_that_raises_mid_step_ends_the_torchrun_job_naming_it(tmp_path, n, failing):
+    done, _ = torchrun(n, "raise", str(tmp_path), str(failing))
     text = done.stdout + done.stderr
     assert done.returncode != 0, verdicts(text)
-    assert re.search(r"injected failure on device (8|9|10|11)\b", text)
-    for r in (0, 1, 3):
-        assert re.search(r"RankFailed: rank 2 failed during train_step: StreamError: device "
-                         rf"\d+ stream 'compute': B s2 mb1 .*\(rank {r} stopped its work\)",
-                         text), verdicts(text)
+    assert re.search(r"injected failure on device \d+\b", text)
+    for r in (r for r in range(n) if r != failing):
+        assert re.search(rf"RankFailed: rank {failing} failed during train_step: StreamError: "
+                         rf"device \d+ stream 'compute': B s\d mb1 .*\(rank {r} stopped its "
+                         r"work\)", text), verdicts(text)
     assert not list(tmp_path.glob("rank*.npz"))
 
 
@@ -214,3 +215,17 @@ def test_a_torchrun_job_without_rendezvous_variables_is_named():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "environment: RANK and WORLD_SIZE are set but not MASTER_ADDR" in done.stderr
+
+
+def test_a_killed_rank_is_named_under_the_guard_with_torchrun(tmp_path):
+    """``torchrun ... -m overlap.guard job.py``: the killed rank is named with its signal and
+    the call it was in (the others then die by torchrun's SIGTERM, which the guard says)."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "4", "-m", "overlap.guard", str(JOB), "kill",
+                           str(tmp_path), "1"], env=clean_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=JOB_BOUND_S)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0, verdicts(text)
+    pid = re.search(r"overlap: rank 1/4 \(pid (\d+)", text).group(1)
+    assert re.search(rf"overlap: rank 1 \(pid {pid} on [^)]+\) was killed by SIGKILL during "
+                     r"train_step: the step graph \(call 2\)", text), verdicts(text)

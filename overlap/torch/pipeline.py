@@ -511,6 +511,11 @@ class TorchPipeline:
                     continue
                 want = torch.device("cuda", rt.backend.physical(d)) if cuda else \
                     torch.device("cpu")
+                if dev == META:
+                    raise ValueError(f"modules[{s}][{k}]: on the meta device (shapes only), "
+                                     f"but device {d} runs it here; pass a stage_fn instead "
+                                     "(built for real where its stage runs, on meta "
+                                     "elsewhere)")
                 if dev != want:
                     raise ValueError(f"modules[{s}][{k}]: on {dev}, but device {d} of the "
                                      f"runtime's {rt.backend.name} backend is {want}")
