@@ -13,6 +13,8 @@ step included in every measured step.
   the same script's model, one stage per process; rank 0's step times. Activations and
   gradients go over host links (Unix sockets between the ranks of a host, the default) and,
   in the row "MPI data", over MPI (``OVERLAP_HOST_LINKS=0``); MPI carries the control.
+- overlap under ``torchrun --standalone --nproc-per-node 4``: the same, joined by
+  torch.distributed's rendezvous, every byte (control included) over links, no MPI.
 
 Both sides get the same core budget (the whole machine) and the same torch intra-op threads
 per stage (``--threads``, default 1: 4 stage workers on 2 cores are already oversubscribed).
@@ -165,18 +167,23 @@ def _mpiexec() -> str | None:
         shutil.which("mpiexec")
 
 
-def run_overlap_mpi(schedule: str, cfg: dict) -> tuple[list[float], list[float], list[float]]:
-    """overlap on 4 MPI processes (this script's ``--mpi-worker`` mode under ``mpiexec``):
-    rank 0's step times, CPU seconds per step summed over the ranks, step-0 losses. The
-    data between ranks goes over host links (Unix sockets), or over MPI with
-    ``cfg["links"]`` False."""
+def run_overlap_mpi(schedule: str, cfg: dict, launcher: str = "mpiexec"
+                    ) -> tuple[list[float], list[float], list[float]]:
+    """overlap on 4 processes (this script's ``--mpi-worker`` mode under ``launcher``,
+    mpiexec or torchrun): rank 0's step times, CPU seconds per step summed over the ranks,
+    step-0 losses. Under mpiexec the data between ranks goes over host links (Unix sockets),
+    or over MPI with ``cfg["links"]`` False; under torchrun over links."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_", "RANK",
+                                "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_"))}
     env["OPENBLAS_NUM_THREADS"] = "1"
     env["OVERLAP_HOST_LINKS"] = "1" if cfg.get("links", True) else "0"
+    start = [_mpiexec(), "-n", str(STAGES), sys.executable] if launcher == "mpiexec" else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(STAGES)]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.json")
-        subprocess.run([_mpiexec(), "-n", str(STAGES), sys.executable, __file__,  # type: ignore[list-item]
+        subprocess.run([*start, __file__,  # type: ignore[list-item]
                         "--mpi-worker", json.dumps({**cfg, "schedule": schedule}), out],
                        env=env, check=True, timeout=1800, capture_output=True)
         cpu = [sum(c) for c in zip(*(json.loads(Path(f"{out}.cpu{r}").read_text())
@@ -186,11 +193,11 @@ def run_overlap_mpi(schedule: str, cfg: dict) -> tuple[list[float], list[float],
 
 
 def _mpi_worker(cfg_json: str, out: str) -> None:
-    from mpi4py import MPI
+    from overlap.world import detect_world
 
     cfg = json.loads(cfg_json)
     times, cpu, losses = run_overlap(cfg["schedule"], cfg)
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank = detect_world().rank
     Path(f"{out}.cpu{rank}").write_text(json.dumps(cpu))
     if rank == 0:
         Path(out).write_text(json.dumps(times))
@@ -233,9 +240,12 @@ ROWS = (("torch Schedule1F1B", "torch", "1f1b"), ("torch ScheduleGPipe", "torch"
 MPI_ROWS = (("overlap mpi 1f1b", "overlap-mpi", "1f1b"),
             ("overlap mpi eager-1f1b", "overlap-mpi", "eager-1f1b"),
             ("mpi eager, MPI data", "overlap-mpi-data", "eager-1f1b"))
+TORCHRUN_ROWS = (("overlap torchrun 1f1b", "overlap-torchrun", "1f1b"),
+                 ("overlap torchrun eager", "overlap-torchrun", "eager-1f1b"))
 RUNNERS = {"torch": run_torch, "overlap": run_overlap, "overlap-mpi": run_overlap_mpi,
            "overlap-mpi-data": lambda schedule, cfg: run_overlap_mpi(
-               schedule, {**cfg, "links": False})}
+               schedule, {**cfg, "links": False}),
+           "overlap-torchrun": lambda schedule, cfg: run_overlap_mpi(schedule, cfg, "torchrun")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mpi_worker:
         _mpi_worker(*args.mpi_worker)
         return 0
-    rows = ROWS + (MPI_ROWS if _mpiexec() else ())
+    rows = ROWS + (MPI_ROWS if _mpiexec() else ()) + TORCHRUN_ROWS
     cfg = {"width": args.width, "batch": args.batch, "microbatches": args.microbatches,
            "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "lr": 0.01}
     samples: dict[str, list[float]] = {label: [] for label, _, _ in rows}
@@ -279,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
           f"process, {STAGES} device compute threads x {args.threads} intra-op thread(s) "
           f"(+ comm stream threads); same cores for both"
           + ("; overlap mpi: 4 processes under mpiexec, rank 0's times"
-             if len(rows) > len(ROWS) else "; (mpiexec not found: no multi-process rows)"))
+             if _mpiexec() else "; (mpiexec not found: no MPI rows)")
+          + "; overlap torchrun: 4 processes under torchrun, rank 0's times")
     print(f"median ms/step over {args.rounds} rounds x {args.steps} steps after {args.warmup} "
           f"warm-up steps; step-0 losses agree across all rows to {worst:.2g}")
     print(f"{'row':<22} {'ms/step':>9} {'min':>8} {'max':>8} {'CPU ms':>8} {'cores busy':>10}"
