@@ -479,7 +479,7 @@ BAD_STEP = [
     ("inputs dtype differs from stage 0", ValueError, r"inputs: dtype torch.float32"),
     ("boundary dtype differs from the next stage", ValueError,
      r"modules\[2\].*float32.*boundary 1.*float64"),
-    ("module on another device", ValueError, r"modules\[3\]\[0\]: on meta.*device 12"),
+    ("module on another device", ValueError, r"modules\[3\]\[0\]: on the meta device.*device 12"),
     ("stage returns a tuple", TypeError, r"modules\[1\].*tuple"),
     ("loss is not a scalar", ValueError, r"loss_fn"),
     ("integer boundary", ValueError, r"modules\[0\].*int64"),
