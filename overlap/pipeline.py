@@ -44,7 +44,7 @@ import numpy as np
 from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
 from scheduler.dtypes import is_floating
 from scheduler.graph import buffers_used, input_channel, output_channel
-from scheduler.lowering import channels
+from scheduler.lowering import Boundaries, MicrobatchBoundaries, channels, per_microbatch
 from scheduler.regions import region_shape
 
 from .launch import launch
@@ -139,7 +139,7 @@ class StepState:
     saved: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
 
 
-def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
+def check_pipeline(stages: Sequence[Stage], boundaries: Boundaries,
                    input_sharding: Sharding, microbatches: Sequence[np.ndarray],
                    array_types: tuple[type, ...] = (np.ndarray,)) -> None:
     if not stages:
@@ -164,23 +164,33 @@ def check_pipeline(stages: Sequence[Stage], boundaries: Sequence[Boundary],
                         f"{type(microbatches).__name__}")
     if len(microbatches) < 1:
         raise ValueError("microbatches: need at least one")
+    # Shapes may differ by microbatch only where the boundaries do (MicrobatchBoundaries).
+    variable = isinstance(boundaries, MicrobatchBoundaries)
+    if variable:
+        per_microbatch(boundaries, len(microbatches))  # (one row per microbatch)
     shape0 = np.shape(microbatches[0])
     for i, mb in enumerate(microbatches):
         if not isinstance(mb, array_types):
             raise TypeError(f"microbatches[{i}]: expected a numpy (or, on CUDA, cupy) array, "
                             f"got {type(mb).__name__}")
-        if mb.shape != shape0:
-            raise ValueError(f"microbatches[{i}]: shape {mb.shape} != microbatches[0] {shape0}")
-    input_sharding.device_regions(shape0)  # spec fits the input's rank
+        if mb.shape != shape0 and not variable:
+            raise ValueError(f"microbatches[{i}]: shape {mb.shape} != microbatches[0] {shape0} "
+                             "(microbatches of different shapes need MicrobatchBoundaries)")
+        if mb.ndim != len(shape0):
+            raise ValueError(f"microbatches[{i}]: {mb.ndim} dimensions, microbatches[0] has "
+                             f"{len(shape0)}")
+    for shape in dict.fromkeys(np.shape(mb) for mb in microbatches):
+        input_sharding.device_regions(shape)  # spec fits the input (and splits it)
 
 
-def step_channels(graph: StepGraph, boundaries: Sequence[Boundary], stages: Sequence[Stage]
+def step_channels(graph: StepGraph, boundaries: Boundaries, stages: Sequence[Stage]
                   ) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]:
     """The communicators a step's collectives use, in one order on every process: one per
     channel stream (a channel's, and one per lane above 0 of its plan) over both stage
     meshes, and the groups stage collectives may use (every mesh and every mesh axis line)."""
     chans: dict[str, tuple[int, ...]] = {}
-    for channel, b, _, _ in channels(boundaries):
+    first = boundaries.per[0] if isinstance(boundaries, MicrobatchBoundaries) else boundaries
+    for channel, b, _, _ in channels(first):
         devices = tuple(sorted({*b.producer.mesh.device_ids, *b.consumer.mesh.device_ids}))
         for name in graph.comm_streams.get(channel, (str(channel),)):
             chans[name] = devices
@@ -192,7 +202,7 @@ def launch_step(
     backend: Backend,
     graph: StepGraph,
     stages: Sequence[Stage],
-    boundaries: Sequence[Boundary],
+    boundaries: Boundaries,
     input_sharding: Sharding,
     microbatches: Sequence[np.ndarray],
     *,
@@ -207,9 +217,9 @@ def launch_step(
     seconds each compute must take at least (compute emulation: the stream stays busy, as a
     GPU kernel of that length would keep it)."""
     state = StepState() if state is None else state
-    binder = _Binder(backend, state, stages, boundaries, microbatches,
-                     input_sharding.device_regions(microbatches[0].shape), compute_time,
-                     graph.buffer_users, routes, scope)
+    binder = _Binder(backend, state, stages,
+                     per_microbatch(boundaries, len(microbatches)), microbatches,
+                     input_sharding, compute_time, graph.buffer_users, routes, scope)
     return launch(backend, graph, binder, scope)
 
 
@@ -217,21 +227,30 @@ class _Binder:
     """``(op, device) -> callable``: what each op of the step does on each device."""
 
     def __init__(self, backend: Backend, state: StepState, stages: Sequence[Stage],
-                 boundaries: Sequence[Boundary], microbatches: Sequence[np.ndarray],
-                 in_regions: Mapping[int, Any],
+                 boundaries: tuple[tuple[Boundary, ...], ...],
+                 microbatches: Sequence[np.ndarray], input_sharding: Sharding,
                  compute_time: Callable[[int, str], float] | None,
                  users: Mapping[tuple[object, int, int], int],
                  routes: Mapping[tuple[int, int], Route], scope: CancelScope) -> None:
         self.backend, self.state, self.stages = backend, state, stages
         self.routes, self.scope = routes, scope
         self.boundaries, self.microbatches = boundaries, microbatches
-        self.in_regions, self.compute_time = in_regions, compute_time
+        self.compute_time = compute_time
         # Users left of each per-device buffer (StepGraph.buffer_users): at 0 it is dropped.
         self._users = dict(users)
         self._users_lock = threading.Lock()
-        # Regions of every boundary's layouts, per device; buffers per (channel, microbatch).
-        self.prod = [b.producer.device_regions(b.shape) for b in boundaries]
-        self.cons = [b.consumer.device_regions(b.shape) for b in boundaries]
+        # Regions of every boundary's layouts, per device, for each microbatch (each distinct
+        # shape's once); buffers per (channel, microbatch).
+        regions: dict[Any, Any] = {}
+
+        def of(sharding: Sharding, shape: tuple[int, ...]) -> Any:
+            key = (sharding, tuple(shape))
+            if key not in regions:
+                regions[key] = sharding.device_regions(shape)
+            return regions[key]
+        self.prod = [[of(b.producer, b.shape) for b in row] for row in boundaries]
+        self.cons = [[of(b.consumer, b.shape) for b in row] for row in boundaries]
+        self.in_regions = [of(input_sharding, np.shape(mb)) for mb in microbatches]
         self._buffers: dict[tuple[Channel, int], tuple[Any, ...]] = {}
         self._make_lock = threading.Lock()  # a receive buffer is made once (see _Lazy)
 
@@ -286,9 +305,9 @@ class _Binder:
         buffers = self._buffers.get(key)
         if buffers is None:
             b = channel.boundary
-            src, dst = ((self.prod[b], self.cons[b]) if channel.direction == "fwd"
-                        else (self.cons[b], self.prod[b]))
-            dtype = np.dtype(self.boundaries[b].dtype)
+            prod, cons = self.prod[microbatch][b], self.cons[microbatch][b]
+            src, dst = (prod, cons) if channel.direction == "fwd" else (cons, prod)
+            dtype = np.dtype(self.boundaries[microbatch][b].dtype)
             outs = _Lazy(self.state.recvs, key,
                          lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype),
                          self._make_lock)
@@ -312,7 +331,7 @@ class _Binder:
             x = None if into is None else self._buffers_of(into, i)[4][d]
             if c.kind == "F":
                 if into is None:  # each device gets its own copy, in its own memory
-                    region = self.in_regions[d]
+                    region = self.in_regions[i][d]
                     x = xp.array(self.microbatches[i][tuple(slice(a, z) for a, z in region)],
                                  copy=True)
                 y = stage.forward(ctx, x)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from scheduler import (
-    Boundary,
+    Channel,
     Cluster,
     CostModel,
     DeviceMesh,
@@ -50,7 +50,13 @@ from scheduler import (
 )
 from scheduler.auto import check_caps
 from scheduler.errors import PlanError, check_seconds
-from scheduler.lowering import channels, plan_mismatch
+from scheduler.lowering import (
+    Boundaries,
+    boundaries_key,
+    channels,
+    per_microbatch,
+    plan_mismatch,
+)
 from scheduler.regions import Region, region_shape
 from scheduler.timeline import span_meta
 from scheduler.validate import validate
@@ -229,7 +235,7 @@ def _named_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedu
 
 
 def check_graph(graph: StepGraph, meshes: tuple[DeviceMesh, ...],
-                boundaries: tuple[Boundary, ...], num_microbatches: int) -> None:
+                boundaries: Boundaries, num_microbatches: int) -> None:
     """Raise ValueError naming ``graph`` unless it was lowered for these stage meshes,
     boundaries (every channel's plan moves its boundary's tensor between its layouts) and
     number of microbatches."""
@@ -240,12 +246,31 @@ def check_graph(graph: StepGraph, meshes: tuple[DeviceMesh, ...],
     if graph.schedule.num_microbatches != num_microbatches:
         raise ValueError(f"graph: lowered for {graph.schedule.num_microbatches} microbatches, "
                          f"got {num_microbatches}")
-    for channel, b, src, dst in channels(boundaries):
-        plan = graph.plans.get(channel)
-        mismatch = "it has none" if plan is None else plan_mismatch(plan, b, src, dst)
-        if mismatch is not None:
-            raise ValueError(f"graph: its plan for {channel} does not fit boundaries"
-                             f"[{channel.boundary}]: {mismatch}")
+    per = per_microbatch(boundaries, num_microbatches)
+    rows = range(1) if all(k is None or not isinstance(k, tuple) for k in graph.plans) \
+        and len(set(per)) == 1 else range(num_microbatches)
+    for i in rows:
+        for channel, b, src, dst in channels(per[i]):
+            try:
+                plan: ReshardPlan | None = graph.plan_for(channel, i)
+            except KeyError:
+                plan = None
+            mismatch = "it has none" if plan is None else plan_mismatch(plan, b, src, dst)
+            if mismatch is not None:
+                raise ValueError(f"graph: its plan for {channel} (microbatch {i}) does not fit "
+                                 f"boundaries[{channel.boundary}]: {mismatch}")
+
+
+def agreement_digest(graph: StepGraph) -> bytes:
+    """What a step's agreement compares across processes: the graph's digest, then each
+    microbatch's first-boundary shape (a mismatch of shapes is named by microbatch)."""
+    from .backends.distributed import shape_table
+
+    m = graph.schedule.num_microbatches if graph.schedule is not None else 0
+    first = Channel("fwd", 0)
+    shapes = [graph.plan_for(first, i).shape for i in range(m)] if len(graph.stages) > 1 \
+        else []
+    return graph.digest() + shape_table(shapes)
 
 
 def check_given_graph(graph: StepGraph) -> None:
@@ -455,7 +480,7 @@ class Runtime:
     async def train_step(
         self,
         stages: Sequence[Stage],
-        boundaries: Sequence[Boundary],
+        boundaries: Boundaries,
         microbatches: Sequence[np.ndarray],
         *,
         input_sharding: Sharding,
@@ -529,7 +554,7 @@ class Runtime:
         owner = self.backend.placement.owners[first]  # type: ignore[union-attr]
         return [float(v) for v in np.frombuffer(table[owner], np.float64)]
 
-    async def _step_graph(self, stages: Sequence[Stage], boundaries: Sequence[Boundary],
+    async def _step_graph(self, stages: Sequence[Stage], boundaries: Boundaries,
                           num_microbatches: int, schedule: str | Schedule | None,
                           options: PlanOptions | None, graph: StepGraph | None,
                           max_activations: int | Sequence[int] | None = None
@@ -546,11 +571,12 @@ class Runtime:
             if schedule is not None or options is not None:
                 raise ValueError("graph: give a step graph, or a schedule and options to "
                                  "lower one, not both")
-            check_graph(graph, meshes, tuple(boundaries), num_microbatches)
+            check_graph(graph, meshes, boundaries, num_microbatches)
             key: Any = ("given", id(graph))
         else:
             sched = _schedule(schedule, len(stages), num_microbatches)
-            key = ("lowered", meshes, tuple(boundaries), sched, options or PlanOptions())
+            key = ("lowered", meshes, boundaries_key(boundaries), sched,
+                   options or PlanOptions())
         chosen = graph.schedule if graph is not None else sched
         check_split(stages, chosen.kinds)  # type: ignore[union-attr]
         hit = self._memo.pop(key, None)
@@ -561,14 +587,14 @@ class Runtime:
                     check_given_graph(graph)
                 g = graph if graph is not None else lower(
                     meshes, boundaries, key[3], self.cluster, key[4], cache=self.plans)
-                return g, (g.digest() if self.world.distributed else b"")
+                return g, (agreement_digest(g) if self.world.distributed else b"")
 
             hit = await asyncio.to_thread(make)
         self._remember(key, hit)
         return hit
 
     async def _auto_graph(self, stages: Sequence[Stage], meshes: tuple[DeviceMesh, ...],
-                          boundaries: Sequence[Boundary], num_microbatches: int,
+                          boundaries: Boundaries, num_microbatches: int,
                           options: PlanOptions | None,
                           max_activations: int | Sequence[int] | None
                           ) -> tuple[StepGraph, bytes]:
@@ -576,7 +602,8 @@ class Runtime:
         the runtime's compute costs, chosen once per pipeline, microbatch count and options
         (planned off the event loop, like a lowering), then reused."""
         cap = check_caps(max_activations, len(stages))  # bad caps named before any work
-        key = ("auto", meshes, tuple(boundaries), num_microbatches, options or PlanOptions(),
+        key = ("auto", meshes, boundaries_key(boundaries), num_microbatches,
+               options or PlanOptions(),
                None if cap is None else tuple(cap))
         hit = self._memo.pop(key, None)
         if hit is None:
@@ -588,7 +615,7 @@ class Runtime:
                 log.info("schedule 'auto' chose %s (%.3g s simulated)", choice.schedule.name,
                          choice.seconds)
                 g = choice.graph
-                return g, (g.digest() if self.world.distributed else b"")
+                return g, (agreement_digest(g) if self.world.distributed else b"")
 
             hit = await asyncio.to_thread(make)
         self._remember(key, hit)

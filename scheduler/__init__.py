@@ -14,7 +14,7 @@ from .cluster import Cluster
 from .cost import CostModel, estimate, lower_bound_for, paper_model_time, plan_report
 from .errors import ClusterError, PlanError, ShardingError
 from .graph import COMPUTE, Channel, Compute, Dep, Lane, Op, StepGraph, TransferOp, reshard_graph
-from .lowering import Boundary, lower
+from .lowering import Boundary, MicrobatchBoundaries, lower
 from .mesh import DeviceMesh
 from .plan import ReshardPlan, Transfer
 from .planner import STRATEGIES, PlanCache, PlanOptions, plan_resharding
@@ -55,6 +55,7 @@ __all__ = [
     "Dep",
     "DeviceMesh",
     "Lane",
+    "MicrobatchBoundaries",
     "Op",
     "P",
     "PlanCache",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from .cluster import Cluster
 from .cost import estimate
 from .graph import StepGraph
-from .lowering import Boundary, channels, lower
+from .lowering import Boundaries, MicrobatchBoundaries, channels, lower, per_microbatch
 from .mesh import DeviceMesh
 from .planner import PlanCache, PlanOptions
 from .schedules import SCHEDULES, Action, Schedule, make_schedule
@@ -102,7 +102,7 @@ def comm_aware_actions(p: int, m: int, duration: Callable[[int, str], float],
     return tuple(map(tuple, out))
 
 
-def auto_schedule(stages: Sequence[DeviceMesh], boundaries: Sequence[Boundary],
+def auto_schedule(stages: Sequence[DeviceMesh], boundaries: Boundaries,
                   num_microbatches: int, cluster: Cluster, compute_costs: ComputeCosts,
                   options: PlanOptions | None = None, *,
                   max_activations: int | Sequence[int] | None = None,
@@ -119,8 +119,12 @@ def auto_schedule(stages: Sequence[DeviceMesh], boundaries: Sequence[Boundary],
     if split:
         kinds += ["I", "W"]
     duration = _compute_cost_fn(compute_costs, p, kinds)
-    xfer = {str(ch): estimate(cache.plan(b.shape, b.dtype, src, dst, options), cluster)
-            for ch, b, src, dst in channels(boundaries)}
+    # Each channel's transfer time: the mean over the microbatches (their shapes may differ).
+    per = per_microbatch(boundaries if isinstance(boundaries, MicrobatchBoundaries)
+                         else tuple(boundaries), m)
+    times = {row: {str(ch): estimate(cache.plan(b.shape, b.dtype, src, dst, options), cluster)
+                   for ch, b, src, dst in channels(row)} for row in set(per)}
+    xfer = {ch: sum(times[row][ch] for row in per) / m for ch in times[per[0]]}
     fwd_s = [xfer[f"fwd{b}"] for b in range(p - 1)]
     bwd_s = [xfer[f"bwd{b}"] for b in range(p - 1)]
     tried: list[tuple[str, float, tuple[int, ...]]] = []

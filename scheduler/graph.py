@@ -211,7 +211,33 @@ class Op:
         return str(self.body)
 
 
-PlanKey = Channel | None  # a pipeline channel's plan, or a standalone resharding's
+# A pipeline channel's plan (every microbatch's), one microbatch's plan of a channel (a step
+# whose boundaries differ by microbatch), or None: a standalone resharding's.
+PlanKey = Channel | tuple[Channel, int] | None
+
+
+def plan_for(plans: Mapping[PlanKey, ReshardPlan], channel: Channel | None,
+             microbatch: int) -> ReshardPlan:
+    """The plan moving ``microbatch`` on ``channel``: its own, else the channel's."""
+    plan = plans.get((channel, microbatch)) if channel is not None else None
+    return plan if plan is not None else plans[channel]
+
+
+def _plan_key_text(k: PlanKey) -> str:
+    if k is None:
+        return ""
+    return f"{k[0]}:{k[1]}" if isinstance(k, tuple) else str(k)
+
+
+def _plan_key_of(text: str) -> PlanKey:
+    if text == "":
+        return None
+    head, sep, mb = text.partition(":")
+    if not sep:
+        return Channel.parse(text)
+    if not mb.isdigit():
+        raise ValueError(f"plans: bad key {text!r} (a channel, or channel:microbatch)")
+    return (Channel.parse(head), int(mb))
 
 
 @dataclass(frozen=True)
@@ -299,6 +325,10 @@ class StepGraph:
         """Op id by :attr:`Op.key`."""
         return {op.key: op.id for op in self.ops}
 
+    def plan_for(self, channel: Channel | None, microbatch: int) -> ReshardPlan:
+        """The plan moving ``microbatch`` on ``channel`` (see :data:`PlanKey`)."""
+        return plan_for(self.plans, channel, microbatch)
+
     def stage_of(self, device: int) -> int:
         """The (first) stage whose mesh holds ``device``; -1 outside every stage."""
         table = self._stage_table
@@ -376,7 +406,7 @@ class StepGraph:
         return json.dumps({
             "schedule": None if self.schedule is None else json.loads(self.schedule.to_json()),
             "stages": [m.to_dict() for m in self.stages],
-            "plans": {("" if k is None else str(k)): json.loads(p.to_json())
+            "plans": {_plan_key_text(k): json.loads(p.to_json())
                       for k, p in self.plans.items()},
             "streams": {op.key: op.stream for op in self.ops if isinstance(op.body, TransferOp)},
             "ops": [op.key for op in self.ops],
@@ -390,7 +420,7 @@ class StepGraph:
     @classmethod
     def _from_data(cls, data: dict) -> StepGraph:
         plans: dict[PlanKey, ReshardPlan] = {
-            (None if k == "" else Channel.parse(k)): ReshardPlan.from_json(json.dumps(p))
+            _plan_key_of(k): ReshardPlan.from_json(json.dumps(p))
             for k, p in data["plans"].items()
         }
         ops = tuple(_op_from_key(i, key, plans, data["streams"])
@@ -467,7 +497,7 @@ def _op_from_key(i: int, key: str, plans: Mapping[PlanKey, ReshardPlan],
     head, _, index = token.partition("#")
     channel, mb = (None, 0) if not head else (Channel.parse(head.split(":")[0]),
                                               int(head.split(":")[1]))
-    t = plans[channel].transfers[int(index)]
+    t = plan_for(plans, channel, mb).transfers[int(index)]
     return Op(i, TransferOp(channel, mb, int(index), t), streams[key], t.devices)
 
 

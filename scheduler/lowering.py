@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .cluster import Cluster
 from .dtypes import check_dtype
@@ -31,10 +32,12 @@ from .graph import (
     Compute,
     Dep,
     Op,
+    PlanKey,
     StepGraph,
     input_channel,
     lanes_of,
     output_channel,
+    plan_for,
     transfer_ops,
 )
 from .mesh import DeviceMesh
@@ -54,9 +57,76 @@ class Boundary:
     consumer: Sharding  # on stage s+1's mesh
 
 
+@dataclass(frozen=True)
+class MicrobatchBoundaries:
+    """Boundaries that differ from microbatch to microbatch — sequences of different lengths,
+    a short last batch: ``per[i][s]`` is boundary ``s`` of microbatch ``i`` (its shape; its
+    dtype and layouts are those of every microbatch's). Each distinct shape is planned once
+    (the plan cache); the step graph carries each microbatch's plans."""
+
+    per: tuple[tuple[Boundary, ...], ...]
+
+    def __post_init__(self) -> None:
+        per = self.per
+        if isinstance(per, (str, bytes)) or not isinstance(per, Sequence) or not per:
+            raise TypeError("per: expected a non-empty sequence (one per microbatch) of "
+                            "sequences of Boundary")
+        rows = []
+        for i, row in enumerate(per):
+            if isinstance(row, Boundary) or not isinstance(row, Sequence):
+                raise TypeError(f"per[{i}]: expected a sequence of Boundary (microbatch {i}'s "
+                                f"boundaries), got {type(row).__name__}")
+            for s, b in enumerate(row):
+                if not isinstance(b, Boundary):
+                    raise TypeError(f"per[{i}][{s}]: expected a Boundary, got "
+                                    f"{type(b).__name__}")
+            if len(row) != len(per[0]):
+                raise ValueError(f"per[{i}]: {len(row)} boundaries, microbatch 0 has "
+                                 f"{len(per[0])}")
+            for s, (b, b0) in enumerate(zip(row, per[0])):
+                if (b.dtype, b.producer, b.consumer) != (b0.dtype, b0.producer, b0.consumer):
+                    raise ValueError(f"per[{i}][{s}]: dtype and layouts must be microbatch "
+                                     f"0's ({b0.dtype}, {b0.producer!r} -> {b0.consumer!r}); "
+                                     "only the shape may differ")
+            rows.append(tuple(row))
+        object.__setattr__(self, "per", tuple(rows))
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.per)
+
+    @property
+    def shapes(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Per microbatch, each boundary's shape."""
+        return tuple(tuple(tuple(b.shape) for b in row) for row in self.per)
+
+
+Boundaries = Sequence[Boundary] | MicrobatchBoundaries
+
+
+def per_microbatch(boundaries: Boundaries, num_microbatches: int
+                   ) -> tuple[tuple[Boundary, ...], ...]:
+    """Each microbatch's boundaries (the same tuple for all of a plain sequence)."""
+    if isinstance(boundaries, MicrobatchBoundaries):
+        if boundaries.num_microbatches != num_microbatches:
+            raise ValueError(f"boundaries: given for {boundaries.num_microbatches} "
+                             f"microbatches, the step has {num_microbatches}")
+        return boundaries.per
+    row = tuple(boundaries)
+    return (row,) * num_microbatches
+
+
+def boundaries_key(boundaries: Boundaries) -> Any:
+    """A hashable key of a step's boundaries (for caches)."""
+    if isinstance(boundaries, MicrobatchBoundaries):
+        rows = set(boundaries.per)
+        return boundaries.per[0] if len(rows) == 1 else boundaries
+    return tuple(boundaries)
+
+
 def lower(
     stages: Sequence[DeviceMesh],
-    boundaries: Sequence[Boundary],
+    boundaries: Boundaries,
     schedule: Schedule,
     cluster: Cluster,
     options: PlanOptions | None = None,
@@ -69,20 +139,37 @@ def lower(
     ``boundaries[s]`` is the tensor stage ``s`` sends to stage ``s + 1``: its producer sharding
     must be on ``stages[s]`` and its consumer sharding on ``stages[s + 1]``. Gradients travel
     back with the same shape and dtype, from the consumer layout to the producer layout.
+    :class:`MicrobatchBoundaries` gives each microbatch its own shapes: every distinct shape
+    is planned once, and the graph holds each microbatch's plans (keys ``(channel, i)``).
     Channels are planned with ``options`` (through ``cache`` when given, so a caller that
     lowers often plans each boundary once); ``plans`` gives some channels' plans instead
     (checked: the channel's layouts, shape and dtype, and the plan's invariants).
     """
     stages = tuple(stages)
-    boundaries = tuple(boundaries)
-    _check_inputs(stages, boundaries, schedule, cluster)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule: expected a Schedule, got {type(schedule).__name__}")
+    if not isinstance(boundaries, MicrobatchBoundaries):
+        boundaries = tuple(boundaries)
+    per = per_microbatch(boundaries, schedule.num_microbatches)
+    distinct = list(dict.fromkeys(per))
+    for row in distinct:
+        _check_inputs(stages, row, schedule, cluster)
     if options is not None and not isinstance(options, PlanOptions):
         raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
     if cache is not None and (not isinstance(cache, PlanCache) or cache.cluster != cluster):
         raise ValueError("cache: expected a PlanCache of this cluster")
-    channel_plans = _plan_channels(boundaries, cluster, options or PlanOptions(), plans or {},
-                                   cache if cache is not None else PlanCache(cluster))
-    return _build(stages, schedule, channel_plans)
+    cache = cache if cache is not None else PlanCache(cluster)
+    options = options or PlanOptions()
+    if len(distinct) == 1:
+        return _build(stages, schedule, _plan_channels(distinct[0], cluster, options,
+                                                       plans or {}, cache))
+    if plans:
+        raise ValueError("plans: given plans fit one shape per channel; with boundaries that "
+                         "differ by microbatch every shape is planned (leave plans out)")
+    by_row = {row: _plan_channels(row, cluster, options, {}, cache) for row in distinct}
+    keyed: dict[PlanKey, ReshardPlan] = {
+        (channel, i): plan for i, row in enumerate(per) for channel, plan in by_row[row].items()}
+    return _build(stages, schedule, keyed)
 
 
 def channels(boundaries: Sequence[Boundary]
@@ -130,7 +217,7 @@ def _plan_channels(boundaries: tuple[Boundary, ...], cluster: Cluster, options: 
 
 
 def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
-           plans: dict[Channel, ReshardPlan]) -> StepGraph:
+           plans: dict[PlanKey, ReshardPlan]) -> StepGraph:
     """The ops in the global launch order (see module doc), and every lane's order."""
     p = len(stages)
     ops: list[Op] = []
@@ -150,7 +237,7 @@ def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
         out = output_channel(s, kind, p)
         if out is None:
             continue
-        new = transfer_ops(plans[out], out, i, str(out), len(ops), here)
+        new = transfer_ops(plan_for(plans, out, i), out, i, str(out), len(ops), here)
         ops += new
         to = delivered[(out, i)] = {}
         for op in new:

@@ -158,11 +158,13 @@ def _check_data(graph: StepGraph) -> None:
 def _check_complete(graph: StepGraph, by_channel: dict[tuple[object, int], list[int]]) -> None:
     """Every transfer of every channel's plan moves every microbatch once: a graph missing
     one would leave part of a stage's input uninitialised."""
-    for channel, plan in graph.plans.items():
-        if channel is None:
+    for key, plan in graph.plans.items():
+        if key is None:
             continue
+        channel, mbs = (key[0], (key[1],)) if isinstance(key, tuple) else \
+            (key, range(graph.schedule.num_microbatches))  # type: ignore[union-attr]
         want = list(range(len(plan.transfers)))
-        for mb in range(graph.schedule.num_microbatches):  # type: ignore[union-attr]
+        for mb in mbs:
             have = sorted(graph.ops[i].body.index for i in by_channel.get((channel, mb), ()))
             if have != want:
                 gone = sorted(set(want) - set(have))

@@ -94,7 +94,26 @@ _TAGS = 1 << 31  # a round's tag is its call number modulo this (a link's tags a
 LISTEN_TICK_S = 0.02  # how often the engine looks for control messages
 QUERY_WAIT_S = 0.5  # how long an overdue wait waits for the peers' answers
 _LINGER_S = 0.5  # after every peer reported: time for the launcher to forward their output
-_ROW = 32  # an agreement row: the digest's first 24 bytes, the call number
+# An agreement row: the digest's first 24 bytes, the call number, then the shapes of the
+# step's first microbatches (SHAPE_SLOTS of them, SHAPE_DIMS int32 dimensions each, -1 for
+# none): a mismatch of shapes is named by microbatch and both shapes.
+SHAPE_SLOTS, SHAPE_DIMS = 32, 4
+_SHAPE_BYTES = SHAPE_SLOTS * SHAPE_DIMS * 4
+_ROW = 32 + _SHAPE_BYTES
+
+
+def shape_table(shapes: Sequence[Sequence[int]]) -> bytes:
+    """The shapes part of an agreement row, from each microbatch's (first boundary's) shape."""
+    table = np.full((SHAPE_SLOTS, SHAPE_DIMS), -1, np.int32)
+    for i, shape in enumerate(shapes[:SHAPE_SLOTS]):
+        dims = [min(int(n), 2**31 - 1) for n in shape][:SHAPE_DIMS]
+        table[i, :len(dims)] = dims
+    return table.tobytes()
+
+
+def _shape_text(row: bytes, slot: int) -> str:
+    dims = np.frombuffer(row, np.int32, SHAPE_DIMS, 32 + slot * SHAPE_DIMS * 4)
+    return str(tuple(int(n) for n in dims if n >= 0))
 
 _LIVE: weakref.WeakSet[Distributed] = weakref.WeakSet()
 log = logging.getLogger("overlap")
@@ -661,7 +680,10 @@ class CallRounds:
         size = dist.world.size
         self._mine = np.zeros(_ROW, np.uint8)
         self._mine[:24] = np.frombuffer(digest[:24].ljust(24, b"\0"), np.uint8)
-        self._mine[24:] = np.frombuffer(call.to_bytes(8, "little"), np.uint8)
+        self._mine[24:32] = np.frombuffer(call.to_bytes(8, "little"), np.uint8)
+        # (digest[32:]: the call's shape table, when it has one)
+        self._mine[32:] = np.frombuffer(digest[32:32 + _SHAPE_BYTES].ljust(_SHAPE_BYTES,
+                                                                             b"\0"), np.uint8)
         self._every = np.zeros((size, _ROW), np.uint8)
         self._lock = threading.Lock()
         self._settled = False
@@ -681,11 +703,25 @@ class CallRounds:
             if differ:
                 self.mismatch = CallMismatch(
                     f"{self.what}: ranks {list(differ)} made a different call than rank "
-                    f"{self.dist.rank} (every process must make the same runtime calls, in the "
-                    "same order, with the same plans and pipelines; a skipped call, or a "
-                    "planner option that depends on the process?)", ranks=differ)
+                    f"{self.dist.rank}{self._shapes_differ(rows, differ)} (every process must "
+                    "make the same runtime calls, in the same order, with the same plans and "
+                    "pipelines; a skipped call, or a planner option that depends on the "
+                    "process?)", ranks=differ)
         if self.mismatch is not None:
             self.scope.fail(self.mismatch)
+
+    def _shapes_differ(self, rows: bytes, differ: tuple[int, ...]) -> str:
+        """Where the first differing rank's shapes differ from this rank's: the microbatch
+        and both shapes (empty where the shapes agree: something else differs)."""
+        mine = self._mine.tobytes()
+        r = differ[0]
+        theirs = rows[_ROW * r:_ROW * r + _ROW]
+        for slot in range(SHAPE_SLOTS):
+            a, b = (_shape_text(x, slot) for x in (mine, theirs))
+            if a != b:
+                return (f": microbatch {slot} has shape {a} here and {b} on rank {r} "
+                        "(microbatches in another order, or of other shapes)")
+        return ""
 
     async def agreed(self) -> None:
         """Raise :class:`~overlap.errors.CallMismatch` unless every member made this call
@@ -834,4 +870,4 @@ def _at_exit() -> None:
     b.MPI.COMM_WORLD.Abort(1)
 
 
-__all__ = ["Answers", "CallRounds", "Distributed", "Round", "host_links_wanted"]
+__all__ = ["Answers", "CallRounds", "Distributed", "Round", "host_links_wanted", "shape_table"]

@@ -44,6 +44,9 @@ host named (``MPI.Get_processor_name``), and ``OVERLAP_HOST_LINKS=0`` moves all 
   ``reshard_sync`` and ``reshard`` awaited on loops of ``asyncio.run`` (a new event loop
   each time); each rank saves what it received.
 - ``hops OUT``: one resharding whose every cross-rank hop is timed (``hop_timings``).
+- ``vary OUT [permute RANK]``: the toy pipeline on microbatches of different shapes, one step
+  per schedule (see ``run_varied``); with ``permute RANK`` that rank's first two microbatches
+  are swapped.
 - ``faults OUT``: the fault matrix of ``tests/fault_pipeline.py`` on two ranks: for every
   planted fault, a runtime, the faulty step, close, then a fresh runtime's clean step; each
   rank writes what it saw per fault to ``OUT/faults<r>.json`` and exits 0.
@@ -97,6 +100,38 @@ def run_toy(rt: Runtime, schedule: str, steps: int = 2, fault=None) -> dict[str,
     for (s, d), w in model.weights.items():
         if d in rt.local_devices:
             out[f"{schedule}/weight/{s}/{d}"] = w
+    return out
+
+
+VARIED_ROWS = (3, 8, 5, 1, 8, 2)  # ``vary``: each microbatch's rows
+
+
+def run_varied(rt: Runtime, args: list[str]) -> dict[str, np.ndarray]:
+    """``vary OUT [permute RANK]``: the toy pipeline on microbatches of different batch rows
+    (``MicrobatchBoundaries``), one step per schedule; with ``permute RANK`` that rank swaps
+    its first two microbatches (data and shapes): a different call, which must be named."""
+    import dataclasses
+
+    from scheduler import MicrobatchBoundaries
+
+    rows = list(VARIED_ROWS)
+    if args[:1] == ["permute"] and rt.world.rank == int(args[1]):
+        rows[0], rows[1] = rows[1], rows[0]
+    out: dict[str, np.ndarray] = {}
+    for schedule in ("1f1b", "eager-1f1b", "zb-h1"):
+        model = ToyMLP.build(rt.cluster, hidden=8, batch=8, seed=0)
+        rng = np.random.default_rng(7)
+        data = {n: rng.standard_normal((n, 8)) for n in sorted(set(rows))}
+        mbs = [data[n] for n in rows]
+        bounds = MicrobatchBoundaries(tuple(
+            tuple(dataclasses.replace(b, shape=(n, 8)) for b in model.boundaries())
+            for n in rows))
+        stages = model.split_stages() if schedule == "zb-h1" else model.stages()
+        losses = rt.train_step_sync(stages, bounds, mbs, input_sharding=model.input_sharding(),
+                                    schedule=schedule)
+        out[f"{schedule}/losses"] = np.array(losses)
+        for (s, d), g in model.grads.items():
+            out[f"{schedule}/grad/{s}/{d}"] = g
     return out
 
 
@@ -251,6 +286,8 @@ def main() -> int:
                 saved.update({f"{k}/{d}": np.asarray(a) for d, a in out.items()})
         elif mode == "pair":
             saved.update(pair_calls(cluster, rt, sys.argv[3:] == ["differ"]))
+        elif mode == "vary":
+            saved.update(run_varied(rt, sys.argv[3:]))
         elif mode == "hops":  # every cross-rank hop of one resharding, timed
             plan, shards = small_plan(cluster, rt)
             rt.backend.remote.hop_timings = []
