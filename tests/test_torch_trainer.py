@@ -263,3 +263,67 @@ def test_a_meta_module_where_its_stage_runs_is_named():
                                             r"stage_fn"):
         pipe.train_step_sync(rt, torch.randn(2, 6, dtype=torch.float64),
                              torch.randn(2, 6, dtype=torch.float64), num_microbatches=1)
+
+
+# ---- microbatches of different lengths ----------------------------------------------------
+
+class _Token(nn.Module):
+    """Position-wise: works on any sequence length (dim 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 6)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b", "auto"])
+def test_microbatches_of_different_lengths_train_as_plain_torch(schedule):
+    torch.manual_seed(0)
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    if schedule == "interleaved-1f1b":
+        rank_meshes = [DeviceMesh([0, 1], ("tp",)), DeviceMesh([2, 3], ("tp",))]
+        meshes, plans = [rank_meshes[s % 2] for s in range(4)], [plan] * 4
+    else:
+        meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2], ("tp",)), DeviceMesh([3], ("tp",))]
+        plans = [None, plan, None]
+    modules = [_Token().double() for _ in meshes]
+    reference = copy.deepcopy(modules)
+    pipe = TorchPipeline(modules, meshes, nn.functional.mse_loss, plans=plans)
+    gen = torch.Generator().manual_seed(2)
+    lengths = [5, 12, 3, 12] if schedule == "interleaved-1f1b" else [5, 12, 3, 12, 7, 1]
+    mbs = [(torch.randn(2, n, 6, generator=gen, dtype=torch.float64),
+            torch.randn(2, n, 6, generator=gen, dtype=torch.float64)) for n in lengths]
+    costs = (lambda s, k: 1e-3) if schedule == "auto" else None
+    with Runtime(Cluster.local(4), timeout=20, compute_time=costs) as rt:
+        losses, outputs = pipe.train_step_sync(rt, microbatches=mbs, schedule=schedule,
+                                               scale_grads=True, return_outputs=True)
+        val = pipe.eval_step_sync(rt, microbatches=mbs, schedule=schedule)
+    want = reference_losses(reference, [x for x, _ in mbs], nn.functional.mse_loss,
+                            [y for _, y in mbs], scale=1 / len(mbs))
+    assert losses == pytest.approx(want, rel=1e-12) and val == pytest.approx(want, rel=1e-12)
+    assert [tuple(o.shape) for o in outputs] == [(2, n, 6) for n in lengths]
+    assert_grads_match(pipe, reference, rtol=1e-12, atol=1e-14)
+
+
+def test_pre_split_microbatches_are_checked_before_any_work():
+    pipe = TorchPipeline([_Token().double()], [DeviceMesh([0], ("tp",))],
+                         nn.functional.mse_loss)
+    x = torch.randn(2, 3, 6, dtype=torch.float64)
+    with Runtime(Cluster.local(1), timeout=20) as rt:
+        for kwargs, error, match in [
+            ({"microbatches": []}, TypeError, r"microbatches: expected a non-empty list"),
+            ({"microbatches": [(x, x), x]}, TypeError, r"microbatches\[1\]: expected an "
+                                                       r"\(input, target\) pair"),
+            ({"microbatches": [(x, x[:1])]}, ValueError, r"microbatches\[0\]: its target must "
+                                                         r"be a tensor with the input's 2 rows"),
+            ({"microbatches": [x, x.float()]}, ValueError, r"microbatches\[1\]: 3-d "
+                                                           r"torch.float32, microbatches\[0\]"),
+            ({"microbatches": [x], "num_microbatches": 1}, ValueError,
+             r"microbatches: give the step's microbatches already split, or inputs"),
+            ({}, ValueError, r"num_microbatches: how many microbatches"),
+        ]:
+            with pytest.raises(error, match=match):
+                pipe.train_step_sync(rt, **kwargs)
+        assert all(p.grad is None for p in pipe.parameters())

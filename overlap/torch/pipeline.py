@@ -27,7 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from scheduler import Boundary, Cluster, DeviceMesh, PlanOptions, Schedule, Sharding
+from scheduler import (
+    Boundary,
+    Cluster,
+    DeviceMesh,
+    MicrobatchBoundaries,
+    PlanOptions,
+    Schedule,
+    Sharding,
+)
+from scheduler.lowering import Boundaries
 
 from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
@@ -325,8 +334,10 @@ class TorchPipeline:
         name = f"plans[{s}]" if tp is not None else f"modules[{s}]"
         return Sharding(self.meshes[s], spec_of(layout, rank, axis, f"{name} {side} layout"))
 
-    async def train_step(self, rt: Runtime, inputs: torch.Tensor,
-                         targets: torch.Tensor | None = None, *, num_microbatches: int,
+    async def train_step(self, rt: Runtime, inputs: torch.Tensor | None = None,
+                         targets: torch.Tensor | None = None, *,
+                         num_microbatches: int | None = None,
+                         microbatches: Sequence[Any] | None = None,
                          schedule: str | Schedule = "eager-1f1b",
                          options: PlanOptions | None = None,
                          max_activations: int | Sequence[int] | None = None,
@@ -343,6 +354,12 @@ class TorchPipeline:
         from ``loss / num_microbatches``; the losses returned are not scaled.) After a failed
         step ``.grad`` holds a partial sum — zero it before the next one.
 
+        ``microbatches=[(x0, y0), (x1, y1), ...]`` (or ``[x0, x1, ...]`` without targets)
+        gives the microbatches already split — torch's ``arg_mbs`` / ``target_mbs`` — each
+        of its own shape (sequences of different lengths): each distinct shape's boundaries
+        are found and planned once (:class:`scheduler.MicrobatchBoundaries`); instead of
+        ``inputs``, ``targets`` and ``num_microbatches``.
+
         ``return_outputs=True`` returns ``(losses, outputs)``: ``outputs`` the last stage's
         output of each microbatch (detached, in microbatch order, on the device it was
         computed on) in the process that drives the last stage's first device, None in the
@@ -353,7 +370,7 @@ class TorchPipeline:
         if not isinstance(scale_grads, bool):
             raise TypeError(f"scale_grads: expected a bool (True: the mean over microbatches, "
                             f"False: their sum), got {scale_grads!r}")
-        mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches)
+        mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches, microbatches)
         # ("auto" gets the fused backward: it then chooses among unsplit schedules.)
         split = schedule != "auto" and bool(
             _schedule(schedule, len(self.meshes), len(mbs)).kinds & {"I", "W"})
@@ -377,8 +394,10 @@ class TorchPipeline:
             self._outputs = None
             self._busy.release()
 
-    async def eval_step(self, rt: Runtime, inputs: torch.Tensor,
-                        targets: torch.Tensor | None = None, *, num_microbatches: int,
+    async def eval_step(self, rt: Runtime, inputs: torch.Tensor | None = None,
+                        targets: torch.Tensor | None = None, *,
+                        num_microbatches: int | None = None,
+                        microbatches: Sequence[Any] | None = None,
                         schedule: str | Schedule = "gpipe",
                         options: PlanOptions | None = None,
                         return_outputs: bool = False) -> Any:
@@ -391,7 +410,7 @@ class TorchPipeline:
         (``module.eval()`` for dropout and batch norm, as in torch)."""
         if not isinstance(return_outputs, bool):
             raise TypeError(f"return_outputs: expected a bool, got {return_outputs!r}")
-        mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches)
+        mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches, microbatches)
         order = _schedule("gpipe" if schedule == "auto" else schedule, len(self.meshes),
                           len(mbs)).forward_order()
         if not self._busy.acquire(blocking=False):
@@ -410,7 +429,7 @@ class TorchPipeline:
             self._outputs = None
             self._busy.release()
 
-    def eval_step_sync(self, rt: Runtime, inputs: torch.Tensor,
+    def eval_step_sync(self, rt: Runtime, inputs: torch.Tensor | None = None,
                        targets: torch.Tensor | None = None, **kwargs: Any) -> Any:
         """:meth:`eval_step` for synchronous callers (on the runtime's kept event loop)."""
         _check_runtime(rt)
@@ -425,7 +444,7 @@ class TorchPipeline:
         here = rt.backend.is_local(self.meshes[-1].device_ids[0])
         return losses, [outs[i] for i in range(m)] if here else None
 
-    def train_step_sync(self, rt: Runtime, inputs: torch.Tensor,
+    def train_step_sync(self, rt: Runtime, inputs: torch.Tensor | None = None,
                         targets: torch.Tensor | None = None, **kwargs: Any) -> list[float]:
         """:meth:`train_step` for synchronous callers (on the runtime's kept event loop)."""
         _check_runtime(rt)
@@ -434,11 +453,46 @@ class TorchPipeline:
 
     # ---- checks and boundaries ------------------------------------------------------------
 
-    def prepare(self, rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor | None,
-                num_microbatches: int) -> tuple[list[Any], list[Any] | None, list[Boundary]]:
+    def prepare(self, rt: Runtime, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                num_microbatches: int | None, microbatches: Sequence[Any] | None = None
+                ) -> tuple[list[Any], list[Any] | None, Boundaries]:
         """Check a step's arguments and make its microbatches (views, no copies) and
-        boundaries; raises before anything is launched."""
+        boundaries — :class:`scheduler.MicrobatchBoundaries` where the microbatches' shapes
+        differ; raises before anything is launched."""
         _check_runtime(rt)
+        if microbatches is not None:
+            if inputs is not None or targets is not None or num_microbatches is not None:
+                raise ValueError("microbatches: give the step's microbatches already split, or "
+                                 "inputs (and targets) with num_microbatches — not both")
+            xs, tgts = split_given(microbatches)
+        else:
+            xs, tgts = self._split(inputs, targets, num_microbatches)
+        cuda = rt.backend.name == "cuda"
+        self._check_placement(rt, cuda)
+        local = frozenset(rt.local_devices) if rt.world.distributed else None
+        if self._built_for is not None and local != self._built_for:
+            raise ValueError(f"rt: this pipeline was built (rt=) for a process driving devices "
+                             f"{sorted(self._built_for)}; this runtime's process drives "
+                             f"{sorted(local or range(rt.cluster.num_devices))}")
+        self._local = local
+        self._runtime = rt
+        want = "cuda" if cuda else "cpu"
+        where = "microbatches" if microbatches is not None else "inputs"
+        for x in xs:
+            if x.device.type != want:
+                raise ValueError(f"{where}: on {x.device}, the runtime's {rt.backend.name} "
+                                 f"backend needs them on {want}")
+        mbs = [as_array(x, rt.backend.xp) for x in xs]
+        rows = [self.boundaries(x, None if tgts is None else tgts[i]) for i, x in enumerate(xs)]
+        bounds: Boundaries = list(rows[0]) if len(set(rows)) == 1 else \
+            MicrobatchBoundaries(tuple(rows))
+        return mbs, tgts, bounds
+
+    def _split(self, inputs: Any, targets: Any, num_microbatches: Any
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if num_microbatches is None:
+            raise ValueError("num_microbatches: how many microbatches to split inputs into "
+                             "(or pass microbatches=[(x0, y0), ...] already split)")
         m = check_count(num_microbatches, "num_microbatches")
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(f"inputs: expected a torch.Tensor, got {type(inputs).__name__}")
@@ -452,23 +506,8 @@ class TorchPipeline:
             if targets.dim() < 1 or targets.shape[0] != inputs.shape[0]:
                 raise ValueError(f"targets: shape {tuple(targets.shape)} does not match the "
                                  f"batch of inputs {tuple(inputs.shape)} along dim 0")
-        cuda = rt.backend.name == "cuda"
-        self._check_placement(rt, cuda)
-        local = frozenset(rt.local_devices) if rt.world.distributed else None
-        if self._built_for is not None and local != self._built_for:
-            raise ValueError(f"rt: this pipeline was built (rt=) for a process driving devices "
-                             f"{sorted(self._built_for)}; this runtime's process drives "
-                             f"{sorted(local or range(rt.cluster.num_devices))}")
-        self._local = local
-        self._runtime = rt
-        want = torch.device("cuda") if cuda else torch.device("cpu")
-        if inputs.device.type != want.type:
-            raise ValueError(f"inputs: on {inputs.device}, the runtime's {rt.backend.name} "
-                             f"backend needs them on {want.type}")
-        xs = inputs.detach().chunk(m)
-        mbs = [as_array(x, rt.backend.xp) for x in xs]
-        tgts = list(targets.detach().chunk(m)) if targets is not None else None
-        return mbs, tgts, list(self.boundaries(xs[0], tgts[0] if tgts else None))
+        xs = list(inputs.detach().chunk(m))
+        return xs, (list(targets.detach().chunk(m)) if targets is not None else None)
 
     def boundaries(self, microbatch: torch.Tensor,
                    target: torch.Tensor | None = None) -> tuple[Boundary, ...]:
@@ -722,6 +761,42 @@ class TorchPipeline:
                 with op_stream(ctx), self._entered(s, ctx):
                     torch.autograd.backward(out, grad, inputs=params)
         return backward_weight
+
+
+def split_given(microbatches: Any) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """``microbatches``: a list of input tensors, or of ``(input, target)`` pairs (torch's
+    ``arg_mbs`` / ``target_mbs``), each of its own shape; checked, detached."""
+    if isinstance(microbatches, (torch.Tensor, str, bytes, Mapping)) or \
+            not isinstance(microbatches, Sequence) or not microbatches:
+        raise TypeError("microbatches: expected a non-empty list of input tensors or of "
+                        f"(input, target) pairs, got {type(microbatches).__name__}")
+    paired = not isinstance(microbatches[0], torch.Tensor)
+    xs: list[torch.Tensor] = []
+    ts: list[torch.Tensor] = []
+    for i, item in enumerate(microbatches):
+        pair = item if paired else (item, None)
+        if (not paired and not isinstance(item, torch.Tensor)) or (paired and (
+                not isinstance(item, (tuple, list)) or len(item) != 2)):
+            kind = "an (input, target) pair" if paired else "a tensor"
+            raise TypeError(f"microbatches[{i}]: expected {kind} like microbatches[0], got "
+                            f"{type(item).__name__}")
+        x, t = pair
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise TypeError(f"microbatches[{i}]: the input must be a tensor of at least one "
+                            f"dimension, got {type(x).__name__}")
+        if paired:
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != x.shape[0]:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"microbatches[{i}]: its target must be a tensor with the "
+                                 f"input's {x.shape[0]} rows along dim 0, got {got}")
+            ts.append(t.detach())
+        xs.append(x.detach())
+    first = xs[0]
+    for i, x in enumerate(xs):
+        if x.dtype != first.dtype or x.dim() != first.dim():
+            raise ValueError(f"microbatches[{i}]: {x.dim()}-d {x.dtype}, microbatches[0] is "
+                             f"{first.dim()}-d {first.dtype}; only the sizes may differ")
+    return xs, (ts if paired else None)
 
 
 def _no_backward(ctx: StageContext, dy: Any) -> Any:
