@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per device thread
 
@@ -217,6 +218,30 @@ def tokens(generator: torch.Generator, batch: int, seq: int, vocab: int) -> torc
     return x
 
 
+def lengths(generator: torch.Generator, count: int, seq: int, step: int = 4) -> list[int]:
+    """``count`` sequence lengths, long-tailed between ``seq / 4`` and ``seq`` (most short, a
+    few long, as real text is), multiples of ``step`` (sequence-parallel blocks split them)."""
+    low = max(step, seq // 4 // step * step)
+    u = torch.rand(count, generator=generator)
+    raw = low * (seq / low) ** (u ** 3)  # log-uniform, skewed towards the short end
+    return [int(min(seq, max(low, round(float(n) / step) * step))) for n in raw]
+
+
+def batch_of(data: torch.Generator, args: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's microbatches (input, target): all ``--seq`` long, or with
+    ``--variable-lengths`` each of its own length."""
+    mb = args.batch // args.microbatches
+    sizes = lengths(data, args.microbatches, args.seq) if args.variable_lengths else \
+        [args.seq] * args.microbatches
+    out = []
+    for n in sizes:
+        stream = tokens(data, mb, n, args.vocab)
+        if args.backend == "cuda":
+            stream = stream.cuda()
+        out.append((stream[:, :-1], stream[:, 1:]))
+    return out
+
+
 def closeness(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> float:
     """The largest |a - b| / (atol + rtol |b|): at most 1 where ``a`` is close to ``b``."""
     a, b = a.detach().float(), b.detach().float()
@@ -241,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=tuple(TOLERANCE))
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="LayerNorms on sequence blocks (Megatron's sequence parallelism)")
+    ap.add_argument("--variable-lengths", action="store_true",
+                    help="each microbatch a sequence of its own length (long-tailed between "
+                         "seq/4 and seq), handed over already split")
     ap.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: each stage on its first device's GPU (a tensor-parallel "
                          "device needs a GPU of its own)")
@@ -256,12 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     sched = make_schedule(args.schedule, len(shapes) * (
         2 if args.schedule in ("interleaved-1f1b", "zbv") else 1), args.microbatches)
     p = sched.num_stages
+    if args.batch % args.microbatches:
+        ap.error(f"--batch: {args.batch} does not split into {args.microbatches} microbatches")
     if args.layers < p:
         ap.error(f"--layers: {args.layers} blocks for {p} stages")
     cluster, meshes = meshes_for(shapes, sched.stages_per_rank, sched.placement)
 
     data = torch.Generator().manual_seed(1)
-    worst, times = 0.0, []
+    worst, times, counts = 0.0, [], []
     with overlap.Runtime(cluster, backend=args.backend) as rt:
         per = [args.layers // p + (s < args.layers % p) for s in range(p)]
 
@@ -288,30 +318,26 @@ def main(argv: list[str] | None = None) -> int:
         atol = 2 * args.lr * args.steps if atol_or_none is None else atol_or_none
         if rt.world.rank:  # (under a launcher, one rank speaks)
             say = lambda *a: None
-        mb = args.batch // args.microbatches
         say(f"GPT pipeline: {args.layers} blocks, width {args.width}, {args.heads} heads, "
             f"sequence {args.seq}, vocab {args.vocab}; {p} stages, TP degrees "
             f"{[pipe.tp[s].degree for s in range(p)]} on meshes {[m.shape for m in meshes]}; "
             f"batch {args.batch} in {args.microbatches} microbatches, {args.schedule}, "
             f"{args.dtype}{', sequence-parallel' if args.sequence_parallel else ''}")
         for step in range(args.steps):
-            stream = tokens(data, args.batch, args.seq, args.vocab)
-            if args.backend == "cuda":
-                stream = stream.cuda()
-            x, y = stream[:, :-1], stream[:, 1:]
+            mbs = batch_of(data, args)
             if step == 0:
-                for row in pipe.boundary_report(rt, x[:mb], y[:mb]):
+                for row in pipe.boundary_report(rt, *mbs[0]):
                     say(f"  {row}")
             opt.zero_grad()
             t0 = time.perf_counter()
-            losses = pipe.train_step_sync(rt, x, y, num_microbatches=args.microbatches,
-                                          schedule=sched)
+            losses = pipe.train_step_sync(rt, microbatches=mbs, schedule=sched)
             times.append(time.perf_counter() - t0)
+            counts.append(sum(x.numel() for x, _ in mbs))
             opt.step()
 
             ref_opt.zero_grad()
             ref_losses = []
-            for xm, ym in zip(x.chunk(args.microbatches), y.chunk(args.microbatches)):
+            for xm, ym in mbs:
                 h = xm
                 for m in reference:
                     h = m(h.to(next(m.parameters()).device))
@@ -342,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
                         want = want.chunk(comm.size, tp.split[name])[comm.index]
                     worst = max(worst, closeness(param, want, rtol, atol))
         worst = max_over_ranks(worst, rt.world)  # every process: the worst of all of them
-    step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     within = f"rtol {rtol:g}, atol {atol:g}"
     if worst > 1 and not rank:
         print(f"FAILED: the pipeline differs from plain torch by {worst:.3g} × the tolerance "
@@ -354,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"gpt {args.schedule} {args.dtype}: losses of {args.steps} steps and every "
           f"parameter match plain torch ({within}: worst {worst:.2f} of it); "
-          f"{args.batch * args.seq / step_s:.0f} tokens/s, exposed communication "
+          f"{sum(counts[1:] or counts) / sum(times[1:] or times):.0f} tokens/s, exposed "
+          f"communication "
           f"{tl.exposed_comm_fraction:.1%} of the last step")
     say(f"trace: {trace} (overlap trace report {trace})")
     return 0

@@ -51,6 +51,24 @@ def test_bfloat16_and_sequence_parallel_match_torch(example, args, tmp_path, cap
         assert "P(None, 'tp')" in out  # boundaries sharded along the sequence
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
+def test_sequences_of_their_own_lengths_match_torch(example, schedule, tmp_path, capsys):
+    # --seq 16: lengths between 4 and 16, multiples of 4 (sequence-parallel blocks).
+    args = [*SMALL, "--seq", "16", "--variable-lengths", "--sequence-parallel", "--schedule",
+            schedule, "--trace-dir", str(tmp_path)]
+    assert example.main(args) == 0
+    assert "match plain torch" in capsys.readouterr().out
+
+
+def test_lengths_are_long_tailed_multiples_of_the_block(example):
+    import torch
+
+    got = example.lengths(torch.Generator().manual_seed(0), 400, 1024, 4)
+    assert min(got) >= 256 and max(got) <= 1024 and all(n % 4 == 0 for n in got)
+    assert sorted(got)[len(got) // 2] < 512  # most are short
+    assert max(got) > 900  # a few are long
+
+
 def test_the_example_fails_when_a_gradient_is_wrong(example, tmp_path, monkeypatch, capsys):
     # A tensor-parallel all-reduce that drops the other devices' part must fail the check.
     from overlap.torch import comm
@@ -70,7 +88,10 @@ def test_the_example_fails_when_a_gradient_is_wrong(example, tmp_path, monkeypat
 @pytest.mark.parametrize("launcher, schedule, extra", [
     ("mpiexec", "1f1b", []), ("torchrun", "1f1b", []),
     ("mpiexec", "interleaved-1f1b", ["--sequence-parallel"]),
-    ("torchrun", "zb-h1", ["--sequence-parallel"])])
+    ("torchrun", "zb-h1", ["--sequence-parallel"]),
+    ("mpiexec", "zb-h1", ["--variable-lengths", "--seq", "16"]),
+    ("torchrun", "interleaved-1f1b", ["--variable-lengths", "--seq", "16",
+                                      "--sequence-parallel"])])
 def test_the_gpt_example_under_a_launcher(tmp_path, launcher, schedule, extra):
     # 4 ranks of 3-4 devices: stage meshes span ranks (TP collectives over the wire).
     done = launch(launcher, 4, EXAMPLE, *SMALL, "--schedule", schedule, *extra,
