@@ -68,6 +68,7 @@ def simulate(
     compute_costs: ComputeCosts,
     *,
     signal: bool = False,
+    microbatch_costs: Callable[[int, str, int], float] | None = None,
 ) -> Timeline:
     """Simulate one training step (or resharding) of ``graph`` on ``cluster``.
 
@@ -75,6 +76,10 @@ def simulate(
         compute_costs: seconds per (stage, kind): a mapping ``{(stage, "F"): s, ...}`` or
             ``{"F": s, "B": s}`` for every stage, or a callable ``(stage, kind) -> s``.
         signal: cost every transfer only its latency (the paper's upper bound).
+        microbatch_costs: ``(stage, kind, microbatch) -> seconds``, for steps whose
+            microbatches differ in size (:class:`~scheduler.MicrobatchBoundaries`): each
+            compute's own duration — e.g. in proportion to its sequence length
+            (``graph.plan_for(channel, i).shape``); ``compute_costs`` then only checks.
 
     Raises :class:`~scheduler.validate.ProgramError` (with the validator's report) if the
     graph cannot run to its end.
@@ -86,7 +91,10 @@ def simulate(
     kinds = sorted({op.body.kind for op in graph.ops if isinstance(op.body, Compute)})
     cost_of = _compute_cost_fn(compute_costs, len(graph.stages), kinds)
     model = CostModel(cluster)
-    costs = _op_costs(graph, model, cost_of, signal)
+    if microbatch_costs is not None and not callable(microbatch_costs):
+        raise TypeError(f"microbatch_costs: expected a callable (stage, kind, microbatch) -> "
+                        f"seconds, got {type(microbatch_costs).__name__}")
+    costs = _op_costs(graph, model, cost_of, signal, microbatch_costs)
     succ, need = graph.successors
     try:
         start, end = model.run_ops(costs, succ, need)
@@ -99,18 +107,26 @@ def simulate(
 
 
 def _op_costs(graph: StepGraph, model: CostModel, cost_of: Callable[[int, str], float],
-              signal: bool) -> list[TransferCost]:
-    """Every op's cost: one value per stage and kind, and per plan transfer (the same for
-    every microbatch)."""
+              signal: bool, per_mb: Callable[[int, str, int], float] | None = None
+              ) -> list[TransferCost]:
+    """Every op's cost: one value per stage and kind (and microbatch, with ``per_mb``), and
+    per plan transfer."""
     by_body: dict[Any, TransferCost] = {}
     costs = []
     for op in graph.ops:
         b = op.body
-        key = (b.stage, b.kind) if isinstance(b, Compute) else id(b.transfer)
+        if isinstance(b, Compute):
+            key: Any = (b.stage, b.kind) if per_mb is None else (b.stage, b.kind, b.microbatch)
+        else:
+            key = id(b.transfer)
         tc = by_body.get(key)
         if tc is None:
             if isinstance(b, Compute):
-                tc = TransferCost((), cost_of(b.stage, b.kind), 0, math.inf)
+                seconds = cost_of(b.stage, b.kind) if per_mb is None else \
+                    _seconds(per_mb(b.stage, b.kind, b.microbatch),
+                             f"microbatch_costs: stage {b.stage} {b.kind!r} microbatch "
+                             f"{b.microbatch}")
+                tc = TransferCost((), seconds, 0, math.inf)
             elif signal:
                 t = b.transfer
                 tc = TransferCost((), model.latency_of(t.sender, t.receivers), 0, math.inf)
@@ -119,6 +135,15 @@ def _op_costs(graph: StepGraph, model: CostModel, cost_of: Callable[[int, str], 
             by_body[key] = tc
         costs.append(tc)
     return costs
+
+
+def _seconds(v: Any, what: str) -> float:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{what} has duration {v!r} ({type(v).__name__}); need a number of "
+                        "seconds")
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{what} has duration {v!r}; need finite seconds >= 0")
+    return float(v)
 
 
 def _timeline(graph: StepGraph, start: list[float], end: list[float]) -> Timeline:

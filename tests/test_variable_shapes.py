@@ -156,3 +156,23 @@ def test_a_rank_whose_microbatches_come_in_another_order_is_named_on_every_rank(
     assert ("ranks [0, 1, 3] made a different call than rank 2: microbatch 0 has shape "
             "(8, 8) here and (3, 8) on rank 0") in text, verdicts(text)
     assert not list(tmp_path.glob("rank*.npz"))  # nobody trained on swapped shapes
+
+
+def test_the_simulator_costs_each_microbatch_by_its_own_size():
+    model = ToyMLP.build(CLUSTER, hidden=8, batch=8)
+    graph = lower(model.meshes, _bounds(model, ROWS), make_schedule("1f1b", 4, len(ROWS)),
+                  CLUSTER)
+    from scheduler import Channel
+
+    def by_rows(stage, kind, i):
+        return 1e-3 * graph.plan_for(Channel("fwd", 0), i).shape[0] / 8
+
+    flat = simulate(graph, CLUSTER, {"F": 1e-3, "B": 1e-3}).iteration_time
+    sized = simulate(graph, CLUSTER, {"F": 1e-3, "B": 1e-3},
+                     microbatch_costs=by_rows).iteration_time
+    assert sized < flat  # most microbatches are smaller than the largest
+    for bad, error in ((lambda s, k, i: -1.0, ValueError), (lambda s, k, i: "1", TypeError)):
+        with pytest.raises(error, match=r"microbatch_costs: stage 0 'F' microbatch 0"):
+            simulate(graph, CLUSTER, {"F": 1e-3, "B": 1e-3}, microbatch_costs=bad)
+    with pytest.raises(TypeError, match=r"microbatch_costs: expected a callable"):
+        simulate(graph, CLUSTER, {"F": 1e-3, "B": 1e-3}, microbatch_costs=3)
