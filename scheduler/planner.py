@@ -127,10 +127,11 @@ def _check_options(options: object) -> PlanOptions:
 
 class PlanCache:
     """Plans by (shape, dtype, source layout, destination layout, options) on one cluster,
-    the ``size`` most recently used kept. Thread-safe: the runtime plans in worker threads
+    the ``size`` most recently used kept (1024 by default: a step of 64 distinct shapes on
+    8 stages plans 896). Thread-safe: the runtime plans in worker threads
     (two threads asking for the same missing plan may both plan it; the plans are equal)."""
 
-    def __init__(self, cluster: Cluster, size: int = 64) -> None:
+    def __init__(self, cluster: Cluster, size: int = 1024) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
