@@ -444,7 +444,7 @@ class StepGraph:
 
 # ---- text parsing ------------------------------------------------------------------------
 
-_COMPUTE_TOKEN = re.compile(r"\d+[FB]\d+")
+_COMPUTE_TOKEN = re.compile(r"\d+[FBIW]\d+")
 _TRANSFER_TOKEN = re.compile(r"((fwd|bwd)\d+:\d+)?#\d+")
 
 
@@ -489,7 +489,7 @@ def _op_from_key(i: int, key: str, plans: Mapping[PlanKey, ReshardPlan],
                  streams: Mapping[str, str]) -> Op:
     token, at, device = key.partition("@")
     if at:
-        m = re.fullmatch(r"(\d+)([FB])(\d+)", token)
+        m = re.fullmatch(r"(\d+)([FBIW])(\d+)", token)
         if m is None:
             raise ValueError(f"ops[{i}]: bad compute key {key!r}")
         body = Compute(int(m.group(1)), int(m.group(3)), m.group(2))  # type: ignore[arg-type]

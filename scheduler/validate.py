@@ -5,7 +5,11 @@
 1. **structure** — every op sits exactly once on each of its lanes and on no other; every
    wait names an existing op, recorded on one of that op's devices and waited on one of this
    op's; a data dependency (compute ↔ transfer) is an event on one device;
-2. **data dependencies** (pipeline graphs) — every compute waits for each transfer of its
+2. **each device's own order** (pipeline graphs) — every device of a stage's mesh runs each
+   of its microbatches' computes once, in their order: F, then B (or I, then W) — edges no
+   transfer carries (the last stage's backward reads its own forward's ``ctx.saved``; W reads
+   what I kept), so only the lane order keeps them;
+   **data dependencies** — every compute waits for each transfer of its
    input's resharding that its device takes part in (delivering the input to it, or forwarding
    it from its buffer, which the compute may overwrite), and every transfer whose sender
    computed the data waits for that compute on the sender;
@@ -38,6 +42,7 @@ def validate(graph: StepGraph) -> Steps:
         raise TypeError(f"graph: expected a StepGraph, got {type(graph).__name__}")
     _check_structure(graph)
     if graph.schedule is not None:
+        _check_local_order(graph)
         _check_data(graph)
     steps = dry_run(graph)
     if sum(len(s) for s in steps) < len(graph.ops):
@@ -120,6 +125,68 @@ def _check_fifo(graph: StepGraph) -> None:
                     f"lane {lane}: {op} ({op.key}) waits for {graph.ops[dep.op]} "
                     f"({graph.ops[dep.op].key}), which comes later on the same stream: FIFO "
                     "order makes that a deadlock")
+
+
+# ---- each device's own order (pipelines) -------------------------------------------------
+
+_BEFORE = {"F": "", "B": "F", "I": "F", "W": "FI"}
+
+
+def _check_local_order(graph: StepGraph) -> None:
+    """Per device, its computes of each (stage, microbatch) come F, then B (or I, then W),
+    each once, and every device of a stage's mesh runs them all (see module doc)."""
+    sched = graph.schedule
+    assert sched is not None
+    seen: dict[tuple[int, int, int], str] = {}  # (device, stage, microbatch) -> kinds so far
+    for lane, ids in graph.lanes.items():
+        for i in ids:
+            b = graph.ops[i].body
+            if not isinstance(b, Compute):
+                continue
+            key = (lane.device, b.stage, b.microbatch)
+            done = seen.get(key, "")
+            need = _BEFORE[b.kind]
+            if done != need:
+                problem = (f"before its {need[len(done)]}" if need.startswith(done)
+                           and len(done) < len(need) else f"after {done!r} already ran there")
+                raise ProgramError(
+                    f"lane {lane}: {b} ({b.token}) runs {problem}: a device runs a "
+                    f"microbatch's F, then B (or I, then W), each once"
+                    f" (the lane stops at the op marked '>')\n"
+                    + "\n".join(_grid(graph, dry_run(graph), {lane: i}, [lane])))
+            seen[key] = done + b.kind
+    _check_same_order(graph)
+    whole = ("F",) if sched.forward_only else ("FB", "FIW")
+    for s, mesh in enumerate(graph.stages):
+        for d in mesh.device_ids:
+            for mb in range(sched.num_microbatches):
+                got = seen.get((d, s, mb), "")
+                if got not in whole:
+                    raise ProgramError(f"device {d}: microbatch {mb} of stage {s} runs "
+                                       f"{got or 'nothing'!r}; it needs one of {list(whole)}")
+
+
+def _check_same_order(graph: StepGraph) -> None:
+    """Every device of a stage's mesh runs that stage's computes in one order: a stage's
+    collectives (``ctx.all_reduce``) are matched by launch order across its devices."""
+    orders: dict[int, dict[int, list[str]]] = {}  # stage -> device -> its tokens
+    for lane, ids in graph.lanes.items():
+        for i in ids:
+            b = graph.ops[i].body
+            if isinstance(b, Compute):
+                orders.setdefault(b.stage, {}).setdefault(lane.device, []).append(b.token)
+    for s, by_device in sorted(orders.items()):
+        (d0, first), *rest = sorted(by_device.items())
+        for d, order in rest:
+            if order != first:
+                k = next((k for k, (a, b) in enumerate(zip(first, order)) if a != b),
+                         min(len(first), len(order)))
+                mine = order[k] if k < len(order) else "nothing"
+                theirs = first[k] if k < len(first) else "nothing"
+                raise ProgramError(
+                    f"stage {s}: device {d} runs {mine} where device {d0} runs {theirs} "
+                    f"(compute {k} of the stage): every device of a stage runs its computes "
+                    "in one order (its collectives are matched by launch order)")
 
 
 # ---- data dependencies (pipelines) -------------------------------------------------------
