@@ -119,6 +119,20 @@ def shards_match(expected: Mapping[int, tuple[int, ...]], shards: Any, dtype: np
     return True
 
 
+def overlaps_itself(a: Any) -> bool:
+    """Whether two indices of ``a`` may address one element (conservative: dimensions laid
+    out so that each step steps over everything the smaller ones span are never refused)."""
+    dims = sorted((abs(st), n) for n, st in zip(a.shape, a.strides) if n > 1)
+    if any(n == 0 for n in a.shape):
+        return False
+    span = a.itemsize  # bytes the dimensions so far cover
+    for stride, n in dims:
+        if stride < span:
+            return True
+        span = stride * (n - 1) + span
+    return False
+
+
 def check_outs(plan: ReshardPlan, out: Mapping[int, np.ndarray],
                shards: Mapping[int, np.ndarray], array_types: tuple[type, ...],
                is_local: Callable[[int], bool], xp=np) -> None:
@@ -147,6 +161,10 @@ def check_outs(plan: ReshardPlan, out: Mapping[int, np.ndarray],
         # f_contiguous, owndata): device memory is always writable.
         if not getattr(a.flags, "writeable", True):
             raise ValueError(f"out[{d}]: the array is read-only")
+        if overlaps_itself(a):
+            raise ValueError(f"out[{d}]: its strides {tuple(a.strides)} make elements share "
+                             "memory (a broadcast or as_strided view): writes would land on "
+                             "each other; give an array that owns one element per index")
         for e, s in shards.items():
             if overlap(a, s):
                 raise ValueError(f"out[{d}]: overlaps shards[{e}] (a transfer would read what "

@@ -23,6 +23,8 @@ def check_dtype(dtype: object, argument: str = "dtype") -> np.dtype:
     """``dtype`` as a canonical numpy dtype ('<f4' and '=f4' are 'float32'): a numeric or
     bool dtype in this machine's byte order, or one of :data:`NARROW_FLOATS`; else a
     TypeError naming ``argument``."""
+    if dtype is None:  # (numpy reads None as float64: a plan's dtype is named explicitly)
+        raise TypeError(f"{argument}: None; name the dtype ('float32', 'bfloat16', ...)")
     try:
         dt = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:

@@ -42,9 +42,9 @@ from .graph import (
 )
 from .mesh import DeviceMesh
 from .plan import ReshardPlan
-from .planner import PlanCache, PlanOptions
+from .planner import PlanCache, PlanOptions, check_nbytes
 from .schedules import Schedule, dependency_order
-from .sharding import Sharding
+from .sharding import Sharding, check_shape
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,8 @@ def _check_inputs(stages, boundaries, schedule, cluster) -> None:
     for s, b in enumerate(boundaries):
         if not isinstance(b, Boundary):
             raise TypeError(f"boundaries[{s}]: expected a Boundary, got {type(b).__name__}")
-        check_dtype(b.dtype)
+        check_nbytes(check_shape(b.shape, argument=f"boundaries[{s}].shape"),
+                     check_dtype(b.dtype, f"boundaries[{s}].dtype"), f"boundaries[{s}].shape")
         if b.producer.mesh != stages[s]:
             raise ValueError(f"boundaries[{s}].producer: its mesh {b.producer.mesh!r} is not "
                              f"stage {s}'s mesh {stages[s]!r}")

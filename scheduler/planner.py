@@ -19,12 +19,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .balance import BALANCES, Send, balance_sends
 from .cluster import Cluster
 from .dtypes import check_dtype
 from .plan import ReshardPlan, Transfer
 from .regions import Region, is_empty, split_region, volume
-from .sharding import Sharding
+from .sharding import Sharding, check_shape
 from .tasks import UnitTask, unit_tasks
 
 STRATEGIES = ("send_recv", "local_allgather", "broadcast")
@@ -85,6 +87,7 @@ def plan_resharding(
     options = _check_options(options)
     strategy = options.strategy
     dt = check_dtype(dtype)
+    check_nbytes(check_shape(shape), dt)
     tasks = unit_tasks(shape, dt, src, dst, cluster)
     parts = _decompose(tasks, dt.itemsize, cluster, strategy)
     ordered, stats = balance_sends(parts.sends, cluster, options.balance, seed=options.seed,
@@ -115,6 +118,21 @@ def plan_resharding(
         balance=options.balance,
         stats=stats,
     )
+
+
+MAX_TENSOR_BYTES = 1 << 62  # far above any device's memory; byte counts stay exact int64
+
+
+def check_nbytes(shape: tuple[int, ...], dtype: np.dtype, argument: str = "shape") -> int:
+    """The tensor's bytes; ValueError naming ``argument`` past :data:`MAX_TENSOR_BYTES`."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    if n > MAX_TENSOR_BYTES:
+        raise ValueError(f"{argument}: {tuple(shape)} {dtype.name} is {n} bytes, more than "
+                         f"{MAX_TENSOR_BYTES} (2**62): no device holds that, and byte counts "
+                         "would overflow")
+    return n
 
 
 def _check_options(options: object) -> PlanOptions:

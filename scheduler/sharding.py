@@ -9,7 +9,8 @@ the last non-empty one, and shards past the end are empty. Shard ``i`` is
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,6 +218,12 @@ def split_bounds(n: int, k: int, i: int) -> tuple[int, int]:
 
 
 def check_shape(shape: Iterable[Any], *, argument: str = "shape") -> tuple[int, ...]:
+    # A sequence, not any iterable: an iterator would be used up (and read as ()), a dict
+    # or a set would give its keys in some order.
+    if isinstance(shape, (str, bytes, Mapping, AbstractSet)) or (not isinstance(
+            shape, Sequence) and not hasattr(shape, "__array__")):
+        raise TypeError(f"{argument}: expected a sequence of ints (a tuple or list), got "
+                        f"{type(shape).__name__} {shape!r}")
     try:
         dims = tuple(shape)
     except TypeError:

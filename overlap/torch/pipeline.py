@@ -496,6 +496,7 @@ class TorchPipeline:
         m = check_count(num_microbatches, "num_microbatches")
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(f"inputs: expected a torch.Tensor, got {type(inputs).__name__}")
+        check_tensor(inputs, "inputs")
         if inputs.dim() < 1 or inputs.shape[0] % m:
             raise ValueError(f"inputs: batch dimension of shape {tuple(inputs.shape)} does not "
                              f"split into num_microbatches={m} equal microbatches")
@@ -503,6 +504,7 @@ class TorchPipeline:
             if not isinstance(targets, torch.Tensor):
                 raise TypeError(f"targets: expected a torch.Tensor or None, got "
                                 f"{type(targets).__name__}")
+            check_tensor(targets, "targets")
             if targets.dim() < 1 or targets.shape[0] != inputs.shape[0]:
                 raise ValueError(f"targets: shape {tuple(targets.shape)} does not match the "
                                  f"batch of inputs {tuple(inputs.shape)} along dim 0")
@@ -763,6 +765,16 @@ class TorchPipeline:
         return backward_weight
 
 
+def check_tensor(t: torch.Tensor, name: str) -> None:
+    """A step's tensor: dense and strided (its memory crosses without a copy), and not an
+    empty batch (every loss would be the mean of nothing: NaN)."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: a {t.layout} tensor; give a dense one (.to_dense())")
+    if t.dim() >= 1 and t.shape[0] == 0:
+        raise ValueError(f"{name}: an empty batch (shape {tuple(t.shape)}); a step needs at "
+                         "least one sample per microbatch")
+
+
 def split_given(microbatches: Any) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """``microbatches``: a list of input tensors, or of ``(input, target)`` pairs (torch's
     ``arg_mbs`` / ``target_mbs``), each of its own shape; checked, detached."""
@@ -784,6 +796,9 @@ def split_given(microbatches: Any) -> tuple[list[torch.Tensor], list[torch.Tenso
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             raise TypeError(f"microbatches[{i}]: the input must be a tensor of at least one "
                             f"dimension, got {type(x).__name__}")
+        check_tensor(x, f"microbatches[{i}]")
+        if isinstance(t, torch.Tensor):
+            check_tensor(t, f"microbatches[{i}] target")
         if paired:
             if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != x.shape[0]:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
