@@ -114,22 +114,26 @@ def _read_trace(path: Path) -> tuple[Any, Any]:
 
 
 def _exported(report: Path) -> Path:
-    """The SQLite export of an ``.nsys-rep`` (made next to it with ``nsys`` when on PATH)."""
+    """The SQLite export of an ``.nsys-rep``: the one next to it when it is newer, else made
+    with ``nsys`` when on PATH — next to it when no file has that name, else in a new
+    temporary directory (a file the user did not name is never replaced)."""
     import shutil
     import subprocess
+    import tempfile
 
     out = report.with_suffix(".sqlite")
     if out.is_file() and out.stat().st_mtime >= report.stat().st_mtime:
         return out
+    if out.exists():  # (an older export, or anything else of that name: left alone)
+        out = Path(tempfile.mkdtemp(prefix="overlap-nsys-")) / out.name
     nsys = shutil.which("nsys")
     if nsys is None:
         raise ValueError(f"{report}: a .nsys-rep is read through its SQLite export, and `nsys` "
                          f"is not on PATH here: run `nsys export --type sqlite {report}` "
                          "where Nsight Systems is installed (or capture with `nsys profile "
                          "--export sqlite`), then report the .sqlite")
-    done = subprocess.run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true",
-                           "--output", str(out), str(report)], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([nsys, "export", "--type", "sqlite", "--output", str(out),
+                           str(report)], capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or not out.is_file():
         raise ValueError(f"{report}: `nsys export` failed: {done.stderr.strip()[-500:]}")
     return out

@@ -532,3 +532,33 @@ def test_a_listened_channel_hands_every_frame_to_its_handler_in_order(pair):
     assert all(on_engine for *_, on_engine in got)
     assert list(plain) == [0, 1, 2, 3]
     assert b.engine.failure is None and not b.closed_to(0)
+
+
+def test_a_unix_link_peer_of_another_user_is_refused(monkeypatch):
+    from overlap.backends import host_links
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    host_links._check_same_user(a)  # the same user: fine
+    uid = host_links.os.getuid()
+    monkeypatch.setattr(host_links.os, "getuid", lambda: uid + 1)
+    with pytest.raises(OSError, match=r"a link peer runs as uid \d+, this rank as \d+"):
+        host_links._check_same_user(b)
+    a.close()
+
+
+def test_setup_values_travel_as_json_never_pickled():
+    from overlap.backends.bootstrap import MAX_VALUE_BYTES, _decode, _encode
+
+    row = _encode(["vm", [1, 2]])
+    rows = np.zeros((2, row.size), np.uint8)
+    rows[0] = rows[1] = row
+    assert _decode(rows, np.array([row.size, row.size])) == [["vm", [1, 2]]] * 2
+    with pytest.raises(ValueError, match=r"rank 1 sent a setup value of -1 bytes"):
+        _decode(rows, np.array([row.size, -1]))
+    with pytest.raises(ValueError, match=r"a setup value of \d+ bytes \(at most"):
+        _encode("x" * (MAX_VALUE_BYTES + 1))
+    import pickle
+
+    with pytest.raises(ValueError):  # a pickle is not JSON: refused, never loaded
+        _decode(np.frombuffer(pickle.dumps(("vm",)), np.uint8)[None, :],
+                np.array([len(pickle.dumps(("vm",)))]))

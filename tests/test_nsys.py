@@ -433,3 +433,36 @@ def test_overlap_profile_when_nsys_writes_nothing(tmp_path, capsys, monkeypatch)
     rc = overlap.cli.main(["profile", "-o", str(tmp_path / "p"), "--", sys.executable, "-c",
                            "raise SystemExit(3)"])
     assert rc == 3 and "nsys wrote no" in capsys.readouterr().err
+
+
+def test_trace_report_never_replaces_a_file_the_user_did_not_name(tmp_path, capsys,
+                                                                  monkeypatch):
+    # cap.sqlite exists and is older than cap.nsys-rep: the export goes elsewhere.
+    import json
+    import os
+    import stat
+    import sys
+    import time
+
+    import overlap.cli
+
+    source = tmp_path / "made.sqlite"
+    capture(source, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)],
+            kernels=[(0, 4 * MS, 2, 1, 1, 1)])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    nsys = bin_dir / "nsys"
+    nsys.write_text(f"#!{sys.executable}\nimport shutil, sys\n"
+                    "args = sys.argv[1:]\nassert '--force-overwrite' not in args\n"
+                    f"shutil.copy({str(source)!r}, args[args.index('--output') + 1])\n")
+    nsys.chmod(nsys.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    mine = tmp_path / "cap.sqlite"
+    mine.write_bytes(b"the user's own file")
+    past = time.time() - 100
+    os.utime(mine, (past, past))
+    (tmp_path / "cap.nsys-rep").write_bytes(b"\0")
+    assert overlap.cli.main(["trace", "report", str(tmp_path / "cap.nsys-rep"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"]["2"]["compute_ms"] == \
+        pytest.approx(4.0)
+    assert mine.read_bytes() == b"the user's own file"

@@ -1,6 +1,9 @@
 """What a multi-process backend needs once, at setup, from whatever launched the job: a few
-collectives over small Python values (every rank calls them from its main thread, in the
-same order) and the name of the host this rank runs on.
+collectives over small values (every rank calls them from its main thread, in the same
+order) and the name of the host this rank runs on.
+
+The values travel as JSON bytes (a length round, then the padded bytes), never pickled: what
+a peer sends is parsed as data, not run.
 
 - :class:`MpiBootstrap` — ``mpiexec`` / ``srun``: over ``MPI.COMM_WORLD``.
 - :class:`TorchBootstrap` — ``torchrun``: over a gloo group of ``torch.distributed``,
@@ -11,9 +14,12 @@ same order) and the name of the host this rank runs on.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from typing import Any, Protocol
+
+import numpy as np
 
 
 class Bootstrap(Protocol):
@@ -29,23 +35,47 @@ class Bootstrap(Protocol):
     def host(self) -> str: ...
 
 
+MAX_VALUE_BYTES = 1 << 16  # a setup value is a host name, an address, a token
+
+
+def _encode(value: Any) -> np.ndarray:
+    data = json.dumps(value).encode()
+    if len(data) > MAX_VALUE_BYTES:
+        raise ValueError(f"a setup value of {len(data)} bytes (at most {MAX_VALUE_BYTES})")
+    return np.frombuffer(data, np.uint8)
+
+
+def _decode(rows: np.ndarray, lengths: np.ndarray) -> list[Any]:
+    out = []
+    for r, n in enumerate(lengths):
+        if not 0 <= n <= MAX_VALUE_BYTES:
+            raise ValueError(f"rank {r} sent a setup value of {n} bytes")
+        out.append(json.loads(rows[r, :n].tobytes()))
+    return out
+
+
 class MpiBootstrap:
-    """Setup collectives over an MPI communicator."""
+    """Setup collectives over an MPI communicator (buffers: nothing is pickled)."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def allgather(self, value: Any) -> list[Any]:
-        return list(self.comm.allgather(value))
+        mine = _encode(value)
+        lengths = np.zeros(self.size, np.int64)
+        self.comm.Allgather(np.array([mine.size], np.int64), lengths)
+        rows = np.zeros((self.size, max(int(lengths.max()), 1)), np.uint8)
+        padded = np.zeros(rows.shape[1], np.uint8)
+        padded[:mine.size] = mine
+        self.comm.Allgather(padded, rows)
+        return _decode(rows, lengths)
 
     def bcast(self, value: Any, root: int = 0) -> Any:
-        return self.comm.bcast(value, root=root)
+        return self.allgather(value if self.rank == root else None)[root]
 
     def all_true(self, ok: bool) -> bool:
-        from mpi4py import MPI
-
-        return bool(self.comm.allreduce(int(ok), op=MPI.MIN))
+        return all(self.allgather(bool(ok)))
 
     def host(self) -> str:
         from mpi4py import MPI
@@ -85,14 +115,22 @@ class TorchBootstrap:
         self.rank, self.size = rank, size
 
     def allgather(self, value: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
-        self.dist.all_gather_object(out, value, group=self.group)
-        return out
+        import torch
+
+        mine = _encode(value)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.dist.all_gather(lengths, torch.tensor([mine.size], dtype=torch.int64),
+                            group=self.group)
+        width = max(max(int(t) for t in lengths), 1)
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[:mine.size] = torch.from_numpy(mine.copy())
+        rows = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.size)]
+        self.dist.all_gather(rows, padded, group=self.group)
+        return _decode(np.stack([t.numpy() for t in rows]),
+                       np.array([int(t) for t in lengths], np.int64))
 
     def bcast(self, value: Any, root: int = 0) -> Any:
-        box = [value]
-        self.dist.broadcast_object_list(box, src=root, group=self.group)
-        return box[0]
+        return self.allgather(value if self.rank == root else None)[root]
 
     def all_true(self, ok: bool) -> bool:
         return all(self.allgather(bool(ok)))

@@ -179,6 +179,7 @@ class HostLinks:
                     s = _dial(_address(token, r) if r in mates else tuple(addresses[r]),
                               timeout)
                     peers[r] = s
+                    _check_same_user(s)
                     s.sendall(hello)
                 for listener, group in ((unix, mates), (tcp, remote)):
                     for _ in (r for r in group if r < rank):  # higher ranks accept
@@ -186,6 +187,7 @@ class HostLinks:
                         listener.settimeout(timeout)
                         s, _addr = listener.accept()
                         s.settimeout(timeout)
+                        _check_same_user(s)
                         who = struct.unpack("<i", _read_exactly(s, 4))[0]
                         if _read_exactly(s, len(token)).decode() != token or \
                                 who not in group or who > rank or who in peers:
@@ -542,6 +544,18 @@ def _address(token: str, rank: int) -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), name)
+
+
+def _check_same_user(s: socket.socket) -> None:
+    """A Unix-socket peer must run as this process's user (``SO_PEERCRED``): another user's
+    process on the host cannot pose as a rank. (TCP peers prove the job's token instead.)"""
+    if s.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
+        return
+    creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        s.close()
+        raise OSError(f"a link peer runs as uid {uid}, this rank as {os.getuid()}")
 
 
 def _dial(address: Any, timeout: float) -> socket.socket:
