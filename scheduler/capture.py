@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .intervals import check_interval
+
 _DEVICE = re.compile(r"\bon device (\d+)\b")
 _COMPUTE = re.compile(r"^[FBIW] s\d+")
 STEP = re.compile(r"^(?:step |ProfilerStep#)(\d+)$")
@@ -102,7 +104,9 @@ def innermost(ranges: list[tuple[int, int, str]], t: int) -> str | None:
     return None if best is None else best[2]
 
 
-def classify(label: str | None, name: str, device: int, start: float, end: float) -> GpuWork:
+def classify(label: str | None, name: str, device: int, start: float, end: float,
+             what: str = "an event") -> GpuWork:
+    start, end = check_interval(start, end, what)
     if label is not None:
         m = _DEVICE.search(label)
         category = "compute" if _COMPUTE.match(label) else "comm"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .capture import STEP, Capture, classify, innermost, step_windows
+from .intervals import check_interval
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # Launch calls: the runtime API's, and the driver API's (CuPy launches its kernels with
@@ -38,20 +39,34 @@ def is_kineto(data: Any) -> bool:
         for e in events)
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def read_kineto(path: str | Path) -> Capture:
     """Every piece of GPU work of the trace, attributed, and its steps (see module doc)."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable JSON trace ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: not a readable JSON trace ({type(exc).__name__})") from None
     if not is_kineto(data):
         raise ValueError(f"{path}: not a PyTorch profiler trace (no GPU work in it)")
     return kineto_work(data)
 
 
 def kineto_work(data: dict[str, Any]) -> Capture:
-    """:func:`read_kineto` of a trace already parsed (one that :func:`is_kineto`)."""
+    """:func:`read_kineto` of a trace already parsed (one that :func:`is_kineto`);
+    ValueError naming the first malformed event."""
     events = [e for e in data["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
+    for k, e in enumerate(events):
+        what = f"traceEvents: event {k} ({str(e.get('name', ''))[:60]!r})"
+        if not isinstance(e.get("args", {}), dict):
+            raise ValueError(f"{what}: its args are {e['args']!r}, not an object")
+        ts, dur = e.get("ts"), e.get("dur", 0)
+        if _is_number(ts) and _is_number(dur):  # (Kineto's times are microseconds)
+            check_interval(ts * 1e-6, (ts + dur) * 1e-6, what)
+        else:
+            check_interval(ts, dur, what)  # (names the one that is not a number)
     ranges: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
     launches: dict[Any, tuple[tuple[Any, Any], float]] = {}
     steps = []

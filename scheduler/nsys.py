@@ -46,6 +46,9 @@ def read_sqlite(path: str | Path) -> Capture:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             return _attribute(db)
+        except (TypeError, KeyError) as exc:  # (a NULL or odd value where a number belongs)
+            raise ValueError(f"{path}: a row of unexpected values ({type(exc).__name__}: "
+                             f"{exc})") from None
         finally:
             db.close()
     except sqlite3.DatabaseError as exc:
@@ -90,7 +93,12 @@ def _attribute(db: sqlite3.Connection) -> Capture:
             name = strings.get(short) or strings.get(demangled) or table.rsplit("_", 1)[1].lower()
             launch = launches.get(corr)
             label = innermost(ranges.get(launch[0], []), launch[1]) if launch else None
-            work.append(classify(label, name, int(device or 0), start * 1e-9, end * 1e-9))
+            what = f"{table} row ({name!r})"
+            if not all(isinstance(v, int) for v in (start, end)):
+                raise ValueError(f"{what}: start {start!r}, end {end!r}: not integer "
+                                 "nanoseconds")
+            work.append(classify(label, name, int(device or 0), start * 1e-9, end * 1e-9,
+                                 what))
     return Capture(tuple(work), step_windows(steps))
 
 

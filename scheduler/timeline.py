@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, overload
 
 from .graph import Compute, Op, TransferOp
+from .intervals import check_interval
 from .schedules import peak_live
 
 
@@ -265,10 +266,11 @@ class Timeline:
             if e.get("ph") != "X":
                 continue
             args = e.get("args", {})
-            start = e["ts"] / 1e6
+            start, end = check_interval(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
+                                        f"event {e.get('name', '')!r}")
             op = int(args.get("op", -1))
             spans.append(Span(e["pid"], threads.get((e["pid"], e["tid"]), "compute"), e["name"],
-                              start, start + e["dur"] / 1e6, int(args.get("stage", 0)),
+                              start, end, int(args.get("stage", 0)),
                               int(args.get("microbatch", 0)), str(args.get("kind", "")), op))
             if args.get("inputs"):
                 inputs[op] = tuple(int(j) for j in args["inputs"])

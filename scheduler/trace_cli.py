@@ -104,7 +104,7 @@ def _read_trace(path: Path) -> tuple[Any, Any]:
         return read_sqlite(path), None
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ValueError(f"path: {path} is not a trace written by overlap: "
                          f"{type(exc).__name__}: {exc}") from None
     if is_kineto(data):

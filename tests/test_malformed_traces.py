@@ -1,0 +1,86 @@
+"""``overlap trace report`` on malformed traces of every source it reads: one line
+``error: ...`` and exit 2 — never a traceback, never a report of impossible figures (NaN,
+infinite or negative durations, an end before its start, a time outside any capture)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_nsys import MS, capture
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kineto(**kernel) -> dict:
+    base = {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10.0, "dur": 5.0,
+            "args": {"device": 0}}
+    base.update(kernel)
+    return {"traceEvents": [{k: v for k, v in base.items() if v is not _GONE}]}
+
+
+_GONE = object()
+
+
+def _ours(**event) -> dict:
+    base = {"ph": "X", "name": "F s0 mb0", "pid": 0, "tid": 0, "ts": 0.0, "dur": 10.0,
+            "args": {"stage": 0, "microbatch": 0, "kind": "F", "op": 0}}
+    base.update(event)
+    return {"traceEvents": [base]}
+
+
+JSON_CASES = {
+    "kineto-no-ts": (_kineto(ts=_GONE), r"event 0 \('gemm'\): its start is None"),
+    "kineto-args-null": (_kineto(args=None), r"its args are None, not an object"),
+    "kineto-nan": (_kineto(ts=float("nan")), r"its start is nan"),
+    "kineto-infinite": (_kineto(dur=float("inf")), r"its end is inf"),
+    "kineto-negative": (_kineto(dur=-7.0), r"ends .* before it starts"),
+    "kineto-far": (_kineto(ts=1e300), r"not a time within a capture"),
+    "ours-nan": (_ours(ts=float("nan")), r"its start is nan"),
+    "ours-negative": (_ours(dur=-1.0), r"ends .* before it starts"),
+    "ours-no-dur": (_ours(dur=_GONE), r"not a trace written by overlap"),
+}
+
+
+def _report(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "overlap", "trace", "report", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str], match: str) -> None:
+    import re
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert re.search(match, lines[0]), lines[0]
+
+
+@pytest.mark.parametrize("case", sorted(JSON_CASES))
+def test_a_malformed_json_trace_is_one_named_error(tmp_path, case):
+    data, match = JSON_CASES[case]
+    data = {"traceEvents": [{k: v for k, v in e.items() if v is not _GONE}
+                            for e in data["traceEvents"]]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))  # (NaN and Infinity as JSON's non-standard literals)
+    _one_line_error(_report(path), match)
+
+
+def test_deeply_nested_json_is_one_named_error(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    _one_line_error(_report(path), r"not a trace written by overlap: RecursionError")
+
+
+@pytest.mark.parametrize("kernel, match", [
+    ((None, 4 * MS, 2, 1, 1, 1), r"CUPTI_ACTIVITY_KIND_KERNEL row \('gemm'\): start None"),
+    ((4 * MS, 1 * MS, 2, 1, 1, 1), r"ends .* before it starts"),
+])
+def test_a_malformed_sqlite_row_is_one_named_error(tmp_path, kernel, match):
+    path = tmp_path / "cap.sqlite"
+    capture(path, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)], kernels=[kernel])
+    _one_line_error(_report(path), match)
