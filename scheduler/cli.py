@@ -28,12 +28,14 @@ from .cli_common import (
     Case,
     add_plan_options,
     case_from_json,
+    interpret_case,
     joined_specs,
     parse_mesh,
     parse_spec,
     parser,
     plan_options,
     read_json_file,
+    write_text,
 )
 from .cluster import Cluster
 from .cost import lower_bound_for, paper_model_time, plan_report
@@ -66,9 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _case_from_args(args: argparse.Namespace) -> Case:
     if args.case is not None:
         data = read_json_file(args.case, "--case")
-        if not isinstance(data, dict):
-            raise ValueError(f"--case: {args.case} holds no JSON object")
-        return case_from_json(data)
+        return interpret_case(args.case, data, case_from_json)
     for name in ("shape", "src_mesh", "dst_mesh"):
         if getattr(args, name) is None:
             raise ValueError(f"--{name.replace('_', '-')} is required without --case")
@@ -96,6 +96,8 @@ def _sharding(mesh_text: str, spec_text: str, cluster: Cluster, rank: int, *,
 def plan_main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
     try:
+        if args.json is not None and args.json.is_dir():
+            raise ValueError(f"--json: {args.json} is a directory; name the file to write")
         case = _case_from_args(args)
         plan = plan_resharding(case.shape, case.dtype, case.src, case.dst, case.cluster,
                                plan_options(args))
@@ -110,7 +112,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if args.show_transfers:
         print(transfers_text(plan.transfers))
     if args.json is not None:
-        args.json.write_text(plan.to_json())
+        try:
+            write_text(args.json, plan.to_json(), "--json")
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         print(f"plan written to {args.json}")
     return 0
 

@@ -8,9 +8,10 @@ import argparse
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from .balance import BALANCES
 from .cluster import Cluster
@@ -58,16 +59,53 @@ def joined_specs(argv: Sequence[str]) -> list[str]:
     return out
 
 
+T = TypeVar("T")
+MAX_JSON_BYTES = 64 << 20  # a case file is kilobytes; a bigger one is not a case
+
+
 def read_json_file(path: Path, argument: str) -> object:
-    """The JSON in ``path``; ValueError naming ``argument`` if it is missing or not JSON."""
+    """The JSON in ``path``; ValueError naming ``argument`` if it is missing, not a regular
+    file (``/dev/zero``), over :data:`MAX_JSON_BYTES`, or not JSON (nested too deep too)."""
     try:
+        if not path.is_file():
+            raise ValueError(f"{argument}: no such file: {path}" if not path.exists() else
+                             f"{argument}: {path} is not a regular file")
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise ValueError(f"{argument}: {path} is {size} bytes; a case file is at most "
+                             f"{MAX_JSON_BYTES}")
         return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{argument}: no such file: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{argument}: cannot read {path}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{argument}: {path} is not JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{argument}: {path} nests its JSON too deep") from None
+
+
+def interpret_case(path: Path, data: object, build: Callable[[dict], T]) -> T:
+    """``build(data)`` for the case file ``path``: a field that is missing or of the wrong
+    kind becomes a ValueError naming the file and the field (never a traceback)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"--case: {path} holds no JSON object")
+    try:
+        return build(data)
+    except KeyError as exc:
+        raise ValueError(f"--case: {path}: missing field {exc.args[0]!r}") from None
+    except (IndexError, AttributeError, TypeError) as exc:
+        raise ValueError(f"--case: {path}: a field of the wrong kind or length "
+                         f"({type(exc).__name__}: {exc})") from None
+    except RecursionError:
+        raise ValueError(f"--case: {path}: nested too deep") from None
+
+
+def write_text(path: Path, text: str, argument: str) -> None:
+    """Write an output file the user named; ValueError naming ``argument`` when it cannot
+    be (a directory, a missing parent, no permission)."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise ValueError(f"{argument}: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:

@@ -65,7 +65,12 @@ def profile_main(argv: Sequence[str]) -> int:
     if nsys is None:
         print(f"error: {INSTALL}", file=sys.stderr)
         return 2
-    args.output.mkdir(parents=True, exist_ok=True)
+    try:
+        args.output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"error: -o: cannot make the directory {args.output}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     base = args.output / "profile"
     env = dict(os.environ)
     if window is not None:

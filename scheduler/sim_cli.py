@@ -24,6 +24,7 @@ from typing import Any
 
 from .cli_common import (
     add_plan_options,
+    interpret_case,
     joined_specs,
     parse_spec,
     parser,
@@ -98,6 +99,11 @@ def case_from_json(data: dict[str, Any]) -> PipelineCase:
         raise ValueError(f"case file: missing keys {sorted(missing)}")
     cluster = Cluster.from_dict(data["cluster"])
     stages = tuple(DeviceMesh.from_dict(m) for m in data["stages"])
+    if not stages:
+        raise ValueError("case file: stages: need at least one stage mesh")
+    if len(data["boundaries"]) != len(stages) - 1:
+        raise ValueError(f"case file: boundaries: {len(stages)} stages need "
+                         f"{len(stages) - 1} boundaries, got {len(data['boundaries'])}")
     boundaries = []
     for s, b in enumerate(data["boundaries"]):
         boundaries.append(Boundary(
@@ -125,9 +131,7 @@ def _compute_table(spec: Any, num_stages: int) -> dict[tuple[int, str], float]:
 def _case_from_args(args: argparse.Namespace) -> PipelineCase:
     if args.case is not None:
         data = read_json_file(args.case, "--case")
-        if not isinstance(data, dict):
-            raise ValueError(f"--case: {args.case} holds no JSON object")
-        return case_from_json(data)
+        return interpret_case(args.case, data, case_from_json)
     if args.shape is None:
         raise ValueError("--shape is required without --case")
     if args.stages < 1:
@@ -194,10 +198,17 @@ def _parser() -> argparse.ArgumentParser:
 def simulate_main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
     try:
+        if args.trace_dir is not None and args.trace_dir.exists() \
+                and not args.trace_dir.is_dir():
+            raise ValueError(f"--trace-dir: {args.trace_dir} exists and is not a directory")
         case = _case_from_args(args)
         rows = run_rows(case, plan_options(args), trace_dir=args.trace_dir)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # (the trace directory: made, then unwritable)
+        print(f"error: --trace-dir: cannot write {args.trace_dir}: {exc.strerror or exc}",
+              file=sys.stderr)
         return 2
     print(f"{len(case.stages)} stages × {case.microbatches} microbatches on "
           f"{case.cluster.num_hosts} × {args.cluster if args.case is None else 'cluster'}; "

@@ -1,0 +1,85 @@
+"""The CLI on malformed case files and output paths: one ``error: <argument>: ...`` line and
+exit 2 before any work — never a traceback (issue 35's corpus of CLI inputs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = json.loads((ROOT / "examples" / "cases" / "plan_case.json").read_text())
+SIM = json.loads((ROOT / "examples" / "cases" / "simulate_case.json").read_text())
+
+
+def _edited(base: dict, edit) -> dict:
+    data = json.loads(json.dumps(base))
+    edit(data)
+    return data
+
+
+CASES = {
+    "plan-preset-without-hosts": ("plan", _edited(PLAN, lambda d: d.update(
+        cluster={"preset": "p3.8xlarge"})), r"--case: .*: missing field 'num_hosts'"),
+    "plan-empty-src": ("plan", _edited(PLAN, lambda d: d.update(src={})),
+                       r"missing field 'mesh'"),
+    "plan-not-an-object": ("plan", [1, 2], r"holds no JSON object"),
+    "plan-shape-a-number": ("plan", _edited(PLAN, lambda d: d.update(shape=8)),
+                            r"--case: .*: a field of the wrong kind"),
+    "sim-no-stages": ("simulate", _edited(SIM, lambda d: d.update(stages=[])),
+                      r"stages: need at least one stage mesh"),
+    "sim-too-few-stages": ("simulate", _edited(SIM, lambda d: d.update(stages=d["stages"][:1])),
+                           r"boundaries: 1 stages need 0 boundaries"),
+    "sim-boundary-without-shape": ("simulate", _edited(SIM, lambda d: d["boundaries"][0].pop(
+        "shape")), r"missing field 'shape'"),
+}
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "overlap", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str], match: str) -> None:
+    import re
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert re.search(match, lines[0]), lines[0]
+    assert done.stdout == ""  # (refused before any work: nothing was printed)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_malformed_case_file_is_one_named_error(tmp_path, case):
+    command, data, match = CASES[case]
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps(data))
+    _one_line_error(_run(command, "--case", str(path)), match)
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_case_paths_that_are_no_case_file_are_named(tmp_path, command):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    _one_line_error(_run(command, "--case", str(deep)), r"--case: .* nests its JSON too deep")
+    _one_line_error(_run(command, "--case", "/dev/zero"), r"--case: /dev/zero is not a "
+                                                          r"regular file")
+    _one_line_error(_run(command, "--case", str(tmp_path)), r"is not a regular file")
+    _one_line_error(_run(command, "--case", str(tmp_path / "none.json")), r"no such file")
+
+
+def test_output_paths_that_cannot_be_written_are_named_before_any_work(tmp_path):
+    plan_case = ROOT / "examples" / "cases" / "plan_case.json"
+    _one_line_error(_run("plan", "--case", str(plan_case), "--json", str(tmp_path)),
+                    r"--json: .* is a directory")
+    afile = tmp_path / "README.md"
+    afile.write_text("mine")
+    _one_line_error(_run("simulate", "--case", str(ROOT / "examples" / "cases" /
+                                                    "simulate_case.json"),
+                         "--trace-dir", str(afile)), r"--trace-dir: .* is not a directory")
+    assert afile.read_text() == "mine"
