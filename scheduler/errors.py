@@ -51,5 +51,7 @@ def load_json(text: str | bytes, what: str, build: Callable[[Any], T]) -> T:
         raise ValueError(f"{what}: not valid JSON ({exc})") from None
     except KeyError as exc:
         raise ValueError(f"{what}: missing field {exc}") from None
-    except (TypeError, IndexError, AttributeError) as exc:
+    except (TypeError, IndexError, AttributeError, OverflowError) as exc:
         raise ValueError(f"{what}: malformed ({type(exc).__name__}: {exc})") from None
+    except RecursionError:
+        raise ValueError(f"{what}: nested too deep") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,10 @@ class Transfer:
         return f"{fmt_region(self.region)} {self.sender} -> {to} ({self.nbytes} B){dep}{lane}"
 
 
+PLAN_LANES = 8  # = the planner's MAX_LANES (scheduler/balance.py): comm streams per device
+MAX_CHECK_CELLS = 1 << 26  # booleans ReshardPlan.check may hold at once (64 MiB)
+
+
 @dataclass(frozen=True)
 class ReshardPlan:
     """Transfers, in launch order, that move a tensor from layout ``src`` to layout ``dst``."""
@@ -142,6 +147,9 @@ class ReshardPlan:
         rank = len(self.shape)
         src_regions = self.src.device_regions(self.shape)
         dst_regions = self.dst.device_regions(self.shape)
+        for i, t in enumerate(self.transfers):  # (before anything indexes by dimension)
+            if len(t.region) != rank:
+                raise PlanError(f"transfer {i} ({t}): region rank != tensor rank {rank}")
         cuts: list[set[int]] = [{0, n} for n in self.shape]
         for region in (*src_regions.values(), *dst_regions.values(),
                        *(t.region for t in self.transfers)):
@@ -149,6 +157,14 @@ class ReshardPlan:
                 cuts[d].update((a, b))
         axes = [np.array(sorted(c)) for c in cuts]
         grid = tuple(max(len(a) - 1, 0) for a in axes)
+        devices = {*src_regions, *dst_regions, *(t.sender for t in self.transfers)}
+        cells_total = math.prod(grid) * max(len(devices), 1)
+        if cells_total > MAX_CHECK_CELLS:
+            raise PlanError(f"the plan's regions cut the {rank}-d tensor into "
+                            f"{math.prod(grid)} cells on each of {len(devices)} devices: more "
+                            f"than the {MAX_CHECK_CELLS} this check holds in memory; a plan "
+                            "this fragmented cannot be checked (nor is it one the planner "
+                            "makes)")
 
         def cells(region: Region) -> tuple[slice, ...]:
             return tuple(
@@ -272,6 +288,9 @@ def _check_lane(i: int, t: Transfer, own: Region | None,
     then no earlier transfer matters."""
     if isinstance(t.lane, bool) or not isinstance(t.lane, int) or t.lane < 0:
         raise PlanError(f"transfer {i} ({t}): lane must be an int >= 0, got {t.lane!r}")
+    if t.lane >= PLAN_LANES:  # (each lane is a comm stream, a thread, on every device)
+        raise PlanError(f"transfer {i} ({t}): lane {t.lane}; a plan runs on at most "
+                        f"{PLAN_LANES} lanes (0..{PLAN_LANES - 1})")
     if own is not None and contains(own, t.region):
         return
     for j, lane, where in brought:

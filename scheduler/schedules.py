@@ -250,6 +250,7 @@ class Schedule:
     def __post_init__(self) -> None:
         check_positive_int("num_stages", self.num_stages)
         check_positive_int("num_microbatches", self.num_microbatches)
+        check_size(self.num_stages, self.num_microbatches)
         v = check_positive_int("stages_per_rank", self.stages_per_rank)
         if self.num_stages % v:
             raise ValueError(f"stages_per_rank: {self.num_stages} stages do not split into "
@@ -489,6 +490,19 @@ def peak_live(actions: object) -> int:
     return peak
 
 
+MAX_STAGE_MICROBATCHES = 1 << 16  # stages × microbatches (64 × 256 is 16384; 65536
+# pairs lower and simulate in about a minute here)
+
+
+def check_size(num_stages: int, num_microbatches: int) -> None:
+    """Refuse, before any work, a schedule too big to list (each stage × microbatch is an
+    action of every kind, then ops on every device of its stage)."""
+    if num_stages * num_microbatches > MAX_STAGE_MICROBATCHES:
+        raise ValueError(f"num_microbatches: {num_stages} stages × {num_microbatches} "
+                         f"microbatches is more than {MAX_STAGE_MICROBATCHES} "
+                         "(stage, microbatch) pairs; a step of that size is not one schedule")
+
+
 def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
                   stages_per_rank: int | None = None) -> Schedule:
     """The named schedule (see module doc) for ``num_stages`` × ``num_microbatches``;
@@ -497,6 +511,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
         raise ValueError(f"name: unknown schedule {name!r}; choose one of {ALL_SCHEDULES}")
     p = check_positive_int("num_stages", num_stages)
     m = check_positive_int("num_microbatches", num_microbatches)
+    check_size(p, m)
     if name == "interleaved-1f1b":
         v = check_positive_int("stages_per_rank", 2 if stages_per_rank is None
                                else stages_per_rank)

@@ -82,3 +82,67 @@ def test_empty_and_sparse_torch_batches_are_named():
         with pytest.raises(ValueError, match=r"microbatches\[1\]: an empty batch"):
             pipe.train_step_sync(rt, microbatches=[torch.randn(2, 8), torch.randn(0, 8)])
     assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_a_plan_too_fragmented_to_check_is_refused_in_bounded_memory():
+    import json
+    import time
+
+    from scheduler import PlanError, ReshardPlan
+
+    mesh = DeviceMesh([0, 1], ("g",))
+    plan = plan_resharding((128,) * 4, "float32", Sharding(mesh, P()), Sharding(mesh, P()),
+                           CLUSTER)
+    data = json.loads(plan.to_json())
+    data["transfers"] = [{"region": [[k, k + 1]] * 4, "sender": 0, "receivers": [1],
+                          "nbytes": 4} for k in range(128)]  # every dimension cut 128 times
+    bad = ReshardPlan.from_json(json.dumps(data))
+    start = time.perf_counter()
+    with pytest.raises(PlanError, match=r"cut the 4-d tensor into 268435456 cells .* cannot be "
+                                        r"checked"):
+        bad.check()
+    assert time.perf_counter() - start < 5  # named at once, not after gigabytes
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.update(nbytes=float("inf")), r"plan JSON: malformed \(OverflowError"),
+    (lambda t: t.update(region=[[0, 1]] * 5), r"region rank != tensor rank 2"),
+])
+def test_a_plan_file_of_impossible_values_is_named(edit, match):
+    import json
+
+    from scheduler import PlanError, ReshardPlan
+
+    data = json.loads(plan_resharding((4, 4), "float32", SRC, DST, CLUSTER).to_json())
+    edit(data["transfers"][0])
+    with pytest.raises((ValueError, PlanError), match=match):
+        ReshardPlan.from_json(json.dumps(data)).check()
+
+
+def test_a_plan_of_more_lanes_than_a_device_runs_is_refused():
+    import json
+
+    from scheduler import PlanError, ReshardPlan
+    from scheduler.balance import MAX_LANES
+
+    data = json.loads(plan_resharding((4, 4), "float32", SRC, DST, CLUSTER).to_json())
+    data["transfers"][0]["lane"] = 2000
+    with pytest.raises(PlanError, match=rf"lane 2000; a plan runs on at most {MAX_LANES} "
+                                        r"lanes"):
+        ReshardPlan.from_json(json.dumps(data)).check()
+    with Runtime(CLUSTER) as rt, pytest.raises(PlanError, match=r"lane 2000"):
+        rt.reshard_sync(ReshardPlan.from_json(json.dumps(data)),
+                        {d: np.zeros((4, 4), np.float32) for d in (0, 1)})
+
+
+def test_a_schedule_too_big_to_list_is_refused_at_once():
+    import time
+
+    from scheduler.schedules import MAX_STAGE_MICROBATCHES
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"num_microbatches: 4 stages × 10000000 microbatches "
+                                         r"is more than"):
+        make_schedule("gpipe", 4, 10**7)
+    assert time.perf_counter() - start < 1
+    make_schedule("1f1b", 4, MAX_STAGE_MICROBATCHES // 64)  # (well within: fine)
