@@ -49,19 +49,34 @@ def read_sqlite(path: str | Path) -> Capture:
         except (TypeError, KeyError) as exc:  # (a NULL or odd value where a number belongs)
             raise ValueError(f"{path}: a row of unexpected values ({type(exc).__name__}: "
                              f"{exc})") from None
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         finally:
             db.close()
     except sqlite3.DatabaseError as exc:
         raise ValueError(f"{path}: a corrupt or unreadable SQLite file ({exc})") from None
 
 
+MAX_ROWS = 5_000_000  # rows read from one table (a long capture has ~1e6 kernels)
+
+
 def _rows(db: sqlite3.Connection, table: str, columns: Sequence[str]) -> list[tuple]:
-    """``columns`` of ``table`` (None for a column this version lacks); [] without it."""
-    have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
-    if not have:
+    """``columns`` of ``table`` (None for a column this version lacks); [] without it. A
+    table is read whole only when it is a plain table of at most :data:`MAX_ROWS` rows: a
+    view (whose query could run without end) or a bigger table is named instead."""
+    kind = db.execute("SELECT type FROM sqlite_master WHERE name = ?", (table,)).fetchone()
+    if kind is None:
         return []
+    if kind[0] != "table":
+        raise ValueError(f"{table} is a {kind[0]}, not a table: an Nsight Systems export has "
+                         "tables (a view's query is not read)")
+    have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
     picked = ", ".join(c if c in have else "NULL" for c in columns)
-    return list(db.execute(f"SELECT {picked} FROM {table}"))
+    rows = db.execute(f"SELECT {picked} FROM {table} LIMIT {MAX_ROWS + 1}").fetchall()
+    if len(rows) > MAX_ROWS:
+        raise ValueError(f"{table} has more than {MAX_ROWS} rows: more than this report reads "
+                         "(capture a shorter window: overlap profile --steps A:B)")
+    return rows
 
 
 def _attribute(db: sqlite3.Connection) -> Capture:

@@ -84,3 +84,29 @@ def test_a_malformed_sqlite_row_is_one_named_error(tmp_path, kernel, match):
     path = tmp_path / "cap.sqlite"
     capture(path, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)], kernels=[kernel])
     _one_line_error(_report(path), match)
+
+
+def test_a_view_over_an_endless_query_is_refused_not_read(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "cap.sqlite"
+    capture(path, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)], kernels=[])
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE CUPTI_ACTIVITY_KIND_KERNEL")
+    db.execute("CREATE VIEW CUPTI_ACTIVITY_KIND_KERNEL AS WITH RECURSIVE n(x) AS (SELECT 1 "
+               "UNION ALL SELECT x + 1 FROM n) SELECT x AS start, x + 1 AS end, 0 AS deviceId, "
+               "1 AS correlationId, 1 AS shortName, NULL AS demangledName FROM n")
+    db.commit()
+    db.close()
+    _one_line_error(_report(path), r"CUPTI_ACTIVITY_KIND_KERNEL is a view, not a table")
+
+
+def test_a_table_past_the_row_bound_is_named(tmp_path, monkeypatch):
+    from scheduler import nsys
+
+    path = tmp_path / "cap.sqlite"
+    capture(path, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)],
+            kernels=[(k * MS, (k + 1) * MS, 2, 1, 1, 1) for k in range(5)])
+    monkeypatch.setattr(nsys, "MAX_ROWS", 3)
+    with pytest.raises(ValueError, match=r"CUPTI_ACTIVITY_KIND_KERNEL has more than 3 rows"):
+        nsys.read_sqlite(path)
