@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     read_fd, write_fd = os.pipe()
     os.set_inheritable(write_fd, True)  # pipes are not inherited by default (PEP 446)
-    env = dict(os.environ, **{ENV_FD: str(write_fd)})
+    # "<fd>:<guard pid>": the child writes to the fd only while this guard is its parent.
+    env = dict(os.environ, **{ENV_FD: f"{write_fd}:{os.getpid()}"})
     cmd = args if args[0].endswith(("python", "python3")) else [sys.executable, *args]
     # close_fds=False: the child keeps the launcher's PMI socket (PMI_FD) as the rank would.
     child = subprocess.Popen(cmd, env=env, close_fds=False)
@@ -72,14 +74,31 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def guard_fd(value: str | None) -> int | None:
+    """The pipe to report on, from ``OVERLAP_GUARD_FD``: only ``"<fd>:<pid>"`` where pid is
+    this process's parent (the guard that started it) and fd a pipe — a value set by hand, or
+    inherited from a guard further up, names nothing (no write ever reaches another file)."""
+    if not value:
+        return None
+    fd, sep, pid = value.partition(":")
+    if not sep or not fd.isdigit() or not pid.isdigit() or int(pid) != os.getppid():
+        return None
+    try:
+        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            return None
+    except OSError:
+        return None
+    return int(fd)
+
+
 def report(doing: str) -> None:
     """Tell the guard (if the process runs under one) what the runtime is doing now."""
-    fd = os.environ.get(ENV_FD)
+    fd = guard_fd(os.environ.get(ENV_FD))
     if fd is None:
         return
-    # No guard listening any more (or a bad value): nothing to tell.
-    with contextlib.suppress(OSError, ValueError):
-        os.write(int(fd), (doing.replace("\n", " ") + "\n").encode())
+    # No guard listening any more: nothing to tell.
+    with contextlib.suppress(OSError):
+        os.write(fd, (doing.replace("\n", " ") + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -68,3 +68,23 @@ def _nothing(fd: int) -> bool:
     except BlockingIOError:
         return True
     return False
+
+
+def test_a_guard_fd_set_by_hand_names_no_file(tmp_path):
+    import os
+
+    from overlap.guard import guard_fd
+
+    target = tmp_path / "victim.txt"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT)
+    try:
+        for value in (str(fd), f"{fd}:{os.getppid()}", f"{fd}:1", "x:y", ""):
+            assert guard_fd(value) is None, value  # a regular file, or not our guard's
+        r, w = os.pipe()
+        assert guard_fd(f"{w}:{os.getppid()}") == w  # a pipe from our parent: reported on
+        assert guard_fd(f"{w}:{os.getppid() + 1}") is None
+        os.close(r)
+        os.close(w)
+    finally:
+        os.close(fd)
+    assert target.read_bytes() == b""
