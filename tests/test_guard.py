@@ -50,7 +50,7 @@ def test_report_writes_one_line_to_the_guard_and_nothing_without_one(monkeypatch
 
     r, w = os.pipe()
     try:
-        monkeypatch.setenv(ENV_FD, str(w))
+        monkeypatch.setenv(ENV_FD, f"{w}:{os.getppid()}")  # (as a guard that is our parent)
         report("train_step\nthe programs (call 2)")
         assert os.read(r, 100) == b"train_step the programs (call 2)\n"
         monkeypatch.delenv(ENV_FD)
