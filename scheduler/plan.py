@@ -147,9 +147,7 @@ class ReshardPlan:
         rank = len(self.shape)
         src_regions = self.src.device_regions(self.shape)
         dst_regions = self.dst.device_regions(self.shape)
-        for i, t in enumerate(self.transfers):  # (before anything indexes by dimension)
-            if len(t.region) != rank:
-                raise PlanError(f"transfer {i} ({t}): region rank != tensor rank {rank}")
+        _check_ranks(self.transfers, rank)  # (before anything indexes by dimension)
         cuts: list[set[int]] = [{0, n} for n in self.shape]
         for region in (*src_regions.values(), *dst_regions.values(),
                        *(t.region for t in self.transfers)):
@@ -157,20 +155,11 @@ class ReshardPlan:
                 cuts[d].update((a, b))
         axes = [np.array(sorted(c)) for c in cuts]
         grid = tuple(max(len(a) - 1, 0) for a in axes)
-        devices = {*src_regions, *dst_regions, *(t.sender for t in self.transfers)}
-        cells_total = math.prod(grid) * max(len(devices), 1)
-        if cells_total > MAX_CHECK_CELLS:
-            raise PlanError(f"the plan's regions cut the {rank}-d tensor into "
-                            f"{math.prod(grid)} cells on each of {len(devices)} devices: more "
-                            f"than the {MAX_CHECK_CELLS} this check holds in memory; a plan "
-                            "this fragmented cannot be checked (nor is it one the planner "
-                            "makes)")
+        _check_cells(grid, len({*src_regions, *dst_regions,
+                                 *(t.sender for t in self.transfers)}))
 
         def cells(region: Region) -> tuple[slice, ...]:
-            return tuple(
-                slice(int(np.searchsorted(axes[d], a)), int(np.searchsorted(axes[d], b)))
-                for d, (a, b) in enumerate(region)
-            )
+            return _cells(axes, region)
 
         held: dict[int, np.ndarray] = {}
         got: dict[int, np.ndarray] = {}
@@ -278,6 +267,28 @@ class ReshardPlan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _check_ranks(transfers: Sequence[Transfer], rank: int) -> None:
+    for i, t in enumerate(transfers):
+        if len(t.region) != rank:
+            raise PlanError(f"transfer {i} ({t}): region rank != tensor rank {rank}")
+
+
+def _cells(axes: Sequence[np.ndarray], region: Region) -> tuple[slice, ...]:
+    """The grid cells (of the compressed coordinates ``axes``) a region covers."""
+    return tuple(slice(int(np.searchsorted(axes[d], a)), int(np.searchsorted(axes[d], b)))
+                 for d, (a, b) in enumerate(region))
+
+
+def _check_cells(grid: tuple[int, ...], devices: int) -> None:
+    """Refuse a plan whose regions cut the tensor into more cells (on every device the check
+    follows) than :data:`MAX_CHECK_CELLS`: its check would hold them all in memory."""
+    if math.prod(grid) * max(devices, 1) > MAX_CHECK_CELLS:
+        raise PlanError(f"the plan's regions cut the {len(grid)}-d tensor into "
+                        f"{math.prod(grid)} cells on each of {devices} devices: more than the "
+                        f"{MAX_CHECK_CELLS} this check holds in memory; a plan this "
+                        "fragmented cannot be checked (nor is it one the planner makes)")
 
 
 def _check_lane(i: int, t: Transfer, own: Region | None,
