@@ -374,19 +374,27 @@ class TorchPipeline:
         # ("auto" gets the fused backward: it then chooses among unsplit schedules.)
         split = schedule != "auto" and bool(
             _schedule(schedule, len(self.meshes), len(mbs)).kinds & {"I", "W"})
+        return await self._run(rt, self.split_stages if split else self.stages, boundaries,
+                               mbs, tgts, 1.0 / len(mbs) if scale_grads else None,
+                               return_outputs, schedule=schedule, options=options,
+                               max_activations=max_activations)
+
+    async def _run(self, rt: Runtime, stages: Sequence[Stage], boundaries: Boundaries,
+                   mbs: list[Any], tgts: list[Any] | None, loss_scale: float | None,
+                   return_outputs: bool, **step: Any) -> Any:
+        """One runtime step of ``stages`` with this step's targets, loss scale and output
+        collection set for the stage functions (one step at a time per pipeline)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("TorchPipeline: a step is already running on this pipeline")
         self._targets = tgts
         self._threads = self.num_threads or default_threads(rt.world)
-        self._loss_scale = 1.0 / len(mbs) if scale_grads else None
+        self._loss_scale = loss_scale
         self._outputs = {} if return_outputs else None
         try:
-            losses = await rt.train_step(self.split_stages if split else self.stages,
-                                         boundaries, mbs,
+            losses = await rt.train_step(stages, boundaries, mbs,
                                          input_sharding=self._sharding(0, "input",
                                                                        mbs[0].ndim),
-                                         schedule=schedule,
-                                         options=options, max_activations=max_activations)
+                                         **step)
             return self._result(rt, losses, len(mbs)) if return_outputs else losses
         finally:
             self._targets = None
@@ -413,21 +421,8 @@ class TorchPipeline:
         mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches, microbatches)
         order = _schedule("gpipe" if schedule == "auto" else schedule, len(self.meshes),
                           len(mbs)).forward_order()
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("TorchPipeline: a step is already running on this pipeline")
-        self._targets = tgts
-        self._threads = self.num_threads or default_threads(rt.world)
-        self._outputs = {} if return_outputs else None
-        try:
-            losses = await rt.train_step(self.eval_stages, boundaries, mbs,
-                                         input_sharding=self._sharding(0, "input",
-                                                                       mbs[0].ndim),
-                                         schedule=order, options=options)
-            return self._result(rt, losses, len(mbs)) if return_outputs else losses
-        finally:
-            self._targets = None
-            self._outputs = None
-            self._busy.release()
+        return await self._run(rt, self.eval_stages, boundaries, mbs, tgts, None,
+                               return_outputs, schedule=order, options=options)
 
     def eval_step_sync(self, rt: Runtime, inputs: torch.Tensor | None = None,
                        targets: torch.Tensor | None = None, **kwargs: Any) -> Any:
