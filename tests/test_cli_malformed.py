@@ -4,13 +4,10 @@ exit 2 before any work — never a traceback (issue 35's corpus of CLI inputs)."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from cli_errors import ROOT, assert_one_line_error, run_overlap
 
-ROOT = Path(__file__).resolve().parents[1]
 PLAN = json.loads((ROOT / "examples" / "cases" / "plan_case.json").read_text())
 SIM = json.loads((ROOT / "examples" / "cases" / "simulate_case.json").read_text())
 
@@ -38,48 +35,33 @@ CASES = {
 }
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "overlap", *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-
-
-def _one_line_error(done: subprocess.CompletedProcess[str], match: str) -> None:
-    import re
-
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    assert re.search(match, lines[0]), lines[0]
-    assert done.stdout == ""  # (refused before any work: nothing was printed)
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_malformed_case_file_is_one_named_error(tmp_path, case):
     command, data, match = CASES[case]
     path = tmp_path / "case.json"
     path.write_text(json.dumps(data))
-    _one_line_error(_run(command, "--case", str(path)), match)
+    assert_one_line_error(run_overlap(command, "--case", str(path)), match)
 
 
 @pytest.mark.parametrize("command", ["plan", "simulate"])
 def test_case_paths_that_are_no_case_file_are_named(tmp_path, command):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    _one_line_error(_run(command, "--case", str(deep)), r"--case: .* nests its JSON too deep")
-    _one_line_error(_run(command, "--case", "/dev/zero"), r"--case: /dev/zero is not a "
-                                                          r"regular file")
-    _one_line_error(_run(command, "--case", str(tmp_path)), r"is not a regular file")
-    _one_line_error(_run(command, "--case", str(tmp_path / "none.json")), r"no such file")
+    cases = ((str(deep), r"--case: .* nests its JSON too deep"),
+             ("/dev/zero", r"--case: /dev/zero is not a regular file"),
+             (str(tmp_path), r"is not a regular file"),
+             (str(tmp_path / "none.json"), r"no such file"))
+    for path, match in cases:
+        assert_one_line_error(run_overlap(command, "--case", path), match)
 
 
 def test_output_paths_that_cannot_be_written_are_named_before_any_work(tmp_path):
     plan_case = ROOT / "examples" / "cases" / "plan_case.json"
-    _one_line_error(_run("plan", "--case", str(plan_case), "--json", str(tmp_path)),
+    assert_one_line_error(run_overlap("plan", "--case", str(plan_case), "--json", str(tmp_path)),
                     r"--json: .* is a directory")
     afile = tmp_path / "README.md"
     afile.write_text("mine")
-    _one_line_error(_run("simulate", "--case", str(ROOT / "examples" / "cases" /
+    assert_one_line_error(run_overlap("simulate", "--case", str(ROOT / "examples" / "cases" /
                                                     "simulate_case.json"),
                          "--trace-dir", str(afile)), r"--trace-dir: .* is not a directory")
     assert afile.read_text() == "mine"

@@ -5,14 +5,11 @@ infinite or negative durations, an end before its start, a time outside any capt
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_errors import assert_one_line_error, run_overlap
 from test_nsys import MS, capture
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _kineto(**kernel) -> dict:
@@ -45,19 +42,8 @@ JSON_CASES = {
 }
 
 
-def _report(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "overlap", "trace", "report", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-
-
-def _one_line_error(done: subprocess.CompletedProcess[str], match: str) -> None:
-    import re
-
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    assert re.search(match, lines[0]), lines[0]
+def _report(path: Path):
+    return run_overlap("trace", "report", str(path))
 
 
 @pytest.mark.parametrize("case", sorted(JSON_CASES))
@@ -67,13 +53,13 @@ def test_a_malformed_json_trace_is_one_named_error(tmp_path, case):
                             for e in data["traceEvents"]]}
     path = tmp_path / "t.json"
     path.write_text(json.dumps(data))  # (NaN and Infinity as JSON's non-standard literals)
-    _one_line_error(_report(path), match)
+    assert_one_line_error(_report(path), match)
 
 
 def test_deeply_nested_json_is_one_named_error(tmp_path):
     path = tmp_path / "deep.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
-    _one_line_error(_report(path), r"not a trace written by overlap: RecursionError")
+    assert_one_line_error(_report(path), r"not a trace written by overlap: RecursionError")
 
 
 @pytest.mark.parametrize("kernel, match", [
@@ -83,7 +69,7 @@ def test_deeply_nested_json_is_one_named_error(tmp_path):
 def test_a_malformed_sqlite_row_is_one_named_error(tmp_path, kernel, match):
     path = tmp_path / "cap.sqlite"
     capture(path, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)], kernels=[kernel])
-    _one_line_error(_report(path), match)
+    assert_one_line_error(_report(path), match)
 
 
 def test_a_view_over_an_endless_query_is_refused_not_read(tmp_path):
@@ -98,7 +84,7 @@ def test_a_view_over_an_endless_query_is_refused_not_read(tmp_path):
                "1 AS correlationId, 1 AS shortName, NULL AS demangledName FROM n")
     db.commit()
     db.close()
-    _one_line_error(_report(path), r"CUPTI_ACTIVITY_KIND_KERNEL is a view, not a table")
+    assert_one_line_error(_report(path), r"CUPTI_ACTIVITY_KIND_KERNEL is a view, not a table")
 
 
 def test_a_table_past_the_row_bound_is_named(tmp_path, monkeypatch):

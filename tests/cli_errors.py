@@ -1,0 +1,25 @@
+"""Running ``python -m overlap`` as a user would, and what a refused input must look like:
+one ``error:`` line on stderr, exit 2, no traceback, nothing on stdout (no work was done)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_overlap(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "overlap", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], match: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert re.search(match, lines[0]), lines[0]
+    assert done.stdout == ""  # (refused before any work: nothing was printed)
