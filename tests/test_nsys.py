@@ -218,13 +218,11 @@ def test_trace_report_of_an_nsys_rep_says_how_to_export_it(tmp_path, capsys, mon
     assert "`nsys export --type sqlite" in capsys.readouterr().err
 
 
-def test_trace_report_exports_an_nsys_rep_with_nsys_when_on_path(tmp_path, capsys, monkeypatch):
-    # A stand-in `nsys` that writes the export a real one would (its --output argument).
-    import json
+def _exporting_nsys(tmp_path, monkeypatch) -> None:
+    """A stand-in ``nsys`` alone on PATH whose ``export`` writes the export a real one would
+    (one kernel of 4 ms on device 2) to its ``--output``, never asked to overwrite."""
     import stat
     import sys
-
-    import overlap.cli
 
     source = tmp_path / "made.sqlite"
     capture(source, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)],
@@ -234,9 +232,19 @@ def test_trace_report_exports_an_nsys_rep_with_nsys_when_on_path(tmp_path, capsy
     nsys = bin_dir / "nsys"
     nsys.write_text(f"#!{sys.executable}\nimport shutil, sys\n"
                     "args = sys.argv[1:]\nassert args[:3] == ['export', '--type', 'sqlite']\n"
+                    "assert '--force-overwrite' not in args\n"
                     f"shutil.copy({str(source)!r}, args[args.index('--output') + 1])\n")
     nsys.chmod(nsys.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", str(bin_dir))
+
+
+def test_trace_report_exports_an_nsys_rep_with_nsys_when_on_path(tmp_path, capsys, monkeypatch):
+    # A stand-in `nsys` that writes the export a real one would (its --output argument).
+    import json
+
+    import overlap.cli
+
+    _exporting_nsys(tmp_path, monkeypatch)
     (tmp_path / "cap.nsys-rep").write_bytes(b"\0")
     assert overlap.cli.main(["trace", "report", str(tmp_path / "cap.nsys-rep"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -440,23 +448,11 @@ def test_trace_report_never_replaces_a_file_the_user_did_not_name(tmp_path, caps
     # cap.sqlite exists and is older than cap.nsys-rep: the export goes elsewhere.
     import json
     import os
-    import stat
-    import sys
     import time
 
     import overlap.cli
 
-    source = tmp_path / "made.sqlite"
-    capture(source, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)],
-            kernels=[(0, 4 * MS, 2, 1, 1, 1)])
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    nsys = bin_dir / "nsys"
-    nsys.write_text(f"#!{sys.executable}\nimport shutil, sys\n"
-                    "args = sys.argv[1:]\nassert '--force-overwrite' not in args\n"
-                    f"shutil.copy({str(source)!r}, args[args.index('--output') + 1])\n")
-    nsys.chmod(nsys.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", str(bin_dir))
+    _exporting_nsys(tmp_path, monkeypatch)
     mine = tmp_path / "cap.sqlite"
     mine.write_bytes(b"the user's own file")
     past = time.time() - 100
