@@ -187,11 +187,21 @@ class TorchPipeline:
         if rt is None:
             return None
         _check_runtime(rt)
+        self._check_in_cluster(rt)
+        return frozenset(rt.local_devices) if rt.world.distributed else None
+
+    def _check_in_cluster(self, rt: Runtime) -> None:
         top = max(d for mesh in self.meshes for d in mesh.device_ids)
         if top >= rt.cluster.num_devices:
             raise ValueError(f"meshes: device {top} is outside the runtime's cluster "
                              f"(devices 0..{rt.cluster.num_devices - 1})")
-        return frozenset(rt.local_devices) if rt.world.distributed else None
+
+    def _writers(self) -> tuple[Runtime | None, tuple[int, ...] | None, int]:
+        """(the runtime, device -> rank where processes split the stages, this rank): who
+        writes which stage of a checkpoint (:mod:`overlap.torch.checkpoint`)."""
+        rt = self._runtime
+        owners = None if self._local is None or rt is None else rt.backend.placement.owners
+        return rt, owners, 0 if rt is None else rt.world.rank
 
     def _build(self, stage_fn: StageFn, plans: Any, rt: Runtime | None, seed: int
                ) -> list[Any]:
@@ -263,10 +273,9 @@ class TorchPipeline:
         ``state_dict``, which loads into any placement or plan (:meth:`load_state_dict`) and
         into plain torch."""
         out: dict[str, torch.Tensor] = {}
-        rt = self._runtime
-        owners = None if self._local is None or rt is None else rt.backend.placement.owners
+        rt, owners, rank = self._writers()
         for s in range(len(self.meshes)):
-            part = stage_state(self, s, rt, owners, 0 if rt is None else rt.world.rank)
+            part = stage_state(self, s, rt, owners, rank)
             out.update({f"{s}.{k}": v for k, v in (part or {}).items()})
         return out
 
@@ -287,9 +296,7 @@ class TorchPipeline:
         tensor-parallel parameter gathered like it; each stage written by the process that
         :meth:`state_dict` writes it from (collective in the same way)
         (:mod:`overlap.torch.optimizer_state`)."""
-        rt = self._runtime
-        owners = None if self._local is None or rt is None else rt.backend.placement.owners
-        return optimizer_state(self, optimizer, rt, owners, 0 if rt is None else rt.world.rank)
+        return optimizer_state(self, optimizer, *self._writers())
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
                                   state_dict: Mapping[str, Any]) -> None:
@@ -533,10 +540,7 @@ class TorchPipeline:
                      for row in report_boundary(i, b, cluster, options))
 
     def _check_placement(self, rt: Runtime, cuda: bool) -> None:
-        top = max(d for mesh in self.meshes for d in mesh.device_ids)
-        if top >= rt.cluster.num_devices:
-            raise ValueError(f"meshes: device {top} is outside the runtime's cluster "
-                             f"(devices 0..{rt.cluster.num_devices - 1})")
+        self._check_in_cluster(rt)
         if cuda:
             self._check_own_gpus(rt)
             self._place_shards(rt)
