@@ -517,7 +517,7 @@ class Answers:
     at_work: bool
     idle: bool
     absent: tuple[int, ...] = ()  # the ranks asked that are not at work (or did not answer)
-    behind: tuple[int, ...] = ()  # ...that never made this call and are in none, or are mute
+    mute: tuple[int, ...] = ()  # ...that did not answer at all
 
     @classmethod
     def of(cls, calls: int, got: dict[int, tuple[int, bool]], asked: Sequence[int]) -> Answers:
@@ -544,7 +544,7 @@ class Answers:
             parts.append(f"ranks {working} are at work (calls "
                          f"{[got[r][0] for r in working]}, this rank at {calls})")
         return cls("; ".join(parts), len(working) == len(asked), not past and not mute,
-                   tuple(r for r in asked if r not in working), tuple(late + mute))
+                   tuple(r for r in asked if r not in working), tuple(mute))
 
 
 class Round:
@@ -739,13 +739,15 @@ class CallRounds:
         with self._lock:  # (the landing thread may be comparing the rows now: its verdict)
             if self._settled:
                 return self.mismatch
-        # A missing row may still come from a member that made this call (it posted its row
-        # then) or is still in an earlier one; never from one behind it and idle, or mute.
+        # A missing row may still come from any member that answers: one that made this
+        # call posted its row then, and one idle in an earlier call (slower, not wrong —
+        # seen under load) may yet make it; the deadline bounds the wait for one that never
+        # does. Only a mute member (exited, dead) is given up on at once.
         missing = self.agreement.missing()
         if missing:
             # (A short ask: a wrong "mute" here only skips a verdict — the call failed.)
             answers = await asyncio.to_thread(self.dist.ask, missing, None, QUERY_WAIT_S / 2)
-            if answers.behind:
+            if answers.mute:
                 return None
         deadline = time.perf_counter() + self.dist.grace / 2
         while not self.agreement.over and self._can_complete():
