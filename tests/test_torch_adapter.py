@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: pip install
 from torch import nn  # noqa: E402
 
 from overlap import Runtime, StreamError  # noqa: E402
-from overlap.errors import CollectiveTimeout  # noqa: E402
+from overlap.errors import CollectiveTimeout, OverlapRuntimeError, StageTimeout  # noqa: E402
 from overlap.pipeline import Stage  # noqa: E402
 from overlap.torch import TorchPipeline, replicate  # noqa: E402
 from scheduler import SCHEDULES, Cluster, DeviceMesh  # noqa: E402
@@ -716,3 +718,42 @@ def test_a_bad_thread_count_is_named_before_anything_runs(bad, exc):
     with pytest.raises(exc, match="num_threads"):
         TorchPipeline([nn.Linear(2, 2)], [CLUSTER.mesh([0], gpus=1)], nn.functional.mse_loss,
                       num_threads=bad)
+
+
+_RELEASE = threading.Event()  # (module-level: replicate() deep-copies a module's attributes)
+
+
+class _Hangs(nn.Module):
+    """A stage whose forward blocks until ``_RELEASE`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _stage(1, torch.float64)
+
+    def forward(self, x):
+        _RELEASE.wait(60.0)
+        return self.inner(x)
+
+
+def test_a_stage_that_hangs_in_the_shape_probe_is_a_stage_timeout_naming_it():
+    """The probe (each stage's first run on a new shape, before the step) is user code like
+    any op: bounded by the runtime's timeout, named, and the pipeline refuses further steps
+    while its thread may still be running the modules."""
+    stages = [_stage(s, torch.float64) for s in range(len(MESHES))]
+    stages[1] = _Hangs()
+    _RELEASE.clear()
+    modules = [replicate(m, len(mesh.device_ids)) for m, mesh in zip(stages, MESHES)]
+    pipe = TorchPipeline(modules, MESHES, nn.functional.mse_loss)
+    x, y = _batch(8)
+    with Runtime(CLUSTER, timeout=0.3) as rt:
+        start = time.perf_counter()
+        with pytest.raises(StageTimeout, match=r"modules\[1\] never finished its first run on "
+                                               r"microbatch 0 \(2, 6\)") as err:
+            pipe.train_step_sync(rt, x, y, num_microbatches=4)
+        assert time.perf_counter() - start < 0.3 + 5.0  # (bounded: not the 60 s wait)
+        assert (err.value.stage, err.value.microbatch, err.value.phase) == (1, 0, "F")
+        assert err.value.device == MESHES[1].device_ids[0]
+        _RELEASE.set()
+        with pytest.raises(OverlapRuntimeError, match="shape probe is still running "
+                                                      r"modules\[1\]"):
+            pipe.train_step_sync(rt, x, y, num_microbatches=4)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,8 +39,10 @@ from scheduler import (
 )
 from scheduler.lowering import Boundaries
 
+from ..errors import OverlapRuntimeError, StageTimeout
 from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
+from .bounded import call_within
 from .checkpoint import LoadResult, load, stage_state
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
 from .optimizer_state import load_optimizer_state, optimizer_state
@@ -148,6 +151,8 @@ class TorchPipeline:
         self._outputs: dict[int, torch.Tensor] | None = None  # with return_outputs
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
         self._boundaries: dict[Any, tuple[Boundary, ...]] = {}
+        self._probing = ("modules[0]", 0)  # what the shape probe runs now, and its stage
+        self._probe_lost: str | None = None  # a probe left running past the timeout
 
     def _parallelize(self, modules: Any, plans: Sequence[Any] | None, axis: str | None
                      ) -> tuple[TensorParallel | None, ...]:
@@ -485,7 +490,8 @@ class TorchPipeline:
                 raise ValueError(f"{where}: on {x.device}, the runtime's {rt.backend.name} "
                                  f"backend needs them on {want}")
         mbs = [as_array(x, rt.backend.xp) for x in xs]
-        rows = [self.boundaries(x, None if tgts is None else tgts[i]) for i, x in enumerate(xs)]
+        rows = [self._boundaries_within(rt, i, x, None if tgts is None else tgts[i])
+                for i, x in enumerate(xs)]
         bounds: Boundaries = list(rows[0]) if len(set(rows)) == 1 else \
             MicrobatchBoundaries(tuple(rows))
         return mbs, tgts, bounds
@@ -519,11 +525,39 @@ class TorchPipeline:
         producer's output layout over its mesh, the consumer's input layout over its own;
         ``P()`` for replicated stages), found by running the (full) stage modules once
         without autograd on ``microbatch`` (cached per shape)."""
-        key = (tuple(microbatch.shape), microbatch.dtype,
-               None if target is None else (tuple(target.shape), target.dtype))
+        key = _probe_key(microbatch, target)
         if key not in self._boundaries:
             self._boundaries[key] = self._probe(microbatch, target)
         return self._boundaries[key]
+
+    def _boundaries_within(self, rt: Runtime, i: int, microbatch: torch.Tensor,
+                           target: torch.Tensor | None) -> tuple[Boundary, ...]:
+        """:meth:`boundaries` for a step: a probe (user code's first run on a new shape)
+        is bounded by the runtime's ``timeout`` like any op — past it, StageTimeout naming
+        the module; its thread is left running, so this pipeline refuses further steps."""
+        key = _probe_key(microbatch, target)
+        if key in self._boundaries:
+            return self._boundaries[key]
+        if self._probe_lost is not None:
+            raise OverlapRuntimeError(self._probe_lost)
+        timeout = rt.backend.timeout
+        start = time.perf_counter()
+        done, found = call_within(lambda: self.boundaries(microbatch, target), timeout,
+                                  "overlap shape probe")
+        if done:
+            assert found is not None
+            return found
+        (what, s), seconds = self._probing, time.perf_counter() - start
+        self._probe_lost = (f"this pipeline's shape probe is still running {what} (abandoned "
+                            f"past the timeout, {timeout:g} s): its modules may be in use — "
+                            "make a new TorchPipeline (and Runtime)")
+        raise StageTimeout(
+            f"{what} never finished its first run on microbatch {i} "
+            f"{tuple(microbatch.shape)} {microbatch.dtype} (the shape probe, on the caller's "
+            f"process before the step): it has run {seconds:.1f} s (timeout {timeout:g} s). "
+            "Its thread is abandoned and this pipeline refuses further steps",
+            op=f"{what} (shape probe)", device=self.meshes[s].device_ids[0],
+            stream="compute", stage=s, microbatch=i, phase="F", seconds=seconds)
 
     def boundary_report(self, cluster: Cluster | Runtime, microbatch: torch.Tensor,
                         target: torch.Tensor | None = None,
@@ -621,6 +655,7 @@ class TorchPipeline:
                 dev = self._device_dtype[s][0][0] if tp is None else \
                     module_device_dtype(tp.module, f"modules[{s}]")[0]  # (the full module's)
                 name = f"modules[{s}]"
+                self._probing = (name, s)
                 if dev is not None and x.is_meta and dev != META:
                     x = torch.zeros_like(x, device=dev)  # (after a stage run elsewhere)
                 try:
@@ -667,6 +702,7 @@ class TorchPipeline:
         return sharding
 
     def _probe_loss(self, y: torch.Tensor, target: torch.Tensor | None) -> None:
+        self._probing = ("loss_fn", len(self.meshes) - 1)
         try:
             loss = self._loss(y, target)
         except Exception as exc:
@@ -824,3 +860,9 @@ def replicate(module: nn.Module, n: int) -> list[nn.Module]:
 
 
 __all__ = ["LossFn", "TorchPipeline", "replicate"]
+
+
+def _probe_key(x: torch.Tensor, target: torch.Tensor | None) -> tuple[Any, ...]:
+    """What a probe's result depends on: the microbatch's and the target's shapes and dtypes."""
+    return (tuple(x.shape), x.dtype, None if target is None else (tuple(target.shape),
+                                                                   target.dtype))
