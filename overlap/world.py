@@ -87,6 +87,13 @@ def detect_world(env: Mapping[str, str] | None = None) -> World:
     if forced == "single":
         return World()
     launcher = [v for v in MPI_LAUNCHER_VARS if v in env]
+    if launcher == ["PMIX_RANK"] and not ("PMIX_NAMESPACE" in env and any(
+            k.startswith("PMIX_SERVER_URI") for k in env)):
+        # A PMIx client finds its server only through these: without them MPI_Init aborts
+        # the process with MPICH's own message, which names nothing the user set.
+        raise RuntimeError("environment variable PMIX_RANK is set, but no PMIx launcher "
+                           "started this process (no PMIX_NAMESPACE and PMIX_SERVER_URI*): "
+                           "unset it, or launch with mpiexec / srun --mpi=pmix")
     if launcher:
         comm = mpi_world_comm(f"the process was started by an MPI launcher ({launcher[0]} "
                               "is set)")

@@ -70,6 +70,15 @@ def test_srun_without_an_mpi_plugin_says_how_to_launch():
         detect_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
 
 
+@pytest.mark.parametrize("env", [{"PMIX_RANK": "0"},
+                                 {"PMIX_RANK": "0", "PMIX_NAMESPACE": "job"},
+                                 {"PMIX_RANK": "0", "PMIX_SERVER_URI41": "pmix-server.1;x"}])
+def test_a_pmix_rank_without_a_pmix_server_is_named_before_mpi_starts(env):
+    """(MPI_Init would abort the process with MPICH's own message.)"""
+    with pytest.raises(RuntimeError, match="PMIX_RANK is set, but no PMIx launcher"):
+        detect_world(env)
+
+
 def test_overlap_world_single_wins_over_a_launcher():
     assert detect_world({"OVERLAP_WORLD": "single", "PMI_RANK": "1", "PMI_SIZE": "2"}) == World()
 
