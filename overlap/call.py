@@ -361,7 +361,10 @@ class Call:
         if rounds is not None:
             # A mismatch explains every failure it caused, here or elsewhere: its verdict is
             # awaited (bounded) even though the work failed.
-            mismatch = await rounds.verdict_after_failure()
+            # (A timeout here, or a peer's report of one: a member idle behind the call
+            # was waited for long enough already.)
+            mismatch = await rounds.verdict_after_failure(waited=any(
+                isinstance(f, (CollectiveTimeout, RankFailed)) for f in (exc, *failures)))
             if mismatch is not None:
                 root = mismatch
             rounds.abandon()

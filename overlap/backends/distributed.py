@@ -731,7 +731,7 @@ class CallRounds:
         if self.mismatch is not None:
             raise self.mismatch
 
-    async def verdict_after_failure(self) -> CallMismatch | None:
+    async def verdict_after_failure(self, waited: bool = False) -> CallMismatch | None:
         """The call failed here: the agreement's verdict anyway — a mismatch explains the
         failures it caused — while the round can still complete (no member that failed
         never made this call), for at most half the ``grace`` (so this rank still reports to
@@ -747,7 +747,9 @@ class CallRounds:
         if missing:
             # (A short ask: a wrong "mute" here only skips a verdict — the call failed.)
             answers = await asyncio.to_thread(self.dist.ask, missing, None, QUERY_WAIT_S / 2)
-            if answers.mute:
+            # (``waited``: the call failed waiting the full timeout for a peer — one idle
+            # behind it was waited for long enough already.)
+            if answers.mute or (waited and set(missing) & set(answers.absent)):
                 return None
         deadline = time.perf_counter() + self.dist.grace / 2
         while not self.agreement.over and self._can_complete():
