@@ -517,6 +517,7 @@ class Answers:
     at_work: bool
     idle: bool
     absent: tuple[int, ...] = ()  # the ranks asked that are not at work (or did not answer)
+    behind: tuple[int, ...] = ()  # ...that never made this call and are in none
     mute: tuple[int, ...] = ()  # ...that did not answer at all
 
     @classmethod
@@ -544,7 +545,7 @@ class Answers:
             parts.append(f"ranks {working} are at work (calls "
                          f"{[got[r][0] for r in working]}, this rank at {calls})")
         return cls("; ".join(parts), len(working) == len(asked), not past and not mute,
-                   tuple(r for r in asked if r not in working), tuple(mute))
+                   tuple(r for r in asked if r not in working), tuple(late), tuple(mute))
 
 
 class Round:
@@ -749,7 +750,7 @@ class CallRounds:
             answers = await asyncio.to_thread(self.dist.ask, missing, None, QUERY_WAIT_S / 2)
             # (``waited``: the call failed waiting the full timeout for a peer — one idle
             # behind it was waited for long enough already.)
-            if answers.mute or (waited and set(missing) & set(answers.absent)):
+            if answers.mute or (waited and answers.behind):
                 return None
         deadline = time.perf_counter() + self.dist.grace / 2
         while not self.agreement.over and self._can_complete():

@@ -542,10 +542,11 @@ class TorchPipeline:
             raise OverlapRuntimeError(self._probe_lost)
         timeout = rt.backend.timeout
         start = time.perf_counter()
-        done, found = call_within(lambda: self.boundaries(microbatch, target), timeout,
+        done, found = call_within(lambda: self._probe(microbatch, target), timeout,
                                   "overlap shape probe")
         if done:
             assert found is not None
+            self._boundaries[key] = found
             return found
         (what, s), seconds = self._probing, time.perf_counter() - start
         self._probe_lost = (f"this pipeline's shape probe is still running {what} (abandoned "
@@ -859,10 +860,11 @@ def replicate(module: nn.Module, n: int) -> list[nn.Module]:
     return [module, *(copy.deepcopy(module) for _ in range(n - 1))]
 
 
-__all__ = ["LossFn", "TorchPipeline", "replicate"]
-
-
 def _probe_key(x: torch.Tensor, target: torch.Tensor | None) -> tuple[Any, ...]:
     """What a probe's result depends on: the microbatch's and the target's shapes and dtypes."""
     return (tuple(x.shape), x.dtype, None if target is None else (tuple(target.shape),
                                                                    target.dtype))
+
+
+__all__ = ["LossFn", "TorchPipeline", "replicate"]
+
