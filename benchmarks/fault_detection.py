@@ -9,6 +9,12 @@ and whether the next step (same runtime after a raise, a fresh one after a hang)
 reference losses. ``--mpi`` runs the same matrix on two ranks (``mpiexec -n 2``, the job of
 ``tests/mpi_jobs/job.py``) and reports both ranks. Prints one row per fault kind (cases, worst
 and median detection, worst close) and the machine.
+
+Then hangs that keep Python's interpreter lock (GIL) busy, ``--gil-repeats`` times each: a C
+call holding it for 3 × ``timeout`` (nothing can run meanwhile: it is named when it returns),
+and pure-Python busy loops on 1, 2, 4 and 8 devices at once (each stage thread takes the lock
+back every 5 ms, so the runtime's watch gets it only now and then): how long the op had run
+when it was named, against the timeout.
 """
 
 from __future__ import annotations
@@ -82,6 +88,47 @@ def two_ranks() -> list[dict]:
         return rows
 
 
+def gil_hangs(timeout: float, repeats: int) -> list[str]:
+    """Rows of the GIL section (see module doc)."""
+    import ctypes
+    import threading
+
+    from gil_pipeline import spinning_step
+
+    lines = ["| hang | runs | named right | ran when named: median | worst | next step right |",
+             "|---|---|---|---|---|---|"]
+    with overlap.Runtime(CLUSTER, timeout=timeout) as rt:
+        reference = FaultyMLP().step(rt)
+    cases: list[tuple[str, object]] = [("C call holding the GIL 3 × timeout", None)]
+    cases += [(f"Python busy loops on {n} device(s)", n) for n in (1, 2, 4, 8)]
+    for label, n in cases:
+        ran, right, next_ok = [], 0, 0
+        for _ in range(repeats):
+            if n is None:
+                class Held(FaultyMLP):
+                    def _planted(self, ctx):
+                        if (ctx.stage, ctx.microbatch, ctx.phase, ctx.device) == (1, 0, "F", 4):
+                            ctypes.PyDLL(None).usleep(int(3 * timeout * 1e6))
+                with overlap.Runtime(CLUSTER, timeout=timeout) as rt:
+                    try:
+                        Held().step(rt)
+                    except overlap.StageTimeout as exc:
+                        ran.append(exc.seconds)
+                        right += (exc.stage, exc.microbatch, exc.phase) == (1, 0, "F")
+                    next_ok += FaultyMLP().step(rt) == reference
+                continue
+            release = threading.Event()
+            err = spinning_step(n, timeout, release)
+            release.set()
+            ran.append(err.seconds)
+            right += (err.stage, err.microbatch, err.phase) == (0, 1, "F")
+            next_ok += 1  # (a fresh runtime: the spinning threads were abandoned)
+        lines.append(f"| {label} | {repeats} | {right}/{repeats} | "
+                     f"{statistics.median(ran):.2f} s | {max(ran):.2f} s | "
+                     f"{next_ok}/{repeats} |")
+    return lines
+
+
 def table(title: str, rows: list[dict]) -> str:
     lines = [f"{title}", "| fault | cases | errors named | worst detection | median | "
              "worst close() | next step right |", "|---|---|---|---|---|---|---|"]
@@ -100,6 +147,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--timeout", type=float, default=1.0)
     ap.add_argument("--mpi", action="store_true", help="also the matrix on two MPI ranks")
+    ap.add_argument("--gil-repeats", type=int, default=5,
+                    help="runs of each GIL hang (0: skip that section)")
     args = ap.parse_args()
     print(machine_line())
     print(f"timeout {args.timeout:g} s; {sum(1 for _ in every_fault())} faults per run "
@@ -109,6 +158,10 @@ def main() -> None:
     if args.mpi:
         print()
         print(table("two ranks (mpiexec -n 2), both ranks' rows", two_ranks()))
+    if args.gil_repeats > 0:
+        print(f"\nhangs that keep the GIL busy (one process, timeout {args.timeout:g} s)")
+        for line in gil_hangs(args.timeout, args.gil_repeats):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

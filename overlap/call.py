@@ -10,10 +10,13 @@ watch, finish — and on exit, recover and name one root cause.
 - **Launch.** The call's step graph is enqueued on the streams, every item under the call's
   :class:`~overlap.scope.CancelScope` — a child of the runtime's.
 - **Watch.** The call waits for its lanes' end events all at once (woken once, by the last
-  of them or by the scope's cancellation), and every tick looks at what each stream runs: a
-  compute op (user code, which nothing can interrupt) past the timeout is hung and becomes
-  :class:`~overlap.errors.StageTimeout` naming it. Waits bound themselves: a collective's
-  rendezvous and a wait on the wire raise past the timeout, naming who never came.
+  of them or by the scope's cancellation), and looks at what each stream runs whenever the
+  oldest compute op running reaches the timeout: one still running then (user code, which
+  nothing can interrupt) is hung and becomes :class:`~overlap.errors.StageTimeout` naming
+  it. A compute op that returns past the timeout (it held the interpreter lock, so nothing
+  could look) fails the call the same way, from its own stream. Waits bound themselves: a
+  collective's rendezvous and a wait on the wire raise past the timeout, naming who never
+  came.
 - **Finish.** Across processes, the agreement's verdict; and, for a call whose result every
   member returns (a training step's losses), the end-of-call round: such a call returns only
   once every member's part of it ended well. A resharding has no such round: it returns
@@ -56,8 +59,10 @@ from .scope import CancelScope
 if TYPE_CHECKING:
     from .backends import Backend, Event, Trace
     from .backends.distributed import CallRounds, Distributed
+    from .hang_dump import HangDump
 
-TICK_S = 0.1  # how often a waiting call looks for hung ops (at most; less for small timeouts)
+TICK_S = 0.1  # how often a call waiting for device work (CUDA) looks at its scope
+LOOK_SLACK_S = 1e-3  # the watch wakes this long after an op's deadline (clocks' rounding)
 
 
 # ---- one call at a time --------------------------------------------------------------------
@@ -142,31 +147,66 @@ def describe(busy: Busy, graph: StepGraph | None) -> tuple[str, int | None, int 
     return busy.label, None, None, None
 
 
-def hang_error(stuck: Sequence[Busy], graph: StepGraph | None, timeout: float) -> StageTimeout:
+def hang_error(stuck: Sequence[Busy], graph: StepGraph | None, timeout: float, *,
+               abandoned: bool = True) -> StageTimeout:
     """The error naming ``stuck`` ops, the longest-running first (the likeliest culprit: the
-    others may be waiting inside it, e.g. in a stage collective)."""
+    others may be waiting inside it, e.g. in a stage collective); ``abandoned``: their threads
+    were given up (else: named while they still ran, before the streams settled)."""
     ordered = sorted(stuck, key=lambda b: b.since)
     first = ordered[0]
     what, stage, mb, phase = describe(first, graph)
     now = time.perf_counter()
     seconds = now - first.since
     others = [f"{describe(b, graph)[0]} ({now - b.since:.1f} s)" for b in ordered[1:]]
-    text = (f"{what} never finished: it has run {seconds:.1f} s on device {first.device}'s "
-            f"{first.stream!r} stream (timeout {timeout:g} s)")
+    text = (f"{what} {'never finished' if abandoned else 'is past the timeout'}: it has run "
+            f"{seconds:.1f} s on device {first.device}'s {first.stream!r} stream (timeout "
+            f"{timeout:g} s)")
     if others:
         text += "; also still running: " + ", ".join(others)
-    text += (". Its thread is abandoned and this runtime refuses further work: close it and "
-             "make a fresh Runtime")
+    if abandoned:
+        text += (". Its thread is abandoned and this runtime refuses further work: close it "
+                 "and make a fresh Runtime")
     return StageTimeout(text, op=what, device=first.device, stream=first.stream, stage=stage,
                         microbatch=mb, phase=phase, seconds=seconds)
+
+
+def overran_error(busy: Busy, seconds: float, graph: StepGraph | None,
+                  timeout: float) -> StageTimeout:
+    """The error naming a compute op that returned, but only after ``seconds`` past the
+    ``timeout`` (one that held the interpreter lock, so that nothing could name it while it
+    ran). Its thread is not lost: the runtime works on."""
+    what, stage, mb, phase = describe(busy, graph)
+    return StageTimeout(
+        f"{what} ran {seconds:.1f} s on device {busy.device}'s {busy.stream!r} stream, past "
+        f"the timeout ({timeout:g} s); it returned, but too late, so the step failed. "
+        "Nothing could name it while it ran: it held Python's interpreter lock (a C "
+        "extension that does not release it?) — see 'Failure behaviour' in the docs",
+        op=what, device=busy.device, stream=busy.stream, stage=stage, microbatch=mb,
+        phase=phase, seconds=seconds)
 
 
 def overdue(backend: Backend, scope: CancelScope) -> list[Busy]:
     """The scope's compute ops that have run longer than the timeout now. (Only compute ops:
     user code nothing else bounds. Waits and transfers bound themselves.)"""
     now = time.perf_counter()
+    return [b for b in running_computes(backend, scope) if now >= b.since + backend.timeout]
+
+
+def running_computes(backend: Backend, scope: CancelScope) -> list[Busy]:
+    """The scope's compute ops running now."""
     return [b for b in backend.busy() if b.scope is scope and not b.waiting
-            and b.category == "compute" and now >= b.since + backend.timeout]
+            and b.category == "compute"]
+
+
+def next_look(backend: Backend, scope: CancelScope) -> float:
+    """Seconds until the watch must look for hung ops again: when the oldest compute op
+    running now reaches the timeout (one that starts later reaches it later than a timeout
+    from now). Waking only then, not on a fixed tick, keeps the watch from falling behind
+    when its thread gets the interpreter lock only now and then (stages busy in Python)."""
+    now = time.perf_counter()
+    due = min((b.since + backend.timeout for b in running_computes(backend, scope)),
+              default=now + backend.timeout)
+    return max(LOOK_SLACK_S, due - now + LOOK_SLACK_S)
 
 
 # ---- the root cause -------------------------------------------------------------------------
@@ -202,14 +242,18 @@ class Call:
 
     def __init__(self, backend: Backend, parent: CancelScope, what: str,
                  graph: StepGraph | None, dist: Distributed | None, *,
-                 trace: Trace | None = None) -> None:
+                 trace: Trace | None = None, dump: HangDump | None = None) -> None:
         self.backend = backend
         self.what = what
         self.graph = graph
         self.dist = dist
         self.scope = CancelScope(what, parent)
         self.scope.trace = trace
+        self.scope.overran = lambda busy, seconds: overran_error(busy, seconds, graph,
+                                                                 backend.timeout)
         self.lost: DeviceThreadLost | None = None  # set when a stream had to be abandoned
+        self.named: StageTimeout | None = None  # ops the watch found past the timeout
+        self.dump = dump  # tracebacks from a C timer if the watch misses a look
         self.unsettled = False  # an interruption left streams busy: the next call settles
 
     async def run(self, launch: Callable[[CancelScope], list[Event]], *,
@@ -232,6 +276,8 @@ class Call:
                                          digest, members, scope)
             if channels is not None:
                 await backend.prepare(*channels)
+            if self.dump is not None:  # (an op may freeze the process before the watch runs)
+                self.dump.arm(backend.timeout)
             ends = launch(scope)
             await self._watch(ends)
             backend.release_to_caller(ends)
@@ -247,14 +293,16 @@ class Call:
                 raise
             raise root from root.__cause__
         finally:
+            if self.dump is not None:
+                self.dump.disarm()
             scope.close()
             if dist is not None:
                 dist.end_call()
 
     async def _watch(self, ends: Sequence[Event]) -> None:
         """Until every end event is launched — the last one, or the scope's cancellation,
-        wakes the loop once — looking for hung ops every tick; then, on a GPU, until the
-        device got there (bounded)."""
+        wakes the loop once — looking for hung ops when the oldest running one is due
+        (:func:`next_look`); then, on a GPU, until the device got there (bounded)."""
         scope, backend = self.scope, self.backend
         tick = min(TICK_S, backend.timeout / 4)
         if not all(ev.launched() for ev in ends):
@@ -288,7 +336,10 @@ class Call:
                 while left[0] > 0 and not scope.cancelled:
                     # A timer, not asyncio.wait_for: on 3.11 that drops a cancel that comes
                     # in the loop pass its wait ends (gh-86296) — Ctrl-C would go unseen.
-                    timer = loop.call_later(tick, _resolve_box, box)
+                    look = next_look(backend, scope)
+                    timer = loop.call_later(look, _resolve_box, box)
+                    if self.dump is not None:
+                        self.dump.arm(look)
                     try:
                         await box[0]
                     finally:
@@ -307,6 +358,8 @@ class Call:
                 with lock:
                     state[0] = False
                 scope.remove(handle)
+                if self.dump is not None:  # (not while a failure settles: no look is due)
+                    self.dump.disarm()
         # (Not the failures themselves: the root cause, chosen from them on the way out, is
         # the one raised.)
         if scope.cancelled or any(ev.error is not None for ev in ends):
@@ -332,7 +385,8 @@ class Call:
         hung = overdue(self.backend, self.scope)
         if not hung:
             return None
-        err = hang_error(hung, self.graph, self.backend.timeout)
+        err = hang_error(hung, self.graph, self.backend.timeout, abandoned=False)
+        self.named = err
         self.scope.fail(err)
         return err
 
@@ -378,12 +432,26 @@ class Call:
                                         lambda b: backend.stop_bound(b, start))
         if stuck:
             hang = self._abandon(stuck)
-            if _consequence(root):
+            if _consequence(root) or root is self.named:
                 root = hang  # an op here that never finished explains what waited for it
         else:
             backend.forget()
+            if _consequence(root) or root is self.named:
+                root = self._settled_root(root)
         if dist is not None:
             dist.failed(self.what, root)
+        return root
+
+    def _settled_root(self, root: BaseException) -> BaseException:
+        """Once the streams settled with none stuck, every op here returned and every
+        failure they had to report is in: one that is not a consequence explains ``root``
+        (a wait that gave up, or the watch naming an op still running then) better — an op
+        that returned past its bound (it held the interpreter lock: nothing could look, or
+        the watch saw it just before it returned), a stage's error raised meanwhile."""
+        scope = self.scope
+        for f in (*scope.failures, *(scope.parent.failures if scope.parent else ())):
+            if f is not self.named and not _consequence(f):
+                return f
         return root
 
     async def _peer_explanation(self, timeout: BaseException) -> BaseException:
@@ -439,5 +507,5 @@ async def settle_leftovers(backend: Backend) -> list[Busy]:
     return stuck
 
 
-__all__ = ["Call", "CallGate", "describe", "hang_error", "overdue", "refuse_reentry",
-           "root_cause", "settle_leftovers"]
+__all__ = ["Call", "CallGate", "describe", "hang_error", "next_look", "overdue",
+           "overran_error", "refuse_reentry", "root_cause", "settle_leftovers"]

@@ -25,7 +25,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import numpy as np
 
@@ -64,6 +64,7 @@ from scheduler.validate import validate
 from .backends import Backend, Trace, make_backend
 from .call import Call, CallGate, refuse_reentry, settle_leftovers
 from .errors import CollectiveAborted, DeviceThreadLost, OverlapRuntimeError, RankFailed
+from .hang_dump import hang_dump
 from .nvtx import range_end, range_start
 from .pipeline import Stage, StepState, check_pipeline, check_split, launch_step, step_channels
 from .polling import PollFirstSelector
@@ -298,7 +299,7 @@ class Runtime:
         compute_time: ``(stage, kind) -> seconds`` each stage compute takes at least (compute
             emulation, for the same purpose; the user function still runs for real).
         timeout: seconds a collective or wait may block before it raises, naming who is
-            missing.
+            missing, and a stage op may run before it is named as hung (``StageTimeout``).
         world: this process's place in a multi-process job; by default what the launcher
             says (``overlap.world.detect_world``: one process unless started by ``mpiexec``
             or ``srun``).
@@ -309,6 +310,12 @@ class Runtime:
             before step A and stops it after step B-1, for ``nsys profile
             --capture-range=cudaProfilerApi``. Default: ``$OVERLAP_PROFILE_STEPS`` (set by
             ``overlap profile --steps``), else no window. See also :meth:`capture`.
+        hang_tracebacks: ``True`` (standard error) or an open file: if the runtime's watch
+            cannot run for ``timeout`` past a look it planned — an op holds Python's
+            interpreter lock, freezing every other thread — a C-level timer
+            (:mod:`faulthandler`) writes every thread's traceback there. Off by default:
+            that timer is one per process (arming it replaces one set elsewhere, e.g.
+            pytest's ``faulthandler_timeout``).
 
     In a multi-process job every process makes the same calls with the same arguments; each
     runs only its own devices' parts (see README, "Running on several processes and hosts").
@@ -319,10 +326,12 @@ class Runtime:
                  compute_time: Callable[[int, str], float] | None = None,
                  timeout: float = 30.0, world: World | None = None,
                  placement: Placement | None = None,
-                 profile_steps: range | str | None = None) -> None:
+                 profile_steps: range | str | None = None,
+                 hang_tracebacks: bool | IO[str] = False) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
         check_seconds("timeout", timeout)  # before any thread or process is started
+        self._hang_dump = hang_dump(hang_tracebacks, timeout)
         self._profile_window = profile_window(profile_steps)
         self._capturing = False
         if world is not None and not isinstance(world, World):
@@ -742,11 +751,13 @@ class Runtime:
                 stuck = await settle_leftovers(self.backend)
                 self._unsettled = False
                 if stuck:
-                    call = Call(self.backend, self.scope, what, graph, None)
+                    call = Call(self.backend, self.scope, what, graph, None,
+                                dump=self._hang_dump)
                     call._abandon(stuck)
                     self._lost = call.lost
                     self._check_open()
-            call = Call(self.backend, self.scope, what, graph, self.backend.dist, trace=trace)
+            call = Call(self.backend, self.scope, what, graph, self.backend.dist, trace=trace,
+                        dump=self._hang_dump)
             try:
                 table = await call.run(launch, channels=channels, digest=digest,
                                        members=members, payload=payload, subject=subject)

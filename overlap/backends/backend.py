@@ -24,6 +24,9 @@ from .streams import Busy, Event, Stream, Trace
 # call's work (its waits wake at once; a transfer's part ends at its next look) before it
 # counts as stuck, unless it runs an op that may still be within its time bound.
 SETTLE_GRACE_S = 0.25
+# How long a compute op already past its time bound counts as maybe just returned (see
+# Backend.stop_bound).
+RETURN_GRACE_S = 0.05
 
 
 class Remote(Protocol):
@@ -285,11 +288,13 @@ class Backend:
         counts as stuck (for :meth:`settle`): a wait or a transfer sees the cancellation at
         once — it gets the grace; a compute op (user code, which nothing can interrupt) may
         run until it has run ``timeout`` — it may be slow, not hung — and one past that
-        already is stuck now."""
+        is stuck after :data:`RETURN_GRACE_S`."""
         if b.waiting or b.category != "compute":
             return max(start, b.since) + SETTLE_GRACE_S
         hung = b.since + self.timeout
-        return hung if hung <= start else max(hung, start + SETTLE_GRACE_S)
+        # (One past its bound gets a moment: if it held the interpreter lock it may have
+        # returned just now, its thread not yet run again to say so.)
+        return max(hung, start + (RETURN_GRACE_S if hung <= start else SETTLE_GRACE_S))
 
     def forget(self) -> None:
         """After a failed call, once its work settled: the rendezvous it left part-way are

@@ -400,8 +400,28 @@ class Stream:
                 trace.records.append(TraceRecord(op, self.device, self.name, first, last))
         except BaseException as exc:
             self._fail(scope, exc, label)
+        else:
+            if category == "compute":
+                self._check_overran(scope)
         finally:
             range_end(rng)
+
+    def _check_overran(self, scope: CancelScope) -> None:
+        """A compute op that returned only after the timeout fails its call, named as the
+        hang it was. The call's watch names an op still running past the timeout — but not
+        one that held the interpreter lock all along (a C extension that does not release
+        it): nothing else could run meanwhile, and when it returns a peer's wait that timed
+        out meanwhile could be seen first and blamed. The clock read here is the one the op
+        could not stop, so whichever thread runs first, this failure names the op."""
+        current = self._current
+        if current is None or scope.overran is None or self.lost is not None:
+            return  # (abandoned: its call named it already)
+        item, since = current
+        seconds = time.perf_counter() - since
+        if seconds < self.backend.timeout:
+            return
+        busy = Busy(self.device, self.name, item[1], item[4], item[3], since, scope=scope)
+        scope.fail(scope.overran(busy, seconds))
 
     def _fail(self, scope: CancelScope, exc: BaseException, what: str) -> None:
         if self.lost is not None:
