@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
-
 from .dtypes import check_dtype
 from .errors import PlanError, load_json
+from .plan_check import Budget, check_delivered, holds
 from .regions import Region, contains, fmt_region, intersect, volume
 from .sharding import Sharding
 
@@ -86,7 +84,6 @@ class Transfer:
 
 
 PLAN_LANES = 8  # = the planner's MAX_LANES (scheduler/balance.py): comm streams per device
-MAX_CHECK_CELLS = 1 << 26  # booleans ReshardPlan.check may hold at once (64 MiB)
 
 
 @dataclass(frozen=True)
@@ -141,51 +138,28 @@ class ReshardPlan:
 
         Every sender holds the whole region when its transfer starts (from the source layout
         or an earlier transfer), and afterwards every destination device has received exactly
-        its destination region, each element once. Exact, by coordinate compression: cheap
-        even for huge tensors.
+        its destination region, each element once. Exact, by box arithmetic
+        (:mod:`scheduler.plan_check`): time and memory in proportion to the transfers, however
+        large the tensor or finely its regions cut it; a plan that would need more than
+        :data:`~scheduler.plan_check.MAX_CHECK_WORK` box operations is refused.
         """
         rank = len(self.shape)
         src_regions = self.src.device_regions(self.shape)
         dst_regions = self.dst.device_regions(self.shape)
         _check_ranks(self.transfers, rank)  # (before anything indexes by dimension)
-        cuts: list[set[int]] = [{0, n} for n in self.shape]
-        for region in (*src_regions.values(), *dst_regions.values(),
-                       *(t.region for t in self.transfers)):
-            for d, (a, b) in enumerate(region):
-                cuts[d].update((a, b))
-        axes = [np.array(sorted(c)) for c in cuts]
-        grid = tuple(max(len(a) - 1, 0) for a in axes)
-        _check_cells(grid, len({*src_regions, *dst_regions,
-                                 *(t.sender for t in self.transfers)}))
-
-        def cells(region: Region) -> tuple[slice, ...]:
-            return _cells(axes, region)
-
-        held: dict[int, np.ndarray] = {}
-        got: dict[int, np.ndarray] = {}
-        brought: dict[int, list[tuple[int, int, Region]]] = {}  # (i, lane, region)
-
-        def holding(dev: int) -> np.ndarray:
-            if dev not in held:
-                h = np.zeros(grid, dtype=bool)
-                if dev in src_regions:
-                    h[cells(src_regions[dev])] = True
-                held[dev] = h
-            return held[dev]
-
+        budget, itemsize = Budget(), self.itemsize
+        got: dict[int, list[tuple[int, int, Region]]] = {}  # device -> (i, lane, region)
         for i, t in enumerate(self.transfers):
-            if len(t.region) != rank:
-                raise PlanError(f"transfer {i} ({t}): region rank != tensor rank {rank}")
-            if t.nbytes != volume(t.region) * self.itemsize:
+            if t.nbytes != volume(t.region) * itemsize:
                 raise PlanError(f"transfer {i} ({t}): nbytes != region volume × itemsize")
             if any(not 0 <= j < i for j in t.after):
                 raise PlanError(f"transfer {i} ({t}): 'after' must name earlier transfers")
             if not all(0 <= a <= b <= n for (a, b), n in zip(t.region, self.shape)):
                 raise PlanError(f"transfer {i} ({t}): region outside shape {self.shape}")
-            box = cells(t.region)
-            if not holding(t.sender)[box].all():
+            own, brought = src_regions.get(t.sender), got.get(t.sender, [])
+            if not holds(own, brought, t.region, budget):
                 raise PlanError(f"transfer {i} ({t}): sender {t.sender} does not hold the region")
-            _check_lane(i, t, src_regions.get(t.sender), brought.get(t.sender, ()))
+            _check_lane(i, t, own, brought, budget)
             if len(set(t.receivers)) != len(t.receivers):
                 raise PlanError(f"transfer {i} ({t}): repeated receiver")
             if t.sender in t.receivers and not t.is_local_copy:
@@ -197,24 +171,9 @@ class ReshardPlan:
                         f"{fmt_region(t.region)} (its destination region is "
                         f"{fmt_region(dst_regions[r]) if r in dst_regions else 'none'})"
                     )
-                g = got.setdefault(r, np.zeros(grid, dtype=np.int32))
-                g[box] += 1
-                holding(r)[box] = True
-                brought.setdefault(r, []).append((i, t.lane, t.region))  # local copies too
+                got.setdefault(r, []).append((i, t.lane, t.region))  # local copies too
         for dev, region in dst_regions.items():
-            want = np.zeros(grid, dtype=np.int32)
-            want[cells(region)] = 1
-            have = got.get(dev, np.zeros(grid, dtype=np.int32))
-            if not np.array_equal(have, want):
-                lacking, extra = (have == 0) & (want == 1), have > 1
-                first = np.argwhere(lacking if lacking.any() else extra)[0]
-                cell = tuple((int(axes[d][i]), int(axes[d][i + 1])) for d, i in enumerate(first))
-                raise PlanError(
-                    f"device {dev}: destination region {fmt_region(region)} not delivered "
-                    f"exactly once ({int(lacking.sum())} cell(s) missing, {int(extra.sum())} "
-                    f"delivered more than once; first {'missing' if lacking.any() else 'twice'}: "
-                    f"{fmt_region(cell)})"
-                )
+            check_delivered(dev, region, got.get(dev, ()), budget)
 
     # ---- reporting -----------------------------------------------------------------------
 
@@ -275,24 +234,8 @@ def _check_ranks(transfers: Sequence[Transfer], rank: int) -> None:
             raise PlanError(f"transfer {i} ({t}): region rank != tensor rank {rank}")
 
 
-def _cells(axes: Sequence[np.ndarray], region: Region) -> tuple[slice, ...]:
-    """The grid cells (of the compressed coordinates ``axes``) a region covers."""
-    return tuple(slice(int(np.searchsorted(axes[d], a)), int(np.searchsorted(axes[d], b)))
-                 for d, (a, b) in enumerate(region))
-
-
-def _check_cells(grid: tuple[int, ...], devices: int) -> None:
-    """Refuse a plan whose regions cut the tensor into more cells (on every device the check
-    follows) than :data:`MAX_CHECK_CELLS`: its check would hold them all in memory."""
-    if math.prod(grid) * max(devices, 1) > MAX_CHECK_CELLS:
-        raise PlanError(f"the plan's regions cut the {len(grid)}-d tensor into "
-                        f"{math.prod(grid)} cells on each of {devices} devices: more than the "
-                        f"{MAX_CHECK_CELLS} this check holds in memory; a plan this "
-                        "fragmented cannot be checked (nor is it one the planner makes)")
-
-
 def _check_lane(i: int, t: Transfer, own: Region | None,
-                brought: Sequence[tuple[int, int, Region]]) -> None:
+                brought: Sequence[tuple[int, int, Region]], budget: Budget) -> None:
     """Transfer ``i`` runs on a valid lane, after every earlier transfer on another lane
     that brought its sender part of what it sends (``brought``: (index, lane, region)). A
     sender whose source region (``own``) holds the region reads that, as the runtime does:
@@ -304,6 +247,7 @@ def _check_lane(i: int, t: Transfer, own: Region | None,
                         f"{PLAN_LANES} lanes (0..{PLAN_LANES - 1})")
     if own is not None and contains(own, t.region):
         return
+    budget.spend(len(brought))
     for j, lane, where in brought:
         if lane != t.lane and j not in t.after and intersect(where, t.region) is not None:
             raise PlanError(

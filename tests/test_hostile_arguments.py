@@ -84,24 +84,79 @@ def test_empty_and_sparse_torch_batches_are_named():
     assert all(p.grad is None for p in pipe.parameters())
 
 
-def test_a_plan_too_fragmented_to_check_is_refused_in_bounded_memory():
+def _diagonal_plan(cuts: int, rank: int):
+    """A plan of ``cuts`` one-element transfers on the diagonal of a rank-``rank`` tensor:
+    its regions cut every dimension ``cuts`` times, and most of the tensor is not moved."""
     import json
+
+    from scheduler import ReshardPlan
+
+    plan = plan_resharding((cuts,) * rank, "float32", Sharding(DeviceMesh([0], ("g",)), P()),
+                           Sharding(DeviceMesh([1], ("g",)), P()), CLUSTER)
+    data = json.loads(plan.to_json())
+    data["transfers"] = [{"region": [[k, k + 1]] * rank, "sender": 0, "receivers": [1],
+                          "nbytes": 4} for k in range(cuts)]
+    return ReshardPlan.from_json(json.dumps(data))
+
+
+def test_a_plan_whose_regions_cut_the_tensor_finely_is_checked_exactly_in_bounded_time():
     import time
 
-    from scheduler import PlanError, ReshardPlan
+    from scheduler import PlanError
 
-    mesh = DeviceMesh([0, 1], ("g",))
-    plan = plan_resharding((128,) * 4, "float32", Sharding(mesh, P()), Sharding(mesh, P()),
-                           CLUSTER)
-    data = json.loads(plan.to_json())
-    data["transfers"] = [{"region": [[k, k + 1]] * 4, "sender": 0, "receivers": [1],
-                          "nbytes": 4} for k in range(128)]  # every dimension cut 128 times
-    bad = ReshardPlan.from_json(json.dumps(data))
+    bad = _diagonal_plan(128, 4)  # 128**4 cells of a grid; 128 transfers
     start = time.perf_counter()
-    with pytest.raises(PlanError, match=r"cut the 4-d tensor into 268435456 cells .* cannot be "
-                                        r"checked"):
+    with pytest.raises(PlanError, match=r"device 1: destination region \[0:128, 0:128, 0:128, "
+                                        r"0:128\] not delivered exactly once \(268435328 "
+                                        r"element\(s\) missing; first missing: \["):
         bad.check()
     assert time.perf_counter() - start < 5  # named at once, not after gigabytes
+
+
+def test_a_plan_too_fragmented_to_check_within_the_work_budget_is_refused():
+    from scheduler import PlanError
+
+    with pytest.raises(PlanError, match=r"too many or too finely cut to check within \d+ box "
+                                        r"operations"):
+        _diagonal_plan(2, 40).check()  # each receiver's box has 2**40 corners
+
+
+def _slab_plan(width: int):
+    """A correct plan of few transfers whose regions cut a 5-d tensor into billions of grid
+    cells: stage 0's device 0 holds it all; device d of 1..4 gets row d-1, in slabs
+    ``width`` wide cut along dimension d (a different one for each device)."""
+    from scheduler import ReshardPlan, Transfer
+
+    shape = (4, 256, 256, 256, 256)
+    src = Sharding(DeviceMesh([0], ("g",)), P())
+    dst = Sharding(DeviceMesh([1, 2, 3, 4], ("g",)), P("g"))
+    transfers = []
+    for d in range(1, 5):
+        for k in range(0, 256, width):
+            region = [(d - 1, d), *((0, 256),) * 4]
+            region[d] = (k, k + width)
+            transfers.append(Transfer(tuple(region), 0, (d,), 4 * (256 ** 3) * width))
+    return ReshardPlan(shape, "float32", src, dst, tuple(transfers), "send_recv", "none")
+
+
+def test_a_correct_plan_of_billions_of_cells_is_accepted_and_a_gap_in_it_named():
+    import dataclasses
+
+    from scheduler import PlanError
+
+    plan = _slab_plan(2)  # 512 transfers; a dense grid would hold 4 * 129**4 cells
+    plan.check()
+    gap = dataclasses.replace(plan, transfers=plan.transfers[:200] + plan.transfers[201:])
+    missing = plan.transfers[200]  # device 2's slab [144:146] of dimension 2
+    with pytest.raises(PlanError, match=r"device 2: .* not delivered exactly once \(33554432 "
+                                        r"element\(s\) missing; first missing: \[1:2, 0:256, "
+                                        r"144:146, 0:256, 0:256\]"):
+        gap.check()
+    assert missing.region == ((1, 2), (0, 256), (144, 146), (0, 256), (0, 256))
+    twice = dataclasses.replace(plan, transfers=(*plan.transfers, plan.transfers[5]))
+    with pytest.raises(PlanError, match=r"device 1: .*transfers 5 and 512 both deliver "
+                                        r"\[0:1, 10:12, 0:256, 0:256, 0:256\]"):
+        twice.check()
 
 
 @pytest.mark.parametrize("edit, match", [
