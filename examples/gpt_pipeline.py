@@ -54,6 +54,7 @@ from overlap.torch import (
 )
 from overlap.world import max_over_ranks
 from scheduler import Cluster, DeviceMesh, make_schedule
+from scheduler.cli_common import output_dir, positive_float, positive_int
 
 # (rtol, atol) as in torch.testing.assert_close: |a - b| <= atol + rtol * |b| per element.
 # float32: atol covers parameters that start at zero (biases, LayerNorm shifts), which after
@@ -250,15 +251,15 @@ def closeness(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> flo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4, help="transformer blocks in all")
-    ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=32, help="sequence length")
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--layers", type=positive_int, default=4, help="transformer blocks in all")
+    ap.add_argument("--width", type=positive_int, default=64)
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--seq", type=positive_int, default=32, help="sequence length")
+    ap.add_argument("--vocab", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=16)
+    ap.add_argument("--microbatches", type=positive_int, default=4)
+    ap.add_argument("--steps", type=positive_int, default=3)
+    ap.add_argument("--lr", type=positive_float, default=1e-3)
     ap.add_argument("--tp", default="1,2,4,2x2",
                     help="each rank's mesh: a tensor-parallel degree d (a 1×d mesh) or dp×tp "
                          "(2x2: tensor-parallel over 2, replicated over 2)")
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: each stage on its first device's GPU (a tensor-parallel "
                          "device needs a GPU of its own)")
-    ap.add_argument("--trace-dir", default="traces")
+    ap.add_argument("--trace-dir", type=output_dir, default="traces")
     ap.add_argument("--quiet", action="store_true", help="only the verdict line")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # many device threads share the cores

@@ -40,6 +40,7 @@ import overlap
 from overlap.torch import TorchPipeline, build_stage
 from overlap.world import max_over_ranks
 from scheduler import Cluster, DeviceMesh
+from scheduler.cli_common import output_dir, positive_float, positive_int
 
 TOL = 1e-5
 
@@ -50,13 +51,13 @@ def stage(width: int) -> nn.Module:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--steps", type=positive_int, default=3)
+    ap.add_argument("--batch", type=positive_int, default=256)
+    ap.add_argument("--microbatches", type=positive_int, default=8)
+    ap.add_argument("--width", type=positive_int, default=1024)
+    ap.add_argument("--lr", type=positive_float, default=0.05)
     ap.add_argument("--schedule", default="eager-1f1b")
-    ap.add_argument("--trace-dir", default="traces")
+    ap.add_argument("--trace-dir", type=output_dir, default="traces")
     args = ap.parse_args(argv)
     # Four device threads share the cores: one intra-op thread each (as BLAS above).
     torch.set_num_threads(1)

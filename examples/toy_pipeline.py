@@ -36,6 +36,7 @@ from toy import ToyMLP, reference_step
 from overlap import Runtime
 from overlap.world import detect_world
 from scheduler import Cluster, estimate
+from scheduler.cli_common import output_dir, positive_float, positive_int
 
 
 def emulated_compute(cluster: Cluster, model: ToyMLP, ratio: float):
@@ -100,15 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--emulate", metavar="PRESET", default=None,
                     help="emulate the links of this cluster preset (e.g. p3.8xlarge)")
-    ap.add_argument("--compute-ratio", type=float, default=2.0,
+    ap.add_argument("--compute-ratio", type=positive_float, default=2.0,
                     help="with --emulate: a microbatch's forward takes this many times its "
                          "slowest transfer (backward twice that)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--trace-dir", default="traces")
+    ap.add_argument("--steps", type=positive_int, default=3)
+    ap.add_argument("--microbatches", type=positive_int, default=8)
+    ap.add_argument("--batch", type=positive_int, default=16384)
+    ap.add_argument("--hidden", type=positive_int, default=16)
+    ap.add_argument("--lr", type=positive_float, default=1e-4)
+    ap.add_argument("--trace-dir", type=output_dir, default="traces")
     args = ap.parse_args(argv)
     cluster = Cluster.preset(args.emulate or "p3.8xlarge", 4)
     RANK = detect_world().rank

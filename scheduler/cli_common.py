@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from .balance import BALANCES
 from .cluster import Cluster
@@ -33,10 +34,18 @@ class Case:
     cluster: Cluster
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """An argument error is one line, ``error: <argument>: <what is wrong>``, and exit 2 —
+    as every other refused input of the CLI (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message.removeprefix('argument ')}\n")
+
+
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser whose help shows every option's default."""
-    return argparse.ArgumentParser(prog=prog, description=description,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """A parser whose help shows every option's default, and whose errors are one line."""
+    return OneLineErrors(prog=prog, description=description,
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 SPEC_FLAGS = ("--src-spec", "--dst-spec")
@@ -97,6 +106,48 @@ def interpret_case(path: Path, data: object, build: Callable[[dict], T]) -> T:
                          f"({type(exc).__name__}: {exc})") from None
     except RecursionError:
         raise ValueError(f"--case: {path}: nested too deep") from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (a count: steps, microbatches, a width)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (a learning rate, a ratio)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def output_dir(text: str) -> Path:
+    """An argparse ``type``: a folder to write into — one that exists, or one that can be
+    made (its nearest existing parent is a writable folder). Nothing is made here: a refused
+    command leaves no trace."""
+    path = Path(text)
+    if path.exists():
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} is a file, not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"{path}: no permission to write there")
+        return path
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot make {path}: {parent} is not a writable "
+                                         "directory")
+    return path
 
 
 def write_text(path: Path, text: str, argument: str) -> None:

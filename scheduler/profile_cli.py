@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .capture import PROFILE_STEPS_ENV, steps_window
-from .cli_common import parser
+from .cli_common import output_dir, parser
 from .nsys import read_sqlite
 from .trace_cli import trace_figures, trace_text
 
@@ -49,7 +49,7 @@ def profile_main(argv: Sequence[str]) -> int:
     p.add_argument("--steps", default=None,
                    help="record only training steps A..B-1 (counting from 0), e.g. 3:5; "
                         "default: the whole run")
-    p.add_argument("-o", "--output", type=Path, default=Path("profile"),
+    p.add_argument("-o", "--output", type=output_dir, default=Path("profile"),
                    help="folder for the capture (profile.nsys-rep, profile.sqlite)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("command", nargs="*", help="the program to profile, after --")

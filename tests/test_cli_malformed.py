@@ -4,6 +4,7 @@ exit 2 before any work — never a traceback (issue 35's corpus of CLI inputs)."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from cli_errors import ROOT, assert_one_line_error, run_overlap
@@ -65,3 +66,49 @@ def test_output_paths_that_cannot_be_written_are_named_before_any_work(tmp_path)
                                                     "simulate_case.json"),
                          "--trace-dir", str(afile)), r"--trace-dir: .* is not a directory")
     assert afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["simulate", "--stages", "x"], r"^error: --stages: invalid int value: 'x'$"),
+    (["simulate", "--stages", "3", "--bogus"], r"^error: unrecognized arguments: --bogus$"),
+    (["plan", "--strategy", "nope"], r"^error: --strategy: invalid choice: 'nope'"),
+    (["trace", "report"], r"^error: the following arguments are required"),
+])
+def test_argument_errors_of_every_command_are_one_line(argv, match):
+    assert_one_line_error(run_overlap(*argv), match)
+
+
+def test_profile_names_a_bad_output_folder_before_looking_for_nsys(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    done = run_overlap("profile", "-o", str(afile), "--", "python", "train.py")
+    assert_one_line_error(done, r"^error: -o/--output: .*notes.txt is a file, not a directory$")
+    assert afile.read_text() == "mine"
+
+
+EXAMPLES = ("toy_pipeline.py", "torch_pipeline.py", "gpt_pipeline.py")
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_the_examples_refuse_bad_flags_before_any_work(tmp_path, example):
+    import subprocess
+    import sys
+
+    if example != "toy_pipeline.py":
+        pytest.importorskip("torch")
+    afile = tmp_path / "README.md"
+    afile.write_text("mine")
+    for argv, match in ((["--trace-dir", str(afile)], r"--trace-dir: .* is a file, not a "
+                                                      r"directory"),
+                        (["--steps", "0"], r"--steps: must be >= 1, got 0"),
+                        (["--microbatches", "-2"], r"--microbatches: must be >= 1, got -2"),
+                        (["--lr", "nan"], r"--lr: must be a finite number > 0, got nan")):
+        done = subprocess.run([sys.executable, str(ROOT / "examples" / example), *argv],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        assert re.search(rf"{example}: error: argument {match}", last), last
+        assert done.stdout == ""
+    assert afile.read_text() == "mine"
+    assert list(tmp_path.iterdir()) == [afile]  # (no traces folder made)
