@@ -49,12 +49,30 @@ from .sharding import Sharding, check_shape
 
 @dataclass(frozen=True)
 class Boundary:
-    """The tensor crossing from stage ``s`` to ``s + 1`` (its gradient crosses back)."""
+    """The tensor crossing from stage ``s`` to ``s + 1`` (its gradient crosses back).
+
+    Checked and canonicalized when made: ``shape`` a sequence of ints >= 0 (stored as a
+    tuple), ``dtype`` a supported dtype (stored by name), the tensor within 2**62 bytes, both
+    layouts :class:`Sharding` values — a ValueError or TypeError naming the field otherwise.
+    (Whether the layouts fit the shape and their stages' meshes is checked where the
+    boundary meets them: :func:`lower`.)"""
 
     shape: tuple[int, ...]
     dtype: str
     producer: Sharding  # on stage s's mesh
     consumer: Sharding  # on stage s+1's mesh
+
+    def __post_init__(self) -> None:
+        shape = check_shape(self.shape, argument="Boundary shape")
+        dtype = check_dtype(self.dtype, "Boundary dtype")
+        check_nbytes(shape, dtype, "Boundary shape")
+        for name in ("producer", "consumer"):
+            value = getattr(self, name)
+            if not isinstance(value, Sharding):
+                raise TypeError(f"Boundary {name}: expected a Sharding, got "
+                                f"{type(value).__name__} {value!r}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype.name)
 
 
 @dataclass(frozen=True)

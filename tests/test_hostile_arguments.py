@@ -13,7 +13,6 @@ from scheduler import (
     DeviceMesh,
     P,
     Sharding,
-    lower,
     make_schedule,
     plan_resharding,
 )
@@ -40,14 +39,30 @@ def test_a_dtype_is_named_explicitly():
         plan_resharding((8, 8), None, SRC, DST, CLUSTER)
 
 
-def test_a_tensor_no_device_could_hold_is_refused_at_plan_and_lowering_time():
+def test_a_tensor_no_device_could_hold_is_refused_at_plan_and_boundary_time():
     with pytest.raises(ValueError, match=r"shape: \(4611686018427387904, 4\) float64 is "
                                          r"\d+ bytes, more than"):
         plan_resharding((2**62, 4), "float64", SRC, DST, CLUSTER)
     m0, m1 = DeviceMesh([0], ("g",)), DeviceMesh([1], ("g",))
-    b = Boundary((2**62, 4), "float64", Sharding(m0, P()), Sharding(m1, P()))
-    with pytest.raises(ValueError, match=r"boundaries\[0\].shape: .* bytes, more than"):
-        lower((m0, m1), [b], make_schedule("1f1b", 2, 1), CLUSTER)
+    with pytest.raises(ValueError, match=r"Boundary shape: .* bytes, more than"):
+        Boundary((2**62, 4), "float64", Sharding(m0, P()), Sharding(m1, P()))
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (("ab", "float32"), TypeError, r"Boundary shape: expected a sequence of ints"),
+    ((iter([4]), "float32"), TypeError, r"Boundary shape: expected a sequence of ints"),
+    (((4, -1), "float32"), ValueError, r"Boundary shape"),
+    (((4,), None), TypeError, r"Boundary dtype"),
+    (((4,), ">f8"), (TypeError, ValueError), r"Boundary dtype"),
+])
+def test_a_boundary_is_checked_when_made(args, error, match):
+    m0, m1 = DeviceMesh([0], ("g",)), DeviceMesh([1], ("g",))
+    with pytest.raises(error, match=match):
+        Boundary(*args, Sharding(m0, P()), Sharding(m1, P()))
+    with pytest.raises(TypeError, match=r"Boundary consumer: expected a Sharding, got DeviceMesh"):
+        Boundary((4,), "float32", Sharding(m0, P()), m1)
+    made = Boundary([4, 2], np.float32, Sharding(m0, P()), Sharding(m1, P()))
+    assert (made.shape, made.dtype) == ((4, 2), "float32")  # canonical: a tuple, a name
 
 
 def test_an_out_buffer_whose_elements_share_memory_is_refused():
