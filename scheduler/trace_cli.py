@@ -101,18 +101,9 @@ def _render(reports: Sequence[Any], as_json: bool) -> str:
 
 
 def _plot(traces: Sequence[Any], output: Path) -> Path:
-    """One picture of every file's rows: one file as is, several prefixed by rank."""
-    from .trace_plot import capture_rows, plot_rows, shifted, timeline_rows
+    from .trace_plot import plot_rows, traces_rows
 
-    captures = [t.capture.work for t in traces if t.timeline is None]
-    t0 = min((w.start for work in captures for w in work), default=0.0)
-    rows = []
-    for k, t in enumerate(traces):
-        mine = timeline_rows(t.timeline) if t.timeline is not None else capture_rows(
-            t.capture.work)
-        rows += shifted(mine, 0.0 if t.timeline is not None else t0,
-                        f"r{k} " if len(traces) > 1 else "")
     title = ", ".join(str(t.path) for t in traces)
     if len(traces) == 1 and traces[0].timeline is not None:
         title += ": " + traces[0].timeline.headline()
-    return plot_rows(rows, output, title)
+    return plot_rows(traces_rows(traces), output, title)

@@ -17,6 +17,7 @@ or ``.pdf`` (any other suffix, or none, is refused before anything is read).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ NAMES = {"F": "F (forward)", "B": "B (backward)", "I": "I (input gradient)",
          "comm": "other transfer", "compute": "compute (unattributed)",
          "other": "communication (unattributed)"}
 WAIT = "compute waiting for a transfer"
+_RANK = re.compile(r"^r\d+ ")
+_CHANNEL = re.compile(r"^(fwd|bwd)(\d+)(?:\.(\d+))?$")
 
 
 class Bar(NamedTuple):
@@ -68,7 +71,7 @@ def timeline_rows(tl: Any) -> list[Row]:
     rows = []
     for d in tl.devices:
         spans = tl.spans_of(d)
-        for stream in tl.streams(d):
+        for stream in sorted(tl.streams(d), key=stream_order):
             bars = tuple(Bar(s.start, s.end, s.kind if s.kind in COLORS else "comm",
                              _label(s.kind, s.microbatch, stream == "compute"))
                          for s in spans if s.stream == stream)
@@ -94,7 +97,7 @@ def capture_rows(work: Sequence[GpuWork]) -> list[Row]:
             else:
                 bars.append(bar)
         waits = tuple(waits_by_name((w.category, w.label, w.start, w.end) for w in mine))
-        for stream in ("compute", *sorted(set(streams) - {"compute"})):
+        for stream in sorted(streams, key=stream_order):
             rows.append(Row(f"d{d} {stream}", tuple(streams[stream]),
                             waits if stream == "compute" else ()))
     for g in sorted({w.gpu for w in work if w.device is None}):
@@ -104,6 +107,17 @@ def capture_rows(work: Sequence[GpuWork]) -> list[Row]:
             if bars:
                 rows.append(Row(f"GPU {g} unattributed {category}", bars))
     return rows
+
+
+def stream_order(stream: str) -> tuple[int, int, int, str]:
+    """Rows of a device: compute, then the activation channels by boundary (each with its
+    lanes), then the gradient channels, then anything else."""
+    m = _CHANNEL.match(stream)
+    if stream == "compute":
+        return (0, 0, 0, "")
+    if m is None:
+        return (3, 0, 0, stream)
+    return (1 if m.group(1) == "fwd" else 2, int(m.group(2)), int(m.group(3) or 0), "")
 
 
 def _capture_bar(w: GpuWork) -> tuple[str, Bar]:
@@ -130,6 +144,22 @@ def shifted(rows: Sequence[Row], t0: float, prefix: str) -> list[Row]:
     return [Row(prefix + r.name, tuple(b._replace(start=b.start - t0, end=b.end - t0)
                                        for b in r.bars),
                 tuple((a - t0, b - t0) for a, b in r.waits)) for r in rows]
+
+
+def traces_rows(traces: Sequence[Any]) -> list[Row]:
+    """The rows of every trace read (:class:`scheduler.trace_report.Trace`), one under the
+    other: one as is, several prefixed ``r<k>`` in the order given. Our own traces keep
+    their times (each from its own start); profilers' captures share one clock, from its
+    earliest work."""
+    captures = [t.capture.work for t in traces if t.timeline is None]
+    t0 = min((w.start for work in captures for w in work), default=0.0)
+    rows: list[Row] = []
+    for k, t in enumerate(traces):
+        mine = (timeline_rows(t.timeline) if t.timeline is not None else
+                capture_rows(t.capture.work))
+        rows += shifted(mine, 0.0 if t.timeline is not None else t0,
+                        f"r{k} " if len(traces) > 1 else "")
+    return rows
 
 
 def figure(rows: Sequence[Row], title: str = "") -> Any:
@@ -176,9 +206,13 @@ def _draw_row(ax: Any, y: int, row: Row, px_per_ms: float) -> None:
 
 
 def _separate_devices(ax: Any, rows: Sequence[Row]) -> None:
-    """A thin line between devices (rows named alike up to their last word)."""
+    """A thin line between devices (rows named alike up to their last word), a dark one
+    between ranks (``r<k> ...``)."""
     for y in range(1, len(rows)):
-        if rows[y].name.rsplit(" ", 1)[0] != rows[y - 1].name.rsplit(" ", 1)[0]:
+        this, last = rows[y].name, rows[y - 1].name
+        if _RANK.match(this) and this.split(" ", 1)[0] != last.split(" ", 1)[0]:
+            ax.axhline(y - 0.5, color="0.2", linewidth=1.2)
+        elif this.rsplit(" ", 1)[0] != last.rsplit(" ", 1)[0]:
             ax.axhline(y - 0.5, color="0.8", linewidth=0.6)
 
 
