@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ overlap %, and the time the compute stream waited for transfers; then the GPU wo
 none of the runtime's ranges (unattributed, per GPU: never guessed onto a device), and
 iteration time and bubble from the steps. The same definitions for every source:
 
-  {DEFINITION}.
+{textwrap.fill(DEFINITION + ".", 88, initial_indent="  ", subsequent_indent="  ")}
 
 plot: one row per device stream (compute; one per comm channel: fwd<s>, bwd<s>, and
 fwd<s>.<lane>), each op its own bar with its kind and microbatch where they fit, the
@@ -40,8 +41,8 @@ of several ranks); ranks: [{{rank, file, source, devices, steps, iteration_ms, b
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="overlap trace", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Summarize or draw traces: ours (runtime or simulator, Chrome JSON), "
-                    "Nsight Systems captures (SQLite export, or .nsys-rep), PyTorch profiler "
+        description="Summarize or draw traces: ours (runtime or simulator, Chrome JSON),\n"
+                    "Nsight Systems captures (SQLite export, or .nsys-rep), PyTorch profiler\n"
                     "(Kineto) traces, with or without GPU work.", epilog=HELP)
     p.add_argument("action", choices=("report", "plot"),
                    help="report: per-device figures; plot: a picture (-o)")

@@ -164,8 +164,8 @@ def report_text(reports: Sequence[FileReport]) -> str:
         lines.append(device_table(gpus, ("rank", "GPU") if many else ("GPU",)))
     if devices or gpus:
         lines.append("exposed: communication while the device computed nothing; overlap %: "
-                     "the rest of it, hidden under compute; waited: its compute stream idle "
-                     "for a transfer bringing the next op's input (part of exposed).")
+                     "the rest of it, hidden under compute;\nwaited: its compute stream idle "
+                     "while a transfer bringing its next op's input ran (part of exposed).")
     return "\n".join(line for line in lines if line)
 
 
