@@ -12,6 +12,7 @@ a file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -158,7 +159,7 @@ class Timeline:
         """Seconds the device communicated while it computed nothing: its communication
         (every comm stream) minus its compute — the definition every trace report uses
         (:mod:`scheduler.exposure`)."""
-        return self.figures(device).exposed
+        return self._figures(device).exposed
 
     def transfer_wait(self, device: int, direction: str | None = None) -> float:
         """Seconds the device's compute stream sat idle before a compute while a transfer
@@ -185,10 +186,21 @@ class Timeline:
     def figures(self, device: int) -> Figures:
         """The device's compute, communication, exposed and waited seconds
         (:class:`~scheduler.exposure.Figures`)."""
-        spans = self.spans_of(device)
-        return figures_of([(s.start, s.end) for s in spans if s.stream == "compute"],
-                          [(s.start, s.end) for s in spans if s.stream != "compute"],
-                          self.transfer_wait(device))
+        return dataclasses.replace(self._figures(device), waited=self.transfer_wait(device))
+
+    def _figures(self, device: int) -> Figures:
+        """:meth:`figures` without the waits (what exposed communication alone needs), made
+        once per device."""
+        if device not in self._unions:
+            spans = self.spans_of(device)
+            self._unions[device] = figures_of(
+                [(s.start, s.end) for s in spans if s.stream == "compute"],
+                [(s.start, s.end) for s in spans if s.stream != "compute"])
+        return self._unions[device]
+
+    @cached_property
+    def _unions(self) -> dict[int, Figures]:
+        return {}
 
     @property
     def exposed_comm_fraction(self) -> float:
@@ -219,7 +231,7 @@ class Timeline:
 
     def comm_time(self, device: int) -> float:
         """Seconds at least one of the device's comm streams was busy."""
-        return self.figures(device).comm
+        return self._figures(device).comm
 
     def peak_activations(self, stage: int) -> int:
         """Most microbatches with F done and B (or W) not yet, on the stage's first device

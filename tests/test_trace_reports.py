@@ -150,6 +150,18 @@ def test_unattributed_work_keeps_its_gpu():
     assert list(unattributed_figures(work)) == [3] and list(device_figures(work)) == [4]
 
 
+def test_a_profiler_trace_without_work_says_what_to_record(tmp_path, capsys):
+    from test_nsys import kineto
+
+    f = tmp_path / "empty.json"
+    kineto(f, [])  # CPU ops only: no GPU work, none of the runtime's ranges
+    capsys.readouterr()
+    assert overlap.cli.main(["trace", "report", str(f)]) == 0
+    text = capsys.readouterr().out
+    assert "no work in it" in text and "overlap.torch.profiler()" in text
+    assert "exposed ms" not in text
+
+
 # ---- several files: one per rank ---------------------------------------------------------------
 
 
