@@ -3,8 +3,8 @@ simulated; every ratio from this run.
 
 1. ``--part example`` — the GPT of ``examples/gpt_pipeline.py`` on this machine (CPU backend):
    per schedule, the mixed meshes (TP 1, 2, 4 and a 2×2 mesh) against TP 2 everywhere, run in
-   alternating rounds: median step time, the runtime trace's exposed communication, and the
-   bytes the boundaries' plans deliver per step (both directions, every microbatch).
+   alternating rounds: median step time, the runtime trace's compute waits for transfers,
+   and the bytes the boundaries' plans deliver per step (both directions, every microbatch).
 2. ``--part sim`` — a GPT-3-like model (hidden 8192, sequence 2048, 96 layers, bfloat16) on
    DGX H100 hosts, 16 stages of TP degrees 8, 4, 2, 2 (layers in proportion, so every stage
    computes as long), Megatron sequence parallelism at the boundaries (``Shard(seq)`` over
@@ -92,7 +92,7 @@ def example_table(rounds: int, steps: int) -> str:
                         t0 = time.perf_counter()
                         pipe.train_step_sync(rt, x, y, num_microbatches=m, schedule=sched)
                         times.append(time.perf_counter() - t0)
-                    exposed = rt.timeline().exposed_comm_fraction
+                    exposed = rt.timeline().transfer_wait_fraction
                     rows = pipe.boundary_report(rt, x[:batch // m], y[:batch // m])
                 moved[(sched_name, label)] = sum(r.bytes for r in rows) * m
                 results.setdefault((sched_name, label), []).append(
@@ -100,7 +100,7 @@ def example_table(rounds: int, steps: int) -> str:
     lines = [f"== GPT example ({layers} blocks, width {width}, seq {seq}, batch {batch} in "
              f"{m} microbatches, float32, CPU backend): {rounds} alternating rounds × "
              f"{steps} steps, medians ==",
-             f"{'schedule':<12}{'meshes':<18}{'step ms':>9}{'exposed':>9}{'KiB/step':>10}"
+             f"{'schedule':<12}{'meshes':<18}{'step ms':>9}{'waited':>9}{'KiB/step':>10}"
              f"{'step / equal':>14}"]
     for sched_name in schedules:
         equal = statistics.median(t for t, _ in results[(sched_name, "equal 2,2,2,2")])
@@ -179,11 +179,11 @@ def sim_table(spec: P, microbatches: int = 64) -> str:
     signal = simulate(lower(meshes, boundaries, make_schedule("eager-1f1b", p, microbatches),
                             cluster, PlanOptions(), cache=cache), cluster, costs, signal=True)
     base = rows[0][2].iteration_time
-    lines.append(f"{'strategy':<11}{'schedule':<26}{'iteration s':>12}{'exposed':>9}"
+    lines.append(f"{'strategy':<11}{'schedule':<26}{'iteration s':>12}{'waited':>9}"
                  f"{'bubble':>8}{'/ send_recv+1f1b':>18}{'/ signal':>10}")
     for strategy, label, tl in rows:
         lines.append(f"{strategy:<11}{label:<26}{tl.iteration_time:>12.3f}"
-                     f"{tl.exposed_comm_fraction:>9.2%}{tl.bubble_fraction:>8.1%}"
+                     f"{tl.transfer_wait_fraction:>9.2%}{tl.bubble_fraction:>8.1%}"
                      f"{tl.iteration_time / base:>18.3f}"
                      f"{tl.iteration_time / signal.iteration_time:>10.3f}")
     return "\n".join(lines)

@@ -389,8 +389,8 @@ def profiler_vs_events(cp) -> dict[str, Any]:
     capture = kineto_work(json.loads(path.read_text()))
     ours = device_figures(at_receivers(timeline_work(tl), keep_only=True))
     theirs = device_figures(at_receivers(capture.work, keep_only=False))
-    exposed = sum(f["exposed_comm_ms"] for f in theirs.values())
-    want = sum(f["exposed_comm_ms"] for f in ours.values())
+    exposed = sum(f.exposed for f in theirs.values()) * 1e3
+    want = sum(f.exposed for f in ours.values()) * 1e3
     steps = step_figures(capture) or {}
     return {"profiler_exposed_ms": exposed, "events_exposed_ms": want,
             "ratio": exposed / want if want else float("nan"),

@@ -164,7 +164,7 @@ def toy_table(steps: int = 2) -> str:
              f"slowest transfer {slowest * 1e3:.2f} ms, F {fwd * 1e3:.2f} ms, B "
              f"{2 * fwd * 1e3:.2f} ms (emulated) ==",
              f"{'row':<26} {'measured ms':>12} {'/ signal':>9} {'simulated ms':>13} "
-             f"{'measured/simulated':>19} {'per-op mean':>12} {'median':>7} {'exposed':>8}"]
+             f"{'measured/simulated':>19} {'per-op mean':>12} {'median':>7} {'waited':>8}"]
     results = {}
     for label, schedule, links in (("signal", "eager-1f1b", "signal"), ("1f1b", "1f1b", True),
                                    ("eager-1f1b", "eager-1f1b", True), ("zb-h1", "zb-h1", True),
@@ -189,11 +189,11 @@ def toy_table(steps: int = 2) -> str:
             tl = rt.timeline()
         sim = simulate(graph, cluster, compute_time, signal=links == "signal")
         results[label] = (statistics.median(measured[1:]), sim.iteration_time,
-                          tl.exposed_comm_fraction, *per_op_error(tl, sim))
+                          tl.transfer_wait_fraction, *per_op_error(tl, sim))
     signal = results["signal"][0]
-    for label, (meas, sim, exposed, mean_err, median_err) in results.items():
+    for label, (meas, sim, waited, mean_err, median_err) in results.items():
         lines.append(f"{label:<26} {meas * 1e3:>12.1f} {meas / signal:>9.3f} {sim * 1e3:>13.1f} "
-                     f"{meas / sim:>19.3f} {mean_err:>12.1%} {median_err:>7.1%} {exposed:>8.1%}")
+                     f"{meas / sim:>19.3f} {mean_err:>12.1%} {median_err:>7.1%} {waited:>8.1%}")
     eager = results["eager-1f1b"][0] / signal
     worst = max(abs(r[0] / r[1] - 1) for r in results.values())
     worst_op = max(r[3] for r in results.values())

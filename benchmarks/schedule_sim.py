@@ -125,13 +125,13 @@ def run_setup(setup: Setup) -> tuple[str, bool]:
         f"per microbatch: F {setup.fwd_s * 1e3:.1f} ms, B {setup.bwd_s * 1e3:.1f} ms; "
         f"activation transfer {xfer['broadcast'] * 1e3:.1f} ms (broadcast), "
         f"{xfer['send_recv'] * 1e3:.1f} ms (send_recv)",
-        f"{'row':<24}{'iteration s':>12}{'/ signal':>10}{'exposed comm':>14}{'bubble':>9}"
+        f"{'row':<24}{'iteration s':>12}{'/ signal':>10}{'waited comm':>14}{'bubble':>9}"
         f"{'throughput vs send_recv+1f1b':>31}{'sim s':>8}",
     ]
     for label, tl, secs in rows:
         lines.append(
             f"{label:<24}{tl.iteration_time:>12.3f}{tl.iteration_time / signal_t:>10.3f}"
-            f"{tl.exposed_comm_fraction:>14.1%}{tl.bubble_fraction:>9.1%}"
+            f"{tl.transfer_wait_fraction:>14.1%}{tl.bubble_fraction:>9.1%}"
             f"{base / tl.iteration_time - 1:>+31.1%}{secs:>8.2f}"
         )
     eager = rows[2][1].iteration_time
@@ -146,8 +146,9 @@ def run_setup(setup: Setup) -> tuple[str, bool]:
 
 
 def schedule_strategy_table(setup: Setup) -> str:
-    """Each schedule × {send_recv, broadcast, signal}: iteration, bubble, exposed forward and
-    backward communication (shares of the iteration, mean over devices), peak activations
+    """Each schedule × {send_recv, broadcast, signal}: iteration, bubble, the compute streams'
+    waits for forward and backward transfers (shares of the iteration, mean over devices;
+    ``Timeline.wait_fraction``), peak activations
     (largest stage). The split schedules take I = W = F (B = 2F); auto is chosen per
     strategy (its signal row: broadcast's choice with latency-only transfers)."""
     cluster, stages, boundaries = pipeline(setup)
@@ -157,7 +158,7 @@ def schedule_strategy_table(setup: Setup) -> str:
     lines = [f"== {setup.name}: {p} stages × {m} microbatches; F {setup.fwd_s * 1e3:.1f} ms, "
              f"I = W = F ==",
              f"{'schedule':<28}{'strategy':<11}{'iteration s':>12}{'bubble':>8}"
-             f"{'exp. fwd':>10}{'exp. bwd':>10}{'peak act.':>10}{'/ signal':>10}"]
+             f"{'wait fwd':>10}{'wait bwd':>10}{'peak act.':>10}{'/ signal':>10}"]
     for name in ("1f1b", "eager-1f1b", "zb-h1", "auto"):
         signal_t = None
         for strategy in ("signal", "broadcast", "send_recv"):
@@ -174,8 +175,8 @@ def schedule_strategy_table(setup: Setup) -> str:
             label = sched.name if name == "auto" else name
             peak = max(sched.peak_activations(s) for s in range(p))
             lines.append(f"{label:<28}{strategy:<11}{tl.iteration_time:>12.3f}"
-                         f"{tl.bubble_fraction:>8.1%}{tl.exposed_fraction('fwd'):>10.2%}"
-                         f"{tl.exposed_fraction('bwd'):>10.2%}{peak:>10}"
+                         f"{tl.bubble_fraction:>8.1%}{tl.wait_fraction('fwd'):>10.2%}"
+                         f"{tl.wait_fraction('bwd'):>10.2%}{peak:>10}"
                          f"{tl.iteration_time / signal_t:>10.3f}")
     return "\n".join(lines)
 

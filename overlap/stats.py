@@ -23,12 +23,16 @@ class StepStats:
         iteration_time: the measured timeline's span (first op start to last op end).
         bubble: mean over this process's devices of the share of the iteration their
             compute stream was idle.
-        exposed_comm: mean over those devices of the share of the iteration their compute
-            stream waited for a transfer still in flight.
+        exposed_comm: mean over those devices of the share of the iteration they
+            communicated while computing nothing (``Timeline.exposed_comm``: the definition
+            ``overlap trace report`` uses for every trace).
         compute: per stage of this process, seconds of compute (F, B, I, W) of one device
             (the mean over the stage's devices here).
         peak_activations: per stage of this process, most microbatches whose forward had
             run and whose backward had not (the schedule's own count, measured).
+        transfer_wait: mean over those devices of the share of the iteration their compute
+            stream sat idle while a transfer bringing its next op's input ran (part of
+            ``exposed_comm``: what the step paid for communication).
     """
 
     step: int
@@ -38,11 +42,13 @@ class StepStats:
     exposed_comm: float
     compute: Mapping[int, float] = field(default_factory=dict)
     peak_activations: Mapping[int, int] = field(default_factory=dict)
+    transfer_wait: float = 0.0
 
     def __str__(self) -> str:
         compute = ", ".join(f"s{s} {t * 1e3:.1f}" for s, t in sorted(self.compute.items()))
         return (f"step {self.step}: {self.seconds * 1e3:.1f} ms, bubble {self.bubble:.1%}, "
-                f"exposed communication {self.exposed_comm:.1%}; compute ms per stage: "
+                f"exposed communication {self.exposed_comm:.1%} (compute waited for "
+                f"transfers {self.transfer_wait:.1%}); compute ms per stage: "
                 f"{compute}")
 
 
@@ -60,7 +66,7 @@ def step_stats(step: int, seconds: float, tl: Timeline) -> StepStats:
         compute[s] = sum(times) / len(times)
     return StepStats(step, seconds, tl.iteration_time, tl.bubble_fraction,
                      tl.exposed_comm_fraction, compute,
-                     {s: tl.peak_activations(s) for s in stages})
+                     {s: tl.peak_activations(s) for s in stages}, tl.transfer_wait_fraction)
 
 
 class StepHookHandle:

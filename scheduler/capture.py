@@ -7,8 +7,13 @@ timelines.
 ``overlap`` NVTX domain; ``record_function`` ranges in a PyTorch trace) on the thread that
 launched it, that encloses its launch call. The range messages name the device (``... on
 device 5``) and the op: a compute op starts with its kind (``F s1 mb3 ...``), communication
-names a resharding (``reshard ...``, ``grad ...``). Work inside no range is communication when
-it is an NCCL kernel (its name starts with ``nccl``), compute otherwise, on its CUDA device id.
+names a resharding (``reshard ...``, ``grad ...``). Work inside no range is **unattributed**:
+reported per GPU apart from every device (several of the runtime's devices may share one GPU;
+none is guessed), communication when it is an NCCL kernel (its name starts with ``nccl``),
+compute otherwise. A trace without GPU work (the CPU backend's, under the PyTorch profiler)
+is read from the ranges themselves: each is the work of its op on its device.
+
+**Figures** per device: :mod:`scheduler.exposure` (one definition for every source).
 
 **Steps**: the runtime opens one range per training step (``step N``, from its launch until
 every op of it has completed — on the GPU too); a PyTorch trace's ``ProfilerStep#N`` ranges
@@ -23,9 +28,9 @@ import bisect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .intervals import check_interval
+from .exposure import Figures, figures_of, waited_by_name
+from .intervals import check_interval, length, minus, union
 
 _DEVICE = re.compile(r"\bon device (\d+)\b")
 _COMPUTE = re.compile(r"^[FBIW] s\d+")
@@ -39,13 +44,16 @@ _WINDOW = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 @dataclass(frozen=True)
 class GpuWork:
     """One piece of GPU work: where, when (seconds), compute or communication, and why (the
-    range it belongs to, or its kernel name)."""
+    range it belongs to, or its kernel name). ``device`` is the runtime's device it is
+    attributed to, None when it is unattributed (inside none of the runtime's ranges);
+    ``gpu`` the CUDA device that ran it (-1: none, work of the CPU backend)."""
 
-    device: int
+    device: int | None
     start: float
     end: float
     category: str  # "compute" or "comm"
     label: str
+    gpu: int = -1
 
 
 def steps_window(steps: range | str, what: str) -> range:
@@ -104,64 +112,46 @@ def innermost(ranges: list[tuple[int, int, str]], t: int) -> str | None:
     return None if best is None else best[2]
 
 
-def classify(label: str | None, name: str, device: int, start: float, end: float,
+def classify(label: str | None, name: str, gpu: int, start: float, end: float,
              what: str = "an event") -> GpuWork:
+    """The work ``name`` that GPU ``gpu`` ran from ``start`` to ``end``, launched inside the
+    runtime's range ``label`` (None: inside none — unattributed)."""
     start, end = check_interval(start, end, what)
     if label is not None:
         m = _DEVICE.search(label)
         category = "compute" if _COMPUTE.match(label) else "comm"
-        return GpuWork(int(m.group(1)) if m else device, start, end, category, label)
-    return GpuWork(device, start, end, "comm" if name.startswith("nccl") else "compute", name)
+        return GpuWork(int(m.group(1)) if m else None, start, end, category, label, gpu)
+    return GpuWork(None, start, end, "comm" if name.startswith("nccl") else "compute", name,
+                   gpu)
 
 
 # ---- per-device figures ------------------------------------------------------------------------
 
 
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals: Sequence[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _minus(keep: Sequence[tuple[float, float]], cut: Sequence[tuple[float, float]]) -> float:
-    """Length of ``keep`` outside ``cut`` (both unions: sorted, disjoint)."""
-    total, j = 0.0, 0
-    for a, b in keep:
-        while j < len(cut) and cut[j][1] <= a:
-            j += 1
-        pos, k = a, j
-        while k < len(cut) and cut[k][0] < b:
-            total += max(0.0, cut[k][0] - pos)
-            pos = max(pos, cut[k][1])
-            k += 1
-        total += max(0.0, b - pos)
-    return total
-
-
-def device_figures(work: Iterable[GpuWork]) -> dict[int, dict[str, float]]:
-    """Per device: ``compute_ms`` (union of its compute), ``comm_ms`` (union of its
-    communication), ``exposed_comm_ms`` (communication while no compute ran there) and
-    ``overlap_pct`` (100 × hidden / comm_ms; 0 without communication)."""
-    by_device: dict[int, dict[str, list[tuple[float, float]]]] = {}
+def device_figures(work: Iterable[GpuWork]) -> dict[int, Figures]:
+    """Per device the work is attributed to, its :class:`~scheduler.exposure.Figures`: the
+    waits for transfers found by the runtime's range names."""
+    by_device: dict[int, list[GpuWork]] = {}
     for w in work:
-        by_device.setdefault(w.device, {"compute": [], "comm": []})[w.category].append(
-            (w.start, w.end))
-    out = {}
-    for d, parts in sorted(by_device.items()):
-        compute, comm = _union(parts["compute"]), _union(parts["comm"])
-        comm_s, exposed = _length(comm), _minus(comm, compute)
-        out[d] = {"compute_ms": _length(compute) * 1e3, "comm_ms": comm_s * 1e3,
-                  "exposed_comm_ms": exposed * 1e3,
-                  "overlap_pct": 100.0 * (comm_s - exposed) / comm_s if comm_s else 0.0}
-    return out
+        if w.device is not None:
+            by_device.setdefault(w.device, []).append(w)
+    return {d: _figures(ws, waited_by_name((w.category, w.label, w.start, w.end)
+                                           for w in ws))
+            for d, ws in sorted(by_device.items())}
+
+
+def unattributed_figures(work: Iterable[GpuWork]) -> dict[int, Figures]:
+    """Per GPU, the figures of its unattributed work (no waits: no op is known there)."""
+    by_gpu: dict[int, list[GpuWork]] = {}
+    for w in work:
+        if w.device is None:
+            by_gpu.setdefault(w.gpu, []).append(w)
+    return {g: _figures(ws, None) for g, ws in sorted(by_gpu.items())}
+
+
+def _figures(work: Sequence[GpuWork], waited: float | None) -> Figures:
+    return figures_of([(w.start, w.end) for w in work if w.category == "compute"],
+                      [(w.start, w.end) for w in work if w.category == "comm"], waited)
 
 
 def timeline_work(timeline: object) -> list[GpuWork]:
@@ -171,53 +161,21 @@ def timeline_work(timeline: object) -> list[GpuWork]:
                     sp.name) for sp in timeline.spans]  # type: ignore[attr-defined]
 
 
-def figures_text(figures: dict[int, dict[str, float]]) -> str:
-    """The per-device table of :func:`device_figures`."""
-    lines = ["device  compute ms  comm ms  exposed comm ms  overlap %"]
-    for d, f in figures.items():
-        lines.append(f"{d:>6}  {f['compute_ms']:>10.3f}  {f['comm_ms']:>7.3f}  "
-                     f"{f['exposed_comm_ms']:>15.3f}  {f['overlap_pct']:>9.1f}")
-    return "\n".join(lines)
-
-
 def step_figures(capture: Capture) -> dict[str, float] | None:
     """``steps``, ``iteration_ms`` (their mean length) and ``bubble_pct`` (100 × the share of
     the step windows each device's compute was idle, averaged over the devices that computed
     in them); None when the capture has no step ranges."""
-    windows = _union(capture.steps.values())
+    windows = union(capture.steps.values())
     if not windows:
         return None
-    total = _length(windows)
-    by_device: dict[int, list[tuple[float, float]]] = {}
+    total = length(windows)
+    by_device: dict[object, list[tuple[float, float]]] = {}
     for w in capture.work:
-        if w.category == "compute":
-            by_device.setdefault(w.device, []).append((w.start, w.end))
-    idle = [_minus(windows, _union(iv)) for iv in by_device.values()]
+        if w.category == "compute":  # (unattributed work: per GPU)
+            key = w.device if w.device is not None else ("gpu", w.gpu)
+            by_device.setdefault(key, []).append((w.start, w.end))
+    idle = [minus(windows, union(iv)) for iv in by_device.values()]
     idle = [i for i in idle if i < total]  # only devices that computed inside a step
     lengths = [b - a for a, b in capture.steps.values()]
     return {"steps": len(lengths), "iteration_ms": sum(lengths) / len(lengths) * 1e3,
             "bubble_pct": 100.0 * sum(idle) / (total * len(idle)) if idle else 0.0}
-
-
-def plot_work(work: Sequence[GpuWork], path: str | Path, title: str = "") -> Path:
-    """A PNG with two tracks per device — compute and communication — from any source (needs
-    matplotlib: the ``viz`` extra)."""
-    from .timeline import pyplot, save_png
-
-    plt = pyplot("overlap trace plot")
-    devices = sorted({w.device for w in work})
-    t0 = min((w.start for w in work), default=0.0)
-    colors = {"compute": "tab:blue", "comm": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(12, max(2.0, 0.6 * len(devices))))
-    for i, d in enumerate(devices):
-        for k, (category, color) in enumerate(colors.items()):
-            bars = [((w.start - t0) * 1e3, (w.end - w.start) * 1e3) for w in work
-                    if w.device == d and w.category == category]
-            if bars:
-                ax.broken_barh(bars, (2 * i + k - 0.4, 0.8), facecolors=color)
-    ax.set_yticks(range(2 * len(devices)),
-                  [f"d{d} {c}" for d in devices for c in ("compute", "comm")], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    ax.set_title(title, fontsize=8)
-    return save_png(plt, fig, path)

@@ -5,8 +5,9 @@ GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) is joined to its la
 ``cuda_runtime`` or ``cuda_driver`` event with the same ``args.correlation``) and attributed
 to the innermost ``user_annotation`` range (``torch.profiler.record_function``) on the
 launching thread whose message is one of the runtime's ranges (``F s1 mb3 on device 5``,
-``reshard ...``); work inside none is communication when it is an NCCL kernel, compute
-otherwise, on its CUDA device (``args.device``). Steps: ``user_annotation`` ranges ``step N``
+``reshard ...``); work inside none is unattributed (reported per CUDA device, ``args.device``).
+A trace without GPU work — the CPU backend's — is read from those ranges themselves: each is
+its op's work on its device. Steps: ``user_annotation`` ranges ``step N``
 (the runtime's, through the torch adapter) or ``ProfilerStep#N`` (``prof.step()``). Times are
 microseconds in the file.
 
@@ -30,13 +31,18 @@ LAUNCHES = ("cuda_runtime", "cuda_driver")
 OUR_RANGE = ("F s", "B s", "I s", "W s", "reshard ", "grad ")
 
 
+# Event categories of the PyTorch profiler, none of which our own traces use (theirs are
+# "compute" and "comm"): a trace without GPU work still has its CPU ops and ranges.
+CATEGORIES = frozenset((*GPU_CATEGORIES, *LAUNCHES, "cpu_op", "user_annotation",
+                        "python_function", "cpu_instant_event", "gpu_user_annotation", "Trace"))
+
+
 def is_kineto(data: Any) -> bool:
-    """Whether parsed trace JSON is a PyTorch profiler trace (it has CUDA runtime or GPU work
-    events, which our own traces never have)."""
+    """Whether parsed trace JSON is a PyTorch profiler trace: it has the profiler's
+    ``schemaVersion`` or events of its categories (with or without GPU work)."""
     events = data.get("traceEvents") if isinstance(data, dict) else None
-    return isinstance(events, list) and any(
-        isinstance(e, dict) and e.get("cat") in (*GPU_CATEGORIES, *LAUNCHES)
-        for e in events)
+    return isinstance(events, list) and ("schemaVersion" in data or any(
+        isinstance(e, dict) and e.get("cat") in CATEGORIES for e in events))
 
 
 def _is_number(v: object) -> bool:
@@ -50,7 +56,7 @@ def read_kineto(path: str | Path) -> Capture:
     except (OSError, ValueError, RecursionError) as exc:
         raise ValueError(f"{path}: not a readable JSON trace ({type(exc).__name__})") from None
     if not is_kineto(data):
-        raise ValueError(f"{path}: not a PyTorch profiler trace (no GPU work in it)")
+        raise ValueError(f"{path}: not a PyTorch profiler trace (none of its events)")
     return kineto_work(data)
 
 
@@ -78,12 +84,15 @@ def kineto_work(data: dict[str, Any]) -> Capture:
             ranges.setdefault(where, []).append((e["ts"], e["ts"] + e.get("dur", 0), name))
         elif cat in LAUNCHES and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = (where, e["ts"])
+    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    if not gpu:  # the CPU backend's: the ranges are the work
+        work = [classify(name, name, -1, a * 1e-6, b * 1e-6)
+                for rs in ranges.values() for a, b, name in rs]
+        return Capture(tuple(work), step_windows(steps))
     for rs in ranges.values():
         rs.sort()
     work = []
-    for e in events:
-        if e.get("cat") not in GPU_CATEGORIES:
-            continue
+    for e in gpu:
         args = e.get("args", {})
         launch = launches.get(args.get("correlation"))
         label = innermost(ranges.get(launch[0], []), launch[1]) if launch else None

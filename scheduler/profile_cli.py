@@ -24,7 +24,7 @@ from pathlib import Path
 from .capture import PROFILE_STEPS_ENV, steps_window
 from .cli_common import output_dir, parser
 from .nsys import read_sqlite
-from .trace_cli import trace_figures, trace_text
+from .trace_report import Trace, file_report, report_json, report_text
 
 INSTALL = ("Nsight Systems' `nsys` is not on PATH: install it (https://developer.nvidia.com/"
            "nsight-systems, or the `nsight-systems-cli` package of NVIDIA's CUDA apt/yum "
@@ -87,10 +87,8 @@ def profile_main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(trace_figures(capture, None), indent=1))
-    else:
-        print(trace_text(sqlite, capture, None))
+    report = [file_report(Trace(sqlite, capture, None, "nsys"))]
+    print(json.dumps(report_json(report), indent=1) if args.json else report_text(report))
     if done.returncode != 0:
         print(f"note: the profiled program exited with status {done.returncode}",
               file=sys.stderr)

@@ -78,7 +78,7 @@ def run_rows(case: PipelineCase, options: PlanOptions | None = None, *,
 def format_rows(rows: Sequence[Row], reference: str = "signal") -> str:
     ref = next((r.timeline.iteration_time for r in rows if r.label == reference), None)
     head = ["schedule", "iteration ms", f"/ {reference}", "bubble", "exposed comm",
-            "peak act. s0"]
+            "compute waited", "peak act. s0"]
     body = []
     for r in rows:
         t = r.timeline
@@ -86,11 +86,14 @@ def format_rows(rows: Sequence[Row], reference: str = "signal") -> str:
             r.label, f"{t.iteration_time * 1e3:.1f}",
             f"{t.iteration_time / ref:.3f}" if ref else "-",
             f"{t.bubble_fraction:.1%}", f"{t.exposed_comm_fraction:.1%}",
-            str(t.peak_activations(0)),
+            f"{t.transfer_wait_fraction:.1%}", str(t.peak_activations(0)),
         ])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     fmt = lambda row: "  ".join(x.rjust(w) for x, w in zip(row, widths))
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
+    note = ("exposed comm: communication while a device computed nothing; compute waited: "
+            "its compute stream idle\nfor a transfer bringing an input (part of exposed); "
+            "both as shares of the iteration, mean over devices")
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body), note])
 
 
 def case_from_json(data: dict[str, Any]) -> PipelineCase:

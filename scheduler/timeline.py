@@ -2,16 +2,18 @@
 
 A :class:`Span` is one op of the step graph on one device lane, carrying the op's id, so a
 simulated and a measured timeline of the same graph compare op by op. Metrics (busy, bubble,
-exposed communication, peak activations) are defined once here for both; exposed
-communication follows the graph's data edges (``inputs``: a compute -> the transfers that
-bring its input), not names. Chrome/Perfetto JSON is written and read back with op ids and
-those edges, so ``overlap trace report`` computes the same metrics from a file.
+exposed communication, the compute stream's waits for transfers, peak activations) are
+defined once for both — exposed communication as every trace report defines it
+(:mod:`scheduler.exposure`); the waits follow the graph's data edges (``inputs``: a compute
+-> the transfers that bring its input), not names. Chrome/Perfetto JSON is written and read
+back with op ids and those edges, so ``overlap trace report`` computes the same metrics from
+a file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,8 +21,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple, overload
 
+from .exposure import Figures, device_table, figures_of, waits
 from .graph import Compute, Op, TransferOp
-from .intervals import check_interval
+from .intervals import check_interval, length, union
 from .schedules import peak_live
 
 
@@ -138,9 +141,8 @@ class Timeline:
 
     def busy(self, device: int, stream: str = "compute") -> float:
         """Seconds the device's ``stream`` was busy."""
-        return _union_length(
-            [(s.start, s.end) for s in self.spans_of(device) if s.stream == stream]
-        )
+        return length(union((s.start, s.end) for s in self.spans_of(device)
+                            if s.stream == stream))
 
     def busy_fraction(self, device: int) -> float:
         t = self.iteration_time
@@ -153,37 +155,74 @@ class Timeline:
             return 0.0
         return sum(1.0 - self.busy_fraction(d) for d in self.devices) / len(self.devices)
 
-    def exposed_comm(self, device: int, direction: str | None = None) -> float:
-        """Seconds the device's compute stream sat waiting for a transfer still in flight;
-        ``direction`` ``"fwd"``: only before forwards (activations), ``"bwd"``: only before
-        backwards (gradients), None: both.
+    def exposed_comm(self, device: int) -> float:
+        """Seconds the device communicated while it computed nothing: its communication
+        (every comm stream) minus its compute — the definition every trace report uses
+        (:mod:`scheduler.exposure`)."""
+        return self._figures(device).exposed
 
-        For every compute that waits for transfers (its ``inputs``: the resharding that
-        brings an F after stage 0 its activation, a B before the last stage its gradient),
-        the idle gap before it on the compute stream, intersected with the time the device
-        spent on those transfers. Measured and simulated timelines use the same definition.
-        """
+    def transfer_wait(self, device: int, direction: str | None = None) -> float:
+        """Seconds the device's compute stream sat idle before a compute while a transfer
+        bringing its input (the graph's data edges, ``inputs``) ran on the device — the part
+        of :meth:`exposed_comm` the step paid for. ``direction`` ``"fwd"``: only before
+        forwards (activations), ``"bwd"``: only before backwards and input gradients
+        (gradients), None: both. Measured and simulated timelines use the same definition."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction: expected 'fwd', 'bwd' or None, got {direction!r}")
         key = (device, direction)
         if key not in self._exposed:
             spans = self._by_device.get(device)
             self._exposed[key] = (0.0 if spans is None else
-                                  _exposed_on(spans, self.inputs, DIRECTIONS[direction]))
+                                  length(self.transfer_waits(device, direction)))
         return self._exposed[key]
+
+    def transfer_waits(self, device: int, direction: str | None = None
+                       ) -> list[tuple[float, float]]:
+        """The intervals of :meth:`transfer_wait` (sorted, disjoint): what a plot marks."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction: expected 'fwd', 'bwd' or None, got {direction!r}")
+        return _waits_on(self.spans_of(device), self.inputs, DIRECTIONS[direction])
+
+    def figures(self, device: int) -> Figures:
+        """The device's compute, communication, exposed and waited seconds
+        (:class:`~scheduler.exposure.Figures`)."""
+        return dataclasses.replace(self._figures(device), waited=self.transfer_wait(device))
+
+    def _figures(self, device: int) -> Figures:
+        """:meth:`figures` without the waits (what exposed communication alone needs), made
+        once per device."""
+        if device not in self._unions:
+            spans = self.spans_of(device)
+            self._unions[device] = figures_of(
+                [(s.start, s.end) for s in spans if s.stream == "compute"],
+                [(s.start, s.end) for s in spans if s.stream != "compute"])
+        return self._unions[device]
+
+    @cached_property
+    def _unions(self) -> dict[int, Figures]:
+        return {}
 
     @property
     def exposed_comm_fraction(self) -> float:
-        """Mean over devices of exposed communication / iteration time."""
-        return self.exposed_fraction()
+        """Mean over devices of exposed communication (:meth:`exposed_comm`) / iteration
+        time."""
+        return self._mean_share(self.exposed_comm)
 
-    def exposed_fraction(self, direction: str | None = None) -> float:
-        """Mean over devices of exposed communication (of ``direction``, see
-        :meth:`exposed_comm`) / iteration time."""
+    @property
+    def transfer_wait_fraction(self) -> float:
+        """Mean over devices of :meth:`transfer_wait` / iteration time."""
+        return self.wait_fraction()
+
+    def wait_fraction(self, direction: str | None = None) -> float:
+        """Mean over devices of the compute stream's waits for transfers (of ``direction``,
+        see :meth:`transfer_wait`) / iteration time."""
+        return self._mean_share(lambda d: self.transfer_wait(d, direction))
+
+    def _mean_share(self, seconds: Any) -> float:
         t = self.iteration_time
         if t <= 0 or not self.devices:
             return 0.0
-        return sum(self.exposed_comm(d, direction) for d in self.devices) / len(self.devices) / t
+        return sum(seconds(d) for d in self.devices) / len(self.devices) / t
 
     def streams(self, device: int) -> tuple[str, ...]:
         """The device's streams in the timeline: "compute" first, then its comm channels."""
@@ -192,8 +231,7 @@ class Timeline:
 
     def comm_time(self, device: int) -> float:
         """Seconds at least one of the device's comm streams was busy."""
-        return _union_length([(s.start, s.end) for s in self.spans_of(device)
-                              if s.stream != "compute"])
+        return self._figures(device).comm
 
     def peak_activations(self, stage: int) -> int:
         """Most microbatches with F done and B (or W) not yet, on the stage's first device
@@ -211,24 +249,14 @@ class Timeline:
             "iteration_s": self.iteration_time,
             "bubble": self.bubble_fraction,
             "exposed_comm": self.exposed_comm_fraction,
+            "transfer_wait": self.transfer_wait_fraction,
         }
 
     def report(self) -> str:
-        """Per device: busy %, communication time, exposed and hidden communication."""
-        t = self.iteration_time
-        lines = [
-            f"iteration {t * 1e3:.3f} ms, bubble {self.bubble_fraction:.1%}, exposed "
-            f"communication {self.exposed_comm_fraction:.1%} of the iteration",
-            f"{'device':>6} {'stage':>5} {'busy':>7} {'comm ms':>9} {'exposed ms':>11} "
-            f"{'hidden':>7}",
-        ]
-        for d in self.devices:
-            comm = self.comm_time(d)
-            exp = self.exposed_comm(d)
-            hidden = f"{1 - exp / comm:.1%}" if comm > 0 else "-"
-            lines.append(f"{d:>6} {self.stage_of[d]:>5} {self.busy_fraction(d):>7.1%} "
-                         f"{comm * 1e3:>9.3f} {exp * 1e3:>11.3f} {hidden:>7}")
-        return "\n".join(lines)
+        """Iteration, bubble, and per device the figures of :mod:`scheduler.exposure` (the
+        text ``overlap trace report`` prints for one of our traces)."""
+        rows = [(str(d), str(self.stage_of.get(d, "-")), self.figures(d)) for d in self.devices]
+        return self.headline() + "\n" + device_table(rows, ("device", "stage"))
 
     @classmethod
     def from_chrome_trace(cls, path: str | Path) -> Timeline:
@@ -311,47 +339,19 @@ class Timeline:
         return path
 
     def plot(self, path: str | Path) -> Path:
-        """A PNG Gantt chart (needs matplotlib: the ``viz`` extra)."""
-        plt = pyplot("Timeline.plot")
-        colors = {"F": "tab:blue", "B": "tab:green", "fwd": "tab:orange", "bwd": "tab:red"}
-        rows = [(d, st) for d in self.devices for st in self.streams(d)]
-        fig, ax = plt.subplots(figsize=(12, max(2.0, 0.3 * len(rows))))
-        for y, (d, st) in enumerate(rows):
-            for kind, color in colors.items():
-                bars = [(s.start * 1e3, (s.end - s.start) * 1e3) for s in self.spans_of(d)
-                        if s.stream == st and s.kind == kind]
-                if bars:
-                    ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color)
-        ax.set_yticks(range(len(rows)), [f"d{d} {st}" for d, st in rows], fontsize=6)
-        ax.invert_yaxis()
-        ax.set_xlabel("ms")
-        ax.set_title(f"iteration {self.iteration_time * 1e3:.2f} ms, bubble "
-                     f"{self.bubble_fraction:.1%}, exposed comm {self.exposed_comm_fraction:.1%}")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-        ax.legend(handles, ["F", "B", "activation", "gradient"], loc="upper right", fontsize=7)
-        return save_png(plt, fig, path)
+        """A picture of the step (``.png``, ``.svg`` or ``.pdf``; needs matplotlib: the
+        ``viz`` extra): see :mod:`scheduler.trace_plot`."""
+        from .trace_plot import plot_rows, timeline_rows
 
+        return plot_rows(timeline_rows(self), path, self.headline())
 
-def pyplot(what: str) -> Any:
-    """matplotlib's pyplot, headless (ImportError naming ``what`` without the viz extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError(f"{what} needs matplotlib: pip install -e '.[viz]' (from the "
-                          "repository, as the README installs overlap)") from None
-    return plt
-
-
-def save_png(plt: Any, fig: Any, path: str | Path) -> Path:
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    def headline(self) -> str:
+        """The step's figures in one line: iteration, bubble, exposed communication and the
+        compute streams' waits for transfers (as shares of the iteration)."""
+        return (f"iteration {self.iteration_time * 1e3:.3f} ms, bubble "
+                f"{self.bubble_fraction:.1%}, exposed communication "
+                f"{self.exposed_comm_fraction:.1%} of the iteration, compute waited for "
+                f"transfers {self.transfer_wait_fraction:.1%}")
 
 
 # Which computes' waits count, per direction: a forward waits for activations, a backward
@@ -360,34 +360,17 @@ DIRECTIONS: dict[str | None, frozenset[str]] = {
     None: frozenset("FBIW"), "fwd": frozenset("F"), "bwd": frozenset("BI")}
 
 
-def _exposed_on(spans: list[Span], inputs: Mapping[int, tuple[int, ...]],
-                kinds: frozenset[str] = DIRECTIONS[None]) -> float:
-    """See :meth:`Timeline.exposed_comm` (spans of one device, in program order per stream);
-    only the waits of computes of ``kinds`` count."""
-    window: dict[int, tuple[float, float]] = {}
+def _waits_on(spans: Sequence[Span], inputs: Mapping[int, tuple[int, ...]],
+              kinds: frozenset[str] = DIRECTIONS[None]) -> list[tuple[float, float]]:
+    """See :meth:`Timeline.transfer_wait` (spans of one device); only the waits of computes
+    of ``kinds`` count."""
+    moved: dict[int, list[tuple[float, float]]] = {}
     for s in spans:
         if s.stream != "compute":
-            w = window.get(s.op)
-            window[s.op] = (s.start, s.end) if w is None else (min(w[0], s.start),
-                                                               max(w[1], s.end))
-    exposed, prev_end = 0.0, 0.0
-    for s in sorted((s for s in spans if s.stream == "compute"), key=lambda s: s.start):
-        ws = [window[j] for j in inputs.get(s.op, ()) if j in window] if s.kind in kinds else []
-        if ws:
-            start, end = min(w[0] for w in ws), max(w[1] for w in ws)
-            exposed += max(0.0, min(s.start, end) - max(prev_end, start))
-        prev_end = max(prev_end, s.end)
-    return exposed
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, -math.inf, -math.inf
-    for s, e in sorted(intervals):
-        if s > cur_e:
-            total += max(0.0, cur_e - cur_s) if cur_e > cur_s else 0.0
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e > cur_s:
-        total += cur_e - cur_s
-    return total
+            moved.setdefault(s.op, []).append((s.start, s.end))
+    computes = []
+    for s in spans:
+        if s.stream == "compute":
+            ins = inputs.get(s.op, ()) if s.kind in kinds else ()
+            computes.append((s.start, s.end, union(iv for j in ins for iv in moved.get(j, ()))))
+    return waits(computes)

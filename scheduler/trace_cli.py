@@ -1,139 +1,110 @@
-"""``overlap trace report|plot FILE``: figures and plots of a trace of any source — ours
-(runtime or simulator), an Nsight Systems capture, a PyTorch profiler trace."""
+"""``overlap trace report|plot FILE...``: figures and pictures of traces of any source — ours
+(runtime or simulator), an Nsight Systems capture, a PyTorch profiler trace — one file, or
+one per rank of a job, merged."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli_common import parser
+from .exposure import DEFINITION
+
+HELP = f"""\
+report: one table, per device: compute, communication (comm), exposed communication,
+overlap %, and the time the compute stream waited for transfers; then the GPU work inside
+none of the runtime's ranges (unattributed, per GPU: never guessed onto a device), and
+iteration time and bubble from the steps. The same definitions for every source:
+
+{textwrap.fill(DEFINITION + ".", 88, initial_indent="  ", subsequent_indent="  ")}
+
+plot: one row per device stream (compute; one per comm channel: fwd<s>, bwd<s>, and
+fwd<s>.<lane>), each op its own bar with its kind and microbatch where they fit, the
+compute stream's waits for transfers hatched, a legend; several files one under the other.
+
+Several FILEs are the ranks of one job, in rank order (one file per process, each with its
+own devices): one report with a per-rank breakdown, or one picture.
+
+--json keys: definition; devices: {{"<device>": {{compute_ms, comm_ms, exposed_comm_ms,
+overlap_pct (null without communication), waited_for_transfer_ms, stages, rank}}}};
+unattributed: [{{rank, gpu, compute_ms, ...}}]; steps, iteration_ms, bubble_pct (when the
+traces have steps: the fewest steps, the longest iteration and the bubble over every device,
+of several ranks); ranks: [{{rank, file, source, devices, steps, iteration_ms, bubble_pct}}].
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="overlap trace", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Summarize or draw traces: ours (runtime or simulator, Chrome JSON),\n"
+                    "Nsight Systems captures (SQLite export, or .nsys-rep), PyTorch profiler\n"
+                    "(Kineto) traces, with or without GPU work.", epilog=HELP)
+    p.add_argument("action", choices=("report", "plot"),
+                   help="report: per-device figures; plot: a picture (-o)")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                   help="a trace of any of those sources; several: one per rank, in rank order")
+    p.add_argument("--json", action="store_true", help="report: print the figures as JSON")
+    p.add_argument("-o", "--output", type=Path, default=Path("timeline.png"),
+                   help="plot: the file to write, exactly this name; its suffix is the format: "
+                        ".png, .svg or .pdf (default: timeline.png)")
+    return p
 
 
 def trace_main(argv: Sequence[str]) -> int:
-    p = parser("overlap trace", "Summarize a trace: ours (runtime or simulator, Chrome "
-               "JSON), an Nsight Systems capture (its SQLite export, or a .nsys-rep), or a "
-               "PyTorch profiler (Kineto) trace.")
-    p.add_argument("action", choices=("report", "plot"),
-                   help="report: per-device figures; plot: a PNG of per-device compute and "
-                        "communication tracks (-o)")
-    p.add_argument("file", type=Path, help="a trace written by the runtime or the simulator, "
-                   "an Nsight Systems SQLite export or .nsys-rep, or a PyTorch profiler trace")
-    p.add_argument("--json", action="store_true",
-                   help="print the figures as JSON: {\"devices\": {\"<device>\": "
-                        "{compute_ms, comm_ms, exposed_comm_ms, overlap_pct}}, steps, "
-                        "iteration_ms, bubble_pct}")
-    p.add_argument("-o", "--output", type=Path, default=Path("timeline.png"),
-                   help="where plot writes its PNG")
-    args = p.parse_args(argv)
-    if not args.file.is_file():
-        print(f"error: no such file: {args.file}", file=sys.stderr)
-        return 2
+    args = _parser().parse_args(argv)
     try:
-        capture, tl = _read_trace(args.file)
-    except ValueError as exc:
+        _check_arguments(args)
+        from .trace_report import check_ranks, file_report, read_trace
+
+        traces = [read_trace(f) for f in args.files]
+        if args.action == "plot":
+            print(f"wrote {_plot(traces, args.output)}")
+            return 0
+        reports = [file_report(t) for t in traces]
+        check_ranks(reports)
+    except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.action == "plot":
-        from .capture import plot_work
-
-        try:
-            print(f"wrote {plot_work(capture.work, args.output, title=args.file.name)}")
-        except ImportError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    if args.json:
-        print(json.dumps(trace_figures(capture, tl), indent=1))
-        return 0
-    print(trace_text(args.file, capture, tl))
+    except OSError as exc:  # (writing the picture)
+        print(f"error: -o: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(_render(reports, args.json))
     return 0
 
 
-def trace_figures(capture: Any, tl: Any) -> dict[str, Any]:
-    """The JSON of ``overlap trace report --json``: per-device figures, and the steps'
-    (iteration time, bubble) where the source has them."""
-    from .capture import device_figures, step_figures
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Every argument checked before any file is read (ValueError naming it)."""
+    for f in args.files:
+        if not f.is_file():
+            raise ValueError(f"file: no such file: {f}" if not f.exists() else
+                             f"file: {f} is not a regular file")
+    if args.action == "report":
+        return
+    from .trace_plot import check_output, pyplot
 
-    devices = {str(d): f for d, f in device_figures(capture.work).items()}
-    out: dict[str, Any] = {"devices": devices}
-    if tl is not None:  # one of our traces: one step, and how long compute waited for data
-        for d, f in devices.items():
-            f["waited_for_transfer_ms"] = tl.exposed_comm(int(d)) * 1e3
-        out.update(steps=1, iteration_ms=tl.iteration_time * 1e3,
-                   bubble_pct=100.0 * tl.bubble_fraction)
-    else:
-        out.update(step_figures(capture) or {})
-    return out
-
-
-def trace_text(path: Path, capture: Any, tl: Any) -> str:
-    """The text of ``overlap trace report``."""
-    from .capture import device_figures, figures_text, step_figures
-
-    lines = [f"{path}:"]
-    if tl is not None:
-        lines.append(tl.report())
-    elif not capture.work:
-        lines.append("no GPU work in this capture (was CUDA traced? `nsys profile -t "
-                     "cuda,nvtx`)")
-    steps = step_figures(capture) if tl is None else None
-    if steps is not None:
-        lines.append(f"{steps['steps']} steps: iteration {steps['iteration_ms']:.3f} ms (mean), "
-                     f"bubble {steps['bubble_pct']:.1f}%")
-    elif tl is None and capture.work:
-        lines.append("no step ranges in this capture: no iteration time or bubble (the "
-                     "runtime opens one per train_step)")
-    lines.append(figures_text(device_figures(capture.work)))
-    return "\n".join(lines)
+    check_output(args.output)
+    pyplot("overlap trace plot")  # (ImportError without the viz extra, before any work)
+    parent = next((p for p in args.output.absolute().parents if p.exists()), None)
+    if args.output.is_dir() or parent is None or not parent.is_dir() \
+            or not os.access(args.output if args.output.exists() else parent, os.W_OK):
+        raise ValueError(f"-o: cannot write {args.output} (a folder, or no permission)")
 
 
-def _read_trace(path: Path) -> tuple[Any, Any]:
-    """The attributed GPU work (a Capture) of a trace of any source, and our own Timeline
-    when it is one of ours (ValueError naming the file otherwise)."""
-    from .capture import Capture, timeline_work
-    from .kineto import is_kineto, kineto_work
-    from .nsys import is_sqlite, read_sqlite
-    from .timeline import Timeline
+def _render(reports: Sequence[Any], as_json: bool) -> str:
+    from .trace_report import report_json, report_text
 
-    if path.suffix == ".nsys-rep":
-        return read_sqlite(_exported(path)), None
-    if is_sqlite(path):
-        return read_sqlite(path), None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ValueError(f"path: {path} is not a trace written by overlap: "
-                         f"{type(exc).__name__}: {exc}") from None
-    if is_kineto(data):
-        return kineto_work(data), None  # a PyTorch profiler trace
-    tl = Timeline.from_chrome_json(data, path)
-    return Capture(tuple(timeline_work(tl))), tl
+    return json.dumps(report_json(reports), indent=1) if as_json else report_text(reports)
 
 
-def _exported(report: Path) -> Path:
-    """The SQLite export of an ``.nsys-rep``: the one next to it when it is newer, else made
-    with ``nsys`` when on PATH — next to it when no file has that name, else in a new
-    temporary directory (a file the user did not name is never replaced)."""
-    import shutil
-    import subprocess
-    import tempfile
+def _plot(traces: Sequence[Any], output: Path) -> Path:
+    from .trace_plot import plot_rows, traces_rows
 
-    out = report.with_suffix(".sqlite")
-    if out.is_file() and out.stat().st_mtime >= report.stat().st_mtime:
-        return out
-    if out.exists():  # (an older export, or anything else of that name: left alone)
-        out = Path(tempfile.mkdtemp(prefix="overlap-nsys-")) / out.name
-    nsys = shutil.which("nsys")
-    if nsys is None:
-        raise ValueError(f"{report}: a .nsys-rep is read through its SQLite export, and `nsys` "
-                         f"is not on PATH here: run `nsys export --type sqlite {report}` "
-                         "where Nsight Systems is installed (or capture with `nsys profile "
-                         "--export sqlite`), then report the .sqlite")
-    done = subprocess.run([nsys, "export", "--type", "sqlite", "--output", str(out),
-                           str(report)], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 or not out.is_file():
-        raise ValueError(f"{report}: `nsys export` failed: {done.stderr.strip()[-500:]}")
-    return out
+    title = ", ".join(str(t.path) for t in traces)
+    if len(traces) == 1 and traces[0].timeline is not None:
+        title += ": " + traces[0].timeline.headline()
+    return plot_rows(traces_rows(traces), output, title)

@@ -63,7 +63,7 @@ def test_auto_is_never_slower_than_a_fixed_schedule_that_fits_the_same_memory(st
 
 def test_auto_hides_transfers_a_fixed_1f1b_exposes():
     # With transfers about as long as a W, auto (split backward, a little more warm-up) beats
-    # every fixed schedule in simulation, and exposes less communication than 1f1b.
+    # every fixed schedule in simulation, and its compute waits less for transfers than 1f1b's.
     model = ToyMLP.build(CLUSTER, hidden=512, batch=256)
     options = PlanOptions(strategy="broadcast")
     choice = auto_schedule(model.meshes, model.boundaries(), 16, CLUSTER, COSTS, options)
@@ -72,8 +72,8 @@ def test_auto_hides_transfers_a_fixed_1f1b_exposes():
              for n in (*SCHEDULES, "zb-h1")}
     assert choice.seconds < min(tl.iteration_time for tl in fixed.values())
     tl = simulate(choice.graph, CLUSTER, COSTS)
-    assert tl.exposed_fraction("bwd") < fixed["1f1b"].exposed_fraction("bwd")
-    assert tl.exposed_comm_fraction < fixed["1f1b"].exposed_comm_fraction
+    assert tl.wait_fraction("bwd") < fixed["1f1b"].wait_fraction("bwd")
+    assert tl.transfer_wait_fraction < fixed["1f1b"].transfer_wait_fraction
     assert "I" in choice.schedule.kinds
 
 
@@ -109,10 +109,10 @@ def _chain(p: int):
     return cluster, meshes, boundaries, seconds
 
 
-def _exposed_bwd(schedule, cluster, meshes, boundaries, costs) -> tuple[float, float]:
+def _waited_bwd(schedule, cluster, meshes, boundaries, costs) -> tuple[float, float]:
     graph = lower(meshes, boundaries, schedule, cluster, PlanOptions(strategy="broadcast"))
     tl = simulate(graph, cluster, costs)
-    return sum(tl.exposed_comm(d, "bwd") for d in graph.devices), tl.iteration_time
+    return sum(tl.transfer_wait(d, "bwd") for d in graph.devices), tl.iteration_time
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
@@ -129,8 +129,8 @@ def test_zb_h1_hides_gradient_transfers_when_they_take_at_most_half_a_w(p, ratio
     w = t / ratio
     costs = {"F": w, "I": w, "W": w, "B": 2 * w}
     m = 2 * p + 4
-    short = _exposed_bwd(make_schedule("zb-h1", p, m), cluster, meshes, boundaries, costs)
-    long = _exposed_bwd(make_schedule("zb-h1", p, m + 8), cluster, meshes, boundaries, costs)
+    short = _waited_bwd(make_schedule("zb-h1", p, m), cluster, meshes, boundaries, costs)
+    long = _waited_bwd(make_schedule("zb-h1", p, m + 8), cluster, meshes, boundaries, costs)
     if ratio <= 0.5:
         assert long[0] == pytest.approx(short[0], rel=1e-6)
         assert long[1] - short[1] == pytest.approx(8 * 3 * w, rel=1e-6)

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from scheduler.capture import device_figures, step_figures
+from scheduler.capture import device_figures, step_figures, unattributed_figures
 from scheduler.nsys import read_sqlite
 
 MS = 1_000_000  # the export's times are nanoseconds
@@ -75,20 +75,26 @@ def test_work_is_attributed_to_the_innermost_overlap_range_of_its_launching_thre
                  (550 * MS, 580 * MS, 1, 7, 6, 20)],  # outside any range: compute, GPU 1
         memcpys=[(40 * MS, 90 * MS, 0, 8, 2)])        # comm, device 4
     work = read_sqlite(f).work
-    assert sorted((w.device, w.category, w.label) for w in work) == sorted([
-        (4, "compute", "F s0 mb0 on device 4"),
-        (6, "comm", "grad s1→s0 mb0 #0 on device 6"),
-        (6, "compute", "B s1 mb0 on device 6"),
-        (1, "comm", "ncclDevKernel_AllReduce"),
-        (1, "compute", "gemm_kernel"),
-        (4, "comm", "reshard s0→s1 mb0 #0 on device 4")])
-    figures = device_figures(work)
+    # Work outside every range is unattributed (None), kept with its GPU: never booked to a
+    # device (GPU 1 may run several of the runtime's devices).
+    assert sorted((w.device or -1, w.gpu, w.category, w.label) for w in work) == sorted([
+        (4, 0, "compute", "F s0 mb0 on device 4"),
+        (6, 0, "comm", "grad s1→s0 mb0 #0 on device 6"),
+        (6, 0, "compute", "B s1 mb0 on device 6"),
+        (-1, 1, "comm", "ncclDevKernel_AllReduce"),
+        (-1, 1, "compute", "gemm_kernel"),
+        (4, 0, "comm", "reshard s0→s1 mb0 #0 on device 4")])
+    figures = {d: f.as_json() for d, f in device_figures(work).items()}
+    assert sorted(figures) == [4, 6]
     assert figures[4] == pytest.approx({"compute_ms": 40.0, "comm_ms": 50.0,
-                                        "exposed_comm_ms": 30.0, "overlap_pct": 40.0})
+                                        "exposed_comm_ms": 30.0, "overlap_pct": 40.0,
+                                        "waited_for_transfer_ms": 0.0})
     assert figures[6] == pytest.approx({"compute_ms": 100.0, "comm_ms": 30.0,
-                                        "exposed_comm_ms": 30.0, "overlap_pct": 0.0})
-    assert figures[1] == pytest.approx({"compute_ms": 30.0, "comm_ms": 100.0,
-                                        "exposed_comm_ms": 70.0, "overlap_pct": 30.0})
+                                        "exposed_comm_ms": 30.0, "overlap_pct": 0.0,
+                                        "waited_for_transfer_ms": 0.0})
+    assert unattributed_figures(work)[1].as_json() == pytest.approx({
+        "compute_ms": 30.0, "comm_ms": 100.0, "exposed_comm_ms": 70.0, "overlap_pct": 30.0,
+        "waited_for_transfer_ms": None})
 
 
 def test_step_ranges_give_iteration_time_and_bubble(tmp_path, capsys):
@@ -124,9 +130,10 @@ def test_step_ranges_give_iteration_time_and_bubble(tmp_path, capsys):
     assert overlap.cli.main(["trace", "report", str(f), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {k: data[k] for k in want} == pytest.approx(want)
-    assert set(data["devices"]) == {"4", "6", "2"}
+    assert set(data["devices"]) == {"4", "6"}  # GPU 2's work is in no range: unattributed
+    assert [(u["rank"], u["gpu"]) for u in data["unattributed"]] == [(0, 2)]
     assert overlap.cli.main(["trace", "report", str(f)]) == 0
-    assert "2 steps: iteration 105.000 ms (mean), bubble 61.9%" in capsys.readouterr().out
+    assert "2 steps, iteration 105.000 ms (mean), bubble 61.9%" in capsys.readouterr().out
 
 
 def test_a_capture_without_step_ranges_says_so(tmp_path, capsys):
@@ -135,18 +142,21 @@ def test_a_capture_without_step_ranges_says_so(tmp_path, capsys):
     f = tmp_path / "nosteps.sqlite"
     capture(f, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)], kernels=[(0, MS, 0, 7, 1, 1)])
     assert overlap.cli.main(["trace", "report", str(f)]) == 0
-    assert "no step ranges in this capture" in capsys.readouterr().out
+    assert "no step ranges in it" in capsys.readouterr().out
 
 
-def test_a_capture_without_overlap_ranges_falls_back_to_kernel_names(tmp_path):
+def test_a_capture_without_overlap_ranges_is_unattributed_per_gpu_by_kernel_names(tmp_path):
     f = tmp_path / "plain.sqlite"
     capture(f, strings=[(1, "ncclKernel_Broadcast"), (2, "gemm")],
             runtime=[(0, 1, 7, 1), (0, 1, 7, 2)],
             kernels=[(0, 10 * MS, 3, 1, 1, 1), (5 * MS, 20 * MS, 3, 2, 2, 2)],
             memsets=[(30 * MS, 31 * MS, 3, 99)])  # its launch is not in the capture
-    figures = device_figures(read_sqlite(f).work)
+    work = read_sqlite(f).work
+    assert device_figures(work) == {}
+    figures = {g: f.as_json() for g, f in unattributed_figures(work).items()}
     assert figures == {3: pytest.approx({"compute_ms": 16.0, "comm_ms": 10.0,
-                                         "exposed_comm_ms": 5.0, "overlap_pct": 50.0})}
+                                         "exposed_comm_ms": 5.0, "overlap_pct": 50.0,
+                                         "waited_for_transfer_ms": None})}
 
 
 def test_missing_tables_read_as_empty(tmp_path):
@@ -182,11 +192,13 @@ def test_trace_report_reads_an_nsight_export(tmp_path, capsys):
             kernels=[(0, 10 * MS, 3, 1, 1, 1), (5 * MS, 20 * MS, 3, 2, 2, 2)])
     assert overlap.cli.main(["trace", "report", str(f)]) == 0
     text = capsys.readouterr().out
-    assert "exposed comm ms" in text and "50.0" in text
+    assert "unattributed" in text and "exposed ms" in text and "50.0%" in text
     assert overlap.cli.main(["trace", "report", str(f), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["devices"]["3"] == pytest.approx({"compute_ms": 15.0, "comm_ms": 10.0,
-                                                  "exposed_comm_ms": 5.0, "overlap_pct": 50.0})
+    assert data["devices"] == {}
+    assert data["unattributed"] == [pytest.approx({
+        "rank": 0, "gpu": 3, "compute_ms": 15.0, "comm_ms": 10.0, "exposed_comm_ms": 5.0,
+        "overlap_pct": 50.0, "waited_for_transfer_ms": None})]
 
 
 def test_trace_report_json_means_the_same_for_our_own_traces(tmp_path, capsys):
@@ -204,8 +216,8 @@ def test_trace_report_json_means_the_same_for_our_own_traces(tmp_path, capsys):
     assert 0 <= data["bubble_pct"] <= 100
     for figures in data["devices"].values():
         assert set(figures) == {"compute_ms", "comm_ms", "exposed_comm_ms", "overlap_pct",
-                                "waited_for_transfer_ms"}
-        assert 0 <= figures["waited_for_transfer_ms"] <= figures["comm_ms"] + 1e-9
+                                "waited_for_transfer_ms", "stages", "rank"}
+        assert 0 <= figures["waited_for_transfer_ms"] <= figures["exposed_comm_ms"] + 1e-9
         assert 0 <= figures["exposed_comm_ms"] <= figures["comm_ms"] + 1e-9
 
 
@@ -248,7 +260,8 @@ def test_trace_report_exports_an_nsys_rep_with_nsys_when_on_path(tmp_path, capsy
     (tmp_path / "cap.nsys-rep").write_bytes(b"\0")
     assert overlap.cli.main(["trace", "report", str(tmp_path / "cap.nsys-rep"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["devices"]["2"]["compute_ms"] == pytest.approx(4.0)
+    assert data["unattributed"][0]["gpu"] == 2
+    assert data["unattributed"][0]["compute_ms"] == pytest.approx(4.0)
 
 
 # ---- PyTorch profiler (Kineto) traces ------------------------------------------------------------
@@ -288,19 +301,23 @@ def test_a_pytorch_profiler_trace_is_attributed_like_an_nsight_capture(tmp_path,
           correlation=77),  # its launch is not in the trace: by name
     ])
     work = read_kineto(f).work
-    assert sorted((w.device, w.category) for w in work) == [(1, "comm"), (4, "comm"),
-                                                            (4, "compute")]
+    assert sorted((w.device or -1, w.gpu, w.category) for w in work) == [
+        (-1, 1, "comm"), (4, 0, "comm"), (4, 0, "compute")]
     assert overlap.cli.main(["trace", "report", str(f), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["devices"]["4"] == pytest.approx({"compute_ms": 40.0, "comm_ms": 50.0,
-                                                  "exposed_comm_ms": 30.0, "overlap_pct": 40.0})
-    assert data["devices"]["1"]["exposed_comm_ms"] == pytest.approx(100.0)
+    assert data["devices"]["4"].pop("stages") == [0]
+    assert data["devices"]["4"] == pytest.approx({
+        "compute_ms": 40.0, "comm_ms": 50.0, "exposed_comm_ms": 30.0, "overlap_pct": 40.0,
+        "waited_for_transfer_ms": 0.0, "rank": 0})
+    assert set(data["devices"]) == {"4"}
+    assert data["unattributed"][0]["gpu"] == 1
+    assert data["unattributed"][0]["exposed_comm_ms"] == pytest.approx(100.0)
 
 
 def test_a_json_trace_of_neither_kind_is_named(tmp_path, capsys):
     import overlap.cli
 
-    (tmp_path / "t.json").write_text('{"traceEvents": [{"ph": "X", "cat": "cpu_op"}]}')
+    (tmp_path / "t.json").write_text('{"traceEvents": [{"ph": "X", "name": "x"}]}')
     assert overlap.cli.main(["trace", "report", str(tmp_path / "t.json")]) == 2
     assert "not a trace written by overlap" in capsys.readouterr().err
 
@@ -392,7 +409,7 @@ def test_overlap_profile_runs_the_script_under_nsys_with_a_capture_window(tmp_pa
     assert overlap.cli.main(["profile", "--steps", "3:5", "-o", str(out), "--json", "--",
                              sys.executable, str(script)]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["devices"]["3"]["exposed_comm_ms"] == pytest.approx(5.0)
+    assert data["unattributed"][0]["exposed_comm_ms"] == pytest.approx(5.0)
     call = json.loads((tmp_path / "nsys_call.json").read_text())
     assert call["args"][0] == "profile" and call["env"] == "3:5"
     for flag in ("--trace=cuda,nvtx", "--export=sqlite", "--capture-range=cudaProfilerApi",
@@ -402,7 +419,7 @@ def test_overlap_profile_runs_the_script_under_nsys_with_a_capture_window(tmp_pa
     assert (tmp_path / "window.txt").read_text() == "range(3, 5)"
     # Without --steps: the whole run, no capture range, no window.
     assert overlap.cli.main(["profile", "-o", str(out), "--", sys.executable, str(script)]) == 0
-    assert "exposed comm ms" in capsys.readouterr().out
+    assert "exposed ms" in capsys.readouterr().out
     call = json.loads((tmp_path / "nsys_call.json").read_text())
     assert call["env"] is None and not any("capture-range" in a for a in call["args"])
     assert (tmp_path / "window.txt").read_text() == "None"
@@ -459,6 +476,6 @@ def test_trace_report_never_replaces_a_file_the_user_did_not_name(tmp_path, caps
     os.utime(mine, (past, past))
     (tmp_path / "cap.nsys-rep").write_bytes(b"\0")
     assert overlap.cli.main(["trace", "report", str(tmp_path / "cap.nsys-rep"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["devices"]["2"]["compute_ms"] == \
+    assert json.loads(capsys.readouterr().out)["unattributed"][0]["compute_ms"] == \
         pytest.approx(4.0)
     assert mine.read_bytes() == b"the user's own file"

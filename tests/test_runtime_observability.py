@@ -82,6 +82,8 @@ def test_measured_trace_round_trips_through_the_report(toy, tmp_path, capsys):
     assert back.bubble_fraction == pytest.approx(tl.bubble_fraction, rel=1e-6)
     assert back.exposed_comm_fraction == pytest.approx(tl.exposed_comm_fraction, rel=1e-6,
                                                        abs=1e-12)
+    assert back.transfer_wait_fraction == pytest.approx(tl.transfer_wait_fraction, rel=1e-6,
+                                                        abs=1e-12)
     assert [back.peak_activations(s) for s in range(4)] == [3, 3, 3, 1]  # min(m, 2(p-s)-1)
     assert overlap_main(["trace", "report", str(path)]) == 0
     out = capsys.readouterr().out
@@ -93,7 +95,7 @@ def test_trace_report_on_a_bad_file(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert overlap_main(["trace", "report", str(bad)]) == 2
-    assert "path" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"error: file: {bad} is not a trace")
 
 
 def test_each_training_step_is_one_nvtx_range_and_categories_have_colours(ranges,
@@ -182,6 +184,8 @@ def test_last_step_reports_the_step_from_the_runtimes_trace(toy, schedule):
     assert 0 < st.iteration_time <= st.seconds
     assert st.bubble == pytest.approx(tl.bubble_fraction)
     assert st.exposed_comm == pytest.approx(tl.exposed_comm_fraction)
+    assert st.transfer_wait == pytest.approx(tl.transfer_wait_fraction)
+    assert 0 <= st.transfer_wait <= st.exposed_comm + 1e-12
     assert sorted(st.compute) == [0, 1, 2, 3] and all(t > 0 for t in st.compute.values())
     sched = make_schedule(schedule, 4, len(mbs))
     assert st.peak_activations == {s: sched.peak_activations(s) for s in range(4)}

@@ -104,7 +104,8 @@ HAND = {
         fwd=[(1, 1.5), (2, 2.5), (3, 3.5)],
         bwd=[(6.5, 7), (8.5, 9), (10.5, 11)],
         iteration=13.0,
-        exposed=(0.5, 0.5),
+        waited=(0.5, 0.5),
+        exposed=(1.0, 1.0),
     ),
     "1f1b": dict(
         dev0=dict(F=[(0, 1), (1, 2), (7, 8)], B=[(5, 7), (8, 10), (12, 14)]),
@@ -113,7 +114,8 @@ HAND = {
         fwd=[(1, 1.5), (2, 2.5), (8, 8.5)],
         bwd=[(4.5, 5), (7.5, 8), (11.5, 12)],
         iteration=14.0,
-        exposed=(1.0, 1.0),
+        waited=(1.0, 1.0),
+        exposed=(1.5, 2.0),
     ),
     "eager-1f1b": dict(
         dev0=dict(F=[(0, 1), (1, 2), (2, 3)], B=[(5, 7), (8, 10), (11, 13)]),
@@ -122,7 +124,8 @@ HAND = {
         fwd=[(1, 1.5), (2, 2.5), (3, 3.5)],
         bwd=[(4.5, 5), (7.5, 8), (10.5, 11)],
         iteration=13.0,
-        exposed=(1.5, 0.5),
+        waited=(1.5, 0.5),
+        exposed=(2.0, 1.0),
     ),
 }
 
@@ -175,12 +178,15 @@ def test_hand_computed_timeline(name):
         assert tl.streams(dev) == ("compute", "bwd0", "fwd0")
         assert tl.busy_fraction(dev) == approx(9.0 / want["iteration"])
         assert tl.exposed_comm(dev) == approx(want["exposed"][dev])
+        assert tl.transfer_wait(dev) == approx(want["waited"][dev])
     assert tl.bubble_fraction == approx(1.0 - 9.0 / want["iteration"])
     assert tl.exposed_comm_fraction == approx(sum(want["exposed"]) / 2 / want["iteration"])
+    assert tl.transfer_wait_fraction == approx(sum(want["waited"]) / 2 / want["iteration"])
     assert tl.summary() == {
         "iteration_s": approx(want["iteration"]),
         "bubble": approx(1.0 - 9.0 / want["iteration"]),
         "exposed_comm": approx(sum(want["exposed"]) / 2 / want["iteration"]),
+        "transfer_wait": approx(sum(want["waited"]) / 2 / want["iteration"]),
     }
 
 
@@ -196,7 +202,7 @@ def test_hand_computed_signal_timeline(name):
         for kind in ("fwd", "bwd"):
             for i, t in enumerate(want[kind]):
                 assert table[(dev, kind, i)] == (approx(t), approx(t)), (dev, kind, i)
-        assert tl.exposed_comm(dev) == 0.0
+        assert tl.exposed_comm(dev) == 0.0 and tl.transfer_wait(dev) == 0.0
         assert tl.comm_time(dev) == 0.0
     assert tl.iteration_time == approx(want["iteration"])
     assert tl.exposed_comm_fraction == 0.0
@@ -580,7 +586,9 @@ def test_timeline_peaks_busy_and_bubbles(big):
             want = m * (STAGE_COSTS[(s, "F")] + STAGE_COSTS[(s, "B")])
             assert tl.busy(d) == approx(want)
             assert 0.0 <= tl.busy_fraction(d) <= 1.0
-            assert tl.exposed_comm(d) >= 0.0
+            f = tl.figures(d)  # (the definitions' order: waited ⊆ exposed ⊆ communication)
+            assert 0.0 <= f.waited <= f.exposed + 1e-12 <= f.comm + 2e-12
+            assert f.exposed == approx(tl.exposed_comm(d)) and f.comm == approx(tl.comm_time(d))
         assert 0.0 <= tl.bubble_fraction <= 1.0
         assert 0.0 <= tl.exposed_comm_fraction <= 1.0
 
@@ -635,10 +643,12 @@ def test_timeline_respects_streams_and_dependencies(big):
 def test_exposed_comm_when_transfers_dominate():
     # Tiny compute, 0.5 s transfers: stage 1 waits for every activation.
     tl = run_chain("1f1b", 4, costs={"F": 1e-3, "B": 1e-3})
-    assert tl.exposed_comm(1) > 0.4
-    assert tl.exposed_comm(0) > 0.4
-    assert tl.exposed_comm_fraction > 0.0
-    assert run_chain("1f1b", 4, costs={"F": 1e-3, "B": 1e-3}, signal=True).exposed_comm(1) == 0
+    assert tl.transfer_wait(1) > 0.4
+    assert tl.transfer_wait(0) > 0.4
+    assert tl.exposed_comm(1) >= tl.transfer_wait(1) and tl.exposed_comm(0) >= tl.transfer_wait(0)
+    assert tl.exposed_comm_fraction >= tl.transfer_wait_fraction > 0.0
+    signal = run_chain("1f1b", 4, costs={"F": 1e-3, "B": 1e-3}, signal=True)
+    assert signal.transfer_wait(1) == 0 and signal.exposed_comm(1) == 0
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -700,7 +710,7 @@ def test_simulating_a_resharding_is_the_plans_estimate():
         assert all(s.kind == "comm" for s in tl.spans)
 
 
-def test_spans_carry_op_ids_and_exposed_comm_follows_edges():
+def test_spans_carry_op_ids_and_transfer_waits_follow_edges():
     cluster, meshes, boundaries = chain_pipeline(2)
     graph = lower(meshes, boundaries, make_schedule("1f1b", 2, 2), cluster)
     tl = simulate(graph, cluster, {"F": F_COST, "B": B_COST})
@@ -709,9 +719,11 @@ def test_spans_carry_op_ids_and_exposed_comm_follows_edges():
         assert s.device in op.devices and s.stream == op.stream
         assert s.name == str(op.body)
     assert tl.inputs == graph.data_inputs
-    # Without the edges nothing counts as exposed: the metric reads edges, not names.
+    # Without the edges no compute waited: the metric reads edges, not names (exposed
+    # communication needs no edges: the same with or without them).
     bare = Timeline(tuple(tl.spans), tl.num_stages, tl.devices, tl.stage_of)
-    assert tl.exposed_comm(1) > 0 and bare.exposed_comm(1) == 0.0
+    assert tl.transfer_wait(1) > 0 and bare.transfer_wait(1) == 0.0
+    assert bare.exposed_comm(1) == tl.exposed_comm(1) >= tl.transfer_wait(1)
 
 
 def test_a_deadlocking_graph_is_reported_by_the_validator():
@@ -729,4 +741,5 @@ def test_timeline_trace_round_trip_keeps_ops_and_edges(tmp_path):
     assert dict(back.inputs) == {k: tuple(v) for k, v in tl.inputs.items()}
     for d in tl.devices:
         assert back.exposed_comm(d) == approx(tl.exposed_comm(d))
+        assert back.transfer_wait(d) == approx(tl.transfer_wait(d))
         assert back.busy(d) == approx(tl.busy(d))
