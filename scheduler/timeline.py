@@ -273,9 +273,14 @@ class Timeline:
         """:meth:`from_chrome_trace` of JSON already parsed (from ``source``)."""
         try:
             return cls._from_events(data["traceEvents"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"path: {source} is not a trace written by overlap: "
-                             f"{type(exc).__name__}: {exc}") from None
+        except KeyError as exc:
+            what = ("no 'traceEvents' list" if exc.args[0] == "traceEvents" else
+                    f"an event without its {exc.args[0]!r} field")
+            raise ValueError(f"path: {source} is not a trace written by overlap: {what}"
+                             ) from None
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ValueError(f"path: {source} is not a trace written by overlap: a field of "
+                             f"the wrong kind ({type(exc).__name__}: {exc})") from None
 
     @classmethod
     def _from_events(cls, events: list[dict[str, Any]]) -> Timeline:

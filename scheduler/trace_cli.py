@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .cli_common import OneLineErrors
 from .exposure import DEFINITION
 
 HELP = f"""\
@@ -39,7 +40,7 @@ of several ranks); ranks: [{{rank, file, source, devices, steps, iteration_ms, b
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrors(
         prog="overlap trace", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Summarize or draw traces: ours (runtime or simulator, Chrome JSON),\n"
                     "Nsight Systems captures (SQLite export, or .nsys-rep), PyTorch profiler\n"
