@@ -133,8 +133,8 @@ def mpi_world_comm(why: str) -> Any:
     try:
         import mpi4py
     except ImportError:
-        raise RuntimeError(f"{why}, but mpi4py is not installed: pip install 'overlap[mpi]' "
-                           "(mpi4py and the mpich wheel)") from None
+        raise RuntimeError(f"{why}, but mpi4py is not installed: pip install -e '.[mpi]' "
+                           "from the repository (mpi4py and the mpich wheel)") from None
     mpi4py.rc.thread_level = "multiple"
     MPI = _mpi()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
