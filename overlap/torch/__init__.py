@@ -11,7 +11,8 @@
 Profiling: ``with overlap.torch.profiler() as prof: ...`` records every runtime op as a
 ``record_function`` range (``prof.export_chrome_trace(f)``, then ``overlap trace report f``).
 
-Needs PyTorch (``pip install -e '.[torch]'`` from the repository); ``import overlap`` alone never imports it.
+Needs PyTorch (``pip install -e '.[torch]'`` from the repository); ``import overlap`` alone
+never imports it.
 See :class:`TorchPipeline` for what runs where and :mod:`overlap.torch.tensors` for the
 zero-copy crossings (CPU: shared numpy memory; CUDA: DLPack on the op's stream — not yet run
 on a GPU).
