@@ -33,10 +33,22 @@ class Case:
     cluster: Cluster
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after each option's help — unless the help already says
+    its default in words, or there is none to show (None, an empty string)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, "", argparse.SUPPRESS) \
+                or action.nargs == 0:  # (a switch: off unless given)
+            return text
+        return super()._get_help_string(action)
+
+
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser whose help shows every option's default."""
+    """A parser whose help shows every option's default, once."""
     return argparse.ArgumentParser(prog=prog, description=description,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   formatter_class=DefaultsHelpFormatter)
 
 
 SPEC_FLAGS = ("--src-spec", "--dst-spec")
