@@ -64,6 +64,7 @@ class World:
 
     @property
     def distributed(self) -> bool:
+        """Whether the job has more than one process."""
         return self.size > 1
 
 
@@ -192,6 +193,7 @@ class Placement:
                              f"{num_devices}")
 
     def devices_of(self, rank: int) -> tuple[int, ...]:
+        """The devices ``rank`` drives."""
         return tuple(d for d, r in enumerate(self.owners) if r == rank)
 
     def ranks_of(self, devices: Sequence[int]) -> tuple[int, ...]:

@@ -93,6 +93,7 @@ class MicrobatchBoundaries:
 
     @property
     def num_microbatches(self) -> int:
+        """The number of microbatches (one row of boundaries each)."""
         return len(self.per)
 
     @property
