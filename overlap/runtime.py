@@ -311,7 +311,7 @@ class Runtime:
             ``overlap profile --steps``), else no window. See also :meth:`capture`.
 
     In a multi-process job every process makes the same calls with the same arguments; each
-    runs only its own devices' parts (see README, "Running on several processes and hosts").
+    runs only its own devices' parts (see docs/howto/processes.md).
     """
 
     def __init__(self, cluster: Cluster, backend: str = "cpu", *,
