@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from scheduler import Cluster
-from scheduler.cli_common import machine_line
+from scheduler.cli_common import line_buffered_stdout, machine_line
 
 STAGES = 4
 CORES = os.cpu_count() or 1
@@ -265,6 +265,7 @@ def print_header(args: argparse.Namespace, rows: tuple) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    line_buffered_stdout()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=256)

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,3 +192,12 @@ def case_from_json(data: dict) -> Case:
 def machine_line() -> str:
     return (f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
             f"Python {platform.python_version()}")
+
+
+def line_buffered_stdout() -> None:
+    """Print each line as it is written, also into a pipe or a file (a benchmark that runs for
+    minutes shows its rows as they finish, not all at its end)."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # (a replaced stdout may lack it)
+    if reconfigure is not None:
+        reconfigure(line_buffering=True)
+
