@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the fault pipeline the tests use
 from fault_pipeline import CLUSTER, KINDS, FaultyMLP, every_fault  # noqa: E402
 
 import overlap  # noqa: E402
-from scheduler.cli_common import machine_line  # noqa: E402
+from scheduler.cli_common import line_buffered_stdout, machine_line  # noqa: E402
 
 
 def one_process(timeout: float) -> list[dict]:
@@ -144,6 +144,7 @@ def table(title: str, rows: list[dict]) -> str:
 
 
 def main() -> None:
+    line_buffered_stdout()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--timeout", type=float, default=1.0)
     ap.add_argument("--mpi", action="store_true", help="also the matrix on two MPI ranks")

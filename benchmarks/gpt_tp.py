@@ -44,7 +44,7 @@ from scheduler import (  # noqa: E402
     plan_resharding,
     simulate,
 )
-from scheduler.cli_common import machine_line  # noqa: E402
+from scheduler.cli_common import line_buffered_stdout, machine_line  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
 
 # ---- 1. the example on this machine -------------------------------------------------------
@@ -190,6 +190,7 @@ def sim_table(spec: P, microbatches: int = 64) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    line_buffered_stdout()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("example", "sim", "all"), default="all")
     ap.add_argument("--rounds", type=int, default=3)

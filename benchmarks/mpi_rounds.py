@@ -36,7 +36,7 @@ from mpi_reshard import as_mpi_job, barrier, rank0_print, ring_plan, runtime, se
 
 from overlap.world import Placement, detect_world
 from scheduler import Cluster
-from scheduler.cli_common import machine_line
+from scheduler.cli_common import line_buffered_stdout, machine_line
 
 REPS = 7
 CALLS = 300
@@ -69,6 +69,7 @@ def time_calls(rt, plan, shards, comm) -> float:
 
 
 def main() -> int:
+    line_buffered_stdout()
     world = detect_world()  # (started plainly: as the 4-process job)
     return run(world) if world.distributed else as_mpi_job(__file__)
 

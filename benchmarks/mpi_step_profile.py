@@ -63,7 +63,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from thread_profile import role, thread_cpu
 from vs_torch_pipelining import STAGES, _mpiexec, make_batches, make_stages
 
-from scheduler.cli_common import machine_line
+from scheduler.cli_common import line_buffered_stdout, machine_line
 
 MICROBATCHES, BATCH = 8, 256
 # How the bytes between ranks move (one job each): variant -> OVERLAP_HOST_LINKS.
@@ -308,6 +308,7 @@ def variant_report(title: str, ranks: list[dict]) -> str:
 
 
 def main() -> int:
+    line_buffered_stdout()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[64, 1024])
     ap.add_argument("--steps", type=int, default=8)

@@ -52,7 +52,7 @@ from scheduler import (
     plan_resharding,
     simulate,
 )
-from scheduler.cli_common import machine_line
+from scheduler.cli_common import line_buffered_stdout, machine_line
 
 
 async def raw_ops(n: int, streams: int) -> float:
@@ -252,6 +252,7 @@ def several_stages_table(steps: int = 2) -> str:
 
 
 def main() -> int:
+    line_buffered_stdout()
     print(machine_line())
     print()
     print(overhead_table())

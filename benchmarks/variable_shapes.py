@@ -44,7 +44,7 @@ from scheduler import (  # noqa: E402
     lower,
     make_schedule,
 )
-from scheduler.cli_common import machine_line  # noqa: E402
+from scheduler.cli_common import line_buffered_stdout, machine_line  # noqa: E402
 
 MICROBATCHES = 8
 
@@ -214,6 +214,7 @@ def part_plan(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    line_buffered_stdout()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("step", "plan", "both"), default="both")
     ap.add_argument("--width", type=int, default=128)

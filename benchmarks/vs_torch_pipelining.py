@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from scheduler import Cluster
-from scheduler.cli_common import machine_line
+from scheduler.cli_common import line_buffered_stdout, machine_line
 
 STAGES = 4
 CORES = os.cpu_count() or 1
@@ -248,7 +248,24 @@ RUNNERS = {"torch": run_torch, "overlap": run_overlap, "overlap-mpi": run_overla
            "overlap-torchrun": lambda schedule, cfg: run_overlap_mpi(schedule, cfg, "torchrun")}
 
 
+def print_header(args: argparse.Namespace, rows: tuple) -> None:
+    """What runs, on what machine: printed before the first row starts."""
+    print(f"== overlap vs torch.distributed.pipelining: {STAGES} stages of Linear({args.width}, "
+          f"{args.width}) -> ReLU -> Linear, batch {args.batch} in {args.microbatches} "
+          f"microbatches, float32, MSE + SGD ==")
+    print(f"{machine_line()}, {_mem_gib()} GiB, no GPU (shared, noisy); torch "
+          f"{torch.__version__}")
+    print(f"torch: {STAGES} gloo processes x {args.threads} intra-op thread(s); overlap: 1 "
+          f"process, {STAGES} device compute threads x {args.threads} intra-op thread(s) "
+          f"(+ comm stream threads); same cores for both"
+          + ("; overlap mpi: 4 processes under mpiexec, rank 0's times"
+             if len(rows) > len(ROWS) + len(TORCHRUN_ROWS) else
+             "; (mpiexec not found: no MPI rows)")
+          + "; overlap torchrun: 4 processes under torchrun, rank 0's times", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    line_buffered_stdout()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=256)
@@ -266,31 +283,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = ROWS + (MPI_ROWS if _mpiexec() else ()) + TORCHRUN_ROWS
     cfg = {"width": args.width, "batch": args.batch, "microbatches": args.microbatches,
            "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "lr": 0.01}
+    print_header(args, rows)
     samples: dict[str, list[float]] = {label: [] for label, _, _ in rows}
     cpus: dict[str, list[float]] = {label: [] for label, _, _ in rows}
     first: dict[str, list[float]] = {}
-    for _ in range(args.rounds):
+    for k in range(args.rounds):
         for label, side, schedule in rows:
             times, cpu, losses = RUNNERS[side](schedule, cfg)
             samples[label].extend(times)
             cpus[label].extend(cpu)
             first[label] = losses
+            # A row as it finishes (the whole run takes minutes): this round's median.
+            print(f"  round {k + 1}/{args.rounds}: {label:<22} "
+                  f"{statistics.median(times) * 1e3:8.1f} ms/step", flush=True)
         for threads in sorted({1, CORES}):
             samples.setdefault(f"single {threads}", []).extend(run_single(cfg, threads))
     med = {label: statistics.median(v) * 1e3 for label, v in samples.items()}
     worst = max(abs(a - b) for label in first for a, b in zip(first[label],
                                                              first["torch Schedule1F1B"]))
-    print(f"== overlap vs torch.distributed.pipelining: {STAGES} stages of Linear({args.width}, "
-          f"{args.width}) -> ReLU -> Linear, batch {args.batch} in {args.microbatches} "
-          f"microbatches, float32, MSE + SGD ==")
-    print(f"{machine_line()}, {_mem_gib()} GiB, no GPU (shared, noisy); torch "
-          f"{torch.__version__}")
-    print(f"torch: {STAGES} gloo processes x {args.threads} intra-op thread(s); overlap: 1 "
-          f"process, {STAGES} device compute threads x {args.threads} intra-op thread(s) "
-          f"(+ comm stream threads); same cores for both"
-          + ("; overlap mpi: 4 processes under mpiexec, rank 0's times"
-             if _mpiexec() else "; (mpiexec not found: no MPI rows)")
-          + "; overlap torchrun: 4 processes under torchrun, rank 0's times")
     print(f"median ms/step over {args.rounds} rounds x {args.steps} steps after {args.warmup} "
           f"warm-up steps; step-0 losses agree across all rows to {worst:.2g}")
     print(f"{'row':<22} {'ms/step':>9} {'min':>8} {'max':>8} {'CPU ms':>8} {'cores busy':>10}"

@@ -142,18 +142,24 @@ class ToyMLP:
             self.weights[key] -= lr * g
 
     def check_against(self, ref_weights: list[np.ndarray], ref_grads: list[np.ndarray],
-                      atol: float = 1e-10, devices: Sequence[int] | None = None) -> float:
+                      atol: float = 1e-10, devices: Sequence[int] | None = None, *,
+                      rtol: float = 0.0) -> float:
         """Largest difference between every device's weights/gradients and the reference
-        (of ``devices`` only: a process of a multi-process job has its own devices' only)."""
+        (of ``devices`` only: a process of a multi-process job has its own devices' only).
+        Each array may differ by ``atol + rtol × its reference's largest magnitude``: sums
+        in another order differ in their last bits, in proportion to the values."""
         worst = 0.0
         for (s, d), w in self.weights.items():
             if devices is not None and d not in devices:
                 continue
-            worst = max(worst, float(np.max(np.abs(w - self._shard(s, d, ref_weights[s])))))
-            worst = max(worst, float(np.max(np.abs(self.grads[(s, d)]
-                                                   - self._shard(s, d, ref_grads[s])))))
-        if worst > atol:
-            raise AssertionError(f"pipeline differs from the reference by {worst:.3g} > {atol}")
+            for mine, ref in ((w, self._shard(s, d, ref_weights[s])),
+                              (self.grads[(s, d)], self._shard(s, d, ref_grads[s]))):
+                diff = float(np.max(np.abs(mine - ref)))
+                bound = atol + rtol * float(np.max(np.abs(ref)))
+                if diff > bound:
+                    raise AssertionError(f"pipeline differs from the reference by {diff:.3g} "
+                                         f"> {bound:.3g} (stage {s}, device {d})")
+                worst = max(worst, diff)
         return worst
 
 

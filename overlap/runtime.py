@@ -318,7 +318,7 @@ class Runtime:
             pytest's ``faulthandler_timeout``).
 
     In a multi-process job every process makes the same calls with the same arguments; each
-    runs only its own devices' parts (see README, "Running on several processes and hosts").
+    runs only its own devices' parts (see docs/howto/processes.md).
     """
 
     def __init__(self, cluster: Cluster, backend: str = "cpu", *,
@@ -365,14 +365,9 @@ class Runtime:
         self._reshards = 0  # standalone reshardings so far: names their messages across ranks
         self._steps = 0  # training steps so far (they name their NVTX ranges)
         if world.distributed:
-            # Shown by default: the README ties mpiexec's pids to ranks with this line. Through
-            # logging when the user configured it, else straight to stderr.
-            if log.hasHandlers():
-                log.info("%s", self.backend.dist.describe())
-            else:
-                # One write (print writes the newline apart; ranks' lines would interleave).
-                sys.stderr.write(f"overlap: {self.backend.dist.describe()}\n")
-                sys.stderr.flush()
+            # At DEBUG: every runtime of every rank would otherwise print it (a script that
+            # makes many runtimes printed little else). The guard names a killed rank itself.
+            log.debug("%s", self.backend.dist.describe())
         self._closed = False
         self._sync = _SyncLoop()
         self._gate = CallGate()

@@ -76,6 +76,7 @@ class StepHookHandle:
         self._hooks, self._key = hooks, key
 
     def remove(self) -> None:
+        """Unregister the hook (again: nothing happens)."""
         self._hooks.hooks.pop(self._key, None)
 
 

@@ -64,6 +64,7 @@ class World:
 
     @property
     def distributed(self) -> bool:
+        """Whether the job has more than one process."""
         return self.size > 1
 
 
@@ -133,8 +134,8 @@ def mpi_world_comm(why: str) -> Any:
     try:
         import mpi4py
     except ImportError:
-        raise RuntimeError(f"{why}, but mpi4py is not installed: pip install 'overlap[mpi]' "
-                           "(mpi4py and the mpich wheel)") from None
+        raise RuntimeError(f"{why}, but mpi4py is not installed: pip install -e '.[mpi]' "
+                           "from the repository (mpi4py and the mpich wheel)") from None
     mpi4py.rc.thread_level = "multiple"
     MPI = _mpi()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -192,6 +193,7 @@ class Placement:
                              f"{num_devices}")
 
     def devices_of(self, rank: int) -> tuple[int, ...]:
+        """The devices ``rank`` drives."""
         return tuple(d for d, r in enumerate(self.owners) if r == rank)
 
     def ranks_of(self, devices: Sequence[int]) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 Cluster, meshes and shardings; the cross-mesh resharding planner; the cost model and the
 physical lower bound; pipeline schedules, their lowering to the step graph (typed ops on
 device streams with explicit dependencies), the validator, the event kernel, the simulator
-and timelines. See DESIGN.md and docs/architecture.md.
+and timelines. See docs/architecture.md (the user guide: docs/index.md).
 """
 
 from __future__ import annotations

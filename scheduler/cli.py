@@ -123,7 +123,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 COMMANDS = {
     "plan": "plan a cross-mesh resharding and cost it",
-    "simulate": "compare gpipe / 1f1b / eager-1f1b / signal on a pipeline",
+    "simulate": "compare every pipeline schedule (and signal) on a pipeline",
     "trace": "trace report FILE [--json] | plot FILE -o PNG: busy, bubble, communication and "
              "how much of it was hidden (our traces, Nsight Systems, PyTorch profiler)",
     "profile": "profile [--steps A:B] [-o DIR] -- python train.py ...: run it under Nsight "

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import platform
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +43,23 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"error: {message.removeprefix('argument ')}\n")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after each option's help — unless the help already says
+    its default in words, or there is none to show (None, an empty string)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, "", argparse.SUPPRESS) \
+                or action.nargs == 0:  # (a switch: off unless given)
+            return text
+        return super()._get_help_string(action)
+
+
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser whose help shows every option's default, and whose errors are one line."""
+    """A parser whose help shows every option's default, once, and whose errors are one
+    line."""
     return OneLineErrors(prog=prog, description=description,
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=DefaultsHelpFormatter)
 
 
 SPEC_FLAGS = ("--src-spec", "--dst-spec")
@@ -230,3 +244,12 @@ def case_from_json(data: dict) -> Case:
 def machine_line() -> str:
     return (f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
             f"Python {platform.python_version()}")
+
+
+def line_buffered_stdout() -> None:
+    """Print each line as it is written, also into a pipe or a file (a benchmark that runs for
+    minutes shows its rows as they finish, not all at its end)."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # (a replaced stdout may lack it)
+    if reconfigure is not None:
+        reconfigure(line_buffering=True)
+

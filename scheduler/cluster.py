@@ -141,19 +141,24 @@ class Cluster:
 
     @staticmethod
     def preset_names() -> tuple[str, ...]:
+        """The names :meth:`preset` knows."""
         return tuple(sorted(_PRESETS))
 
     # ---- topology ------------------------------------------------------------------------
 
     @property
     def num_devices(self) -> int:
+        """Devices (GPUs) in the cluster: hosts × GPUs per host."""
         return self.num_hosts * self.gpus_per_host
 
     @property
     def num_nics(self) -> int:
+        """NICs in the cluster: hosts × NICs per host."""
         return self.num_hosts * self.nics_per_host
 
     def check_device(self, device: int, *, argument: str = "device") -> int:
+        """``device`` if it is a device id of this cluster; TypeError/ValueError naming ``argument``
+        otherwise."""
         if isinstance(device, bool) or not isinstance(device, (int,)):
             raise TypeError(f"{argument}: device ids are ints, got {device!r}")
         if not 0 <= device < self.num_devices:
@@ -165,6 +170,7 @@ class Cluster:
         return device
 
     def host_of(self, device: int) -> int:
+        """The host of a device (ids are host-major)."""
         return device // self.gpus_per_host
 
     def nic_of(self, device: int) -> int:
@@ -173,9 +179,11 @@ class Cluster:
         return host * self.nics_per_host + local * self.nics_per_host // self.gpus_per_host
 
     def host_of_nic(self, nic: int) -> int:
+        """The host of a NIC (NIC ids are host-major)."""
         return nic // self.nics_per_host
 
     def devices_of_host(self, host: int) -> range:
+        """The device ids of one host."""
         return range(host * self.gpus_per_host, (host + 1) * self.gpus_per_host)
 
     def mesh(self, hosts: Iterable[int], axis_names: tuple[str, str] = ("host", "gpu"), *,
@@ -199,27 +207,33 @@ class Cluster:
 
     @property
     def nic_bytes_per_s(self) -> float:
+        """One NIC's bandwidth, bytes per second per direction."""
         return self.nic_gbps * 1e9 / 8
 
     @property
     def nvlink_bytes_per_s(self) -> float:
+        """A GPU's NVLink bandwidth, bytes per second per direction."""
         return self.nvlink_gbps * 1e9 / 8
 
     @property
     def nic_latency_s(self) -> float:
+        """A network hop's latency, seconds."""
         return self.nic_latency_us * 1e-6
 
     @property
     def nvlink_latency_s(self) -> float:
+        """An NVLink hop's latency, seconds."""
         return self.nvlink_latency_us * 1e-6
 
     # ---- serialization -------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The cluster's figures as a dict (what :meth:`from_dict` and case files read)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
+        """A cluster from :meth:`to_dict`'s dict, or ``{"preset": name, "num_hosts": n}``."""
         if "preset" in data:
             extra = set(data) - {"preset", "num_hosts"}
             if extra:

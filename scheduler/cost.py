@@ -661,7 +661,7 @@ def paper_model_transfers(transfers: Sequence[Transfer], cluster: Cluster) -> fl
 def lower_bound_for(
     shape: Sequence[int], dtype: object, src: Sharding, dst: Sharding, cluster: Cluster
 ) -> float:
-    """Seconds no plan can beat under the cost model (a physical limit; see DESIGN.md).
+    """Seconds no plan can beat under the cost model (a physical limit: docs/concepts/plans.md).
 
     The largest of: every destination host ingests, through its NICs, the bytes its devices
     need that no source device on that host holds; every set of source hosts that alone holds

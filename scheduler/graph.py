@@ -71,10 +71,12 @@ class Channel:
 
     @property
     def src_stage(self) -> int:
+        """The stage that sends on this channel."""
         return self.boundary if self.direction == "fwd" else self.boundary + 1
 
     @property
     def dst_stage(self) -> int:
+        """The stage that receives on this channel."""
         return self.boundary + 1 if self.direction == "fwd" else self.boundary
 
     @property
@@ -87,6 +89,7 @@ class Channel:
 
     @classmethod
     def parse(cls, text: str) -> Channel:
+        """A channel from its name, ``fwd<boundary>`` or ``bwd<boundary>``."""
         m = re.fullmatch(r"(fwd|bwd)(\d+)", text.strip())
         if m is None:
             raise ValueError(f"channel: expected fwd<s> or bwd<s>, got {text!r}")
@@ -199,6 +202,7 @@ class Op:
 
     @property
     def lanes(self) -> tuple[Lane, ...]:
+        """The (device, stream) lanes the op runs on."""
         return tuple(Lane(d, self.stream) for d in self.devices)
 
     @property
@@ -344,6 +348,7 @@ class StepGraph:
 
     @property
     def devices(self) -> tuple[int, ...]:
+        """The devices the graph runs on."""
         return tuple(sorted({lane.device for lane in self.lanes}))
 
     def program(self, device: int) -> dict[str, tuple[int, ...]]:
@@ -415,6 +420,8 @@ class StepGraph:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StepGraph:
+        """A graph from :meth:`to_json`'s text; ValueError naming what is wrong (validate it before
+        running)."""
         return load_json(text, "step graph JSON", cls._from_data)
 
     @classmethod

@@ -111,6 +111,7 @@ class MicrobatchBoundaries:
 
     @property
     def num_microbatches(self) -> int:
+        """The number of microbatches (one row of boundaries each)."""
         return len(self.per)
 
     @property

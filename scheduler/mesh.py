@@ -67,25 +67,31 @@ class DeviceMesh:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        """The mesh's axis names, one per dimension."""
         return self._axis_names
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The mesh's size along each axis."""
         return tuple(int(s) for s in self._devices.shape)
 
     @property
     def axis_sizes(self) -> dict[str, int]:
+        """Axis name -> its size."""
         return dict(zip(self._axis_names, self.shape))
 
     @property
     def size(self) -> int:
+        """The number of devices in the mesh."""
         return int(self._devices.size)
 
     @property
     def device_ids(self) -> tuple[int, ...]:
+        """The mesh's device ids, in row-major order."""
         return self._ids
 
     def axis_index(self, name: str) -> int:
+        """The dimension of axis ``name``; ShardingError if the mesh has no such axis."""
         try:
             return self._axis_names.index(name)
         except ValueError:
@@ -98,10 +104,12 @@ class DeviceMesh:
         return {int(self._devices[idx]): idx for idx in np.ndindex(*self._devices.shape)}
 
     def to_dict(self) -> dict[str, Any]:
+        """``{"devices": nested lists of ids, "axis_names": [...]}``."""
         return {"devices": self._devices.tolist(), "axis_names": list(self._axis_names)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceMesh:
+        """A mesh from :meth:`to_dict`'s dict."""
         return cls(data["devices"], tuple(data["axis_names"]))
 
     def __eq__(self, other: object) -> bool:

@@ -44,6 +44,7 @@ class Transfer:
 
     @property
     def is_local_copy(self) -> bool:
+        """Whether the sender is the only receiver: a copy within one device."""
         return self.receivers == (self.sender,)
 
     @property
@@ -54,6 +55,7 @@ class Transfer:
         return (self.sender, *self.receivers)
 
     def to_json(self) -> dict[str, Any]:
+        """The transfer as a JSON-ready dict."""
         return {
             "region": [list(p) for p in self.region],
             "sender": self.sender,
@@ -65,6 +67,7 @@ class Transfer:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Transfer:
+        """A transfer from :meth:`to_json`'s dict."""
         return cls(
             region=tuple((int(a), int(b)) for a, b in data["region"]),
             sender=int(data["sender"]),
@@ -124,6 +127,7 @@ class ReshardPlan:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of the plan's dtype."""
         return check_dtype(self.dtype, "plan dtype").itemsize
 
     @property
@@ -193,6 +197,8 @@ class ReshardPlan:
         ])
 
     def to_json(self) -> str:
+        """The whole plan as JSON text (:meth:`from_json` reads it back; the runtime checks a plan
+        it did not make before using it)."""
         return json.dumps(
             {
                 "shape": list(self.shape),

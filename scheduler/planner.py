@@ -161,6 +161,7 @@ class PlanCache:
 
     def plan(self, shape: Sequence[int], dtype: object, src: Sharding, dst: Sharding,
              options: PlanOptions | None = None) -> ReshardPlan:
+        """The plan of :func:`plan_resharding` for these arguments, made once and kept."""
         options = _check_options(options)
         key = (tuple(shape), str(dtype), src, dst, options)
         with self._lock:

@@ -280,6 +280,7 @@ class Schedule:
 
     @property
     def num_ranks(self) -> int:
+        """The ranks the schedule runs on: stages / stages per rank."""
         return self.num_stages // self.stages_per_rank
 
     def rank_of(self, stage: int) -> int:
@@ -303,6 +304,7 @@ class Schedule:
         return frozenset(a.kind for acts in self.actions for a in acts)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs, in order."""
         return self._rank_stages[rank]
 
     def stage_of(self, rank: int, action: Action) -> int:
@@ -385,6 +387,7 @@ class Schedule:
     @classmethod
     def from_text(cls, text: str, name: str = "custom", *, stages_per_rank: int = 1,
                   placement: str = "loop") -> Schedule:
+        """A schedule from :meth:`to_text`'s lines (one per rank: ``F0 F1 B0 ...``)."""
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         actions = []
         for r, line in enumerate(lines):
@@ -408,6 +411,7 @@ class Schedule:
                    placement)
 
     def to_json(self) -> str:
+        """The schedule as JSON text (:meth:`from_json` reads it back)."""
         return json.dumps({
             "name": self.name,
             "num_stages": self.num_stages,
@@ -421,6 +425,7 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Schedule:
+        """A schedule from :meth:`to_json`'s text; ValueError naming what is wrong."""
         return load_json(text, "schedule JSON", cls._from_data)
 
     @classmethod

@@ -80,6 +80,7 @@ class ShardingSpec:
 
     @property
     def entries(self) -> tuple[SpecEntry, ...]:
+        """One entry per split tensor dimension: None, an axis name, or a tuple of names."""
         return self._entries
 
     def __len__(self) -> int:
@@ -96,6 +97,8 @@ class ShardingSpec:
         return tuple(a for e in self._entries for a in _entry_axes(e))
 
     def padded(self, rank: int) -> tuple[SpecEntry, ...]:
+        """The entries for a tensor of ``rank`` dimensions (trailing dims unsplit); ShardingError if
+        the spec is longer than the rank."""
         if len(self._entries) > rank:
             raise ShardingError(
                 f"spec {self!r} has {len(self._entries)} entries but the tensor has rank {rank}; "
@@ -126,10 +129,12 @@ class ShardingSpec:
         return self._fmt(self._entries)
 
     def to_json(self) -> list[Any]:
+        """The entries as JSON-ready lists."""
         return [list(e) if isinstance(e, tuple) else e for e in self._entries]
 
     @classmethod
     def from_json(cls, data: Sequence[Any]) -> ShardingSpec:
+        """A spec from :meth:`to_json`'s list."""
         if not isinstance(data, (list, tuple)):
             raise TypeError(f"spec: expected a list of entries, got {data!r}")
         return cls(*data)
@@ -262,10 +267,12 @@ class Sharding:
 
     @property
     def mesh(self) -> DeviceMesh:
+        """The devices that hold the tensor."""
         return self._mesh
 
     @property
     def spec(self) -> ShardingSpec:
+        """Which mesh axes split which tensor dimension."""
         return self._spec
 
     def num_shards(self, rank: int) -> tuple[int, ...]:
@@ -301,10 +308,12 @@ class Sharding:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        """``{"mesh": ..., "spec": ...}``, JSON-ready."""
         return {"mesh": self._mesh.to_dict(), "spec": self._spec.to_json()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Sharding:
+        """A layout from :meth:`to_json`'s dict."""
         return cls(DeviceMesh.from_dict(data["mesh"]), ShardingSpec.from_json(data["spec"]))
 
     def __eq__(self, other: object) -> bool:

@@ -1,4 +1,4 @@
-"""``overlap simulate``: compare gpipe / 1f1b / eager-1f1b / signal on one pipeline.
+"""``overlap simulate``: compare every pipeline schedule (and ``signal``) on one pipeline.
 
 Flags describe a uniform pipeline: ``--stages`` stages, stage ``s`` on host ``s`` of a cluster
 preset (its first ``--gpus-per-stage`` GPUs, mesh axes "host", "gpu"), one boundary tensor
@@ -11,17 +11,25 @@ layout for every stage boundary, and per-microbatch compute times. A JSON case f
                      "producer": [null, "gpu"], "consumer": ["gpu", null]}, ...],
      "microbatches": 16,
      "compute_ms": {"F": 50, "B": 100}}       # or a list per stage: [{"F": .., "B": ..}, ...]
+
+Schedules that split the backward (zb-h1, zbv, and auto's split candidates) take ``I`` and
+``W`` from ``compute_ms`` when given, else half of ``B`` each. The schedules with two stages
+per rank (interleaved-1f1b, zbv) run, from flags, the same model on the same hosts cut into
+twice as many half stages (each ``F/2``, ``B/2``, the same boundary tensor between every
+pair), placed as the schedule says; from a case file, the case's own stages, when the stages
+the schedule puts on one rank share a mesh.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .auto import auto_schedule
 from .cli_common import (
     add_plan_options,
     interpret_case,
@@ -32,13 +40,16 @@ from .cli_common import (
     read_json_file,
 )
 from .cluster import Cluster
-from .lowering import Boundary, lower
+from .lowering import Boundary, _check_meshes, lower
 from .mesh import DeviceMesh
 from .planner import PlanCache, PlanOptions
-from .schedules import SCHEDULES, make_schedule
+from .schedules import ALL_SCHEDULES, SCHEDULES, Schedule, make_schedule
 from .sharding import Sharding, ShardingSpec
 from .simulator import simulate
 from .timeline import Timeline
+
+EVERY_SCHEDULE = (*ALL_SCHEDULES, "auto")
+HALF_STAGE_SCHEDULES = ("interleaved-1f1b", "zbv")  # two stages per rank
 
 
 @dataclass(frozen=True)
@@ -47,38 +58,68 @@ class PipelineCase:
     stages: tuple[DeviceMesh, ...]
     boundaries: tuple[Boundary, ...]
     microbatches: int
-    compute: dict[tuple[int, str], float]  # seconds
+    compute: dict[tuple[int, str], float]  # seconds; F, B, I, W per stage
+    # From flags: the same pipeline cut into two half stages per rank, placed as the given
+    # schedule (of twice the stages) says. None for a case file (its stages are the stages).
+    halves: Callable[[Schedule], PipelineCase] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class Row:
     label: str
     timeline: Timeline
+    peak: float = 0.0  # rank 0's peak activations, in full stages' microbatches
+    chosen: str = ""  # auto: the candidate it chose
+
+
+def schedule_case(name: str, case: PipelineCase) -> tuple[Schedule | None, PipelineCase]:
+    """The schedule ``name`` (None for auto) and the case it runs on; ValueError saying why
+    ``name`` does not apply to ``case``."""
+    if name not in EVERY_SCHEDULE:
+        raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(EVERY_SCHEDULE)}")
+    p, m = len(case.stages), case.microbatches
+    if name in HALF_STAGE_SCHEDULES and case.halves is not None:
+        sched = make_schedule(name, 2 * p, m)
+        return sched, case.halves(sched)
+    sched = make_schedule("1f1b" if name == "auto" else name, p, m)
+    _check_meshes(case.stages, sched, case.cluster)  # (the stages each rank runs)
+    return (None if name == "auto" else sched), case
 
 
 def run_rows(case: PipelineCase, options: PlanOptions | None = None, *,
              schedules: Sequence[str] = SCHEDULES, signal_schedule: str = "eager-1f1b",
-             trace_dir: Path | None = None) -> list[Row]:
-    """Simulate each schedule, plus ``signal`` (``signal_schedule`` with latency-only comm);
-    each boundary is planned once for all rows."""
-    rows = []
+             trace_dir: Path | None = None) -> tuple[list[Row], list[tuple[str, str]]]:
+    """Simulate each schedule that applies to ``case``, plus ``signal`` (``signal_schedule``
+    with latency-only comm); each boundary is planned once for all rows. Returns the rows
+    and the schedules that do not apply, with the reason."""
+    rows, skipped = [], []
     cache = PlanCache(case.cluster)
-    runs = [(name, name, False) for name in schedules] + [("signal", signal_schedule, True)]
-    for label, name, signal in runs:
-        schedule = make_schedule(name, len(case.stages), case.microbatches)
-        graph = lower(case.stages, case.boundaries, schedule, case.cluster, options,
-                      cache=cache)
-        tl = simulate(graph, case.cluster, case.compute, signal=signal)
+    for label in [*schedules, "signal"]:
+        try:
+            sched, c = schedule_case(signal_schedule if label == "signal" else label, case)
+        except ValueError as exc:
+            skipped.append((label, str(exc)))
+            continue
+        chosen = ""
+        if sched is None:
+            choice = auto_schedule(c.stages, c.boundaries, c.microbatches, c.cluster,
+                                   c.compute, options, cache=cache)
+            sched, graph = choice.schedule, choice.graph
+            chosen = sched.name.removeprefix("auto (").removesuffix(")")
+        else:
+            graph = lower(c.stages, c.boundaries, sched, c.cluster, options, cache=cache)
+        tl = simulate(graph, c.cluster, c.compute, signal=label == "signal")
         if trace_dir is not None:
             tl.to_chrome_trace(Path(trace_dir) / f"sim-{label}.json")
-        rows.append(Row(label, tl))
-    return rows
+        peak = sched.peak_rank_activations(0) / sched.stages_per_rank
+        rows.append(Row(label, tl, peak, chosen))
+    return rows, skipped
 
 
 def format_rows(rows: Sequence[Row], reference: str = "signal") -> str:
     ref = next((r.timeline.iteration_time for r in rows if r.label == reference), None)
     head = ["schedule", "iteration ms", f"/ {reference}", "bubble", "exposed comm",
-            "compute waited", "peak act. s0"]
+            "compute waited", "peak act. rank 0"]
     body = []
     for r in rows:
         t = r.timeline
@@ -86,7 +127,7 @@ def format_rows(rows: Sequence[Row], reference: str = "signal") -> str:
             r.label, f"{t.iteration_time * 1e3:.1f}",
             f"{t.iteration_time / ref:.3f}" if ref else "-",
             f"{t.bubble_fraction:.1%}", f"{t.exposed_comm_fraction:.1%}",
-            f"{t.transfer_wait_fraction:.1%}", str(t.peak_activations(0)),
+            f"{t.transfer_wait_fraction:.1%}", f"{r.peak:g}",
         ])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     fmt = lambda row: "  ".join(x.rjust(w) for x, w in zip(row, widths))
@@ -128,7 +169,48 @@ def _compute_table(spec: Any, num_stages: int) -> dict[tuple[int, str], float]:
             if k not in entry:
                 raise ValueError(f"compute_ms: stage {s} has no {k!r} time")
             out[(s, k)] = float(entry[k]) / 1e3
+        for k in ("I", "W"):  # a split backward: half of B each unless given
+            out[(s, k)] = float(entry[k]) / 1e3 if k in entry else out[(s, "B")] / 2
     return out
+
+
+@dataclass(frozen=True)
+class UniformPipeline:
+    """What the flags describe: every stage alike, stage s on host ``host_of[s]``."""
+
+    cluster: Cluster
+    gpus: int
+    shape: tuple[int, ...]
+    dtype: str
+    src_spec: ShardingSpec
+    dst_spec: ShardingSpec
+    fwd_s: float
+    bwd_s: float
+    microbatches: int
+
+    def case(self, host_of: Sequence[int], scale: float = 1.0) -> PipelineCase:
+        """``len(host_of)`` stages, each ``scale`` of a stage's compute."""
+        stages = tuple(self.cluster.mesh([h], gpus=self.gpus) for h in host_of)
+        boundaries = tuple(
+            Boundary(self.shape, self.dtype, Sharding(stages[s], self.src_spec),
+                     Sharding(stages[s + 1], self.dst_spec)) for s in range(len(stages) - 1))
+        f, b = self.fwd_s * scale, self.bwd_s * scale
+        compute = {(s, k): v for s in range(len(stages))
+                   for k, v in (("F", f), ("B", b), ("I", b / 2), ("W", b / 2))}
+        return PipelineCase(self.cluster, stages, boundaries, self.microbatches, compute,
+                            self._halves if scale == 1.0 else None)
+
+    def _halves(self, schedule: Schedule) -> PipelineCase:
+        return self.case([schedule.rank_of(v) for v in range(schedule.num_stages)], 0.5)
+
+
+def _checked_spec(text: str, mesh: DeviceMesh, ndim: int, flag: str) -> ShardingSpec:
+    try:
+        spec = Sharding(mesh, parse_spec(text)).spec
+        spec.padded(ndim)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+    return spec
 
 
 def _case_from_args(args: argparse.Namespace) -> PipelineCase:
@@ -146,35 +228,48 @@ def _case_from_args(args: argparse.Namespace) -> PipelineCase:
     gpus = args.gpus_per_stage or cluster.gpus_per_host
     if not 1 <= gpus <= cluster.gpus_per_host:
         raise ValueError(f"--gpus-per-stage: {gpus} not in 1..{cluster.gpus_per_host}")
-    stages = tuple(cluster.mesh([h], gpus=gpus) for h in range(args.stages))
     try:
         shape = tuple(int(x) for x in args.shape.split(","))
     except ValueError:
         raise ValueError(f"--shape: expected comma-separated ints, got {args.shape!r}") from None
-    boundaries = []
-    for s in range(args.stages - 1):
-        try:
-            producer = Sharding(stages[s], parse_spec(args.src_spec))
-            producer.spec.padded(len(shape))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"--src-spec: {exc}") from None
-        try:
-            consumer = Sharding(stages[s + 1], parse_spec(args.dst_spec))
-            consumer.spec.padded(len(shape))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"--dst-spec: {exc}") from None
-        boundaries.append(Boundary(shape, args.dtype, producer, consumer))
+    mesh = cluster.mesh([0], gpus=gpus)
+    src = _checked_spec(args.src_spec, mesh, len(shape), "--src-spec")
+    dst = _checked_spec(args.dst_spec, mesh, len(shape), "--dst-spec")
     for name in ("fwd_ms", "bwd_ms"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 0")
-    compute = {(s, k): (args.fwd_ms if k == "F" else args.bwd_ms) / 1e3
-               for s in range(args.stages) for k in ("F", "B")}
-    return PipelineCase(cluster, stages, tuple(boundaries), args.microbatches, compute)
+    pipeline = UniformPipeline(cluster, gpus, shape, args.dtype, src, dst, args.fwd_ms / 1e3,
+                               args.bwd_ms / 1e3, args.microbatches)
+    return pipeline.case(range(args.stages))
+
+
+def _schedules(text: str | None, case: PipelineCase) -> tuple[list[str], list[str]]:
+    """The schedules to run, and notes on those left out (default: every one that applies);
+    ValueError naming --schedules for an unknown one or one asked for that does not apply."""
+    if text is None:
+        names, notes = [], []
+        for name in EVERY_SCHEDULE:
+            try:
+                schedule_case(name, case)
+                names.append(name)
+            except ValueError as exc:
+                notes.append(f"not run: {name} ({exc})")
+        return names, notes
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise ValueError("--schedules: name at least one schedule")
+    for name in names:
+        try:
+            schedule_case(name, case)
+        except ValueError as exc:
+            raise ValueError(f"--schedules: {name}: {exc}") from None
+    return list(dict.fromkeys(names)), []
 
 
 def _parser() -> argparse.ArgumentParser:
     p = parser("overlap simulate",
-               "Simulate gpipe / 1f1b / eager-1f1b / signal for one pipeline.")
+               "Simulate every pipeline schedule (gpipe, 1f1b, eager-1f1b, zb-h1, "
+               "interleaved-1f1b, zbv, auto) and signal for one pipeline.")
     p.add_argument("--case", type=Path, default=None,
                    help="a pipeline case file: JSON with cluster, stages, boundaries, "
                         "microbatches, compute_ms (examples/cases/simulate_case.json; not a "
@@ -188,10 +283,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
     p.add_argument("--shape", default=None, help="boundary tensor per microbatch, e.g. 1024,8192")
     p.add_argument("--dtype", default="float16", help="numpy dtype name of the boundaries")
-    p.add_argument("--src-spec", default="", help="producer layout, e.g. -,gpu")
-    p.add_argument("--dst-spec", default="", help="consumer layout, e.g. gpu,-")
+    p.add_argument("--src-spec", default="", help="producer layout, e.g. -,gpu (default: "
+                   "replicated)")
+    p.add_argument("--dst-spec", default="", help="consumer layout, e.g. gpu,- (default: "
+                   "replicated)")
     p.add_argument("--fwd-ms", type=float, default=10.0, help="forward per microbatch")
-    p.add_argument("--bwd-ms", type=float, default=20.0, help="backward per microbatch")
+    p.add_argument("--bwd-ms", type=float, default=20.0,
+                   help="backward per microbatch (split schedules: input and weight gradient "
+                        "half of it each)")
+    p.add_argument("--schedules", default=None,
+                   help=f"comma-separated, of {', '.join(EVERY_SCHEDULE)} (default: every one "
+                        "that applies to the pipeline; interleaved-1f1b and zbv cut each "
+                        "stage in two half stages on the same host)")
     add_plan_options(p)
     p.add_argument("--trace-dir", type=Path, default=None,
                    help="write a Perfetto trace per row here")
@@ -205,7 +308,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                 and not args.trace_dir.is_dir():
             raise ValueError(f"--trace-dir: {args.trace_dir} exists and is not a directory")
         case = _case_from_args(args)
-        rows = run_rows(case, plan_options(args), trace_dir=args.trace_dir)
+        names, notes = _schedules(args.schedules, case)
+        rows, skipped = run_rows(case, plan_options(args), schedules=names,
+                                 trace_dir=args.trace_dir)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -218,6 +323,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
           f"transfers: {args.strategy}/{args.balance}; signal = eager-1f1b with latency-only "
           "transfers")
     print(format_rows(rows))
+    for r in rows:
+        if r.chosen:
+            print(f"{r.label}'s choice: {r.chosen}")
+    for note in [*notes, *(f"not run: {name} ({why})" for name, why in skipped)]:
+        print(note)
     if args.trace_dir is not None:
         print(f"traces written to {args.trace_dir}/sim-*.json (open in ui.perfetto.dev)")
     return 0

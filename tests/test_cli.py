@@ -394,3 +394,20 @@ def test_every_option_has_a_help_text_and_help_shows_defaults(make):
         if action.option_strings and action.dest != "help":
             assert action.help, action.option_strings
     assert "(default: p3.8xlarge)" in " ".join(p.format_help().split())
+
+
+def test_line_buffered_stdout_prints_each_line_as_written(monkeypatch, tmp_path):
+    """The benchmarks call it first: piped into a file, each row appears as it finishes."""
+    import io
+
+    from scheduler.cli_common import line_buffered_stdout
+
+    with open(tmp_path / "out.txt", "w") as piped:
+        assert not piped.line_buffering
+        monkeypatch.setattr("sys.stdout", piped)
+        line_buffered_stdout()
+        assert piped.line_buffering
+        print("row 1")
+        assert (tmp_path / "out.txt").read_text() == "row 1\n"  # before the file is closed
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # (a replaced stdout: left alone)
+    line_buffered_stdout()

@@ -1,4 +1,4 @@
-"""The code's shape, as the project's conventions state it (DESIGN.md, issue 11): small
+"""The code's shape, as the project's conventions state it (docs/contributing.md, issue 11): small
 functions, and modules whose imports form no cycle (no two modules import each other, even
 lazily inside a function), with ``scheduler`` never importing ``overlap``."""
 

@@ -42,4 +42,4 @@ def test_overlap_torch_without_torch_names_the_fix():
         "    print('clear error:', e)\n"
     )
     assert out.returncode == 0, out.stderr
-    assert "clear error:" in out.stdout and "pip install" in out.stdout, out.stdout
+    assert "clear error:" in out.stdout and "pip install -e '.[torch]'" in out.stdout, out.stdout

@@ -83,7 +83,7 @@ def test_toy_pipeline_under_torchrun_equals_one_process_bit_for_bit(tmp_path, n)
     for r, info in enumerate(links_of(tmp_path, n)):  # one node: Unix-socket links
         assert info["peers"] == [q for q in range(n) if q != r] and info["rounds"]
         assert info["tcp"] == [] and info["sent"] > 0
-    assert len(re.findall(rf"overlap: rank \d/{n} \(pid \d+", done.stderr)) == n
+    assert not re.search(r"overlap: rank \d/\d \(pid \d+", done.stderr)  # (DEBUG only)
 
 
 def test_two_torchrun_nodes_link_over_tcp_and_equal_one_process(tmp_path):

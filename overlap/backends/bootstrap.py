@@ -93,7 +93,7 @@ class TorchBootstrap:
         except ImportError:
             raise RuntimeError("the job was started by torchrun (RANK and WORLD_SIZE are "
                                "set, no MPI launcher's variable), and overlap joins such a "
-                               "job through torch.distributed: pip install 'overlap[torch]'"
+                               "job through torch.distributed: pip install -e '.[torch]'"
                                ) from None
         from datetime import timedelta
 

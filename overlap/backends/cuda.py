@@ -53,7 +53,8 @@ def _cupy() -> Any:
         import cupy
     except ImportError:
         raise OverlapRuntimeError(
-            "backend 'cuda' needs CuPy: pip install 'overlap[cuda12]' (or [cuda13])"
+            "backend 'cuda' needs CuPy: pip install -e '.[cuda12]' (or '.[cuda13]') from the "
+            "repository"
         ) from None
     return cupy
 

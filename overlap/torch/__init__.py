@@ -11,7 +11,8 @@
 Profiling: ``with overlap.torch.profiler() as prof: ...`` records every runtime op as a
 ``record_function`` range (``prof.export_chrome_trace(f)``, then ``overlap trace report f``).
 
-Needs PyTorch (``pip install 'overlap[torch]'``); ``import overlap`` alone never imports it.
+Needs PyTorch (``pip install -e '.[torch]'`` from the repository); ``import overlap`` alone
+never imports it.
 See :class:`TorchPipeline` for what runs where and :mod:`overlap.torch.tensors` for the
 zero-copy crossings (CPU: shared numpy memory; CUDA: DLPack on the op's stream — not yet run
 on a GPU).
@@ -23,8 +24,8 @@ try:
     import torch as _torch  # noqa: F401  (fail here, with the fix, not deep inside)
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "overlap.torch needs PyTorch: pip install 'overlap[torch]' (CPU wheel: "
-        "pip install torch==2.13.0)"
+        "overlap.torch needs PyTorch: pip install torch==2.13.0 (the CPU wheel), "
+        "then pip install -e '.[torch]' from the repository"
     ) from exc
 
 from .checkpoint import LoadResult

@@ -121,6 +121,8 @@ class ParallelStyle:
     supports: tuple[type, ...] = ()
 
     def check(self, module: nn.Module, name: str, n: int) -> None:
+        """TypeError/ValueError naming the plan entry if this style cannot apply to ``module`` split
+        ``n`` ways."""
         if self.supports and not isinstance(module, self.supports):
             names = ", ".join(f"nn.{t.__name__}" for t in self.supports)
             raise TypeError(f"plan[{name!r}]: {type(self).__name__} supports {names}; "
@@ -134,9 +136,11 @@ class ParallelStyle:
         """Hooks on this device's copy of ``module`` (its parameters are already sliced)."""
 
     def input_layout(self) -> Layout | None:
+        """The layout the style expects of its module's input (None: any)."""
         return None
 
     def output_layout(self) -> Layout | None:
+        """The layout the style gives its module's output (None: as it comes)."""
         return None
 
 
@@ -420,6 +424,7 @@ class TensorParallel:
 
     @property
     def degree(self) -> int:
+        """The tensor-parallel degree: the size of the mesh axis the modules are split over."""
         return self.mesh.axis_sizes[self.axis]
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ class BoundaryReport:
 
     @property
     def ratio(self) -> float:
+        """The plan's estimate over the lower bound (1.0: no plan could be faster)."""
         if self.bound_seconds <= 0:
             return 1.0 if self.plan_seconds <= 0 else float("inf")
         return self.plan_seconds / self.bound_seconds
