@@ -11,11 +11,17 @@ layout for every stage boundary, and per-microbatch compute times. A JSON case f
                      "producer": [null, "gpu"], "consumer": ["gpu", null]}, ...],
      "microbatches": 16,
      "compute_ms": {"F": 50, "B": 100}}       # or a list per stage: [{"F": .., "B": ..}, ...]
+
+``I`` and ``W`` times (both) give the split backward. A case may also hold a ``schedule``
+(``Schedule.to_json``'s object, as ``overlap partition --json`` writes): its row is added —
+alone, with its signal row, when it runs several stages per rank (stages sharing meshes,
+which the fixed schedules cannot run).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +41,7 @@ from .cluster import Cluster
 from .lowering import Boundary, lower
 from .mesh import DeviceMesh
 from .planner import PlanCache, PlanOptions
-from .schedules import SCHEDULES, make_schedule
+from .schedules import SCHEDULES, Schedule, make_schedule
 from .sharding import Sharding, ShardingSpec
 from .simulator import simulate
 from .timeline import Timeline
@@ -48,6 +54,7 @@ class PipelineCase:
     boundaries: tuple[Boundary, ...]
     microbatches: int
     compute: dict[tuple[int, str], float]  # seconds
+    schedule: Schedule | None = None  # the case's own (a partition plan's), if it has one
 
 
 @dataclass(frozen=True)
@@ -63,9 +70,16 @@ def run_rows(case: PipelineCase, options: PlanOptions | None = None, *,
     each boundary is planned once for all rows."""
     rows = []
     cache = PlanCache(case.cluster)
-    runs = [(name, name, False) for name in schedules] + [("signal", signal_schedule, True)]
+    runs: list[tuple[str, str | Schedule, bool]] = [(name, name, False) for name in schedules]
+    own = case.schedule
+    if own is not None and own.stages_per_rank > 1:
+        runs = [(own.name, own, False), ("signal", own, True)]
+    else:
+        runs += ([(own.name, own, False)] if own is not None else []) + \
+            [("signal", signal_schedule, True)]
     for label, name, signal in runs:
-        schedule = make_schedule(name, len(case.stages), case.microbatches)
+        schedule = name if isinstance(name, Schedule) else \
+            make_schedule(name, len(case.stages), case.microbatches)
         graph = lower(case.stages, case.boundaries, schedule, case.cluster, options,
                       cache=cache)
         tl = simulate(graph, case.cluster, case.compute, signal=signal)
@@ -111,8 +125,16 @@ def case_from_json(data: dict[str, Any]) -> PipelineCase:
             Sharding(stages[s], ShardingSpec.from_json(b["producer"])),
             Sharding(stages[s + 1], ShardingSpec.from_json(b["consumer"])),
         ))
-    return PipelineCase(cluster, stages, tuple(boundaries), int(data["microbatches"]),
-                        _compute_table(data["compute_ms"], len(stages)))
+    m = int(data["microbatches"])
+    schedule = None
+    if "schedule" in data:
+        schedule = Schedule.from_json(json.dumps(data["schedule"]))
+        if (schedule.num_stages, schedule.num_microbatches) != (len(stages), m):
+            raise ValueError(f"schedule: {schedule.name} is for {schedule.num_stages} stages × "
+                             f"{schedule.num_microbatches} microbatches; the case has "
+                             f"{len(stages)} × {m}")
+    return PipelineCase(cluster, stages, tuple(boundaries), m,
+                        _compute_table(data["compute_ms"], len(stages)), schedule)
 
 
 def _compute_table(spec: Any, num_stages: int) -> dict[tuple[int, str], float]:
@@ -120,8 +142,9 @@ def _compute_table(spec: Any, num_stages: int) -> dict[tuple[int, str], float]:
     if len(per_stage) != num_stages:
         raise ValueError(f"compute_ms: {len(per_stage)} entries for {num_stages} stages")
     out = {}
+    split = all("I" in e and "W" in e for e in per_stage)
     for s, entry in enumerate(per_stage):
-        for k in ("F", "B"):
+        for k in ("F", "B", "I", "W") if split else ("F", "B"):
             if k not in entry:
                 raise ValueError(f"compute_ms: stage {s} has no {k!r} time")
             out[(s, k)] = float(entry[k]) / 1e3
@@ -195,6 +218,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _signal_of(case: PipelineCase) -> str:
+    own = case.schedule
+    return own.name if own is not None and own.stages_per_rank > 1 else "eager-1f1b"
+
+
 def simulate_main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
     try:
@@ -212,8 +240,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"{len(case.stages)} stages × {case.microbatches} microbatches on "
           f"{case.cluster.num_hosts} × {args.cluster if args.case is None else 'cluster'}; "
-          f"transfers: {args.strategy}/{args.balance}; signal = eager-1f1b with latency-only "
-          "transfers")
+          f"transfers: {args.strategy}/{args.balance}; signal = {_signal_of(case)} with "
+          "latency-only transfers")
     print(format_rows(rows))
     if args.trace_dir is not None:
         print(f"traces written to {args.trace_dir}/sim-*.json (open in ui.perfetto.dev)")
