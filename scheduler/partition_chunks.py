@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .partition_model import Problem, Stage
-from .schedules import Schedule, make_schedule
+from .schedules import MAX_STAGE_MICROBATCHES, Schedule, make_schedule
 
 MULTI_CHUNK = ("interleaved-1f1b", "zbv")
 
@@ -88,7 +88,7 @@ def chunked(problem: Problem, keep: int) -> list[Chunked]:
         for t in (s for s in problem.sizes if s in common):
             costs = np.array([x.seconds(t) for x in problem.layers])
             for p in range(2, min(L // 2, N // t) + 1):
-                if name == "interleaved-1f1b" and m % p:
+                if (name == "interleaved-1f1b" and m % p) or 2 * p * m > MAX_STAGE_MICROBATCHES:
                     continue
                 sched = make_schedule(name, 2 * p, m)
                 edges = balanced_edges(costs, 2 * p)

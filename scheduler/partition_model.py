@@ -9,17 +9,21 @@ on the host-major device list: each starts at the next free device aligned to it
 (``g`` inside a host, a host boundary for whole hosts) — so a submesh never straddles hosts,
 and devices left over stay idle.
 
-The **estimate** of a candidate (what the search minimises) is 1F1B's iteration time with
-every boundary's transfers on the critical path during fill and drain:
+The **estimate** of a candidate (what the search minimises) is the pipeline's fill and drain
+plus ``m − 1`` periods of its slowest term, with every boundary's transfers on the critical
+path once each way:
 
     E = Σ_s (F_s + B_s) + Σ_b (x_b→ + x_b←) + (m − 1) · max(max_s (F_s + B_s), max_b x_b→,
                                                            max_b x_b←)
 
 ``F_s``, ``B_s``: the stage's layers' seconds at its TP degree; ``x_b→``, ``x_b←``: the cost
 model's estimate (:func:`scheduler.estimate`) of boundary ``b``'s activation and gradient
-resharding, planned with the search's strategy and the cheap ``size`` balance. A stage fits
-its devices when its parameters and the activations of the microbatches 1F1B keeps there
-(``min(m, p − s)``) fit ``memory_per_device``: both are divided by the TP degree.
+resharding, planned with the search's strategy and the cheap ``size`` balance. With free
+transfers and a backward proportional to the forward it is exactly GPipe's iteration time
+in the simulator, and no less than 1F1B's (``tests/test_partition.py`` checks both); the
+finalists are then simulated for real. A stage fits its devices when its parameters and the
+activations of the microbatches 1F1B keeps there (``min(m, p − s)``) fit
+``memory_per_device``: both are divided by the TP degree.
 """
 
 from __future__ import annotations

@@ -316,6 +316,30 @@ def test_the_plan_json_is_a_simulate_case_and_reads_back_to_the_same_step_graph(
         PartitionPlan.from_json("{")
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(1e-4, 1e-2), min_size=1, max_size=6), st.integers(1, 12), st.data())
+def test_the_estimate_is_the_simulators_gpipe_time_when_transfers_are_free(forward, m, data):
+    from scheduler import lower, make_schedule
+    from scheduler.partition_rank import realize
+
+    # Links so fast, and no latency: what the transfers cost is below rounding.
+    free = Cluster(1, 8, nic_gbps=1e12, nvlink_gbps=1e12, nic_latency_us=0.0,
+                   nvlink_latency_us=0.0)
+    layers = [Layer({1: f}, {1: 2 * f}, (4, 4), "float32", 0, 0) for f in forward]
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(forward) - 1))) if len(forward) > 1
+                  else [])
+    edges = [0, *cuts, len(forward)]
+    chain = tuple((a, b, s, 1) for s, (a, b) in enumerate(itertools.pairwise(edges)))
+    problem = Problem(tuple(layers), free, m)
+    pipe = realize(problem, chain)
+    seconds = {}
+    for name in ("gpipe", "1f1b"):
+        graph = lower(pipe.meshes, pipe.boundaries, make_schedule(name, len(chain), m), free)
+        seconds[name] = simulate(graph, free, pipe.costs).iteration_time
+    assert problem.estimate(chain) == pytest.approx(seconds["gpipe"], rel=1e-9)
+    assert seconds["1f1b"] <= problem.estimate(chain) * (1 + 1e-9)
+
+
 def test_layer_from_flops_splits_compute_and_pays_all_reduces():
     cluster = Cluster.preset("p3.8xlarge", 2)
     layer = Layer.from_flops(1e12, (1024, 1024), "float16", 10, 10, cluster=cluster,
