@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -198,44 +199,85 @@ def _fits(model: Model, sched, edges: list[int], t: int) -> bool:
 # ---- the table ----------------------------------------------------------------------------
 
 
-def compare(model: Model) -> tuple[str, float, float]:
-    t0 = time.perf_counter()
-    plan = partition(model.layers, model.cluster, model.microbatches,
-                     memory_per_device=model.memory)
-    planning = time.perf_counter() - t0
+def layout(stages) -> str:
+    """``0-5@4 6-11@4 …`` (runs of equal stages folded: ``16 × 6@4``)."""
+    parts = [(len(st.layers), st.tp) for st in stages]
+    if len(set(parts)) == 1 and len(parts) > 3:
+        return f"{len(parts)} × {parts[0][0]}@{parts[0][1]}"
+    return " ".join(f"{st.layers.start}-{st.layers.stop - 1}@{st.tp}" for st in stages)
+
+
+def plan_timed(model: Model, rounds: int):
+    """The plan and the median of ``rounds`` planning times (each from scratch)."""
+    times, plan = [], None
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        plan = partition(model.layers, model.cluster, model.microbatches,
+                         memory_per_device=model.memory)
+        times.append(time.perf_counter() - t0)
+    return plan, statistics.median(times), times
+
+
+def compare(model: Model, rounds: int) -> dict:
+    plan, planning, times = plan_timed(model, rounds)
     cache = PlanCache(model.cluster)
     trials = list(uniform_trials(model, cache))
     label, name, base = min(trials, key=lambda x: x[2])
-    L, N = len(model.layers), model.cluster.num_devices
-    layout = " ".join(f"{st.layers.start}-{st.layers.stop - 1}@{st.tp}" for st in plan.stages)
-    lines = [
-        f"== {model.name}: {L} layers on {N} devices ({model.cluster.num_hosts} hosts), "
-        f"{model.microbatches} microbatches, memory "
-        f"{'none' if model.memory is None else f'{model.memory / GIB:.0f} GiB'} per device ==",
-        f"partition: {len(plan.stages)} stages [{layout}], {plan.schedule.name}: "
-        f"{plan.iteration_time:.3f} s (bubble {plan.bubble:.1%}, exposed comm "
-        f"{plan.exposed_comm:.1%}); planned in {planning:.2f} s "
-        f"({plan.search['runs']} DP runs, {plan.search['cells'] / 1e6:.1f} M cells, gap "
-        f"{plan.search['gap']:.3g}, {len(plan.search['finalists'])} simulated)",
-        f"best uniform of {sum(math.isfinite(x[2]) for x in trials)} that fit "
-        f"({len(trials)} tried): {label}, {name}: {base:.3f} s",
-        f"margin: uniform / partition = {base / plan.iteration_time:.3f} "
-        f"({'at least as fast' if plan.iteration_time <= base else 'SLOWER'})",
-    ]
-    return "\n".join(lines), planning, base / plan.iteration_time
+    return {"model": model, "plan": plan, "planning": planning, "times": times,
+            "uniform": (label, name, base), "tried": len(trials),
+            "fit": sum(math.isfinite(x[2]) for x in trials)}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | layers × devices (hosts) | partition: stages (layers@TP) | schedule | "
+            "simulated s | best uniform | schedule | simulated s | uniform ÷ partition | "
+            "planning s |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        m, plan = r["model"], r["plan"]
+        label, name, base = r["uniform"]
+        lines.append(
+            f"| {m.name} | {len(m.layers)} × {m.cluster.num_devices} ({m.cluster.num_hosts}) | "
+            f"{layout(plan.stages)} | {plan.schedule.name} | {plan.iteration_time:.3f} | "
+            f"{label} | {name} | {base:.3f} | **{base / plan.iteration_time:.3f}** | "
+            f"{r['planning']:.2f} |")
+    return "\n".join(lines)
+
+
+def details(r: dict) -> str:
+    m, plan = r["model"], r["plan"]
+    s = plan.search
+    return (f"{m.name}: {m.microbatches} microbatches, memory "
+            f"{'none' if m.memory is None else f'{m.memory / GIB:.0f} GiB'} per device; "
+            f"search {s['runs']} DP runs, {s['cells'] / 1e6:.1f} M cells, gap {s['gap']:.3g}; "
+            f"{len(s['finalists'])} finalist schedules simulated; estimate "
+            f"{plan.estimate:.3f} s vs simulated {plan.iteration_time:.3f} s; bubble "
+            f"{plan.bubble:.1%}, exposed communication {plan.exposed_comm:.1%}; uniform "
+            f"pipelines: {r['fit']} of {r['tried']} fit memory; planning times "
+            f"{', '.join(f'{t:.2f}' for t in r['times'])} s")
+
+
+GOALS = {"gpt3": ("96 layers on 64 GPUs", 10.0), "utransformer": ("16 layers on 8 GPUs", 1.0)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("gpt3", "utransformer", "hetero"), action="append")
+    ap.add_argument("--rounds", type=int, default=3, help="planning runs timed per model")
     args = ap.parse_args(argv)
     chosen = args.model or ["gpt3", "utransformer", "hetero"]
     builders = {"gpt3": gpt3_like, "utransformer": u_transformer_like, "hetero": heterogeneous}
     print(machine_line())
-    for key in chosen:
-        text, _, _ = compare(builders[key]())
-        print(text)
-        print()
+    rows = [compare(builders[key](), args.rounds) for key in chosen]
+    print(table(rows))
+    print()
+    for r in rows:
+        print(details(r))
+    for key, r in zip(chosen, rows):
+        if key in GOALS:
+            what, goal = GOALS[key]
+            print(f"planning time, {what}: {r['planning']:.2f} s (median of {args.rounds}; "
+                  f"goal <= {goal:g} s: {'met' if r['planning'] <= goal else 'NOT met'})")
     return 0
 
 

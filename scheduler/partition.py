@@ -163,9 +163,9 @@ def _no_fit(problem: Problem, budget: SearchBudget) -> PartitionError:
     return PartitionError(
         f"no partition fits memory_per_device {fmt_bytes(cap)}: the best without the limit has "
         f"stage {s} (layers {a}-{b - 1} on {size} devices) needing {fmt_bytes(total)} per "
-        f"device (parameters {fmt_bytes(params)} + {k} microbatches kept by 1f1b × "
-        f"{fmt_bytes(acts)} of activations); fewer layers per stage need more devices than "
-        f"the cluster's {problem.cluster.num_devices}")
+        f"device (parameters {fmt_bytes(params)} + activations {fmt_bytes(acts)} × {k}, the "
+        f"microbatches 1f1b keeps there); fewer layers per stage need more devices than the "
+        f"cluster's {problem.cluster.num_devices}")
 
 
 def _degree_summary(problem: Problem) -> str:
