@@ -98,6 +98,25 @@ def test_a_malformed_partition_case_is_one_named_error(tmp_path, capsys, case):
     assert_one_line_error(_in_process(capsys, "partition", "--case", str(path)), match)
 
 
+def test_a_plan_of_one_stage_per_rank_is_simulated_beside_the_fixed_schedules(tmp_path,
+                                                                               capsys):
+    # Three layers: no two-chunks-per-rank candidate (it needs 2 layers per rank), so the
+    # plan runs one stage per rank and simulate adds its row to the fixed schedules'.
+    case = {**BASE, "layers": [BASE["layers"][0], {**BASE["layers"][1], "repeat": 1},
+                               BASE["layers"][2]], "microbatches": 4}
+    path, out = tmp_path / "case.json", tmp_path / "plan.json"
+    path.write_text(json.dumps(case))
+    done = _in_process(capsys, "partition", "--case", str(path), "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    plan = PartitionPlan.from_json(out.read_text())
+    assert plan.schedule.stages_per_rank == 1
+    sim = _in_process(capsys, "simulate", "--case", str(out))
+    assert sim.returncode == 0, sim.stderr
+    rows = [line.split()[0] for line in sim.stdout.splitlines()[3:]]
+    assert rows[:3] == ["gpipe", "1f1b", "eager-1f1b"] and rows[-1] == "signal"
+    assert plan.schedule.name.split()[0] == rows[3]
+
+
 def test_paths_and_flags_that_cannot_work_are_named_before_any_work(tmp_path, capsys):
     # (as a user runs it, once: the entry point itself)
     assert_one_line_error(run_overlap("partition", "--case", "/dev/zero"),

@@ -129,6 +129,11 @@ def test_auto_partition_hands_the_blocks_themselves_with_stage_plans():
     assert pipe.tp[0] is not None and pipe.tp[0].degree == 2
 
 
+class _Raises(nn.Module):
+    def forward(self, x):
+        raise AssertionError("measured: the arguments were not checked first")
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda: measure_layers([], torch.randn(2, 2)), TypeError, r"blocks: expected"),
     (lambda: measure_layers([nn.ReLU(), 3], torch.randn(2, 2)), TypeError, r"blocks\[1\]"),
@@ -154,6 +159,15 @@ def test_auto_partition_hands_the_blocks_themselves_with_stage_plans():
      r"cluster: expected a scheduler.Cluster"),
     (lambda: auto_partition([nn.ReLU()], Cluster.local(1), 2, torch.randn(2, 2),
                             layers=[]), ValueError, r"layers: 0 layers for 1 blocks"),
+    # (refused before any block is timed: a block that raises would say otherwise)
+    (lambda: auto_partition([_Raises()], Cluster.local(1), 0, torch.randn(2, 2)),
+     ValueError, r"num_microbatches: expected an int >= 1"),
+    (lambda: auto_partition([_Raises()], Cluster.local(1), 2, torch.randn(2, 2),
+                            memory_per_device=-1), ValueError, r"memory_per_device"),
+    (lambda: auto_partition([_Raises()], Cluster.local(1), 2, torch.randn(2, 2),
+                            options="broadcast"), TypeError, r"options: expected a PlanOptions"),
+    (lambda: auto_partition([_Raises()], Cluster.local(1), 2, torch.randn(2, 2), budget=3),
+     TypeError, r"budget: expected a SearchBudget"),
 ])
 def test_bad_arguments_are_named_before_any_work(call, error, match):
     with pytest.raises(error, match=match):

@@ -373,6 +373,20 @@ def stage_plan(plans: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     return out
 
 
+def _check_before_measuring(num_microbatches: object, memory: object, options: object,
+                            budget: object) -> None:
+    """What :func:`scheduler.partition` would refuse, refused before the blocks are timed."""
+    _check_int("num_microbatches", num_microbatches, 1)
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float))
+                               or not 0 < memory < float("inf")):
+        raise ValueError(f"memory_per_device: expected bytes > 0 (or None: no limit), got "
+                         f"{memory!r}")
+    if options is not None and not isinstance(options, PlanOptions):
+        raise TypeError(f"options: expected a PlanOptions, got {type(options).__name__}")
+    if budget is not None and not isinstance(budget, SearchBudget):
+        raise TypeError(f"budget: expected a SearchBudget, got {type(budget).__name__}")
+
+
 def auto_partition(blocks: Sequence[nn.Module] | nn.Sequential, cluster: Cluster,
                    num_microbatches: int, sample: torch.Tensor, *, target: Any = None,
                    loss_fn: LossFn | None = None, tp_plans: TpPlans | None = None,
@@ -388,6 +402,7 @@ def auto_partition(blocks: Sequence[nn.Module] | nn.Sequential, cluster: Cluster
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster: expected a scheduler.Cluster, got {type(cluster).__name__}")
     _check_plans(tp_plans, len(blocks))
+    _check_before_measuring(num_microbatches, memory_per_device, options, budget)
     if layers is None:
         layers = measure_layers(blocks, sample, target=target, loss_fn=loss_fn,
                                 tp_plans=tp_plans, degrees=degrees, cluster=cluster,
