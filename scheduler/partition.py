@@ -51,7 +51,7 @@ class SearchBudget:
     """
 
     cells: int = 300_000_000
-    simulated: int = 150_000
+    simulated: int = 100_000
     finalists: int = 4
 
     def __post_init__(self) -> None:

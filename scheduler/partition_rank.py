@@ -3,11 +3,12 @@
 Each finalist becomes a real pipeline — stage meshes, boundaries with the layers' layouts,
 per-stage compute costs — lowered (its boundaries planned with the caller's
 :class:`~scheduler.PlanOptions`) and simulated under the fixed schedules that fit memory
-(gpipe, 1f1b, eager-1f1b; zb-h1 when every layer splits its backward). The fastest then also
-gets ``auto`` (:func:`scheduler.auto_schedule`: comm-aware lists too, under each stage's
-memory cap). Work is counted in simulated compute ops (microbatches × kinds × devices), never
-seconds: finalists are taken best estimate first while the budget lasts, and the first
-finalist's first fitting schedule always runs.
+(gpipe, 1f1b, eager-1f1b; zb-h1 when every layer splits its backward); the best estimate's
+first, then the two-chunks-per-rank candidates, then ``auto`` (:func:`scheduler.
+auto_schedule`: comm-aware lists too, under each stage's memory cap) on the fastest so far,
+then the other finalists. Work is counted in simulated compute ops (microbatches × kinds ×
+devices, per schedule; ``auto`` as many as it has candidates), never seconds: each step
+runs only if the budget holds it, and the first finalist's 1F1B always runs.
 """
 
 from __future__ import annotations
@@ -131,18 +132,20 @@ def rank(problem: Problem, finalists: tuple[tuple[float, tuple[Stage, ...]], ...
          options: PlanOptions, budget: int) -> list[Trial]:
     """Every trial made, fastest first (ties: the earlier): the best finalist's fixed
     schedules, the two-chunks-per-rank family's best members (:mod:`scheduler.
-    partition_chunks`), the other finalists, then ``auto`` on the fastest so far."""
+    partition_chunks`), ``auto`` on the fastest single-chunk pipeline so far, then the other
+    finalists' fixed schedules while the budget lasts."""
     ranking = Ranking(problem, options, budget)
-    for k, (estimate, stages) in enumerate(finalists):
-        before = len(ranking.trials)
-        ranking.fixed(estimate, realize(problem, stages))
-        if k == 0:
-            for member in chunked(problem, keep=1):
-                ranking.chunked(member)
-        elif len(ranking.trials) == before:
-            break  # the budget is spent
+    estimate, stages = finalists[0]
+    ranking.fixed(estimate, realize(problem, stages))
+    for member in chunked(problem, keep=1):
+        ranking.chunked(member)
     single = [t for t in ranking.trials if t.schedule.stages_per_rank == 1]
     ranking.auto(min(single, key=lambda t: t.seconds))
+    for estimate, stages in finalists[1:]:
+        before = len(ranking.trials)
+        ranking.fixed(estimate, realize(problem, stages))
+        if len(ranking.trials) == before:
+            break  # the budget is spent
     ordered = sorted(enumerate(ranking.trials), key=lambda it: (it[1].seconds, it[0]))
     return [t for _, t in ordered]
 
