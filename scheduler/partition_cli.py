@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a partition case file: JSON with cluster, microbatches, layers "
                         "(examples/cases/partition_case.json)")
     p.add_argument("--microbatches", type=int, default=None,
-                   help="microbatches per step (default: the case file's)")
+                   help="microbatches per step (None: the case file's)")
     p.add_argument("--json", type=Path, default=None,
                    help="write the plan here: a pipeline case 'overlap simulate --case' "
                         "reads, with the schedule")

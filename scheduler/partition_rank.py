@@ -3,10 +3,11 @@
 Each finalist becomes a real pipeline — stage meshes, boundaries with the layers' layouts,
 per-stage compute costs — lowered (its boundaries planned with the caller's
 :class:`~scheduler.PlanOptions`) and simulated under the fixed schedules that fit memory
-(gpipe, 1f1b, eager-1f1b; zb-h1 when every layer splits its backward); the best estimate's
-first, then the two-chunks-per-rank candidates, then ``auto`` (:func:`scheduler.
-auto_schedule`: comm-aware lists too, under each stage's memory cap) on the fastest so far,
-then the other finalists. Work is counted in simulated compute ops (microbatches × kinds ×
+(gpipe, 1f1b, eager-1f1b; zb-h1 when every layer splits its backward): the best estimate's
+first, then the two-chunks-per-rank candidates, then the other finalists while the budget
+lasts, keeping what ``auto`` (:func:`scheduler.auto_schedule`: comm-aware lists too, under
+each stage's memory cap) would cost on the first; ``auto`` then runs on the fastest
+single-chunk pipeline. Work is counted in simulated compute ops (microbatches × kinds ×
 devices, per schedule; ``auto`` as many as it has candidates), never seconds: each step
 runs only if the budget holds it, and the first finalist's 1F1B always runs.
 """
@@ -81,15 +82,22 @@ class Ranking:
         kinds = 3 if self.problem.split else 2
         return self.problem.num_microbatches * kinds * sum(m.size for m in pipe.meshes)
 
-    def fixed(self, estimate: float, pipe: Pipeline) -> None:
-        """Each fixed schedule that fits memory, while the budget lasts."""
+    def auto_units(self, pipe: Pipeline) -> int:
+        """What ``auto`` costs on ``pipe``: its candidates' simulations."""
+        split = self.problem.split
+        count = len(SCHEDULES) + (len(pipe.meshes) + 2) * (2 if split else 1) + split
+        return count * self.units(pipe)
+
+    def fixed(self, estimate: float, pipe: Pipeline, keep: int = 0) -> None:
+        """Each fixed schedule that fits memory, while the budget lasts (``keep`` of it
+        left over)."""
         p, m = len(pipe.meshes), self.problem.num_microbatches
         names = SCHEDULES + (("zb-h1",) if self.problem.split else ())
         for name in sorted(names, key=lambda n: n != "1f1b"):  # 1f1b first: it always fits
             sched = make_schedule(name, p, m)
             if any(sched.peak_activations(s) > c for s, c in enumerate(pipe.caps)):
                 continue
-            if self.trials and self.units(pipe) > self.left:
+            if self.trials and self.units(pipe) > self.left - keep:
                 return
             self.left -= self.units(pipe)
             graph = lower(pipe.meshes, pipe.boundaries, sched, self.problem.cluster,
@@ -100,12 +108,9 @@ class Ranking:
     def auto(self, best: Trial) -> None:
         """``auto`` on the best finalist, if the budget holds all its candidates."""
         pipe = best.pipeline
-        p = len(pipe.meshes)
-        count = len(SCHEDULES) + (p + 2) * (2 if self.problem.split else 1) + \
-            (1 if self.problem.split else 0)
-        if count * self.units(pipe) > self.left:
+        if self.auto_units(pipe) > self.left:
             return
-        self.left -= count * self.units(pipe)
+        self.left -= self.auto_units(pipe)
         m = self.problem.num_microbatches
         caps = None if all(c >= m for c in pipe.caps) else list(pipe.caps)
         choice = auto_schedule(pipe.meshes, pipe.boundaries, m, self.problem.cluster,
@@ -113,7 +118,6 @@ class Ranking:
                                cache=self.cache)
         tl = simulate(choice.graph, self.problem.cluster, pipe.costs)
         self.trials.append(Trial(pipe, best.estimate, choice.schedule, tl.iteration_time, tl))
-
 
     def chunked(self, member: Chunked) -> None:
         """A two-chunks-per-rank member under its schedule, if the budget holds it."""
@@ -132,20 +136,24 @@ def rank(problem: Problem, finalists: tuple[tuple[float, tuple[Stage, ...]], ...
          options: PlanOptions, budget: int) -> list[Trial]:
     """Every trial made, fastest first (ties: the earlier): the best finalist's fixed
     schedules, the two-chunks-per-rank family's best members (:mod:`scheduler.
-    partition_chunks`), ``auto`` on the fastest single-chunk pipeline so far, then the other
-    finalists' fixed schedules while the budget lasts."""
+    partition_chunks`), the other finalists' fixed schedules while the budget lasts — keeping
+    what ``auto`` costs on the first, when the budget holds it — then ``auto`` on the
+    fastest single-chunk pipeline."""
     ranking = Ranking(problem, options, budget)
     estimate, stages = finalists[0]
-    ranking.fixed(estimate, realize(problem, stages))
+    first = realize(problem, stages)
+    ranking.fixed(estimate, first)
     for member in chunked(problem, keep=1):
         ranking.chunked(member)
-    single = [t for t in ranking.trials if t.schedule.stages_per_rank == 1]
-    ranking.auto(min(single, key=lambda t: t.seconds))
+    keep = ranking.auto_units(first)
+    keep = keep if keep <= ranking.left else 0  # (no auto: nothing to keep for)
     for estimate, stages in finalists[1:]:
         before = len(ranking.trials)
-        ranking.fixed(estimate, realize(problem, stages))
+        ranking.fixed(estimate, realize(problem, stages), keep)
         if len(ranking.trials) == before:
             break  # the budget is spent
+    single = [t for t in ranking.trials if t.schedule.stages_per_rank == 1]
+    ranking.auto(min(single, key=lambda t: t.seconds))
     ordered = sorted(enumerate(ranking.trials), key=lambda it: (it[1].seconds, it[0]))
     return [t for _, t in ordered]
 

@@ -10,14 +10,17 @@ Alpa does, the program fixes a threshold ``t`` on every term and minimises the s
 
 — the best sum for layers ``i..`` when device ``d`` is the first free one, ``q`` the size of
 the stage before (the boundary's cost depends on both submeshes) and ``n`` the stages left,
-counted only when memory binds (1F1B keeps ``min(m, n)`` microbatches on a stage ``n`` from
-the end). Every term above ``t`` is left out. Run at every distinct term value ``t`` (in
-increasing order, stopping once ``S_min + (m − 1)·t`` cannot beat the best E found), the
-minimum over the runs is the exact minimum of E. Each run is vectorised over the devices and
-the stages left (numpy). When the runs would exceed the work budget (cells of the program
-evaluated, never seconds), ``t`` takes a geometric grid of ratio ``1 + gap`` instead, which
-keeps the result within ``1 + gap`` of the optimum (reported). Every run's solution is a
-candidate; the best few by E go on to the simulator.
+itself included (1F1B keeps ``min(m, n)`` microbatches on a stage ``n`` from the end):
+counted 1..B−1 and "B or more", B one more than the largest memory cap below the most stages
+a pipeline can have among the stages the threshold allows — beyond it no allowed stage's
+feasibility changes — and not counted at all when no such cap binds. Every term above ``t``
+is left out. Run at every distinct term value ``t`` (in increasing order, stopping once
+``S_min + (m − 1)·t`` cannot beat the best E found), the minimum over the runs is the exact
+minimum of E. Each run is vectorised over the devices and the stages left (numpy). When the
+runs would exceed the work budget (cells of the program evaluated, never seconds), a coarse
+grid of thresholds runs first, then ``t`` takes a geometric grid of ratio ``1 + gap``,
+which keeps the result within ``1 + gap`` of the optimum (reported). Every run's solution is
+a candidate; the best few by E go on to the simulator.
 """
 
 from __future__ import annotations

@@ -89,8 +89,8 @@ def test_measured_layers_say_what_the_blocks_are():
     # A degree's collectives are costed, not run: the forward's all-reduce of the output
     # over 2 devices is at least in it.
     slow = Cluster(1, 4, nic_gbps=1.0, nvlink_gbps=0.01)  # an all-reduce takes ~ms here
-    again = measure_layers([_mlp()], x, tp_plans=[MEGATRON], degrees=(2,), cluster=slow,
-                           repeat=1)
+    again = measure_layers(nn.Sequential(_mlp()), x, tp_plans=[MEGATRON], degrees=(2,),
+                           cluster=slow, repeat=1)  # (an nn.Sequential: its children)
     assert again[0].degrees == (2,)
     assert again[0].forward[2] >= all_reduce_seconds(4 * 32 * 4, 2, slow)
 

@@ -7,9 +7,10 @@
     pipe = auto.pipeline(loss_fn)                             # a TorchPipeline
     losses = pipe.train_step_sync(rt, x, y, num_microbatches=8, schedule=auto.schedule)
 
-What is measured, on this process's device (the CPU, or the current GPU), with a few timed
-microbatches after ``warmup`` untimed ones (median of ``repeat``), on copies of the blocks
-(the model, its ``.grad`` and the caller's RNG are left as they were):
+What is measured, on the sample's device (the CPU; on a GPU each time is read after
+``torch.cuda.synchronize`` — written, not yet run on one), with a few timed microbatches
+after ``warmup`` untimed ones (median of ``repeat``), on copies of the blocks (the model,
+its ``.grad`` and the caller's RNG are left as they were):
 
 - per block, on one microbatch (``sample``: the first block's input; each next block gets the
   previous one's output): forward, full backward, and the backward split into the input
@@ -94,14 +95,21 @@ class Timing:
     weight_grad: float
 
 
-def _median(fn: Callable[[], Any], warmup: int, repeat: int) -> float:
+def _clock(x: torch.Tensor) -> float:
+    """Now, once the work queued on ``x``'s GPU is done (CUDA runs asynchronously)."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter()
+
+
+def _median(fn: Callable[[], Any], warmup: int, repeat: int, x: torch.Tensor) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = _clock(x)
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock(x) - t0)
     return statistics.median(times)
 
 
@@ -126,26 +134,27 @@ def time_block(module: nn.Module, x: torch.Tensor, target: Any, loss_fn: LossFn 
 
     def backward() -> None:
         _, out = _run(module, x, target, loss_fn)
-        t0 = time.perf_counter()
-        torch.autograd.backward(out, torch.ones_like(out))
-        spent.append(time.perf_counter() - t0)
+        grad = torch.ones_like(out)
+        t0 = _clock(x)
+        torch.autograd.backward(out, grad)
+        spent.append(_clock(x) - t0)
 
     def split() -> None:
         xin, out = _run(module, x, target, loss_fn)
         grad = torch.ones_like(out)
-        t0 = time.perf_counter()
+        t0 = _clock(x)
         if xin.requires_grad:
             torch.autograd.grad(out, [xin], grad, retain_graph=True)
-        t1 = time.perf_counter()
+        t1 = _clock(x)
         if params:
             torch.autograd.backward(out, grad, inputs=params)
-        parts.append((t1 - t0, time.perf_counter() - t1))
+        parts.append((t1 - t0, _clock(x) - t1))
 
-    fwd = _median(forward, warmup, repeat)
+    fwd = _median(forward, warmup, repeat, x)
     spent: list[float] = []
-    _median(backward, warmup, repeat)
+    _median(backward, warmup, repeat, x)
     parts: list[tuple[float, float]] = []
-    _median(split, warmup, repeat)
+    _median(split, warmup, repeat, x)
     ig = statistics.median(p[0] for p in parts[warmup:])
     wg = statistics.median(p[1] for p in parts[warmup:])
     return Timing(fwd, statistics.median(spent[warmup:]), ig, wg)
@@ -289,7 +298,8 @@ def measure_layers(blocks: Sequence[nn.Module] | nn.Sequential, sample: torch.Te
     warmup, repeat = _check_int("warmup", warmup, 0), _check_int("repeat", repeat, 1)
     states = _check_int("optimizer_states", optimizer_states, 0)
     layers, x = [], sample
-    with torch.random.fork_rng(devices=[]):  # (dropout draws; the caller's RNG is kept)
+    gpus = [sample.device.index or 0] if sample.is_cuda else []
+    with torch.random.fork_rng(devices=gpus):  # (dropout draws; the caller's RNG is kept)
         for i, block in enumerate(blocks):
             last = i == len(blocks) - 1
             layer, x = _measure(block, i, x, target if last else None,
