@@ -95,12 +95,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="tensor-parallel degrees a stage may take, comma-separated")
     ap.add_argument("--quiet", action="store_true", help="only the verdict line")
     args = ap.parse_args(argv)
+    for name in ("layers", "width", "heads", "seq", "vocab", "batch", "microbatches", "steps",
+                 "devices"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        ap.error(f"--lr: expected a number > 0, got {args.lr}")
     if args.batch % args.microbatches:
         ap.error(f"--batch: {args.batch} does not split into {args.microbatches} microbatches")
     try:
         args.degrees = [int(t) for t in args.degrees.split(",")]
     except ValueError:
         ap.error(f"--degrees: expected comma-separated ints, got {args.degrees!r}")
+    if min(args.degrees) < 1:
+        ap.error(f"--degrees: TP degrees are >= 1, got {args.degrees}")
     return args
 
 

@@ -50,6 +50,15 @@ def test_the_gpt_example_partitioned_automatically_trains_like_plain_torch(examp
         assert "[0-3@2]" in out
 
 
+@pytest.mark.parametrize("flag, value", [("--devices", "0"), ("--layers", "-1"),
+                                         ("--lr", "0"), ("--degrees", "0,2"),
+                                         ("--degrees", "two")])
+def test_the_examples_bad_flags_are_refused_by_name(example, flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        example.main([flag, value])
+    assert exit_.value.code == 2 and f"{flag}:" in capsys.readouterr().err
+
+
 def test_the_example_fails_when_a_tensor_parallel_gradient_is_wrong(example, monkeypatch,
                                                                     capsys):
     from overlap.torch import comm
