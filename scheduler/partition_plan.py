@@ -46,8 +46,8 @@ class StagePlan:
 class PartitionPlan:
     """A pipeline chosen by :func:`scheduler.partition` (see its doc).
 
-    ``iteration_time``, ``bubble`` (mean share of idle compute) and ``exposed_comm`` (share
-    of the step spent waiting for transfers) are the simulator's for ``schedule`` on these
+    ``iteration_time``, ``bubble`` and ``exposed_comm`` (the timeline's ``bubble_fraction``
+    and ``exposed_comm_fraction``) are the simulator's for ``schedule`` on these
     stages and ``boundaries`` (planned with ``options``); ``peak_memory[s]`` is bytes per
     device of stage ``s``'s mesh under that schedule (parameters plus the activations it
     keeps, of every stage on that mesh when a schedule runs two chunks per rank);
