@@ -16,6 +16,7 @@ from .errors import ClusterError, PlanError, ShardingError
 from .graph import COMPUTE, Channel, Compute, Dep, Lane, Op, StepGraph, TransferOp, reshard_graph
 from .lowering import Boundary, MicrobatchBoundaries, lower
 from .mesh import DeviceMesh
+from .partition import Layer, PartitionError, PartitionPlan, SearchBudget, StagePlan, partition
 from .plan import ReshardPlan, Transfer
 from .planner import STRATEGIES, PlanCache, PlanOptions, plan_resharding
 from .regions import Region
@@ -55,9 +56,12 @@ __all__ = [
     "Dep",
     "DeviceMesh",
     "Lane",
+    "Layer",
     "MicrobatchBoundaries",
     "Op",
     "P",
+    "PartitionError",
+    "PartitionPlan",
     "PlanCache",
     "PlanError",
     "PlanOptions",
@@ -66,11 +70,13 @@ __all__ = [
     "Replicate",
     "ReshardPlan",
     "Schedule",
+    "SearchBudget",
     "Shard",
     "Sharding",
     "ShardingError",
     "ShardingSpec",
     "Span",
+    "StagePlan",
     "StepGraph",
     "Timeline",
     "Transfer",
@@ -82,6 +88,7 @@ __all__ = [
     "lower_bound",
     "make_schedule",
     "paper_model_time",
+    "partition",
     "plan_report",
     "plan_resharding",
     "reshard_graph",

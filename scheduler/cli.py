@@ -124,6 +124,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 COMMANDS = {
     "plan": "plan a cross-mesh resharding and cost it",
     "simulate": "compare every pipeline schedule (and signal) on a pipeline",
+    "partition": "choose a model's stages, submeshes, TP degrees, layouts and schedule "
+                 "(--case FILE), by simulation",
     "trace": "trace report FILE [--json] | plot FILE -o PNG: busy, bubble, communication and "
              "how much of it was hidden (our traces, Nsight Systems, PyTorch profiler)",
     "profile": "profile [--steps A:B] [-o DIR] -- python train.py ...: run it under Nsight "
@@ -154,6 +156,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -
         from .sim_cli import simulate_main
 
         return simulate_main(argv[1:])
+    if argv[0] == "partition":
+        from .partition_cli import partition_main
+
+        return partition_main(argv[1:])
     if argv[0] == "trace":
         from .trace_cli import trace_main
 

@@ -17,12 +17,16 @@ Schedules that split the backward (zb-h1, zbv, and auto's split candidates) take
 per rank (interleaved-1f1b, zbv) run, from flags, the same model on the same hosts cut into
 twice as many half stages (each ``F/2``, ``B/2``, the same boundary tensor between every
 pair), placed as the schedule says; from a case file, the case's own stages, when the stages
-the schedule puts on one rank share a mesh.
+the schedule puts on one rank share a mesh. A case may also hold a ``schedule``
+(``Schedule.to_json``'s object, as ``overlap partition --json`` writes): its row is added,
+and its signal row when it runs several stages per rank (the fixed schedules then do not
+apply: the case's stages share meshes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +66,7 @@ class PipelineCase:
     # From flags: the same pipeline cut into two half stages per rank, placed as the given
     # schedule (of twice the stages) says. None for a case file (its stages are the stages).
     halves: Callable[[Schedule], PipelineCase] | None = field(default=None, compare=False)
+    schedule: Schedule | None = None  # the case's own (a partition plan's), if it has one
 
 
 @dataclass(frozen=True)
@@ -94,9 +99,16 @@ def run_rows(case: PipelineCase, options: PlanOptions | None = None, *,
     and the schedules that do not apply, with the reason."""
     rows, skipped = [], []
     cache = PlanCache(case.cluster)
-    for label in [*schedules, "signal"]:
+    own = case.schedule
+    runs: list[tuple[str, str | Schedule]] = [(name, name) for name in schedules]
+    if own is not None and own.name not in schedules:
+        runs.append((own.name, own))
+    runs.append(("signal", own if own is not None and own.stages_per_rank > 1
+                 else signal_schedule))
+    for label, what in runs:
         try:
-            sched, c = schedule_case(signal_schedule if label == "signal" else label, case)
+            sched, c = (what, case) if isinstance(what, Schedule) else \
+                schedule_case(what, case)
         except ValueError as exc:
             skipped.append((label, str(exc)))
             continue
@@ -155,8 +167,16 @@ def case_from_json(data: dict[str, Any]) -> PipelineCase:
             Sharding(stages[s], ShardingSpec.from_json(b["producer"])),
             Sharding(stages[s + 1], ShardingSpec.from_json(b["consumer"])),
         ))
-    return PipelineCase(cluster, stages, tuple(boundaries), int(data["microbatches"]),
-                        _compute_table(data["compute_ms"], len(stages)))
+    m = int(data["microbatches"])
+    schedule = None
+    if "schedule" in data:
+        schedule = Schedule.from_json(json.dumps(data["schedule"]))
+        if (schedule.num_stages, schedule.num_microbatches) != (len(stages), m):
+            raise ValueError(f"schedule: {schedule.name} is for {schedule.num_stages} stages × "
+                             f"{schedule.num_microbatches} microbatches; the case has "
+                             f"{len(stages)} × {m}")
+    return PipelineCase(cluster, stages, tuple(boundaries), m,
+                        _compute_table(data["compute_ms"], len(stages)), schedule=schedule)
 
 
 def _compute_table(spec: Any, num_stages: int) -> dict[tuple[int, str], float]:
@@ -202,6 +222,11 @@ class UniformPipeline:
 
     def _halves(self, schedule: Schedule) -> PipelineCase:
         return self.case([schedule.rank_of(v) for v in range(schedule.num_stages)], 0.5)
+
+
+def _signal_of(case: PipelineCase) -> str:
+    own = case.schedule
+    return own.name if own is not None and own.stages_per_rank > 1 else "eager-1f1b"
 
 
 def _checked_spec(text: str, mesh: DeviceMesh, ndim: int, flag: str) -> ShardingSpec:
@@ -320,8 +345,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"{len(case.stages)} stages × {case.microbatches} microbatches on "
           f"{case.cluster.num_hosts} × {args.cluster if args.case is None else 'cluster'}; "
-          f"transfers: {args.strategy}/{args.balance}; signal = eager-1f1b with latency-only "
-          "transfers")
+          f"transfers: {args.strategy}/{args.balance}; signal = {_signal_of(case)} with "
+          "latency-only transfers")
     print(format_rows(rows))
     for r in rows:
         if r.chosen:

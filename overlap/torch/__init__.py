@@ -28,6 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "then pip install -e '.[torch]' from the repository"
     ) from exc
 
+from .auto_partition import AutoPartition, auto_partition, measure_layers
 from .checkpoint import LoadResult
 from .parallel import (
     ColwiseParallel,
@@ -47,8 +48,10 @@ from .profiling import profiler
 from .report import BoundaryReport
 from .stages import LocalStage, build_stage
 
-__all__ = ["BoundaryReport", "ColwiseParallel", "LoadResult", "LocalStage", "LossFn",
+__all__ = ["AutoPartition", "BoundaryReport", "ColwiseParallel", "LoadResult", "LocalStage",
+           "LossFn",
            "ParallelStyle",
            "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
            "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TensorParallel",
-           "TorchPipeline", "build_stage", "parallelize", "profiler", "replicate"]
+           "TorchPipeline", "auto_partition", "build_stage", "measure_layers", "parallelize",
+           "profiler", "replicate"]

@@ -1,0 +1,161 @@
+"""The search's finalists, ranked by the project's simulator.
+
+Each finalist becomes a real pipeline — stage meshes, boundaries with the layers' layouts,
+per-stage compute costs — lowered (its boundaries planned with the caller's
+:class:`~scheduler.PlanOptions`) and simulated under the fixed schedules that fit memory
+(gpipe, 1f1b, eager-1f1b; zb-h1 when every layer splits its backward): the best estimate's
+first, then the two-chunks-per-rank candidates, then the other finalists while the budget
+lasts, keeping what ``auto`` (:func:`scheduler.auto_schedule`: comm-aware lists too, under
+each stage's memory cap) would cost on the first; ``auto`` then runs on the fastest
+single-chunk pipeline. Work is counted in simulated compute ops (microbatches × kinds ×
+devices, per schedule; ``auto`` as many as it has candidates), never seconds: each step
+runs only if the budget holds it, and the first finalist's 1F1B always runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .auto import auto_schedule
+from .lowering import Boundary, lower
+from .mesh import DeviceMesh
+from .partition_chunks import Chunked, chunked
+from .partition_model import Problem, Stage, stage_mesh
+from .planner import PlanCache, PlanOptions
+from .schedules import SCHEDULES, Schedule, make_schedule
+from .sharding import Sharding
+from .simulator import simulate
+from .timeline import Timeline
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A finalist made concrete: meshes, boundaries, compute costs, memory caps."""
+
+    stages: tuple[Stage, ...]
+    meshes: tuple[DeviceMesh, ...]
+    boundaries: tuple[Boundary, ...]
+    costs: dict[tuple[int, str], float]
+    caps: tuple[int, ...]  # most microbatches each stage may keep (m: no limit)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One simulated (finalist, schedule)."""
+
+    pipeline: Pipeline
+    estimate: float
+    schedule: Schedule
+    seconds: float
+    timeline: Timeline = field(repr=False, compare=False)
+
+
+def realize(problem: Problem, stages: tuple[Stage, ...]) -> Pipeline:
+    layers = problem.layers
+    meshes = tuple(stage_mesh(start, size) for _, _, start, size in stages)
+    boundaries = tuple(
+        Boundary(layers[b - 1].output_shape, layers[b - 1].dtype,
+                 Sharding(meshes[s], layers[b - 1].output_spec),
+                 Sharding(meshes[s + 1], layers[b].input_spec))
+        for s, (_, b, _, _) in enumerate(stages[:-1]))
+    costs: dict[tuple[int, str], float] = {}
+    for s, (a, b, _, size) in enumerate(stages):
+        part = layers[a:b]
+        costs[(s, "F")] = sum(x.forward[size] for x in part)
+        costs[(s, "B")] = sum(x.backward[size] for x in part)
+        if problem.split:
+            costs[(s, "I")] = sum(x.input_grad[size] for x in part)  # type: ignore[index]
+            costs[(s, "W")] = sum(x.weight_grad[size] for x in part)  # type: ignore[index]
+    caps = tuple(problem.most_kept(a, b, size) for a, b, _, size in stages)
+    return Pipeline(stages, meshes, boundaries, costs, caps)
+
+
+class Ranking:
+    """Simulates finalists within ``budget`` simulated compute ops (module doc)."""
+
+    def __init__(self, problem: Problem, options: PlanOptions, budget: int) -> None:
+        self.problem, self.options, self.left = problem, options, budget
+        self.cache = PlanCache(problem.cluster)
+        self.trials: list[Trial] = []
+
+    def units(self, pipe: Pipeline) -> int:
+        kinds = 3 if self.problem.split else 2
+        return self.problem.num_microbatches * kinds * sum(m.size for m in pipe.meshes)
+
+    def auto_units(self, pipe: Pipeline) -> int:
+        """What ``auto`` costs on ``pipe``: its candidates' simulations."""
+        split = self.problem.split
+        count = len(SCHEDULES) + (len(pipe.meshes) + 2) * (2 if split else 1) + split
+        return count * self.units(pipe)
+
+    def fixed(self, estimate: float, pipe: Pipeline, keep: int = 0) -> None:
+        """Each fixed schedule that fits memory, while the budget lasts (``keep`` of it
+        left over)."""
+        p, m = len(pipe.meshes), self.problem.num_microbatches
+        names = SCHEDULES + (("zb-h1",) if self.problem.split else ())
+        for name in sorted(names, key=lambda n: n != "1f1b"):  # 1f1b first: it always fits
+            sched = make_schedule(name, p, m)
+            if any(sched.peak_activations(s) > c for s, c in enumerate(pipe.caps)):
+                continue
+            if self.trials and self.units(pipe) > self.left - keep:
+                return
+            self.left -= self.units(pipe)
+            graph = lower(pipe.meshes, pipe.boundaries, sched, self.problem.cluster,
+                          self.options, cache=self.cache)
+            tl = simulate(graph, self.problem.cluster, pipe.costs)
+            self.trials.append(Trial(pipe, estimate, sched, tl.iteration_time, tl))
+
+    def auto(self, best: Trial) -> None:
+        """``auto`` on the best finalist, if the budget holds all its candidates."""
+        pipe = best.pipeline
+        if self.auto_units(pipe) > self.left:
+            return
+        self.left -= self.auto_units(pipe)
+        m = self.problem.num_microbatches
+        caps = None if all(c >= m for c in pipe.caps) else list(pipe.caps)
+        choice = auto_schedule(pipe.meshes, pipe.boundaries, m, self.problem.cluster,
+                               pipe.costs, self.options, max_activations=caps,
+                               cache=self.cache)
+        tl = simulate(choice.graph, self.problem.cluster, pipe.costs)
+        self.trials.append(Trial(pipe, best.estimate, choice.schedule, tl.iteration_time, tl))
+
+    def chunked(self, member: Chunked) -> None:
+        """A two-chunks-per-rank member under its schedule, if the budget holds it."""
+        pipe = realize(self.problem, member.stages)
+        if self.trials and self.units(pipe) > self.left:
+            return
+        self.left -= self.units(pipe)
+        graph = lower(pipe.meshes, pipe.boundaries, member.schedule, self.problem.cluster,
+                      self.options, cache=self.cache)
+        tl = simulate(graph, self.problem.cluster, pipe.costs)
+        self.trials.append(Trial(pipe, member.estimate, member.schedule, tl.iteration_time,
+                                 tl))
+
+
+def rank(problem: Problem, finalists: tuple[tuple[float, tuple[Stage, ...]], ...],
+         options: PlanOptions, budget: int) -> list[Trial]:
+    """Every trial made, fastest first (ties: the earlier): the best finalist's fixed
+    schedules, the two-chunks-per-rank family's best members (:mod:`scheduler.
+    partition_chunks`), the other finalists' fixed schedules while the budget lasts — keeping
+    what ``auto`` costs on the first, when the budget holds it — then ``auto`` on the
+    fastest single-chunk pipeline."""
+    ranking = Ranking(problem, options, budget)
+    estimate, stages = finalists[0]
+    first = realize(problem, stages)
+    ranking.fixed(estimate, first)
+    for member in chunked(problem, keep=1):
+        ranking.chunked(member)
+    keep = ranking.auto_units(first)
+    keep = keep if keep <= ranking.left else 0  # (no auto: nothing to keep for)
+    for estimate, stages in finalists[1:]:
+        before = len(ranking.trials)
+        ranking.fixed(estimate, realize(problem, stages), keep)
+        if len(ranking.trials) == before:
+            break  # the budget is spent
+    single = [t for t in ranking.trials if t.schedule.stages_per_rank == 1]
+    ranking.auto(min(single, key=lambda t: t.seconds))
+    ordered = sorted(enumerate(ranking.trials), key=lambda it: (it[1].seconds, it[0]))
+    return [t for _, t in ordered]
+
+
+__all__ = ["Pipeline", "Trial", "rank", "realize"]

@@ -1,0 +1,365 @@
+"""The search behind :func:`scheduler.partition`: a dynamic program over layers × devices ×
+submesh sizes, in the spirit of Alpa's inter-operator pass, minimising the estimate E of
+:mod:`scheduler.partition_model`.
+
+E = S + (m − 1)·P is a sum S of per-stage and per-boundary terms plus their maximum P. As
+Alpa does, the program fixes a threshold ``t`` on every term and minimises the sum alone:
+
+    f(i, d, q, n) = min over stages (layers i..j−1, size k) of
+                    stage(i, j, k) + cut(i, d, q, k) + f(j, next(d, k), k, n − 1)
+
+— the best sum for layers ``i..`` when device ``d`` is the first free one, ``q`` the size of
+the stage before (the boundary's cost depends on both submeshes) and ``n`` the stages left,
+itself included (1F1B keeps ``min(m, n)`` microbatches on a stage ``n`` from the end):
+counted 1..B−1 and "B or more", B one more than the largest memory cap below the most stages
+a pipeline can have among the stages the threshold allows — beyond it no allowed stage's
+feasibility changes — and not counted at all when no such cap binds. Every term above ``t``
+is left out. Run at every distinct term value ``t`` (in increasing order, stopping once
+``S_min + (m − 1)·t`` cannot beat the best E found), the minimum over the runs is the exact
+minimum of E. Each run is vectorised over the devices and the stages left (numpy). When the
+runs would exceed the work budget (cells of the program evaluated, never seconds), a coarse
+grid of thresholds runs first, then ``t`` takes a geometric grid of ratio ``1 + gap``,
+which keeps the result within ``1 + gap`` of the optimum (reported). Every run's solution is
+a candidate; the best few by E go on to the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from .partition_model import Problem, Stage, placed
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the search found: ``candidates`` (E, stages) best first; ``runs`` of the program,
+    ``cells`` it evaluated, ``gap`` (0: E's minimum is exact; else within ``1 + gap``)."""
+
+    candidates: tuple[tuple[float, tuple[Stage, ...]], ...]
+    runs: int
+    cells: int
+    gap: float
+
+
+class Tables:
+    """The program's tables for one problem (built once, used by every run)."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.L, self.N = len(problem.layers), problem.cluster.num_devices
+        self.sizes = np.array(problem.sizes, dtype=np.int64)
+        self.S = len(self.sizes)
+        self._placement()
+        self.stage, self.cap = self._stage_tables()
+        self._memory_mode()
+        self.bsum, self.bmax = self._boundary_tables()
+
+    # ---- tables ----------------------------------------------------------------------------
+
+    def _placement(self) -> None:
+        """start[d, k], next_free[d, k] (N + 1: the size does not fit from d)."""
+        N, cluster = self.N, self.problem.cluster
+        self.start = np.zeros((N + 1, self.S), np.int64)
+        self.next_free = np.full((N + 1, self.S), N + 1, np.int64)
+        for k, size in enumerate(self.sizes.tolist()):
+            for d in range(N + 1):
+                s = placed(d, size, cluster)
+                self.start[d, k] = s
+                if s + size <= N:
+                    self.next_free[d, k] = s + size
+
+    def _stage_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """stage[i, j, k]: F + B of layers i..j−1 at size k (inf: a layer lacks the degree,
+        or j <= i); cap[i, j, k]: most microbatches it may keep within memory (−1: none)."""
+        p, L, S = self.problem, self.L, self.S
+        stage = np.full((L + 1, L + 1, S), INF)
+        cap = np.full((L + 1, L + 1, S), -1, np.int64)
+        params = np.concatenate([[0], np.cumsum([x.params_bytes for x in p.layers])])
+        acts = np.concatenate([[0], np.cumsum([x.activation_bytes for x in p.layers])])
+        big = p.num_microbatches + L  # "any number": more than a stage ever keeps
+        upper = np.triu(np.ones((L + 1, L + 1), bool), 1)
+        for k, size in enumerate(self.sizes.tolist()):
+            secs = np.array([x.seconds(size) if size in x.forward else 0.0 for x in p.layers])
+            lacks = np.concatenate([[0], np.cumsum([size not in x.forward for x in p.layers])])
+            cum = np.concatenate([[0.0], np.cumsum(secs)])
+            ok = upper & (lacks[None, :] - lacks[:, None] == 0)
+            stage[:, :, k] = np.where(ok, cum[None, :] - cum[:, None], INF)
+            if p.memory_per_device is None:
+                cap[:, :, k] = np.where(ok, big, -1)
+                continue
+            # (int sums, one division: the same floats Problem.fits computes)
+            pb = (params[None, :] - params[:, None]) / size
+            ab = (acts[None, :] - acts[:, None]) / size
+            cap[:, :, k] = np.where(ok, _most_kept(pb, ab, p.memory_per_device, big), -1)
+        stage[cap < 1] = INF
+        return stage, cap
+
+    def _memory_mode(self) -> None:
+        """Entries of stages whose memory cap binds below the most stages a pipeline can
+        have, by cost: a run at threshold t counts the stages left up to the largest such
+        cap among the stages it allows (and lumps every larger count together)."""
+        p = self.problem
+        self.most = min(self.L, self.N, p.num_microbatches)
+        binding = np.isfinite(self.stage) & (self.cap >= 1) & (self.cap < self.most)
+        order = np.argsort(self.stage[binding], kind="stable")
+        self._bind_cost = self.stage[binding][order]
+        self._bind_cap = np.maximum.accumulate(self.cap[binding][order]) \
+            if order.size else np.zeros(0, np.int64)
+
+    def bucket(self, t: float) -> int:
+        """B: the stages left are counted 1..B−1 and "B or more" (0: not counted — no stage
+        allowed at t has a binding cap)."""
+        k = int(np.searchsorted(self._bind_cost, t, "right"))
+        return 0 if k == 0 else int(self._bind_cap[k - 1]) + 1
+
+    def _boundary_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """bsum / bmax[i, d, q, k]: both directions' seconds summed / their larger, at the
+        cut before layer i, the stage before of size index q ending at d, this one of size
+        k starting at start[d, k] (q = S: no stage before, only at i = 0, d = 0)."""
+        L, N, S = self.L, self.N, self.S
+        bsum = np.full((L, N + 1, S + 1, S), INF)
+        bmax = np.full((L, N + 1, S + 1, S), INF)
+        bsum[0, 0, S, :] = bmax[0, 0, S, :] = 0.0
+        by_tensor: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        layers = self.problem.layers
+        for i in range(1, L):
+            out, into = layers[i - 1], layers[i]
+            key = (out.output_shape, out.dtype, out.output_spec, into.input_spec)
+            if key not in by_tensor:
+                by_tensor[key] = self._cut_table(i)
+            bsum[i, :, :S], bmax[i, :, :S] = by_tensor[key]
+        return bsum, bmax
+
+    def _cut_table(self, cut: int) -> tuple[np.ndarray, np.ndarray]:
+        N, S, sizes, cluster = self.N, self.S, self.sizes.tolist(), self.problem.cluster
+        total = np.full((N + 1, S, S), INF)
+        worst = np.full((N + 1, S, S), INF)
+        for q, before in enumerate(sizes):
+            for d in range(before, N + 1):
+                first = d - before
+                if placed(first, before, cluster) != first:
+                    continue  # no stage of that size ends at d
+                for k, size in enumerate(sizes):
+                    if self.next_free[d, k] > N:
+                        continue
+                    fwd, bwd = self.problem.boundary_seconds(
+                        cut, (first, before), (int(self.start[d, k]), size))
+                    total[d, q, k], worst[d, q, k] = fwd + bwd, max(fwd, bwd)
+        return total, worst
+
+    # ---- what the runs need ----------------------------------------------------------------
+
+    @cached_property
+    def thresholds(self) -> np.ndarray:
+        """Every distinct term value (a stage's or one direction of a boundary's)."""
+        values = np.concatenate([self.stage[np.isfinite(self.stage)],
+                                 self.bmax[np.isfinite(self.bmax)]])
+        return np.unique(values)
+
+    @cached_property
+    def bounds(self) -> tuple[float, float]:
+        """(the least possible maximum term, the least possible sum of stage terms)."""
+        best = [min((x.seconds(int(s)) for s in self.sizes if int(s) in x.forward),
+                    default=INF) for x in self.problem.layers]
+        return max(best), sum(best)
+
+    @cached_property
+    def _finite(self) -> np.ndarray:
+        """Per (i, k), how many stop layers give a finite stage (they come first)."""
+        out = np.zeros((self.L, self.S), np.int64)
+        for i in range(self.L):
+            out[i] = np.isfinite(self.stage[i, i + 1:]).sum(0)
+        return out
+
+    def ends(self, t: float) -> np.ndarray:
+        """ends[i, k]: the last stop layer j of a stage from i of size k with every term
+        <= t (its cost grows with j; i: none)."""
+        out = np.zeros((self.L, self.S), np.int64)
+        for i in range(self.L):
+            for k in range(self.S):
+                out[i, k] = i + np.searchsorted(self.stage[i, i + 1:i + 1 + self._finite[i, k],
+                                                           k], t, "right")
+        return out
+
+    def cells(self, ts: np.ndarray) -> np.ndarray:
+        """Cells a run at each threshold of ``ts`` evaluates (its work, known before)."""
+        widths = np.zeros(len(ts), np.int64)
+        for i in range(self.L):
+            for k in range(self.S):
+                row = self.stage[i, i + 1:i + 1 + self._finite[i, k], k]
+                widths += np.searchsorted(row, ts, "right")
+        counts = np.array([max(1, self.bucket(float(t)) + 1) for t in ts], np.int64)
+        return (widths + self.L * (self.S + 1) * self.S) * (self.N + 1) * counts
+
+
+def _most_kept(params: np.ndarray, acts: np.ndarray, memory: float, big: int) -> np.ndarray:
+    """The most microbatches c with ``params + c·acts <= memory`` (−1: not even the
+    parameters fit; ``big`` when activations take nothing)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = np.floor(np.where(acts > 0, (memory - params) / acts, big))
+    c = np.clip(np.nan_to_num(c, nan=-1.0, posinf=big, neginf=-1.0), -1, big).astype(np.int64)
+    c = np.where(params + (c + 1) * acts <= memory, np.minimum(c + 1, big), c)  # (rounding)
+    c = np.where((c >= 0) & (params + c * acts > memory), c - 1, c)
+    return np.where(params > memory, -1, c)
+
+
+class Run:
+    """One run of the program at threshold ``t``: the best sum, and the stages that give it.
+    ``n`` (the stages left, the stage itself included) is counted 1..B−1, index B meaning
+    "B or more" (:meth:`Tables.bucket`); B = 0: not counted (one index, "any")."""
+
+    def __init__(self, tables: Tables, t: float) -> None:
+        T = self.T = tables
+        self.B = T.bucket(t)
+        Nn = self.B + 1 if self.B else 1
+        self.need = np.arange(Nn)  # microbatches a stage with n left keeps (n <= B <= m)
+        self.need[0] = T.most + 1 if self.B else 1  # (counted: no stage has 0 left)
+        self.f = np.full((T.L + 1, T.N + 2, T.S + 1, Nn), INF)
+        self.f[T.L, :T.N + 1, :, 0] = 0.0
+        self.stop = np.zeros((T.L, T.S, T.N + 1, Nn), np.int32)
+        self.size = np.zeros((T.L, T.N + 1, T.S + 1, Nn), np.int8)
+        ends = T.ends(t)
+        cut = np.where(T.bmax <= t, T.bsum, INF)
+        for i in range(T.L - 1, -1, -1):
+            best = self._stages_from(i, ends[i])
+            total = cut[i][:, :, :, None] + best.transpose(1, 0, 2)[:, None, :, :]
+            self.f[i, :T.N + 1] = total.min(2)
+            self.size[i] = total.argmin(2)
+
+    def _stages_from(self, i: int, ends: np.ndarray) -> np.ndarray:
+        """best[k, d, n]: the least sum from layer i with a first stage of size k placed from
+        device d (its stop layer kept in ``self.stop``)."""
+        T = self.T
+        best = np.full((T.S, T.N + 1, self.f.shape[3]), INF)
+        for k in range(T.S):
+            e = int(ends[k])
+            if e <= i:
+                continue
+            after = self.f[i + 1:e + 1][:, T.next_free[:, k], k, :]
+            val = T.stage[i, i + 1:e + 1, k][:, None, None] + self._left(after)
+            if self.B:
+                fits = T.cap[i, i + 1:e + 1, k][:, None] >= self.need[None, :]
+                val = np.where(fits[:, None, :], val, INF)
+            best[k] = val.min(0)
+            self.stop[i, k] = val.argmin(0) + i + 1
+        return best
+
+    def _left(self, after: np.ndarray) -> np.ndarray:
+        """The rest's value seen from a stage with ``n`` stages left (itself included)."""
+        if not self.B:
+            return after
+        out = np.full_like(after, INF)
+        out[..., 1:] = after[..., :-1]
+        out[..., -1] = np.minimum(after[..., -2], after[..., -1])  # B or more: B−1, or more
+        return out
+
+    def solution(self) -> tuple[Stage, ...] | None:
+        """The stages of the best sum (None: nothing fits under this threshold)."""
+        T = self.T
+        f0 = self.f[0, 0, T.S]
+        n = int(np.argmin(f0))
+        if not math.isfinite(f0[n]):
+            return None
+        stages: list[Stage] = []
+        i, d, q = 0, 0, T.S
+        while i < T.L:
+            k = int(self.size[i, d, q, n])
+            j = int(self.stop[i, k, d, n])
+            stages.append((i, j, int(T.start[d, k]), int(T.sizes[k])))
+            i, d, q = j, int(T.next_free[d, k]), k
+            if self.B:  # the index the value came from (the bucket: the smaller)
+                n = n if n == self.B and self.f[i, d, q, n] < self.f[i, d, q, n - 1] else n - 1
+        return tuple(stages)
+
+
+class _Sweep:
+    """Runs at thresholds within a budget, keeping every solution and its E."""
+
+    def __init__(self, T: Tables, budget: int) -> None:
+        self.T, self.left = T, budget
+        self.found: dict[tuple[Stage, ...], float] = {}
+        self.runs = self.cells = 0
+        lo, self.least = T.bounds
+        self.ts = T.thresholds[T.thresholds >= lo]
+        self.cost = T.cells(self.ts)
+        self.done = np.zeros(len(self.ts), bool)
+
+    def stop(self) -> float:
+        """Thresholds from here on cannot beat the best E found."""
+        if not self.found:
+            return INF
+        m = self.T.problem.num_microbatches
+        return (min(self.found.values()) - self.least) / (m - 1)
+
+    def run(self, indices) -> bool:
+        """Run at ``ts[indices]`` in order until past :meth:`stop`; False if the budget ran
+        out first."""
+        for ix in indices:
+            if self.done[ix]:
+                continue
+            if self.found and self.ts[ix] >= self.stop():
+                return True
+            if self.found and self.cost[ix] > self.left:
+                return False
+            self.done[ix] = True
+            self.left -= int(self.cost[ix])
+            self.runs += 1
+            self.cells += int(self.cost[ix])
+            stages = Run(self.T, float(self.ts[ix])).solution()
+            if stages is not None:
+                self.found[stages] = self.T.problem.estimate(stages)
+        return True
+
+    def grid(self, ratio: float) -> list[int]:
+        """Indices of the thresholds of a geometric grid of ``ratio`` over ts (each grid
+        value's run is the run at the largest threshold not above it)."""
+        out, v, top = [], float(self.ts[0]), float(self.ts[-1])
+        while True:
+            out.append(int(np.searchsorted(self.ts, v, "right")) - 1)
+            if v >= top:
+                break
+            v = min(v * ratio, top)
+        return sorted(set(out))
+
+    def todo(self, indices) -> list[int]:
+        stop = self.stop()
+        return [ix for ix in indices if not self.done[ix] and self.ts[ix] < stop]
+
+
+RATIOS = (1.001, 1.003, 1.01, 1.03, 1.1)
+
+
+def search(problem: Problem, budget: int, keep: int) -> Found:
+    """The ``keep`` best candidates by E within ``budget`` cells (module doc)."""
+    sweep = _Sweep(Tables(problem), budget)
+    gap = 0.0
+    if not sweep.ts.size:
+        pass
+    elif problem.num_microbatches == 1:  # E is the sum alone: everything allowed
+        sweep.run([len(sweep.ts) - 1])
+    elif int(sweep.cost.sum()) <= budget:
+        sweep.run(range(len(sweep.ts)))
+    else:
+        whole = sweep.run(sweep.grid(1.25))  # a first best, cheaply
+        everything = sweep.todo(range(len(sweep.ts)))
+        if int(sweep.cost[everything].sum()) <= sweep.left:
+            sweep.run(everything)
+        else:
+            gap = 0.25 if whole else INF
+            for ratio in RATIOS:
+                grid = sweep.todo(sweep.grid(ratio))
+                if int(sweep.cost[grid].sum()) <= sweep.left:
+                    sweep.run(grid)
+                    gap = ratio - 1
+                    break
+    best = sorted(sweep.found.items(), key=lambda kv: (kv[1], kv[0]))[:keep]
+    return Found(tuple((e, s) for s, e in best), sweep.runs, sweep.cells, gap)
+
+
+__all__ = ["Found", "Run", "Tables", "search"]
