@@ -205,6 +205,13 @@ def main() -> int:
         use_fake_gpu()
     if mode == "faults":
         return fault_matrix(out_dir)
+    if mode == "kill":
+        # As the docs tell a user who wants the launcher's pids tied to ranks: the runtime's
+        # rank line, at DEBUG of the "overlap" logger.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("overlap: %(message)s"))
+        logging.getLogger("overlap").addHandler(handler)
+        logging.getLogger("overlap").setLevel(logging.DEBUG)
     with Runtime(cluster, backend, timeout=timeout) as rt:
         rank = rt.world.rank
         saved: dict[str, np.ndarray] = {}
