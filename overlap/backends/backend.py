@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,8 +26,9 @@ from .streams import Busy, Event, Stream, Trace
 # counts as stuck, unless it runs an op that may still be within its time bound.
 SETTLE_GRACE_S = 0.25
 # How long a compute op already past its time bound counts as maybe just returned (see
-# Backend.stop_bound).
-RETURN_GRACE_S = 0.05
+# Backend.stop_bound): a few of the interpreter's switch intervals (5 ms by default), time
+# for a thread that returned from a C call holding the GIL, and waits for it now, to run.
+RETURN_GRACE_S = 4 * sys.getswitchinterval()
 
 
 class Remote(Protocol):
