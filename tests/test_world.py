@@ -1077,6 +1077,18 @@ def test_a_failure_that_was_handled_is_not_announced_again_at_close():
         assert 0 not in job.dist[1].departed
 
 
+def test_a_notice_sent_as_the_engine_closes_is_dropped_not_raised(caplog):
+    """A control message posted while the progress engine closes (a reply to a peer's query
+    as this rank leaves, a failure notice) cannot be watched to its end: it is dropped — the
+    rank's exit notice says more — and nothing raises on the engine's thread or the caller's."""
+    with ranks(2) as job:
+        job.dist[0].engine.close()
+        with caplog.at_level("ERROR", logger="overlap"):
+            job.dist[0].failed("reshard", RuntimeError("late"))  # (posts a notice to rank 1)
+        assert isinstance(job.dist[0].broken, RuntimeError)
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_a_peers_failure_is_not_announced_back():
     """A call that failed because a peer did (RankFailed) tells nobody: they know."""
     with ranks(2) as job:

@@ -374,7 +374,10 @@ class Distributed:
         done = Completion(f"control message to rank {dest}", dest)
         done.keep = data
         request = self.control_comm.Isend([data, self.MPI.BYTE], dest=dest, tag=tag)
-        self.engine.watch_mpi(request, lambda st: _finished(done, st))
+        try:
+            self.engine.watch_mpi(request, lambda st: _finished(done, st))
+        except CollectiveAborted as exc:  # (the engine is closing: a reply a peer asked for
+            done.fail(exc)                # as this rank leaves; its exit notice says more)
         return done
 
     def tell_all(self, tag: int, msg: dict[str, Any], wait: float = 1.0) -> None:
