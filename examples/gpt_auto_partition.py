@@ -35,12 +35,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt_pipeline import TOLERANCE, Block, closeness, lm_loss, tokens
+from gpt_pipeline import TOLERANCE, Block, add_model_flags, closeness, lm_loss, tokens
 
 import overlap
 from overlap.torch import ColwiseParallel, Replicate, RowwiseParallel, auto_partition
 from scheduler import Cluster
-from scheduler.cli_common import positive_float, positive_int
+from scheduler.cli_common import positive_int
 
 
 class Embed(nn.Module):
@@ -82,15 +82,7 @@ def build(args: argparse.Namespace) -> list[nn.Module]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
-    ap.add_argument("--width", type=positive_int, default=64)
-    ap.add_argument("--heads", type=positive_int, default=4)
-    ap.add_argument("--seq", type=positive_int, default=32, help="sequence length")
-    ap.add_argument("--vocab", type=positive_int, default=256)
-    ap.add_argument("--batch", type=positive_int, default=16)
-    ap.add_argument("--microbatches", type=positive_int, default=4)
-    ap.add_argument("--steps", type=positive_int, default=3)
-    ap.add_argument("--lr", type=positive_float, default=1e-3)
+    add_model_flags(ap)
     ap.add_argument("--devices", type=positive_int, default=8, help="virtual devices (one host)")
     ap.add_argument("--degrees", default="1,2,4",
                     help="tensor-parallel degrees a stage may take, comma-separated")

@@ -249,8 +249,8 @@ def closeness(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> flo
     return float(((a - b).abs() / (atol + rtol * b.abs())).max())
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_flags(ap: argparse.ArgumentParser) -> None:
+    """The model's size and the run's length (also gpt_auto_partition.py's)."""
     ap.add_argument("--layers", type=positive_int, default=4, help="transformer blocks in all")
     ap.add_argument("--width", type=positive_int, default=64)
     ap.add_argument("--heads", type=positive_int, default=4)
@@ -260,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=positive_int, default=4)
     ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--lr", type=positive_float, default=1e-3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_flags(ap)
     ap.add_argument("--tp", default="1,2,4,2x2",
                     help="each rank's mesh: a tensor-parallel degree d (a 1×d mesh) or dp×tp "
                          "(2x2: tensor-parallel over 2, replicated over 2)")

@@ -35,7 +35,7 @@ from .cli_common import (
     parser,
     plan_options,
     read_json_file,
-    write_text,
+    write_output,
 )
 from .cluster import Cluster
 from .cost import lower_bound_for, paper_model_time, plan_report
@@ -112,10 +112,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if args.show_transfers:
         print(transfers_text(plan.transfers))
     if args.json is not None:
-        try:
-            write_text(args.json, plan.to_json(), "--json")
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        if not write_output(args.json, plan.to_json(), "--json"):
             return 2
         print(f"plan written to {args.json}")
     return 0

@@ -164,6 +164,17 @@ def output_dir(text: str) -> Path:
     return path
 
 
+def write_output(path: Path, text: str, argument: str) -> bool:
+    """Write the output file the user named (``--json``), or print the one-line error;
+    whether it was written."""
+    try:
+        write_text(path, text, argument)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def write_text(path: Path, text: str, argument: str) -> None:
     """Write an output file the user named; ValueError naming ``argument`` when it cannot
     be (a directory, a missing parent, no permission)."""

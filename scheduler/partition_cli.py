@@ -32,7 +32,7 @@ from .cli_common import (
     parser,
     plan_options,
     read_json_file,
-    write_text,
+    write_output,
 )
 from .cluster import Cluster
 from .partition import Layer, partition
@@ -149,10 +149,7 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
           f"{plan.search['gap']:.3g}, {len(plan.search['finalists'])} simulated")
     print(plan.to_text())
     if args.json is not None:
-        try:
-            write_text(args.json, plan.to_json(), "--json")
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        if not write_output(args.json, plan.to_json(), "--json"):
             return 2
         print(f"plan written to {args.json} (overlap simulate --case {args.json})")
     return 0
