@@ -471,8 +471,10 @@ class Call:
             if not isinstance(better, (CollectiveAborted, CollectiveTimeout)):
                 return better  # (a peer's report, a mismatch, a failure here)
             hung = overdue(self.backend, self.scope)
-            if hung:
-                return hang_error(hung, self.graph, self.backend.timeout)
+            if hung:  # (named as the watch names one: the settling says if it is abandoned)
+                self.named = hang_error(hung, self.graph, self.backend.timeout,
+                                        abandoned=False)
+                return self.named
             if time.perf_counter() >= deadline:
                 return timeout
             await asyncio.sleep(0.01)
