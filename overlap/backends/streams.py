@@ -413,15 +413,12 @@ class Stream:
         it): nothing else could run meanwhile, and when it returns a peer's wait that timed
         out meanwhile could be seen first and blamed. The clock read here is the one the op
         could not stop, so whichever thread runs first, this failure names the op."""
-        current = self._current
-        if current is None or scope.overran is None or self.lost is not None:
+        busy = self.busy()  # (the op that just returned: it is current until _run clears it)
+        if busy is None or scope.overran is None or self.lost is not None:
             return  # (abandoned: its call named it already)
-        item, since = current
-        seconds = time.perf_counter() - since
-        if seconds < self.backend.timeout:
-            return
-        busy = Busy(self.device, self.name, item[1], item[4], item[3], since, scope=scope)
-        scope.fail(scope.overran(busy, seconds))
+        seconds = time.perf_counter() - busy.since
+        if seconds >= self.backend.timeout:
+            scope.fail(scope.overran(busy, seconds))
 
     def _fail(self, scope: CancelScope, exc: BaseException, what: str) -> None:
         if self.lost is not None:
