@@ -10,11 +10,11 @@ watch, finish — and on exit, recover and name one root cause.
 - **Launch.** The call's step graph is enqueued on the streams, every item under the call's
   :class:`~overlap.scope.CancelScope` — a child of the runtime's.
 - **Watch.** The call waits for its lanes' end events all at once (woken once, by the last
-  of them or by the scope's cancellation), and looks at what each stream runs whenever the
-  oldest compute op running reaches the timeout: one still running then (user code, which
-  nothing can interrupt) is hung and becomes :class:`~overlap.errors.StageTimeout` naming
-  it. A compute op that returns past the timeout (it held the interpreter lock, so nothing
-  could look) fails the call the same way, from its own stream. Waits bound themselves: a
+  of them or by the scope's cancellation), and every tick looks at what each stream runs: a
+  compute op past the timeout (user code, which nothing can interrupt) is hung and becomes
+  :class:`~overlap.errors.StageTimeout` naming it. A compute op that returns past the
+  timeout (it held the interpreter lock, so nothing could look) fails the call the same
+  way, from its own stream. Waits bound themselves: a
   collective's rendezvous and a wait on the wire raise past the timeout, naming who never
   came.
 - **Finish.** Across processes, the agreement's verdict; and, for a call whose result every
@@ -61,8 +61,7 @@ if TYPE_CHECKING:
     from .backends.distributed import CallRounds, Distributed
     from .hang_dump import HangDump
 
-TICK_S = 0.1  # how often a call waiting for device work (CUDA) looks at its scope
-LOOK_SLACK_S = 1e-3  # the watch wakes this long after an op's deadline (clocks' rounding)
+TICK_S = 0.1  # how often a waiting call looks for hung ops (at most; less for small timeouts)
 
 
 # ---- one call at a time --------------------------------------------------------------------
@@ -189,24 +188,8 @@ def overdue(backend: Backend, scope: CancelScope) -> list[Busy]:
     """The scope's compute ops that have run longer than the timeout now. (Only compute ops:
     user code nothing else bounds. Waits and transfers bound themselves.)"""
     now = time.perf_counter()
-    return [b for b in running_computes(backend, scope) if now >= b.since + backend.timeout]
-
-
-def running_computes(backend: Backend, scope: CancelScope) -> list[Busy]:
-    """The scope's compute ops running now."""
     return [b for b in backend.busy() if b.scope is scope and not b.waiting
-            and b.category == "compute"]
-
-
-def next_look(backend: Backend, scope: CancelScope) -> float:
-    """Seconds until the watch must look for hung ops again: when the oldest compute op
-    running now reaches the timeout (one that starts later reaches it later than a timeout
-    from now). Waking only then, not on a fixed tick, keeps the watch from falling behind
-    when its thread gets the interpreter lock only now and then (stages busy in Python)."""
-    now = time.perf_counter()
-    due = min((b.since + backend.timeout for b in running_computes(backend, scope)),
-              default=now + backend.timeout)
-    return max(LOOK_SLACK_S, due - now + LOOK_SLACK_S)
+            and b.category == "compute" and now >= b.since + backend.timeout]
 
 
 # ---- the root cause -------------------------------------------------------------------------
@@ -301,8 +284,8 @@ class Call:
 
     async def _watch(self, ends: Sequence[Event]) -> None:
         """Until every end event is launched — the last one, or the scope's cancellation,
-        wakes the loop once — looking for hung ops when the oldest running one is due
-        (:func:`next_look`); then, on a GPU, until the device got there (bounded)."""
+        wakes the loop once — looking for hung ops every tick; then, on a GPU, until the
+        device got there (bounded)."""
         scope, backend = self.scope, self.backend
         tick = min(TICK_S, backend.timeout / 4)
         if not all(ev.launched() for ev in ends):
@@ -336,10 +319,9 @@ class Call:
                 while left[0] > 0 and not scope.cancelled:
                     # A timer, not asyncio.wait_for: on 3.11 that drops a cancel that comes
                     # in the loop pass its wait ends (gh-86296) — Ctrl-C would go unseen.
-                    look = next_look(backend, scope)
-                    timer = loop.call_later(look, _resolve_box, box)
+                    timer = loop.call_later(tick, _resolve_box, box)
                     if self.dump is not None:
-                        self.dump.arm(look)
+                        self.dump.arm(tick)
                     try:
                         await box[0]
                     finally:
@@ -509,5 +491,5 @@ async def settle_leftovers(backend: Backend) -> list[Busy]:
     return stuck
 
 
-__all__ = ["Call", "CallGate", "describe", "hang_error", "next_look", "overdue",
+__all__ = ["Call", "CallGate", "describe", "hang_error", "overdue",
            "overran_error", "refuse_reentry", "root_cause", "settle_leftovers"]

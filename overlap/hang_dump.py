@@ -3,9 +3,9 @@
 An op that holds Python's interpreter lock (GIL) — a C extension that does not release it —
 freezes every other thread of the process, the runtime's watch included: nothing written in
 Python can name it until it returns, and if it never does, the process just stops. CPython's
-:mod:`faulthandler` has a timer thread that needs no interpreter lock: armed for a little past
-each look the watch plans (the moment the oldest running op reaches the timeout), it fires
-only if the watch could not run by then, and writes every thread's Python traceback — the
+:mod:`faulthandler` has a timer thread that needs no interpreter lock: armed at each of the
+watch's ticks for a timeout past the next one, it fires only if the watch could not run by
+then, and writes every thread's Python traceback — the
 stuck stage's frame among them — to a file. The runtime names the op itself when it returns.
 
 ``faulthandler``'s timer is one per process: arming it replaces one set elsewhere
@@ -23,7 +23,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class HangDump:
-    """Arms the timer for ``seconds`` + ``grace`` at each look the watch plans."""
+    """Arms the timer for ``seconds`` + ``grace`` at each of the watch's ticks."""
 
     file: Any  # an open file with a real descriptor (``fileno()``)
     grace: float
@@ -39,7 +39,7 @@ class HangDump:
 
 def hang_dump(value: Any, timeout: float) -> HangDump | None:
     """The ``hang_tracebacks`` argument: False (off), True (standard error) or an open file
-    with a descriptor. The grace past a planned look is the runtime's ``timeout``."""
+    with a descriptor. The grace past a tick is the runtime's ``timeout``."""
     if value is False or value is None:
         return None
     file = sys.stderr if value is True else value

@@ -311,7 +311,7 @@ class Runtime:
             --capture-range=cudaProfilerApi``. Default: ``$OVERLAP_PROFILE_STEPS`` (set by
             ``overlap profile --steps``), else no window. See also :meth:`capture`.
         hang_tracebacks: ``True`` (standard error) or an open file: if the runtime's watch
-            cannot run for ``timeout`` past a look it planned — an op holds Python's
+            cannot run for ``timeout`` past its next tick — an op holds Python's
             interpreter lock, freezing every other thread — a C-level timer
             (:mod:`faulthandler`) writes every thread's traceback there. Off by default:
             that timer is one per process (arming it replaces one set elsewhere, e.g.
@@ -746,8 +746,7 @@ class Runtime:
                 stuck = await settle_leftovers(self.backend)
                 self._unsettled = False
                 if stuck:
-                    call = Call(self.backend, self.scope, what, graph, None,
-                                dump=self._hang_dump)
+                    call = Call(self.backend, self.scope, what, graph, None)
                     call._abandon(stuck)
                     self._lost = call.lost
                     self._check_open()
