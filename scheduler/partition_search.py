@@ -34,6 +34,7 @@ import numpy as np
 from .partition_model import Problem, Stage, placed
 
 INF = math.inf
+BOUND_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
@@ -285,8 +286,12 @@ class _Sweep:
         self.T, self.left = T, budget
         self.found: dict[tuple[Stage, ...], float] = {}
         self.runs = self.cells = 0
-        lo, self.least = T.bounds
-        self.ts = T.thresholds[T.thresholds >= lo]
+        # The bounds add each layer's seconds directly, the tables by differences of prefix
+        # sums: the same value may round a few ulps apart, so the bounds are loosened by a
+        # relative 1e-9 — a run too many costs nothing, a threshold dropped loses the optimum.
+        lo, least = T.bounds
+        self.least = least * (1 - BOUND_SLACK)
+        self.ts = T.thresholds[T.thresholds >= lo * (1 - BOUND_SLACK)]
         self.cost = T.cells(self.ts)
         self.done = np.zeros(len(self.ts), bool)
 
