@@ -95,9 +95,14 @@ class CostModel:
         return hops
 
     def transfer_cost(self, t: Transfer) -> TransferCost:
+        """What transfer ``t`` needs from the cluster (:meth:`cost_of` of its fields)."""
         return self.cost_of(t.sender, t.receivers, t.nbytes)
 
     def cost_of(self, sender: int, receivers: Sequence[int], nbytes: int) -> TransferCost:
+        """What sending ``nbytes`` from ``sender`` along a chained broadcast to ``receivers``
+        needs: the ports it occupies, its fixed seconds (latency of every hop plus the
+        pipeline fill of one chunk) and its bottleneck bandwidth (a copy to the sender
+        itself is one device-memory copy)."""
         c = self.cluster
         if tuple(receivers) == (sender,):
             return TransferCost(
@@ -136,10 +141,12 @@ class CostModel:
                    for h in self.chain(sender, receivers))
 
     def capacity(self, port: tuple[str, int]) -> float:
+        """Bytes per second ``port`` (a ``(kind, index)`` key) carries: a NIC's or NVLink's."""
         c = self.cluster
         return c.nic_bytes_per_s if port[0] in (NIC_OUT, NIC_IN) else c.nvlink_bytes_per_s
 
     def alone_time(self, t: Transfer) -> float:
+        """Seconds transfer ``t`` takes when nothing else runs (:meth:`alone_seconds`)."""
         return self.alone_seconds(t.sender, t.receivers, t.nbytes)
 
     def alone_seconds(self, sender: int, receivers: Sequence[int], nbytes: int) -> float:
@@ -252,11 +259,13 @@ class CostModel:
         return order, [TransferTiming(s, e) for s, e in zip(start, end)]
 
     def plan_time(self, plan: ReshardPlan) -> float:
+        """Seconds ``plan`` takes: the end of its last transfer under :meth:`run`."""
         if not plan.transfers:
             return 0.0
         return max(t.end for t in self.run(plan.transfers))
 
     def network_bytes(self, plan: ReshardPlan) -> int:
+        """Bytes ``plan`` puts on the network: each transfer's size times its inter-host hops."""
         return sum(
             t.nbytes * sum(h.network for h in self.chain(t.sender, t.receivers))
             for t in plan.transfers

@@ -151,6 +151,7 @@ class Compute:
 
     @property
     def token(self) -> str:
+        """Its cell in :meth:`StepGraph.to_text`: stage, kind, microbatch (``0F3``)."""
         return f"{self.stage}{self.kind}{self.microbatch}"
 
     def __str__(self) -> str:
@@ -169,6 +170,8 @@ class TransferOp:
 
     @property
     def token(self) -> str:
+        """Its cell in :meth:`StepGraph.to_text`: ``channel:microbatch#index`` (``#index``
+        for a transfer on no channel)."""
         if self.channel is None:
             return f"#{self.index}"
         return f"{self.channel}:{self.microbatch}#{self.index}"

@@ -163,10 +163,12 @@ class Layer:
 
     @property
     def split(self) -> bool:
+        """Whether its backward is given as input-grad and weight-grad (zero-bubble)."""
         return self.input_grad is not None
 
     @property
     def output_bytes(self) -> int:
+        """Bytes of its whole (unsharded) output activation per microbatch."""
         return math.prod(self.output_shape) * check_dtype(self.dtype).itemsize
 
     def seconds(self, degree: int) -> float:

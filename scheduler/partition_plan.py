@@ -69,6 +69,7 @@ class PartitionPlan:
 
     @property
     def meshes(self) -> tuple[DeviceMesh, ...]:
+        """Each stage's submesh, in pipeline order (what :class:`TorchPipeline` takes)."""
         return tuple(s.mesh for s in self.stages)
 
     def compute_costs(self) -> dict[tuple[int, str], float]:
@@ -87,6 +88,7 @@ class PartitionPlan:
                      options or self.options)
 
     def simulate(self) -> Timeline:
+        """The plan's step simulated: :func:`scheduler.simulate` of :meth:`lower`."""
         return simulate(self.lower(), self.cluster, self.compute_costs())
 
     # ---- text and JSON -------------------------------------------------------------------

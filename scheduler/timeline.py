@@ -131,6 +131,7 @@ class Timeline:
         return {}
 
     def spans_of(self, device: int) -> list[Span]:
+        """Every span on ``device``, all its streams, in the timeline's order."""
         return self._by_device.get(device, [])
 
     @cached_property
@@ -145,6 +146,7 @@ class Timeline:
                             if s.stream == stream))
 
     def busy_fraction(self, device: int) -> float:
+        """Share of the iteration the device's compute stream was busy (0 for an empty step)."""
         t = self.iteration_time
         return self.busy(device) / t if t > 0 else 0.0
 
@@ -245,6 +247,8 @@ class Timeline:
         return peak_live(s for s in spans if s.device == first)
 
     def summary(self) -> dict[str, float]:
+        """The headline figures by name: iteration seconds, bubble, exposed communication,
+        transfer wait (fractions of the iteration)."""
         return {
             "iteration_s": self.iteration_time,
             "bubble": self.bubble_fraction,

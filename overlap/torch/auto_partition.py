@@ -363,6 +363,7 @@ class AutoPartition:
 
     @property
     def schedule(self) -> Schedule:
+        """The schedule the partition chose (run it with :meth:`pipeline`)."""
         return self.plan.schedule
 
     def pipeline(self, loss_fn: LossFn, **kwargs: Any) -> TorchPipeline:
