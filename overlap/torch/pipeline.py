@@ -9,11 +9,10 @@ the step's microbatches, exactly as repeated ``loss.backward()`` calls would, an
 optimizer and ``zero_grad`` work unchanged.
 
 Schedules that split the backward (``zb-h1``, ``zbv``) get stages whose ``I`` computes only the
-input's gradient (``torch.autograd.grad``, keeping the graph) and whose ``W`` then
-accumulates the parameters' (``torch.autograd.backward(..., inputs=params)``), so the gradient
-leaves for the previous stage before the weight gradient is computed. Autograd walks the
-stage's graph twice for that, as torch's own split (without its hooks that keep the
-intermediate gradients) would.
+input's gradient and keeps the gradients arriving at the parameterized layers, and whose
+``W`` then computes the parameters' from those alone (:mod:`overlap.torch.split_backward`),
+so the gradient leaves for the previous stage before the weight gradient is computed, and
+the two together cost one backward.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from .checks import check_count, check_index, check_meshes, check_modules, modul
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
+from . import split_backward
 from .stages import META, LocalStage, StageFn, build_stages, check_seed
 from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
 from .threads import check_threads, default_threads, run_with
@@ -769,35 +769,30 @@ class TorchPipeline:
 
 
     def _backward_input(self, s: int) -> Callable[[StageContext, Any], Any]:
-        """``I``: the input's gradient only; the graph and the incoming gradient are kept
-        for ``W`` (stage 0's input needs none: its ``I`` leaves everything to ``W``)."""
+        """``I``: the input's gradient only, keeping for ``W`` the gradients that reach the
+        parameterized layers (:mod:`overlap.torch.split_backward`; stage 0's input needs
+        none: its ``I`` leaves everything to ``W``)."""
+        modules = self._by_device[s]
+
         def backward_input(ctx: StageContext, dy: Any) -> Any:
             run_with(self._threads)
-            xt, out = ctx.saved["x"], ctx.saved["out"]
+            xt, out = ctx.saved.pop("x"), ctx.saved.pop("out")
             with op_stream(ctx), self._entered(s, ctx):
                 grad = None if dy is None else to_torch(dy, ctx)
-                ctx.saved["grad"] = grad
+                dx, ctx.saved["weights"] = split_backward.backward_input(
+                    out, grad, xt if s > 0 else None, list(modules[ctx.device].parameters()))
                 if s == 0:
                     return None
-                dx = None
-                if out.requires_grad:
-                    dx, = torch.autograd.grad(out, (xt,), grad, retain_graph=True,
-                                              allow_unused=True)
                 return from_torch(dx if dx is not None else torch.zeros_like(xt), ctx)
         return backward_input
 
     def _backward_weight(self, s: int) -> Callable[[StageContext], None]:
         """``W``: the parameters' gradients, added to their ``.grad``; frees the graph."""
-        modules = self._by_device[s]
-
         def backward_weight(ctx: StageContext) -> None:
             run_with(self._threads)
-            out, grad = ctx.saved.pop("out"), ctx.saved.pop("grad")
-            ctx.saved.pop("x")
-            params = [p for p in modules[ctx.device].parameters() if p.requires_grad]
-            if params and out.requires_grad:
-                with op_stream(ctx), self._entered(s, ctx):
-                    torch.autograd.backward(out, grad, inputs=params)
+            pending = ctx.saved.pop("weights")
+            with op_stream(ctx), self._entered(s, ctx):
+                split_backward.backward_weight(pending)
         return backward_weight
 
 
