@@ -40,7 +40,12 @@ What it does (each part logs to ``$OUT/gpu_check.log`` when ``OUT`` is set):
    that step goes to ``$OUT/gpu_1f1b_events.json``, the profiler's to
    ``$OUT/gpu_torch_profile.json.gz``;
 7. ``examples/gpt_pipeline.py`` in bfloat16 on the GPU (4 virtual stages, loopback): its
-   self-check against plain torch on the same GPU, tokens/s and exposed communication.
+   self-check against plain torch on the same GPU, tokens/s and exposed communication;
+8. the pipeline against plain torch (``benchmarks/vs_plain_torch.py``): GPT stages in
+   bfloat16, 4 virtual stages of the one GPU at widths 256, 1024 and 4096 under 1f1b,
+   eager-1f1b, gpipe and zb-h1, and a one-stage pipeline at widths 256 and 1024, each as a
+   ratio to the same stages run as plain torch in the same run — **targets: one stage
+   ≤ 1.05 ×; 4 stages ≤ 1.15 × at width 256, ≤ 1.05 × at 1024, ≤ 1.02 × at 4096**.
 
 It prints a short table last. Each section runs on its own: one that fails or hangs (the
 test run is bounded) is reported as such and the others still run; each section's result
@@ -434,6 +439,42 @@ def gpt_example(cp) -> dict[str, Any]:
     return {"verdict": verdict[-1]}
 
 
+# Goals of the pipeline against plain torch (section 8), by width: 4 stages, one stage.
+VS_TORCH_GOALS = {256: 1.15, 1024: 1.05, 4096: 1.02}
+ONE_STAGE_GOAL = 1.05
+
+
+def vs_plain_torch(cp) -> dict[str, Any]:
+    """Section 8: ``benchmarks/vs_plain_torch.py``'s GPU table (on the stand-in: its tiny
+    rows on the CPU backend, so that the section's code runs)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return {"skipped": "PyTorch is not installed here (the GPU machine has it)"}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vs_plain_torch as vs
+
+    device, rows = ("cpu", vs.SELF_ROWS) if SELF else ("cuda", vs.GPU_ROWS)
+    dtype = "float32" if SELF else "bfloat16"
+    out = [vs.measure(size, scheds, device, dtype, rounds=2 if SELF else 4,
+                      warmup=1 if SELF else 2, log=log) for size, scheds in rows]
+    vs.table(out, log=log)
+    return {"rows": out}
+
+
+def vs_torch_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    rows = []
+    for r in result["rows"]:
+        goal = ONE_STAGE_GOAL if r.size.stages == 1 else VS_TORCH_GOALS.get(r.size.width)
+        worst = max(r.steps, key=r.ratio)
+        met = "" if goal is None else (f" (target <= {goal}: "
+                                       f"{'met' if r.ratio(worst) <= goal else 'NOT met'})")
+        rows.append((f"vs torch w{r.size.width} x{r.size.stages}",
+                     f"plain {r.plain * 1e3:.1f} ms",
+                     ", ".join(f"{s} {r.ratio(s):.3f}" for s in r.steps) + met))
+    return rows
+
+
 def at_receivers(work: list, keep_only: bool) -> list:
     """Each transfer's work on its receiving stage's device (stage s is device s in this
     check's pipeline): the runtime's trace keeps only the receiver's span of it
@@ -558,6 +599,11 @@ def main(argv: list[str] | None = None) -> int:
     if gpt is not None:
         rows.append(("GPT example (bf16)", "skipped" if "skipped" in gpt else "ok",
                      gpt.get("skipped") or gpt["verdict"][:160]))
+    vs = section(rows, "pipeline vs plain torch", lambda: vs_plain_torch(cp), t0)
+    if vs is not None and "skipped" in vs:
+        rows.append(("pipeline vs plain torch", "skipped", vs["skipped"]))
+    elif vs is not None:
+        rows.extend(vs_torch_rows(vs))
     width = max(len(r[0]) for r in rows)
     log("\n== gpu_check ==")
     for name, value, note in rows:
