@@ -346,7 +346,7 @@ class Call:
         # the one raised.)
         if scope.cancelled or any(ev.error is not None for ev in ends):
             raise CollectiveAborted(f"{self.what}: its work failed")
-        pending = [ev for ev in ends if not ev.done()]
+        pending = self.backend.join_ends(ends)
         if pending:  # launched, not yet done on the device (CUDA)
             tasks = {asyncio.ensure_future(ev.wait()) for ev in pending}
             try:

@@ -41,13 +41,13 @@ class Waiter:
         with contextlib.suppress(RuntimeError):  # (woken already)
             self._lock.release()
 
-    def block(self, timeout: float | None = None) -> bool:
-        """Until woken (True), or ``timeout`` seconds (False) — looking again briefly before
-        it sleeps (:mod:`overlap.polling`)."""
+    def block(self, timeout: float | None = None, poll: float = POLL_FIRST_S) -> bool:
+        """Until woken (True), or ``timeout`` seconds (False) — looking again for up to
+        ``poll`` seconds before it sleeps (:mod:`overlap.polling`)."""
         lock = self._lock
         if lock.acquire(blocking=False):
             return True
-        budget = POLL_FIRST_S if timeout is None else min(POLL_FIRST_S, max(0.0, timeout))
+        budget = poll if timeout is None else min(poll, max(0.0, timeout))
         if poll_first(lambda: lock.acquire(blocking=False), budget):
             return True
         if timeout is None:

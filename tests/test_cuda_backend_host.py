@@ -833,3 +833,45 @@ def test_a_laned_plan_runs_on_nccl_with_a_communicator_per_lane(monkeypatch):
     sends = [c for c in fake_cupy.nccl_calls if c[0] == "send"]
     assert len(sends) == len(plan.transfers)
     assert fake_cupy.concurrent_issue == []  # still one NCCL call at a time per GPU
+
+
+def test_a_step_waits_for_one_completion_whatever_its_lanes(monkeypatch):
+    # With the GPU behind the host, every lane's end is launched but not yet passed when the
+    # step's ops are: the call joins them on the GPU and sleeps on ONE event (one waiter
+    # job, one wake-up of the loop), not one per lane.
+    from overlap import Stage
+    from overlap.backends.cuda import CompletionWaiters
+    from scheduler import Boundary
+
+    monkeypatch.setattr(fake_cupy, "EVENT_LATENCY_S", 0.05)
+    watched = []
+    real_watch = CompletionWaiters.watch
+
+    def counting_watch(self, event, loop, future):
+        watched.append(event)
+        real_watch(self, event, loop, future)
+
+    monkeypatch.setattr(CompletionWaiters, "watch", counting_watch)
+    cluster = Cluster(4, 1, nic_gbps=400.0)
+    meshes = [DeviceMesh([[d]], ("host", "gpu")) for d in range(4)]
+    shape = (8, 4)
+    grad = fake_cupy.ones(shape, np.float32)
+
+    def fwd(s):
+        return lambda ctx, x: x.sum() * 0 if s == 3 else x * 1.0
+
+    def bwd(s):
+        return lambda ctx, dy: None if s == 0 else grad
+
+    stages = [Stage(m, fwd(s), bwd(s)) for s, m in enumerate(meshes)]
+    bounds = [Boundary(shape, "float32", Sharding(meshes[s], P()),
+                       Sharding(meshes[s + 1], P())) for s in range(3)]
+    mbs = [fake_cupy.ones(shape, np.float32) for _ in range(4)]
+    with Runtime(cluster, backend="cuda") as rt:
+        graph = lower(meshes, bounds, make_schedule("1f1b", 4, len(mbs)), cluster)
+        rt.train_step_sync(stages, bounds, mbs, input_sharding=Sharding(meshes[0], P()),
+                           graph=graph)
+        assert len(graph.lanes) > 1
+        assert len(watched) == 1
+        waiters = [t for t in threading.enumerate() if t.name.startswith("overlap-cuda-waiter")]
+        assert len(waiters) <= 4  # (the first use starts the pool: none more)

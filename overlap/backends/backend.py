@@ -222,6 +222,11 @@ class Backend:
         """After a call: order the caller's later device work after the call's."""
         self.devices.release_to_caller(ends)
 
+    def join_ends(self, ends: Sequence[Event]) -> list[Event]:
+        """Events done once every one of ``ends`` (launched already) is done on its device:
+        fewer to wait for (CUDA: one, after device-side waits for all; the CPU: ``ends``)."""
+        return self.devices.join_ends(self, ends)
+
     def hold(self, *buffers: Any) -> None:
         """Called by an op done with ``buffers``: keep them alive until the device ran what
         the op launched (CUDA: CuPy's pool would hand the block to a later allocation)."""

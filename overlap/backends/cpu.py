@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..polling import POLL_FIRST_S
 from .local import LocalTransport
 
 if TYPE_CHECKING:
@@ -31,6 +32,9 @@ class CpuDevices:
     xp = np  # the array module stage functions and transfers use
     # An event completes when its stream's work up to it is done (the host ran it).
     events_end_work = True
+    # How long a stream's thread looks again for its next item or event before it sleeps
+    # (overlap.polling): here the host is the device, and a wake-up costs more than a look.
+    poll_s = POLL_FIRST_S
 
     def transport(self, backend: Backend) -> LocalTransport:
         """The transport of collectives among this process's devices."""
@@ -86,6 +90,10 @@ class CpuDevices:
 
     def release_to_caller(self, ends: Sequence[Event]) -> None:
         """After a call: the caller's later work follows it (done already on the CPU)."""
+
+    def join_ends(self, backend: Backend, ends: Sequence[Event]) -> list[Event]:
+        """The events themselves: each is done once launched, or once its wire work is."""
+        return list(ends)
 
     def hold(self, *buffers: Any) -> None:
         """Keep ``buffers`` alive until the device ran what the calling op launched: it has,

@@ -28,6 +28,7 @@ host thread moves on at once:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import queue
 import sys
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CollectiveAborted, DeviceFault, DeviceTimeout, OverlapRuntimeError
 from .local import LocalTransport
+from .streams import InFlight
 
 if TYPE_CHECKING:
     from ..scope import CancelScope
@@ -143,6 +145,11 @@ class CudaDevices:
 
     name = "cuda"
     events_end_work = False  # (an event completes when launched; the GPU passes it later)
+    # A stream's thread sleeps at once when it has nothing to do (streams.Stream._next),
+    # not looking again first as the CPU kind's do: here its ops only enqueue, and a dozen
+    # threads looking again take the interpreter lock from the stage threads that launch
+    # kernels (the stand-in: 110.7 -> 88.9 µs of host per op; docs/benchmarks.md).
+    poll_s = 0.0
 
     def __init__(self, *, timeout: float = 30.0, num_gpus: int | None = None) -> None:
         cp = _cupy()
@@ -157,9 +164,13 @@ class CudaDevices:
         self.pinned: int | None = None  # across processes: this process's one GPU
         self.waiters = CompletionWaiters()
         self._local = threading.local()  # .stream: the op's stream on this thread
-        self._keepalive: list[tuple[Any, tuple[Any, ...]]] = []
+        # Per CUDA stream, in record order: (event, buffers kept alive until it completes).
+        self._keepalive: dict[int, collections.deque[tuple[Any, tuple[Any, ...]]]] = {}
+        # Per stream: buffers its ops were done with, until its next record (hold).
+        self._held: dict[int, list[Any]] = {}
         self._keep_lock = threading.Lock()
         self.nccl: Any = None  # the in-process NCCL groups (made with the transport)
+        self._join_streams: dict[int, Any] = {}  # per GPU: where a call's ends are joined
 
     def physical(self, device: int) -> int:
         return self.pinned if self.pinned is not None else device % self.num_gpus
@@ -173,7 +184,13 @@ class CudaDevices:
     # ---- a stream's items ----------------------------------------------------------------
 
     def attach(self, stream: Stream) -> None:
-        """(The stream's thread.) Its CUDA stream is made on first use, under its device."""
+        """(The stream's thread, as it starts.) The thread serves this stream alone: its GPU
+        is made current once, for good, and its CUDA stream made there — each op, record
+        and wait (run on this thread) then enqueues without entering the device again."""
+        gpu = self.physical(stream.device)
+        self.xp.cuda.runtime.setDevice(gpu)
+        self._native(stream)
+        self._local.own = (stream, gpu)
 
     def _native(self, stream: Stream) -> Any:
         if stream.native is None:
@@ -183,43 +200,53 @@ class CudaDevices:
         return stream.native
 
     def run(self, stream: Stream, fn: Callable[[], Any]) -> None:
+        """(The stream's thread: its GPU current.) ``fn`` with the CUDA stream current."""
         cp = self.xp
         native = self._native(stream)
-        with cp.cuda.Device(self.physical(stream.device)), native:
+        with native:
             self._local.stream = stream
             try:
                 fn()
             finally:
                 self._local.stream = None
+                own = getattr(self._local, "own", None)
+                # (The op's code may have made another GPU current and left it so.)
+                if own is not None and cp.cuda.runtime.getDevice() != own[1]:
+                    cp.cuda.runtime.setDevice(own[1])
 
     def mark(self, stream: Stream) -> tuple[int, Any]:
+        """A timed event on ``stream`` now (also from another thread: when device work in
+        flight ends, its span's end is marked where that is seen)."""
         cp = self.xp
         gpu = self.physical(stream.device)
-        native = self._native(stream)
-        with cp.cuda.Device(gpu):
+        own = getattr(self._local, "own", None)
+        if own is not None and own[0] is stream:
             ev = cp.cuda.Event()
-            ev.record(native)
+        else:
+            with cp.cuda.Device(gpu):
+                ev = cp.cuda.Event()
+        ev.record(self._native(stream))
         return (gpu, ev)  # CuPy events do not know their device
 
     def record(self, stream: Stream, event: Event) -> None:
+        """(The stream's thread: its GPU current.)"""
         cp = self.xp
-        native = self._native(stream)
-        with cp.cuda.Device(self.physical(stream.device)):
-            # For waits only: untimed (cheaper); blocking-sync, so a host thread waiting for
-            # it sleeps instead of spinning.
-            ev = cp.cuda.Event(block=True, disable_timing=True)
-            ev.record(native)
+        # For waits only: untimed (cheaper); blocking-sync, so a host thread waiting for it
+        # sleeps instead of spinning.
+        ev = cp.cuda.Event(block=True, disable_timing=True)
+        ev.record(self._native(stream))
         event.native = ev
         event.device_wait = self.device_wait
+        held = self._held.pop(id(stream), None)
+        if held:  # (buffers ops before it were done with: see hold)
+            self.keep(ev, *held, stream=stream)
 
     def waited(self, stream: Stream, event: Event, scope: CancelScope | None = None,
                what: str = "") -> None:
         """After the host wait (the other stream enqueued its record): the device-side wait
         (CUDA waits on an unrecorded event are no-ops, so the order matters)."""
-        if event.native is not None:
-            native = self._native(stream)
-            with self.xp.cuda.Device(self.physical(stream.device)):
-                native.wait_event(event.native)
+        if event.native is not None:  # (the stream's thread: its GPU current)
+            self._native(stream).wait_event(event.native)
 
     async def device_wait(self, event: Event) -> None:
         """Until the GPU passed ``event`` — bounded: after a device fault it may never
@@ -318,17 +345,38 @@ class CudaDevices:
 
     # ---- buffers in flight ---------------------------------------------------------------
 
-    def keep(self, event: Any, *buffers: Any) -> None:
-        """Keep ``buffers`` alive until ``event`` completes (CuPy has no record_stream), and
-        let go of those whose event has (``event`` None: only that)."""
+    def keep(self, event: Any, *buffers: Any, stream: Stream | None = None) -> None:
+        """Keep ``buffers`` alive until ``event`` (recorded on the calling op's stream)
+        completes — CuPy has no record_stream — and let go of that stream's (``stream``, by
+        default the calling op's) earlier ones
+        whose event has (``event`` None: of every stream's whose event has). One stream's
+        events complete in the order they were recorded, so only its oldest are looked at:
+        a host running a step ahead of the GPU keeps hundreds, and looking at all of them
+        on every op cost a CUDA query each."""
         with self._keep_lock:
-            self._keepalive = [(e, b) for e, b in self._keepalive if not e.done]
-            if event is not None:
-                self._keepalive.append((event, buffers))
+            if event is None:
+                for kept in self._keepalive.values():
+                    while kept and kept[0][0].done:
+                        kept.popleft()
+                    if kept:  # (out of order: events of a stream other ops recorded on)
+                        left = [(e, b) for e, b in kept if not e.done]
+                        kept.clear()
+                        kept.extend(left)
+                return
+            if stream is None:
+                stream = getattr(self._local, "stream", None)
+            kept = self._keepalive.setdefault(id(stream), collections.deque())
+            while kept and kept[0][0].done:
+                kept.popleft()
+            kept.append((event, buffers))
 
     def hold(self, *buffers: Any) -> None:
-        """Keep ``buffers`` alive until the calling op's stream has run its work so far."""
-        self.keep(self.arrive(), *buffers)
+        """Keep ``buffers`` alive until the calling op's stream has run its work so far: until
+        the stream's next record (every lane ends with one), whose event the op's work
+        precedes — not an event of their own per op."""
+        stream = self._local.stream
+        with self._keep_lock:
+            self._held.setdefault(id(stream), []).extend(buffers)
 
     def current_native(self) -> Any:
         """The calling op's CUDA stream."""
@@ -375,6 +423,33 @@ class CudaDevices:
                     s.wait_event(ev.native)
         self.keep(None)
 
+    def join_ends(self, backend: Backend, ends: Sequence[Event]) -> list[Event]:
+        """One event, recorded on a stream of the kind's own after it waited (on the GPU)
+        for the CUDA events of ``ends``: a call waits for one completion — one waiter
+        thread, one wake-up of the loop — not one per lane. Ends done already, or whose
+        work is another transport's (wire work in flight), are kept as they are."""
+        cuda = [e for e in ends if e.native is not None and not isinstance(e.native, InFlight)
+                and not e.native.done]
+        rest = [e for e in ends if e not in cuda and not e.done()]
+        if len(cuda) <= 1:
+            return cuda + rest
+        cp = self.xp
+        gpu = cp.cuda.Device().id
+        with cp.cuda.Device(gpu):
+            stream = self._join_streams.get(gpu)
+            if stream is None:
+                stream = self._join_streams[gpu] = cp.cuda.Stream(non_blocking=True)
+            for e in cuda:
+                stream.wait_event(e.native)
+            ev = cp.cuda.Event(block=True, disable_timing=True)
+            ev.record(stream)
+        end = backend.new_event("the end of every lane (" + ", ".join(e.label for e in cuda)
+                                + ")")
+        end.native = ev
+        end.device_wait = self.device_wait
+        end._complete()
+        return [end, *rest]
+
     def current_stream(self) -> Any:
         s = getattr(self._local, "stream", None)
         return None if s is None else s.native
@@ -415,6 +490,7 @@ class CudaDevices:
             self.nccl.destroy()
         with self._keep_lock:
             self._keepalive.clear()
+            self._held.clear()
         self.waiters.close()
         cp = self.xp
         pool = cp.get_default_memory_pool()

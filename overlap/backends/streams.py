@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import OverlapRuntimeError, StreamError
 from ..nvtx import range_end, range_start
-from ..polling import poll_first
+from ..polling import POLL_FIRST_S, poll_first
 from ..scope import CancelScope, Waiter
 
 log = logging.getLogger("overlap")
@@ -134,9 +134,10 @@ class Event:
                 return
         cb(self)
 
-    def block(self, scope: CancelScope, what: str) -> None:
+    def block(self, scope: CancelScope, what: str, poll: float = POLL_FIRST_S) -> None:
         """Block this thread until the event is launched; raise if it failed, or if
-        ``scope`` is cancelled first."""
+        ``scope`` is cancelled first (looking again for up to ``poll`` seconds before
+        sleeping: :mod:`overlap.polling`)."""
         if not self._launched:
             waiter = Waiter()
             self.add_done_callback(waiter.wake)
@@ -145,7 +146,7 @@ class Event:
                 while not self._launched:
                     if scope.cancelled:
                         raise scope.aborted(what)
-                    waiter.block()
+                    waiter.block(poll=poll)
             finally:
                 scope.remove(handle)
         if self._error is not None:
@@ -321,9 +322,9 @@ class Stream:
                 self._current = None
 
     def _next(self) -> Any:
-        """The next item: looking again briefly before the thread sleeps for one
-        (:mod:`overlap.polling`; measured, docs/benchmarks.md: the next call's work often
-        comes within that time)."""
+        """The next item: looking again briefly before the thread sleeps for one, for as
+        long as the device kind's ``poll_s`` (:mod:`overlap.polling`; measured,
+        docs/benchmarks.md: on the CPU the next call's work often comes within that time)."""
         q = self._queue
         got: list[Any] = []
 
@@ -334,7 +335,7 @@ class Stream:
                 return False
             return True
 
-        if look() or poll_first(look):
+        if look() or poll_first(look, self.kind.poll_s):
             return got[0]
         return q.get()
 
@@ -364,7 +365,7 @@ class Stream:
             rng = range_start(f"wait {ev.label} (device {self.device})", "wait")
             try:
                 what = f"device {self.device} stream {self.name!r} waiting for {ev.label}"
-                ev.block(scope, what)
+                ev.block(scope, what, self.kind.poll_s)
                 self.kind.waited(self, ev, scope, what)
             except BaseException as exc:
                 if not scope.cancelled:
