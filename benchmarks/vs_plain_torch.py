@@ -103,8 +103,13 @@ class Row:
 
 
 def measure(size: Size, schedules: Sequence[str], device: str, dtype: str, rounds: int,
-            warmup: int, log: Callable[[str], None] = print) -> Row:
-    """Plain torch and the pipeline under each schedule, alternating, on ``device``."""
+            warmup: int, log: Callable[[str], None] = print,
+            polls: Sequence[float] = (), two_walks: bool = False) -> Row:
+    """Plain torch and the pipeline under each schedule, alternating, on ``device``; with
+    ``polls``, each schedule also with the device kind's look-before-sleeping budget set to
+    each of them (an A/B, as ``"<schedule> poll <µs>"``); with ``two_walks``, each split
+    schedule also with the plain split (``W`` one more backward from the output: the
+    activation path walked twice), as ``"<schedule> two walks"``."""
     import torch
 
     import overlap
@@ -145,11 +150,36 @@ def measure(size: Size, schedules: Sequence[str], device: str, dtype: str, round
                     h = m(h)
                 gpt.lm_loss(h, ym).backward()
 
-        def piped(schedule: str) -> Callable[[], None]:
-            return lambda: pipe.train_step_sync(rt, microbatches=mbs, schedule=schedule)
+        kind = rt.backend.devices
+        default_poll = kind.poll_s
+
+        def piped(schedule: str, poll: float) -> Callable[[], None]:
+            def step() -> None:
+                kind.poll_s = poll
+                try:
+                    pipe.train_step_sync(rt, microbatches=mbs, schedule=schedule)
+                finally:
+                    kind.poll_s = default_poll
+            return step
 
         variants: dict[str, Callable[[], None]] = {"plain": plain}
-        variants.update({s: piped(s) for s in schedules})
+        variants.update({s: piped(s, default_poll) for s in schedules})
+        variants.update({f"{s} poll {p * 1e6:g}": piped(s, p) for s in schedules
+                         for p in polls})
+        if two_walks:
+            from overlap.torch import split_backward
+
+            def walked_twice(step: Callable[[], None]) -> Callable[[], None]:
+                def run() -> None:
+                    was = split_backward._EDGES_IN_BACKWARD
+                    split_backward._EDGES_IN_BACKWARD = False  # (the plain split)
+                    try:
+                        step()
+                    finally:
+                        split_backward._EDGES_IN_BACKWARD = was
+                return run
+            variants.update({f"{s} two walks": walked_twice(piped(s, default_poll))
+                             for s in schedules if s in ("zb-h1", "zbv")})
         params = [q for m in reference for q in m.parameters()] + list(pipe.parameters())
 
         def timed(fn: Callable[[], None]) -> float:
@@ -171,7 +201,7 @@ def measure(size: Size, schedules: Sequence[str], device: str, dtype: str, round
     med = {k: statistics.median(v) for k, v in times.items()}
     row = Row(size, med.pop("plain"), med)
     log(f"  {size.label}: plain {row.plain * 1e3:.1f} ms; " + ", ".join(
-        f"{s} {row.ratio(s):.3f} x" for s in schedules))
+        f"{s} {row.ratio(s):.3f} x" for s in row.steps))
     return row
 
 
@@ -196,7 +226,7 @@ def split_backward(width: int, seq: int, batch: int, blocks: int, rounds: int,
         return x, y, torch.randn_like(y)
 
     def fused() -> float:
-        x, y, g = forward()
+        _, y, g = forward()
         t0 = time.perf_counter()
         torch.autograd.backward(y, g)
         return time.perf_counter() - t0
@@ -299,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--width", type=int, default=None, help="only the rows of this width")
     ap.add_argument("--stages", type=int, default=None, help="only the rows of these stages")
+    ap.add_argument("--poll-us", type=float, action="append", default=[],
+                    help="also each schedule with the device kind's look-before-sleeping "
+                         "budget set to this (µs): an A/B")
+    ap.add_argument("--schedules", default=None,
+                    help="comma-separated: only these schedules of each row")
+    ap.add_argument("--two-walks", action="store_true",
+                    help="also each split schedule with the plain split (an A/B)")
     ap.add_argument("--split", action="store_true",
                     help="zb-h1's compute against 1f1b's, per stage (a 2-block GPT stage)")
     args = ap.parse_args(argv)
@@ -325,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = [(size, scheds) for size, scheds in
             {"gpu": GPU_ROWS, "cpu": CPU_ROWS, "self": SELF_ROWS}[which]
             if args.width in (None, size.width) and args.stages in (None, size.stages)]
-    rows = [measure(size, scheds, args.device, dtype, args.rounds or 5, args.warmup)
-            for size, scheds in spec]
+    keep = None if args.schedules is None else args.schedules.split(",")
+    rows = [measure(size, [s for s in scheds if keep is None or s in keep], args.device, dtype,
+                    args.rounds or 5, args.warmup, polls=[us * 1e-6 for us in args.poll_us],
+                    two_walks=args.two_walks) for size, scheds in spec]
     table(rows)
     return 0
 

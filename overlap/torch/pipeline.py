@@ -47,7 +47,9 @@ from .checks import check_count, check_index, check_meshes, check_modules, modul
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
-from . import split_backward
+from .split_backward import Weights
+from .split_backward import backward_input as input_gradient
+from .split_backward import backward_weight as weight_gradients
 from .stages import META, LocalStage, StageFn, build_stages, check_seed
 from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
 from .threads import check_threads, default_threads, run_with
@@ -145,6 +147,10 @@ class TorchPipeline:
         self.split_stages: tuple[Stage, ...] = tuple(
             Stage(mesh, self._forward(s), self._backward_input(s), self._backward_weight(s))
             for s, mesh in enumerate(self.meshes))
+        # torch's ExternalStream of each runtime CUDA stream (tensors.op_stream), made once.
+        self._torch_streams: dict[tuple[int, int], Any] = {}
+        # Each device's module's parameters and their gradient accumulators (split_backward).
+        self._weights: dict[int, Weights] = {}
         self._targets: list[torch.Tensor] | None = None
         self._threads = 1  # intra-op threads of the step in flight (set by train_step)
         self._loss_scale: float | None = None  # 1 / microbatches with scale_grads
@@ -730,8 +736,8 @@ class TorchPipeline:
 
         def forward(ctx: StageContext, x: Any) -> Any:
             run_with(self._threads)  # (intra-op threads are per thread too: module doc)
-            with op_stream(ctx), grad_mode(), self._entered(s, ctx):  # (grad mode is per
-                # thread in torch)
+            # (grad mode is per thread in torch)
+            with op_stream(ctx, self._torch_streams), grad_mode(), self._entered(s, ctx):
                 xt = to_torch(x, ctx)
                 if s > 0 and train:
                     xt.requires_grad_(True)  # its .grad is what backward returns
@@ -757,7 +763,7 @@ class TorchPipeline:
         def backward(ctx: StageContext, dy: Any) -> Any:
             run_with(self._threads)
             xt, out = ctx.saved.pop("x"), ctx.saved.pop("out")
-            with op_stream(ctx), self._entered(s, ctx):
+            with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
                 if out.requires_grad:
                     grad = None if dy is None else to_torch(dy, ctx)
                     torch.autograd.backward(out, grad)
@@ -777,10 +783,13 @@ class TorchPipeline:
         def backward_input(ctx: StageContext, dy: Any) -> Any:
             run_with(self._threads)
             xt, out = ctx.saved.pop("x"), ctx.saved.pop("out")
-            with op_stream(ctx), self._entered(s, ctx):
+            with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
                 grad = None if dy is None else to_torch(dy, ctx)
-                dx, ctx.saved["weights"] = split_backward.backward_input(
-                    out, grad, xt if s > 0 else None, list(modules[ctx.device].parameters()))
+                weights = Weights.of(modules[ctx.device].parameters(),
+                                     self._weights.get(ctx.device))
+                self._weights[ctx.device] = weights
+                dx, ctx.saved["weights"] = input_gradient(out, grad, xt if s > 0 else None,
+                                                          weights)
                 if s == 0:
                     return None
                 return from_torch(dx if dx is not None else torch.zeros_like(xt), ctx)
@@ -791,8 +800,8 @@ class TorchPipeline:
         def backward_weight(ctx: StageContext) -> None:
             run_with(self._threads)
             pending = ctx.saved.pop("weights")
-            with op_stream(ctx), self._entered(s, ctx):
-                split_backward.backward_weight(pending)
+            with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
+                weight_gradients(pending)
         return backward_weight
 
 

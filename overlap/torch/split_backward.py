@@ -12,7 +12,9 @@ the engine at each meeting node with the gradient kept (``torch.autograd.backwar
 ``GradientEdge``, restricted to that node's parameters): it runs only the weight halves and
 accumulates into ``.grad`` through the parameters' own accumulators — their hooks included
 (a tensor-parallel parameter's gradient reduction) — exactly as a fused backward would. No
-activation gradient is computed twice.
+activation gradient is computed twice. Parameters whose gradient is a mere reduction (1-d:
+a norm's scale and shift, a lone bias) are finished in ``I`` itself: keeping their meeting
+node's gradient would cost memory and a call of the engine in ``W`` for almost no work.
 
 That holds when no parameter is reached from two meeting nodes (a weight used twice in the
 stage — tied, or a module called twice): starting at the later node would walk the
@@ -60,22 +62,44 @@ class PendingWeights:
     grad: torch.Tensor | None = None
 
 
+class Weights:
+    """Parameters and their gradient accumulators (the graph's leaves for them), found once
+    for the many backwards of one module; :meth:`of` makes them anew when the module's
+    parameters changed."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = tuple(p for p in params if p.requires_grad)
+        self.key = _key(params)
+        self.accumulators = {get_gradient_edge(p).node: p for p in self.params}
+
+    @classmethod
+    def of(cls, params: Sequence[torch.Tensor], known: Weights | None) -> Weights:
+        """``known`` if it is of these very parameters, else new ones."""
+        params = tuple(params)
+        return known if known is not None and known.key == _key(params) else cls(params)
+
+
+def _key(params: Sequence[torch.Tensor]) -> tuple[tuple[int, bool], ...]:
+    return tuple((id(p), p.requires_grad) for p in params)
+
+
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, PendingWeights]:
+                   params: Sequence[torch.Tensor] | Weights
+                   ) -> tuple[torch.Tensor | None, PendingWeights]:
     """``I``: the gradient of ``x`` (None when ``x`` is None or does not reach ``out``) and
-    what :func:`backward_weight` needs for the parameters ``params``."""
-    params = tuple(p for p in params if p.requires_grad)
+    what :func:`backward_weight` needs for the parameters ``params`` (or :class:`Weights`,
+    to find their accumulators once for many backwards)."""
+    weights = params if isinstance(params, Weights) else Weights(params)
+    params = weights.params
     if not out.requires_grad or x is None:
         return None, PendingWeights(params, out=out, grad=grad)
-    root = out.grad_fn
-    target = get_gradient_edge(x).node
-    path = _activation_path(root, target)
-    if not path:  # (x does not reach the output)
+    reached, found = _meeting_nodes(out.grad_fn, get_gradient_edge(x).node, weights)
+    if not reached:  # (x does not reach the output: nothing for I to compute)
         return None, PendingWeights(params, out=out, grad=grad)
-    meeting = _meeting_nodes(path, params) if _EDGES_IN_BACKWARD else None
-    if meeting is None:  # the plain split (module doc)
+    if found is None or not _EDGES_IN_BACKWARD:  # the plain split (module doc)
         dx, = torch.autograd.grad(out, (x,), grad, retain_graph=True)
         return dx, PendingWeights(params, out=out, grad=grad)
+    meeting, now = found
     arrived: dict[Node, tuple[torch.Tensor | None, ...]] = {}
 
     def keeper(node: Node) -> Any:
@@ -85,12 +109,14 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
 
     handles = [node.register_prehook(keeper(node)) for node, _ in meeting]
     try:
-        dx, = torch.autograd.grad(out, (x,), grad, retain_graph=True)
+        # The cheap parameters' gradients (``now``) are accumulated here, the input's
+        # into x.grad (x is the stage's own leaf).
+        torch.autograd.backward(out, grad, retain_graph=True, inputs=[x, *now])
     finally:
         for h in handles:
             h.remove()
     kept = tuple(_Kept(node, arrived[node], ps) for node, ps in meeting if node in arrived)
-    return dx, PendingWeights(params, kept=kept)
+    return x.grad, PendingWeights(params, kept=kept)
 
 
 def backward_weight(pending: PendingWeights) -> None:
@@ -106,81 +132,69 @@ def backward_weight(pending: PendingWeights) -> None:
                                     inputs=list(k.params))
 
 
-def _activation_path(root: Node | None, target: Node) -> set[Node]:
-    """The nodes reachable from ``root`` that lead to ``target`` (``target`` included)."""
+_Found = tuple[list[tuple[Node, tuple[torch.Tensor, ...]]], list[torch.Tensor]]
+
+
+def _meeting_nodes(root: Node | None, target: Node, weights: Weights
+                   ) -> tuple[bool, _Found | None]:
+    """One pass over the graph below ``root``: the nodes on a path to ``target`` (the
+    activation path) that lead, off it, to parameters whose gradient is a product (2-d and
+    up: a matmul's or a convolution's), each with those parameters — ``W``'s work, in a
+    fixed order (the same on every device that built the same graph: ``W``'s collectives,
+    a tensor-parallel bias's reduction, run in it) — and the parameters ``I`` can finish
+    itself (those reached from meeting nodes that lead to no product: norms, biases alone;
+    their gradient is a reduction as cheap as keeping what it needs). First: whether
+    ``target`` is reached at all; second None where a parameter is reached from two
+    meeting nodes."""
     if root is None:
-        return set()
-    reaches: dict[Node, bool] = {}
-    stack: list[tuple[Node, bool]] = [(root, False)]
+        return False, None
+    accumulators, params = weights.accumulators, weights.params
+    nexts: dict[Node, list[Node]] = {}
+    on_path: dict[Node, bool] = {}
+    below: dict[Node, frozenset[Node]] = {}  # off the path: the accumulators it leads to
+    order: list[Node] = []  # the path's nodes, post-order
+    stack: list[Node] = [root]
     while stack:
-        node, expanded = stack.pop()
-        if node in reaches and not expanded:
+        node = stack[-1]
+        if node not in nexts:
+            nexts[node] = [n for n, _ in node.next_functions if n is not None]
+            stack.extend(n for n in nexts[node] if n not in nexts)
             continue
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        if not expanded:
-            if node is target:
-                reaches[node] = True
-                continue
-            reaches.setdefault(node, False)
-            stack.append((node, True))
-            stack.extend((n, False) for n in nexts if n not in reaches)
+        stack.pop()
+        if node in on_path:
             continue
-        reaches[node] = any(reaches.get(n, False) for n in nexts)
-    return {n for n, r in reaches.items() if r}
-
-
-def _meeting_nodes(path: set[Node], params: tuple[torch.Tensor, ...]
-                   ) -> list[tuple[Node, tuple[torch.Tensor, ...]]] | None:
-    """Each node of the activation path with the parameters it leads to off the path, in a
-    fixed order (the same on every device of a tensor-parallel stage: ``W``'s collectives
-    run in it); None when a parameter is reached from two of them."""
-    accumulators = {get_gradient_edge(p).node: p for p in params}
-    below: dict[Node, frozenset[Node]] = {}  # off-path node -> the accumulators it leads to
-
-    def params_below(start: Node) -> frozenset[Node]:
-        stack: list[tuple[Node, bool]] = [(start, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in below and not expanded:
-                continue
-            nexts = [n for n, _ in node.next_functions if n is not None]
-            if not expanded:
-                stack.append((node, True))
-                stack.extend((n, False) for n in nexts if n not in below)
-                continue
+        children = nexts[node]
+        if node is target or any(on_path.get(n, False) for n in children):
+            on_path[node] = True
+            order.append(node)
+        else:
+            on_path[node] = False
             found = {node} if node in accumulators else set()
-            for n in nexts:
-                found |= below[n]
+            for n in children:
+                found.update(below.get(n, ()))
             below[node] = frozenset(found)
-        return below[start]
-
-    out: list[tuple[Node, tuple[torch.Tensor, ...]]] = []
+    if not on_path.get(root, False):
+        return False, None
+    meeting: list[tuple[Node, tuple[torch.Tensor, ...]]] = []
+    now: list[torch.Tensor] = []
     seen: set[Node] = set()
-    for node in _ordered(path):
+    rank = {id(p): i for i, p in enumerate(params)}
+    for node in reversed(order):  # (the order a backward reaches them in)
         reached: set[Node] = set()
-        for n, _ in node.next_functions:
-            if n is not None and n not in path:
-                reached |= params_below(n)
+        for n in nexts[node]:
+            if not on_path[n]:
+                reached.update(below[n])
         if not reached:
             continue
         if reached & seen:
-            return None  # a parameter fed from two meeting nodes: the plain split
-        seen |= reached
-        out.append((node, tuple(accumulators[a] for a in _sorted_like(reached, params,
-                                                                      accumulators))))
-    return out
+            return True, None  # a parameter fed from two meeting nodes: the plain split
+        seen.update(reached)
+        ps = sorted((accumulators[a] for a in reached), key=lambda p: rank[id(p)])
+        if any(p.dim() >= 2 for p in ps):
+            meeting.append((node, tuple(ps)))
+        else:
+            now.extend(ps)
+    return True, (meeting, now)
 
 
-def _ordered(path: set[Node]) -> list[Node]:
-    """The path's nodes by their sequence numbers, latest first (the order a backward
-    reaches them in; the same on every device that built the same graph)."""
-    return sorted(path, key=lambda n: -n._sequence_nr())
-
-
-def _sorted_like(reached: set[Node], params: tuple[torch.Tensor, ...],
-                 accumulators: dict[Node, torch.Tensor]) -> list[Node]:
-    order = {id(p): i for i, p in enumerate(params)}
-    return sorted(reached, key=lambda a: order[id(accumulators[a])])
-
-
-__all__ = ["PendingWeights", "backward_input", "backward_weight"]
+__all__ = ["PendingWeights", "Weights", "backward_input", "backward_weight"]
