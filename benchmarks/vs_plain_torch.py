@@ -71,8 +71,10 @@ GPU_ROWS = (
     (Size(256, 256, 8, 1, 16, 8), ("1f1b",)),
     (Size(1024, 1024, 8, 1, 16, 8), ("1f1b",)),
 )
-# The CPU goal: a one-stage pipeline of a small GPT stage, 32 microbatches.
-CPU_ROWS = ((Size(128, 64, 2, 1, 64, 32, heads=4, vocab=512), ("1f1b",)),)
+# The CPU goal: a one-stage pipeline of a small GPT stage, 32 microbatches (and a smaller
+# one, where the runtime's cost per op shows).
+CPU_ROWS = ((Size(128, 64, 2, 1, 64, 32, heads=4, vocab=512), ("1f1b",)),
+            (Size(64, 32, 2, 1, 64, 32, heads=4, vocab=512), ("1f1b",)))
 # --self-test: tiny, every schedule, on whatever device is asked for.
 SELF_ROWS = ((Size(32, 16, 4, 4, 8, 4, heads=2, vocab=64), SCHEDULES),
              (Size(32, 16, 2, 1, 8, 4, heads=2, vocab=64), ("1f1b",)))
@@ -213,7 +215,7 @@ def split_backward(width: int, seq: int, batch: int, blocks: int, rounds: int,
     the parameters), alternating; medians of the backward alone."""
     import torch
 
-    from overlap.torch.split_backward import backward_input, backward_weight
+    from overlap.torch.split_backward import stage_backward_input, stage_backward_weight
 
     gpt = gpt_module()
     torch.manual_seed(0)
@@ -234,8 +236,8 @@ def split_backward(width: int, seq: int, batch: int, blocks: int, rounds: int,
     def split() -> float:
         x, y, g = forward()
         t0 = time.perf_counter()
-        _, pending = backward_input(y, g, x, params)
-        backward_weight(pending)
+        _, pending = stage_backward_input(y, g, x, params)
+        stage_backward_weight(pending)
         return time.perf_counter() - t0
 
     def twice() -> float:

@@ -581,7 +581,7 @@ def _cuda_ready() -> bool:
 
 
 @pytest.mark.skipif(not _cuda_ready(), reason="no CUDA device with CUDA torch and CuPy: the "
-                    "adapter's CUDA path (DLPack on the op's stream) has not run yet")
+                    "adapter's CUDA path (DLPack on the op's stream) runs on a GPU machine")
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_cuda_backend_matches_plain_torch(schedule):
     pipe_cpu, ref = _pipe(torch.float32, seed=4)

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from overlap.torch.split_backward import backward_input, backward_weight  # noqa: E402
+from overlap.torch import stage_backward_input, stage_backward_weight  # noqa: E402
 
 
 class Counted(torch.autograd.Function):
@@ -31,11 +31,13 @@ class Block(nn.Module):
         super().__init__()
         self.ln = nn.LayerNorm(width)
         self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        # q, k and v read one input: none below another (one call of the engine in W).
         self.q = nn.Linear(width, width, bias=False)
+        self.k, self.v = nn.Linear(width, width), nn.Linear(width, width)
 
     def forward(self, x):  # type: ignore[no-untyped-def]
         h = self.ln(x)
-        a = torch.softmax(self.q(h) @ h.transpose(-1, -2), dim=-1) @ h
+        a = torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2), dim=-1) @ self.v(h)
         return x + self.fc2(Counted.apply(torch.nn.functional.gelu(self.fc1(a))))
 
 
@@ -52,8 +54,8 @@ def fused_and_split(make, x, dy):  # type: ignore[no-untyped-def]
         xi = x.detach().clone().requires_grad_(True)
         y = m(xi)
         if split:
-            dx, pending = backward_input(y, dy, xi, list(m.parameters()))
-            backward_weight(pending)
+            dx, pending = stage_backward_input(y, dy, xi, list(m.parameters()))
+            stage_backward_weight(pending)
         else:
             torch.autograd.backward(y, dy)
             dx = xi.grad
@@ -67,7 +69,7 @@ def test_i_then_w_gives_the_fused_backwards_gradients(dtype):
     dy = torch.randn(2, 5, 16, dtype=dtype)
     (dx_f, g_f), (dx_s, g_s) = fused_and_split(lambda: stage(dtype=dtype), x, dy)
     torch.testing.assert_close(dx_s, dx_f, rtol=0, atol=0)
-    assert len(g_f) == len(g_s) == 3 * 7
+    assert len(g_f) == len(g_s) == 3 * 11
     for a, b in zip(g_s, g_f):
         assert a is not None
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -78,10 +80,12 @@ def test_each_activation_gradient_is_computed_once():
     x = torch.randn(2, 5, 16, requires_grad=True)
     y = m(x)
     Counted.runs = 0
-    dx, pending = backward_input(y, torch.ones_like(y), x, list(m.parameters()))
+    dx, pending = stage_backward_input(y, torch.ones_like(y), x, list(m.parameters()))
     assert Counted.runs == 4 and dx is not None
-    assert all(p.grad is None for p in m.parameters())  # I leaves the weights to W
-    backward_weight(pending)
+    # I leaves the products (weights) to W; it finishes the reductions (norms) itself.
+    assert all(p.grad is None for p in m.parameters() if p.dim() >= 2)
+    assert all(p.grad is not None for b in m for p in b.ln.parameters())
+    stage_backward_weight(pending)
     assert Counted.runs == 4  # W walked none of the activation path again
     assert all(p.grad is not None for p in m.parameters())
 
@@ -93,8 +97,8 @@ def test_gradients_accumulate_over_microbatches_like_repeated_backwards():
         torch.autograd.backward(ref(x.requires_grad_(True)), torch.ones(2, 5, 16))
         xi = x.detach().requires_grad_(True)
         y = split(xi)
-        _, pending = backward_input(y, torch.ones_like(y), xi, list(split.parameters()))
-        backward_weight(pending)
+        _, pending = stage_backward_input(y, torch.ones_like(y), xi, list(split.parameters()))
+        stage_backward_weight(pending)
     for a, b in zip(split.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
@@ -132,8 +136,8 @@ def test_parameter_hooks_run_once_per_backward_as_in_a_fused_one():
         p.register_post_accumulate_grad_hook(lambda p, name=name: accumulated.append(name))
     x = torch.randn(2, 5, 16, requires_grad=True)
     y = m(x)
-    _, pending = backward_input(y, torch.ones_like(y), x, list(m.parameters()))
-    backward_weight(pending)
+    _, pending = stage_backward_input(y, torch.ones_like(y), x, list(m.parameters()))
+    stage_backward_weight(pending)
     names = [n for n, _ in m.named_parameters()]
     assert sorted(seen) == sorted(names) and sorted(accumulated) == sorted(names)
     ref = stage(blocks=2)
@@ -148,13 +152,13 @@ def test_an_input_that_does_not_reach_the_output_leaves_everything_to_w():
     m = nn.Linear(4, 1)
     x = torch.randn(3, 4, requires_grad=True)
     loss = m(torch.ones(3, 4)).sum()  # (x unused)
-    dx, pending = backward_input(loss, None, x, list(m.parameters()))
+    dx, pending = stage_backward_input(loss, None, x, list(m.parameters()))
     assert dx is None and m.weight.grad is None
-    backward_weight(pending)
+    stage_backward_weight(pending)
     torch.testing.assert_close(m.weight.grad, torch.full((1, 4), 3.0))
     # Stage 0: no input gradient asked for.
     m.zero_grad()
-    dx, pending = backward_input(m(x).sum(), None, None, list(m.parameters()))
-    backward_weight(pending)
+    dx, pending = stage_backward_input(m(x).sum(), None, None, list(m.parameters()))
+    stage_backward_weight(pending)
     assert dx is None and x.grad is None
     torch.testing.assert_close(m.weight.grad, x.detach().sum(0, keepdim=True))

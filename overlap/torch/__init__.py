@@ -14,8 +14,10 @@ Profiling: ``with overlap.torch.profiler() as prof: ...`` records every runtime 
 Needs PyTorch (``pip install -e '.[torch]'`` from the repository); ``import overlap`` alone
 never imports it.
 See :class:`TorchPipeline` for what runs where and :mod:`overlap.torch.tensors` for the
-zero-copy crossings (CPU: shared numpy memory; CUDA: DLPack on the op's stream — not yet run
-on a GPU).
+zero-copy crossings (CPU: shared numpy memory; CUDA: DLPack on the op's stream — run on one
+H200). :func:`stage_backward_input` and :func:`stage_backward_weight` split a stage's backward
+in two that cost one (what ``TorchPipeline`` runs for zb-h1 and zbv; for your own
+``overlap.Stage`` functions too).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .parallel import (
 from .pipeline import LossFn, TorchPipeline, replicate
 from .profiling import profiler
 from .report import BoundaryReport
+from .split_backward import stage_backward_input, stage_backward_weight
 from .stages import LocalStage, build_stage
 
 __all__ = ["AutoPartition", "BoundaryReport", "ColwiseParallel", "LoadResult", "LocalStage",
@@ -54,4 +57,4 @@ __all__ = ["AutoPartition", "BoundaryReport", "ColwiseParallel", "LoadResult", "
            "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
            "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TensorParallel",
            "TorchPipeline", "auto_partition", "build_stage", "measure_layers", "parallelize",
-           "profiler", "replicate"]
+           "profiler", "replicate", "stage_backward_input", "stage_backward_weight"]

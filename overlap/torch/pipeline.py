@@ -47,9 +47,7 @@ from .checks import check_count, check_index, check_meshes, check_modules, modul
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
-from .split_backward import Weights
-from .split_backward import backward_input as input_gradient
-from .split_backward import backward_weight as weight_gradients
+from .split_backward import Weights, stage_backward_input, stage_backward_weight
 from .stages import META, LocalStage, StageFn, build_stages, check_seed
 from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
 from .threads import check_threads, default_threads, run_with
@@ -788,8 +786,8 @@ class TorchPipeline:
                 weights = Weights.of(modules[ctx.device].parameters(),
                                      self._weights.get(ctx.device))
                 self._weights[ctx.device] = weights
-                dx, ctx.saved["weights"] = input_gradient(out, grad, xt if s > 0 else None,
-                                                          weights)
+                dx, ctx.saved["weights"] = stage_backward_input(
+                    out, grad, xt if s > 0 else None, weights)
                 if s == 0:
                     return None
                 return from_torch(dx if dx is not None else torch.zeros_like(xt), ctx)
@@ -801,7 +799,7 @@ class TorchPipeline:
             run_with(self._threads)
             pending = ctx.saved.pop("weights")
             with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
-                weight_gradients(pending)
+                stage_backward_weight(pending)
         return backward_weight
 
 

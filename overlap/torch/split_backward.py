@@ -43,11 +43,12 @@ _EDGES_IN_BACKWARD = tuple(int(v) for v in torch.__version__.split("+")[0].split
 
 @dataclass(frozen=True)
 class _Kept:
-    """A meeting node, the gradients that arrived at it in ``I`` (one per output of its
-    forward; None where none came), and the parameters ``W`` computes from it."""
+    """Meeting nodes none of which is below another on the activation path (one call of
+    the engine in ``W`` serves them all), each with the gradients that arrived at it in
+    ``I`` (one per output of its forward; None where none came), and the parameters ``W``
+    computes from them."""
 
-    node: Node
-    grads: tuple[torch.Tensor | None, ...]
+    nodes: tuple[tuple[Node, tuple[torch.Tensor | None, ...]], ...]
     params: tuple[torch.Tensor, ...]
 
 
@@ -83,11 +84,11 @@ def _key(params: Sequence[torch.Tensor]) -> tuple[tuple[int, bool], ...]:
     return tuple((id(p), p.requires_grad) for p in params)
 
 
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
+def stage_backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
                    params: Sequence[torch.Tensor] | Weights
                    ) -> tuple[torch.Tensor | None, PendingWeights]:
     """``I``: the gradient of ``x`` (None when ``x`` is None or does not reach ``out``) and
-    what :func:`backward_weight` needs for the parameters ``params`` (or :class:`Weights`,
+    what :func:`stage_backward_weight` needs for the parameters ``params`` (or :class:`Weights`,
     to find their accumulators once for many backwards)."""
     weights = params if isinstance(params, Weights) else Weights(params)
     params = weights.params
@@ -99,7 +100,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     if found is None or not _EDGES_IN_BACKWARD:  # the plain split (module doc)
         dx, = torch.autograd.grad(out, (x,), grad, retain_graph=True)
         return dx, PendingWeights(params, out=out, grad=grad)
-    meeting, now = found
+    groups, now = found
     arrived: dict[Node, tuple[torch.Tensor | None, ...]] = {}
 
     def keeper(node: Node) -> Any:
@@ -107,7 +108,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
             arrived[node] = tuple(grads)
         return keep
 
-    handles = [node.register_prehook(keeper(node)) for node, _ in meeting]
+    handles = [node.register_prehook(keeper(node)) for group in groups for node, _ in group]
     try:
         # The cheap parameters' gradients (``now``) are accumulated here, the input's
         # into x.grad (x is the stage's own leaf).
@@ -115,43 +116,50 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     finally:
         for h in handles:
             h.remove()
-    kept = tuple(_Kept(node, arrived[node], ps) for node, ps in meeting if node in arrived)
+    kept = tuple(_Kept(tuple((node, arrived[node]) for node, _ in group if node in arrived),
+                       tuple(p for _, ps in group for p in ps)) for group in groups)
     return x.grad, PendingWeights(params, kept=kept)
 
 
-def backward_weight(pending: PendingWeights) -> None:
+def stage_backward_weight(pending: PendingWeights) -> None:
     """``W``: the parameters' gradients, accumulated into their ``.grad``."""
     if pending.out is not None:
         if pending.params and pending.out.requires_grad:
             torch.autograd.backward(pending.out, pending.grad, inputs=list(pending.params))
         return
     for k in pending.kept:
-        edges = [GradientEdge(k.node, i) for i, g in enumerate(k.grads) if g is not None]
+        edges = [(GradientEdge(node, i), g) for node, grads in k.nodes
+                 for i, g in enumerate(grads) if g is not None]
         if edges:
-            torch.autograd.backward(edges, [g for g in k.grads if g is not None],
+            torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
                                     inputs=list(k.params))
 
 
-_Found = tuple[list[tuple[Node, tuple[torch.Tensor, ...]]], list[torch.Tensor]]
+_Group = list[tuple[Node, tuple[torch.Tensor, ...]]]
+_Found = tuple[list[_Group], list[torch.Tensor]]
 
 
 def _meeting_nodes(root: Node | None, target: Node, weights: Weights
                    ) -> tuple[bool, _Found | None]:
     """One pass over the graph below ``root``: the nodes on a path to ``target`` (the
     activation path) that lead, off it, to parameters whose gradient is a product (2-d and
-    up: a matmul's or a convolution's), each with those parameters — ``W``'s work, in a
-    fixed order (the same on every device that built the same graph: ``W``'s collectives,
-    a tensor-parallel bias's reduction, run in it) — and the parameters ``I`` can finish
-    itself (those reached from meeting nodes that lead to no product: norms, biases alone;
-    their gradient is a reduction as cheap as keeping what it needs). First: whether
-    ``target`` is reached at all; second None where a parameter is reached from two
-    meeting nodes."""
+    up: a matmul's or a convolution's), each with those parameters — ``W``'s work — in
+    groups of nodes none of which is below another on the path (q, k and v's projections:
+    one call of the engine serves a group), in a fixed order (the same on every device
+    that built the same graph: ``W``'s collectives, a tensor-parallel bias's reduction, run
+    in it); and the parameters ``I`` can finish itself (those reached from meeting nodes
+    that lead to no product: norms, biases alone; their gradient is a reduction as cheap as
+    keeping what it needs). First: whether ``target`` is reached at all; second None where
+    a parameter is reached from two meeting nodes."""
     if root is None:
         return False, None
     accumulators, params = weights.accumulators, weights.params
     nexts: dict[Node, list[Node]] = {}
     on_path: dict[Node, bool] = {}
     below: dict[Node, frozenset[Node]] = {}  # off the path: the accumulators it leads to
+    reached: dict[Node, frozenset[Node]] = {}  # a meeting node: what it leads to off the path
+    bit: dict[Node, int] = {}  # a meeting node's own bit
+    under: dict[Node, int] = {}  # on the path: the bits of the meeting nodes below it
     order: list[Node] = []  # the path's nodes, post-order
     stack: list[Node] = [root]
     while stack:
@@ -167,6 +175,17 @@ def _meeting_nodes(root: Node | None, target: Node, weights: Weights
         if node is target or any(on_path.get(n, False) for n in children):
             on_path[node] = True
             order.append(node)
+            found: set[Node] = set()
+            mask = 0
+            for n in children:
+                if on_path[n]:
+                    mask |= under[n] | bit.get(n, 0)
+                else:
+                    found.update(below[n])
+            under[node] = mask
+            if found:
+                reached[node] = frozenset(found)
+                bit[node] = 1 << len(bit)
         else:
             on_path[node] = False
             found = {node} if node in accumulators else set()
@@ -175,26 +194,30 @@ def _meeting_nodes(root: Node | None, target: Node, weights: Weights
             below[node] = frozenset(found)
     if not on_path.get(root, False):
         return False, None
-    meeting: list[tuple[Node, tuple[torch.Tensor, ...]]] = []
+    groups: list[_Group] = []
     now: list[torch.Tensor] = []
     seen: set[Node] = set()
     rank = {id(p): i for i, p in enumerate(params)}
-    for node in reversed(order):  # (the order a backward reaches them in)
-        reached: set[Node] = set()
-        for n in nexts[node]:
-            if not on_path[n]:
-                reached.update(below[n])
-        if not reached:
+    group: _Group = []
+    group_under = 0
+    for node in reversed(order):  # (topological: a node before every node below it)
+        if node not in reached:
             continue
-        if reached & seen:
+        if reached[node] & seen:
             return True, None  # a parameter fed from two meeting nodes: the plain split
-        seen.update(reached)
-        ps = sorted((accumulators[a] for a in reached), key=lambda p: rank[id(p)])
-        if any(p.dim() >= 2 for p in ps):
-            meeting.append((node, tuple(ps)))
-        else:
+        seen.update(reached[node])
+        ps = sorted((accumulators[a] for a in reached[node]), key=lambda p: rank[id(p)])
+        if not any(p.dim() >= 2 for p in ps):
             now.extend(ps)
-    return True, (meeting, now)
+            continue
+        if group and group_under & bit[node]:  # (below one of the group: a group of its own)
+            groups.append(group)
+            group, group_under = [], 0
+        group.append((node, tuple(ps)))
+        group_under |= under[node]
+    if group:
+        groups.append(group)
+    return True, (groups, now)
 
 
-__all__ = ["PendingWeights", "Weights", "backward_input", "backward_weight"]
+__all__ = ["PendingWeights", "Weights", "stage_backward_input", "stage_backward_weight"]
