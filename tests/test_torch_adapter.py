@@ -363,6 +363,40 @@ def test_stage_raising_aborts_the_step_cleanly(schedule, phase, stage, replica):
     _assert_grads(pipe, ref, atol=1e-12)
 
 
+def test_a_weight_gradient_raising_in_w_fails_the_step_naming_w():
+    # The split backward's W runs the engine from the kept gradients: a parameter hook that
+    # raises there fails the step as W of that stage, and the runtime is reusable after.
+    pipe, ref = _pipe()
+    stage, replica = 2, 0
+    weight = pipe.modules[stage][replica][0].weight
+    calls, raised = [0], []
+
+    def hook(g):
+        calls[0] += 1
+        if calls[0] == 2:
+            raised.append(InjectedFault("boom in a weight's gradient"))
+            raise raised[-1]
+        return g
+
+    handle = weight.register_hook(hook)
+    device = MESHES[stage].device_ids[replica]
+    x, y = _batch(8)
+    schedule = "zb-h1"
+    with Runtime(CLUSTER, timeout=30) as rt:
+        with pytest.raises(StreamError) as info:
+            pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule=schedule)
+        err = info.value
+        assert raised and err.__cause__ is raised[0]
+        assert err.device == device, err
+        assert re.search(rf"\bs{stage}\b", str(err)) and re.search(r"\bW\b", str(err)), err
+        handle.remove()
+        for p in pipe.parameters():
+            p.grad = None
+        losses = pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule=schedule)
+    np.testing.assert_allclose(losses, _reference(ref, x, y, 4), rtol=0, atol=1e-12)
+    _assert_grads(pipe, ref, atol=1e-12)
+
+
 # ---- bad arguments: named, before any work -------------------------------------------------
 
 
