@@ -13,7 +13,8 @@ kernel by its name).
 A trace without GPU work — the CPU backend's — is read from those ranges themselves: each is
 its op's work on its device. Steps: ``user_annotation`` ranges ``step N``
 (the runtime's, through the torch adapter) or ``ProfilerStep#N`` (``prof.step()``). Times are
-microseconds in the file.
+microseconds in the file. A trace of one rank of a job names it in ``distributedInfo.rank``
+(:func:`distributed_rank`).
 
 The runtime's ops run on its stream threads: record with ``overlap.torch.profiler()`` (every
 thread), or the trace holds the caller's thread only.
@@ -54,6 +55,21 @@ def is_kineto(data: Any) -> bool:
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def distributed_rank(data: dict[str, Any]) -> int | None:
+    """The rank of the job's process that wrote the trace (``distributedInfo.rank``, as
+    ``torch.distributed`` sets it), None when the trace does not say; ValueError when it
+    says something that is no rank."""
+    info = data.get("distributedInfo")
+    if info is None:
+        return None
+    if not isinstance(info, dict):
+        raise ValueError(f"its distributedInfo is {info!r}, not an object")
+    rank = info.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"its distributedInfo.rank is {rank!r}, not a rank (an integer >= 0)")
+    return rank
 
 
 def _on_a_stream(e: dict[str, Any]) -> bool:

@@ -29,7 +29,9 @@ fwd<s>.<lane>), each op its own bar with its kind and microbatch where they fit,
 compute stream's waits for transfers hatched, a legend; several files one under the other.
 
 Several FILEs are the ranks of one job (one file per process, each with its own devices):
-one report with a per-rank breakdown, or one picture, in rank order.
+one report with a per-rank breakdown, or one picture. They are ordered by the rank each
+PyTorch trace names (distributedInfo.rank) when every file names one, else taken in the
+order given as ranks 0, 1, ...
 
 --json keys: definition; devices: {{"<device>": {{compute_ms, comm_ms, exposed_comm_ms,
 overlap_pct (null without communication), waited_for_transfer_ms, stages, rank}}}};
@@ -62,9 +64,9 @@ def trace_main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_arguments(args)
-        from .trace_report import check_ranks, file_report, read_trace
+        from .trace_report import check_ranks, file_report, in_rank_order, read_trace
 
-        ranked = list(enumerate(read_trace(f) for f in args.files))
+        ranked = in_rank_order([read_trace(f) for f in args.files])
         if args.action == "plot":
             print(f"wrote {_plot(ranked, args.output)}")
             return 0

@@ -2,7 +2,7 @@
 source — ours (runtime or simulator), an Nsight Systems capture, a PyTorch profiler trace —
 with one definition of exposed communication (:mod:`scheduler.exposure`).
 
-Several files are the ranks of one job, in rank order: each device must be in one
+Several files are the ranks of one job (:func:`in_rank_order`): each device must be in one
 file only (each process traces its own devices); the report is one per-device table with a
 rank column, the unattributed work of each rank's GPUs, each GPU's time as Holistic Trace
 Analysis breaks it down (:mod:`scheduler.gpu_time`), and a per-rank breakdown (each file's
@@ -34,13 +34,15 @@ SOURCES = {"overlap": "a trace of overlap's runtime or simulator",
 
 @dataclass(frozen=True)
 class Trace:
-    """One file read: its work (attributed), our own Timeline when it is one of ours, and
-    which kind of source it is (a key of :data:`SOURCES`)."""
+    """One file read: its work (attributed), our own Timeline when it is one of ours, which
+    kind of source it is (a key of :data:`SOURCES`), and the rank of the job's process that
+    wrote it when the file says (a PyTorch trace's ``distributedInfo.rank``)."""
 
     path: Path
     capture: Capture
     timeline: Timeline | None
     source: str
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class FileReport:
 
 def read_trace(path: Path) -> Trace:
     """The file at ``path`` read by the reader of its kind (ValueError naming it)."""
-    from .kineto import is_kineto, kineto_work
+    from .kineto import distributed_rank, is_kineto, kineto_work
     from .nsys import is_sqlite, read_sqlite
 
     if path.suffix == ".nsys-rep":
@@ -75,7 +77,7 @@ def read_trace(path: Path) -> Trace:
                          f"{type(exc).__name__}: {exc}") from None
     if is_kineto(data):
         try:
-            return Trace(path, kineto_work(data), None, "kineto")
+            return Trace(path, kineto_work(data), None, "kineto", distributed_rank(data))
         except ValueError as exc:
             raise ValueError(f"file: {path}: {exc}") from None
     try:
@@ -83,6 +85,22 @@ def read_trace(path: Path) -> Trace:
     except ValueError as exc:  # (named after this command's argument)
         raise ValueError(f"file: {str(exc).removeprefix('path: ')}") from None
     return Trace(path, Capture(tuple(timeline_work(tl))), tl, "overlap")
+
+
+def in_rank_order(traces: Sequence[Trace]) -> list[tuple[int, Trace]]:
+    """Each trace with its rank, in rank order: by the rank each names (a PyTorch trace's
+    ``distributedInfo.rank``, as Holistic Trace Analysis orders them) when every one names
+    its own, else in the order given, numbered from 0. ValueError naming both files when
+    two name the same rank."""
+    if any(t.rank is None for t in traces):
+        return list(enumerate(traces))
+    seen: dict[int, Path] = {}
+    for t in traces:
+        if t.rank in seen:
+            raise ValueError(f"file: {seen[t.rank]} and {t.path} are both rank {t.rank} (their "
+                             "distributedInfo.rank): give one file per rank")
+        seen[t.rank] = t.path  # type: ignore[index]
+    return sorted(((t.rank, t) for t in traces), key=lambda kt: kt[0])  # type: ignore[misc]
 
 
 def file_report(trace: Trace, rank: int = 0) -> FileReport:
