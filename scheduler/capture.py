@@ -9,9 +9,12 @@ launched it, that encloses its launch call. The range messages name the device (
 device 5``) and the op: a compute op starts with its kind (``F s1 mb3 ...``), communication
 names a resharding (``reshard ...``, ``grad ...``). Work inside no range is **unattributed**:
 reported per GPU apart from every device (several of the runtime's devices may share one GPU;
-none is guessed), communication when it is an NCCL kernel (its name starts with ``nccl``),
-compute otherwise. A trace without GPU work (the CPU backend's, under the PyTorch profiler)
-is read from the ranges themselves: each is the work of its op on its device.
+none is guessed), of the class the work itself has (:func:`scheduler.gpu_time.gpu_class`, as
+Holistic Trace Analysis classes it: compute, comm — an NCCL kernel —, memory — memcpy,
+memset —, other — a synchronization); only its compute and comm enter the figures. A
+synchronization is never attributed: it is a wait, not work an op launched. A trace without
+GPU work (the CPU backend's, under the PyTorch profiler) is read from the ranges themselves:
+each is the work of its op on its device.
 
 **Figures** per device: :mod:`scheduler.exposure` (one definition for every source).
 

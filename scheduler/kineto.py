@@ -7,9 +7,9 @@ host's wait) is joined to its launch (the ``cuda_runtime`` or ``cuda_driver`` ev
 same ``args.correlation``) and attributed to the innermost ``user_annotation`` range
 (``torch.profiler.record_function``) on the launching thread whose message is one of the
 runtime's ranges (``F s1 mb3 on device 5``, ``reshard ...``); work inside none is
-unattributed (reported per CUDA device, ``args.device``). Each is classed as
-:mod:`scheduler.gpu_time` says (memcpy and memset: memory; a synchronization: other; a
-kernel by its name).
+unattributed (reported per CUDA device, ``args.device``), as is every synchronization (a
+wait, not an op's work). Each is classed as :mod:`scheduler.gpu_time` says (memcpy and
+memset: memory; a synchronization: other; a kernel by its name).
 A trace without GPU work — the CPU backend's — is read from those ranges themselves: each is
 its op's work on its device. Steps: ``user_annotation`` ranges ``step N``
 (the runtime's, through the torch adapter) or ``ProfilerStep#N`` (``prof.step()``). Times are

@@ -19,8 +19,10 @@ from .exposure import DEFINITION
 HELP = f"""\
 report: one table, per device: compute, communication (comm), exposed communication,
 overlap %, and the time the compute stream waited for transfers; then the GPU work inside
-none of the runtime's ranges (unattributed, per GPU: never guessed onto a device), and
-iteration time and bubble from the steps. The same definitions for every source:
+none of the runtime's ranges (unattributed, per GPU: never guessed onto a device; memcpy,
+memset and synchronizations are neither compute nor comm), each GPU's span, idle, compute
+and non-compute time (as Holistic Trace Analysis's temporal breakdown), and iteration time
+and bubble from the steps. The same definitions for every source:
 
 {textwrap.fill(DEFINITION + ".", 88, initial_indent="  ", subsequent_indent="  ")}
 
