@@ -9,9 +9,12 @@ launched it, that encloses its launch call. The range messages name the device (
 device 5``) and the op: a compute op starts with its kind (``F s1 mb3 ...``), communication
 names a resharding (``reshard ...``, ``grad ...``). Work inside no range is **unattributed**:
 reported per GPU apart from every device (several of the runtime's devices may share one GPU;
-none is guessed), communication when it is an NCCL kernel (its name starts with ``nccl``),
-compute otherwise. A trace without GPU work (the CPU backend's, under the PyTorch profiler)
-is read from the ranges themselves: each is the work of its op on its device.
+none is guessed), of the class the work itself has (:func:`scheduler.gpu_time.gpu_class`, as
+Holistic Trace Analysis classes it: compute, comm — an NCCL kernel —, memory — memcpy,
+memset —, other — a synchronization); only its compute and comm enter the figures. A
+synchronization is never attributed: it is a wait, not work an op launched. A trace without
+GPU work (the CPU backend's, under the PyTorch profiler) is read from the ranges themselves:
+each is the work of its op on its device.
 
 **Figures** per device: :mod:`scheduler.exposure` (one definition for every source).
 
@@ -30,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .exposure import Figures, figures_of, waited_by_name
+from .gpu_time import gpu_class
 from .intervals import check_interval, length, minus, union
 
 _DEVICE = re.compile(r"\bon device (\d+)\b")
@@ -43,17 +47,22 @@ _WINDOW = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 
 @dataclass(frozen=True)
 class GpuWork:
-    """One piece of GPU work: where, when (seconds), compute or communication, and why (the
-    range it belongs to, or its kernel name). ``device`` is the runtime's device it is
-    attributed to, None when it is unattributed (inside none of the runtime's ranges);
-    ``gpu`` the CUDA device that ran it (-1: none, work of the CPU backend)."""
+    """One piece of GPU work: where, when (seconds), what it counts as, and why (the range
+    it belongs to, or its kernel name). ``device`` is the runtime's device it is attributed
+    to, None when it is unattributed (inside none of the runtime's ranges); ``gpu`` the CUDA
+    device that ran it (-1: none, work of the CPU backend). ``category`` is what the report
+    counts it as: compute or comm for attributed work (its range says which), its ``kind``
+    for unattributed work; ``kind`` is the class of the work itself
+    (:func:`~scheduler.gpu_time.gpu_class`: compute, comm, memory, other; "" for work no
+    GPU ran)."""
 
     device: int | None
     start: float
     end: float
-    category: str  # "compute" or "comm"
+    category: str  # "compute", "comm"; unattributed also "memory", "other"
     label: str
     gpu: int = -1
+    kind: str = ""
 
 
 def steps_window(steps: range | str, what: str) -> range:
@@ -113,16 +122,29 @@ def innermost(ranges: list[tuple[int, int, str]], t: int) -> str | None:
 
 
 def classify(label: str | None, name: str, gpu: int, start: float, end: float,
-             what: str = "an event") -> GpuWork:
-    """The work ``name`` that GPU ``gpu`` ran from ``start`` to ``end``, launched inside the
-    runtime's range ``label`` (None: inside none — unattributed)."""
+             what: str = "an event", activity: str = "kernel") -> GpuWork:
+    """The work ``name`` that GPU ``gpu`` ran from ``start`` to ``end``, recorded as
+    ``activity`` (see :data:`~scheduler.gpu_time.ACTIVITIES`), launched inside the runtime's
+    range ``label`` (None: inside none — unattributed)."""
     start, end = check_interval(start, end, what)
-    if label is not None:
-        m = _DEVICE.search(label)
-        category = "compute" if _COMPUTE.match(label) else "comm"
-        return GpuWork(int(m.group(1)) if m else None, start, end, category, label, gpu)
-    return GpuWork(None, start, end, "comm" if name.startswith("nccl") else "compute", name,
-                   gpu)
+    kind = gpu_class(name, activity)
+    # The range decides for what an op launched — the runtime's transfers are copy kernels,
+    # communication by their range — but a synchronization is no op's work, only a wait.
+    if label is not None and activity != "sync":
+        return _range_work(label, start, end, gpu, kind)
+    return GpuWork(None, start, end, kind, name, gpu, kind)
+
+
+def range_work(label: str, start: float, end: float) -> GpuWork:
+    """A range of the runtime taken as its op's work, where no GPU ran any (the CPU
+    backend's): compute or communication by its name, on the device it names."""
+    return _range_work(label, *check_interval(start, end, repr(label)), -1, "")
+
+
+def _range_work(label: str, start: float, end: float, gpu: int, kind: str) -> GpuWork:
+    m = _DEVICE.search(label)
+    category = "compute" if _COMPUTE.match(label) else "comm"
+    return GpuWork(int(m.group(1)) if m else None, start, end, category, label, gpu, kind)
 
 
 # ---- per-device figures ------------------------------------------------------------------------
@@ -133,7 +155,7 @@ def device_figures(work: Iterable[GpuWork]) -> dict[int, Figures]:
     waits for transfers found by the runtime's range names."""
     by_device: dict[int, list[GpuWork]] = {}
     for w in work:
-        if w.device is not None:
+        if w.device is not None and w.category in ("compute", "comm"):
             by_device.setdefault(w.device, []).append(w)
     return {d: _figures(ws, waited_by_name((w.category, w.label, w.start, w.end)
                                            for w in ws))
@@ -141,10 +163,12 @@ def device_figures(work: Iterable[GpuWork]) -> dict[int, Figures]:
 
 
 def unattributed_figures(work: Iterable[GpuWork]) -> dict[int, Figures]:
-    """Per GPU, the figures of its unattributed work (no waits: no op is known there)."""
+    """Per GPU with unattributed compute or communication, their figures (no waits: no op
+    is known there); its memory and other work is in no figure (see
+    :func:`~scheduler.gpu_time.gpu_times` for all of a GPU's time)."""
     by_gpu: dict[int, list[GpuWork]] = {}
     for w in work:
-        if w.device is None:
+        if w.device is None and w.category in ("compute", "comm"):
             by_gpu.setdefault(w.gpu, []).append(w)
     return {g: _figures(ws, None) for g, ws in sorted(by_gpu.items())}
 

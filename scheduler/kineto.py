@@ -1,15 +1,20 @@
 """Reading a PyTorch profiler (Kineto) Chrome trace into a :class:`~scheduler.capture.Capture`,
 as :mod:`scheduler.nsys` reads an Nsight Systems export.
 
-GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) is joined to its launch (the
-``cuda_runtime`` or ``cuda_driver`` event with the same ``args.correlation``) and attributed
-to the innermost ``user_annotation`` range (``torch.profiler.record_function``) on the
-launching thread whose message is one of the runtime's ranges (``F s1 mb3 on device 5``,
-``reshard ...``); work inside none is unattributed (reported per CUDA device, ``args.device``).
+GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events, and ``cuda_sync`` events on a
+stream: ``args.stream`` >= 0; a context's or an event's synchronization has none, and is the
+host's wait) is joined to its launch (the ``cuda_runtime`` or ``cuda_driver`` event with the
+same ``args.correlation``) and attributed to the innermost ``user_annotation`` range
+(``torch.profiler.record_function``) on the launching thread whose message is one of the
+runtime's ranges (``F s1 mb3 on device 5``, ``reshard ...``); work inside none is
+unattributed (reported per CUDA device, ``args.device``), as is every synchronization (a
+wait, not an op's work). Each is classed as :mod:`scheduler.gpu_time` says (memcpy and
+memset: memory; a synchronization: other; a kernel by its name).
 A trace without GPU work — the CPU backend's — is read from those ranges themselves: each is
 its op's work on its device. Steps: ``user_annotation`` ranges ``step N``
 (the runtime's, through the torch adapter) or ``ProfilerStep#N`` (``prof.step()``). Times are
-microseconds in the file.
+microseconds in the file. A trace of one rank of a job names it in ``distributedInfo.rank``
+(:func:`distributed_rank`).
 
 The runtime's ops run on its stream threads: record with ``overlap.torch.profiler()`` (every
 thread), or the trace holds the caller's thread only.
@@ -21,10 +26,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .capture import STEP, Capture, classify, innermost, step_windows
+from .capture import STEP, Capture, classify, innermost, range_work, step_windows
 from .intervals import check_interval
 
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# Kineto's category of GPU work -> what it recorded (scheduler.gpu_time.ACTIVITIES).
+ACTIVITY = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset",
+            "cuda_sync": "sync"}
+GPU_CATEGORIES = tuple(ACTIVITY)
 # Launch calls: the runtime API's, and the driver API's (CuPy launches its kernels with
 # cuLaunchKernel; recent Kineto versions record those as "cuda_driver").
 LAUNCHES = ("cuda_runtime", "cuda_driver")
@@ -47,6 +55,30 @@ def is_kineto(data: Any) -> bool:
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def distributed_rank(data: dict[str, Any]) -> int | None:
+    """The rank of the job's process that wrote the trace (``distributedInfo.rank``, as
+    ``torch.distributed`` sets it), None when the trace does not say; ValueError when it
+    says something that is no rank."""
+    info = data.get("distributedInfo")
+    if info is None:
+        return None
+    if not isinstance(info, dict):
+        raise ValueError(f"its distributedInfo is {info!r}, not an object")
+    rank = info.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"its distributedInfo.rank is {rank!r}, not a rank (an integer >= 0)")
+    return rank
+
+
+def _on_a_stream(e: dict[str, Any]) -> bool:
+    """Whether a GPU event ran on a stream: every kernel, memcpy and memset; a
+    synchronization only when it names one (a context's or an event's has stream -1)."""
+    if e.get("cat") != "cuda_sync":
+        return True
+    stream = e.get("args", {}).get("stream")
+    return _is_number(stream) and stream >= 0
 
 
 def read_kineto(path: str | Path) -> Capture:
@@ -84,9 +116,9 @@ def kineto_work(data: dict[str, Any]) -> Capture:
             ranges.setdefault(where, []).append((e["ts"], e["ts"] + e.get("dur", 0), name))
         elif cat in LAUNCHES and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = (where, e["ts"])
-    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES and _on_a_stream(e)]
     if not gpu:  # the CPU backend's: the ranges are the work
-        work = [classify(name, name, -1, a * 1e-6, b * 1e-6)
+        work = [range_work(name, a * 1e-6, b * 1e-6)
                 for rs in ranges.values() for a, b, name in rs]
         return Capture(tuple(work), step_windows(steps))
     for rs in ranges.values():
@@ -98,5 +130,5 @@ def kineto_work(data: dict[str, Any]) -> Capture:
         label = innermost(ranges.get(launch[0], []), launch[1]) if launch else None
         start = e["ts"] * 1e-6
         work.append(classify(label, str(e.get("name", "")), int(args.get("device", 0)), start,
-                             start + e.get("dur", 0) * 1e-6))
+                             start + e.get("dur", 0) * 1e-6, activity=ACTIVITY[e["cat"]]))
     return Capture(tuple(work), step_windows(steps))

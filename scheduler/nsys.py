@@ -14,7 +14,9 @@ table missing from a capture — they are created lazily — is read as empty):
   ``correlationId``;
 - ``CUPTI_ACTIVITY_KIND_KERNEL`` / ``_MEMCPY`` / ``_MEMSET``: GPU work — ``start``, ``end``,
   ``deviceId``, ``correlationId`` (joining it to its launch call); kernels name themselves by
-  ``shortName`` or ``demangledName`` (ids into ``StringIds``).
+  ``shortName`` or ``demangledName`` (ids into ``StringIds``) and are classed by that name,
+  memcpy and memset rows are memory work (:mod:`scheduler.gpu_time`). Synchronization rows
+  (``CUPTI_ACTIVITY_KIND_SYNCHRONIZATION``) are not read.
 
 Times are nanoseconds in the export, on one clock for host and GPU.
 """
@@ -29,8 +31,10 @@ from .capture import STEP, Capture, classify, innermost, step_windows
 
 NVTX_PUSH_POP, NVTX_START_END, NVTX_DOMAIN_CREATE = 59, 60, 75
 DOMAIN = "overlap"
-_GPU_TABLES = ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY",
-               "CUPTI_ACTIVITY_KIND_MEMSET")
+# GPU work's tables -> what they record (scheduler.gpu_time.ACTIVITIES: a memcpy or memset
+# is memory work whatever its name; a kernel is classed by its name).
+_GPU_TABLES = {"CUPTI_ACTIVITY_KIND_KERNEL": "kernel", "CUPTI_ACTIVITY_KIND_MEMCPY": "memcpy",
+               "CUPTI_ACTIVITY_KIND_MEMSET": "memset"}
 
 
 def read_sqlite(path: str | Path) -> Capture:
@@ -101,7 +105,7 @@ def _attribute(db: sqlite3.Connection) -> Capture:
     launches = {corr: (tid, start) for start, tid, corr in
                 _rows(db, "CUPTI_ACTIVITY_KIND_RUNTIME", ("start", "globalTid", "correlationId"))}
     work = []
-    for table in _GPU_TABLES:
+    for table, activity in _GPU_TABLES.items():
         for start, end, device, corr, short, demangled in _rows(
                 db, table, ("start", "end", "deviceId", "correlationId", "shortName",
                             "demangledName")):
@@ -113,7 +117,7 @@ def _attribute(db: sqlite3.Connection) -> Capture:
                 raise ValueError(f"{what}: start {start!r}, end {end!r}: not integer "
                                  "nanoseconds")
             work.append(classify(label, name, int(device or 0), start * 1e-9, end * 1e-9,
-                                 what))
+                                 what, activity))
     return Capture(tuple(work), step_windows(steps))
 
 

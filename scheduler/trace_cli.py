@@ -19,8 +19,10 @@ from .exposure import DEFINITION
 HELP = f"""\
 report: one table, per device: compute, communication (comm), exposed communication,
 overlap %, and the time the compute stream waited for transfers; then the GPU work inside
-none of the runtime's ranges (unattributed, per GPU: never guessed onto a device), and
-iteration time and bubble from the steps. The same definitions for every source:
+none of the runtime's ranges (unattributed, per GPU: never guessed onto a device; memcpy,
+memset and synchronizations are neither compute nor comm), each GPU's span, idle, compute
+and non-compute time (as Holistic Trace Analysis's temporal breakdown), and iteration time
+and bubble from the steps. The same definitions for every source:
 
 {textwrap.fill(DEFINITION + ".", 88, initial_indent="  ", subsequent_indent="  ")}
 
@@ -28,14 +30,18 @@ plot: one row per device stream (compute; one per comm channel: fwd<s>, bwd<s>, 
 fwd<s>.<lane>), each op its own bar with its kind and microbatch where they fit, the
 compute stream's waits for transfers hatched, a legend; several files one under the other.
 
-Several FILEs are the ranks of one job, in rank order (one file per process, each with its
-own devices): one report with a per-rank breakdown, or one picture.
+Several FILEs are the ranks of one job (one file per process, each with its own devices):
+one report with a per-rank breakdown, or one picture. They are ordered by the rank each
+PyTorch trace names (distributedInfo.rank) when every file names one, else taken in the
+order given as ranks 0, 1, ...
 
 --json keys: definition; devices: {{"<device>": {{compute_ms, comm_ms, exposed_comm_ms,
 overlap_pct (null without communication), waited_for_transfer_ms, stages, rank}}}};
-unattributed: [{{rank, gpu, compute_ms, ...}}]; steps, iteration_ms, bubble_pct (when the
-traces have steps: the fewest steps, the longest iteration and the bubble over every device,
-of several ranks); ranks: [{{rank, file, source, devices, steps, iteration_ms, bubble_pct}}].
+unattributed: [{{rank, gpu, compute_ms, ...}}]; gpus: [{{rank, gpu, span_ms, idle_ms,
+compute_ms, non_compute_ms}}] (every GPU's work, classed as Holistic Trace Analysis classes
+it); steps, iteration_ms, bubble_pct (when the traces have steps: the fewest steps, the
+longest iteration and the bubble over every device, of several ranks); ranks: [{{rank, file,
+source, devices, steps, iteration_ms, bubble_pct}}].
 """
 
 
@@ -48,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("report", "plot"),
                    help="report: per-device figures; plot: a picture (-o)")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE",
-                   help="a trace of any of those sources; several: one per rank, in rank order")
+                   help="a trace of any of those sources; several: one per rank")
     p.add_argument("--json", action="store_true", help="report: print the figures as JSON")
     p.add_argument("-o", "--output", type=Path, default=Path("timeline.png"),
                    help="plot: the file to write, exactly this name; its suffix is the format: "
@@ -60,13 +66,13 @@ def trace_main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_arguments(args)
-        from .trace_report import check_ranks, file_report, read_trace
+        from .trace_report import check_ranks, file_report, in_rank_order, read_trace
 
-        traces = [read_trace(f) for f in args.files]
+        ranked = in_rank_order([read_trace(f) for f in args.files])
         if args.action == "plot":
-            print(f"wrote {_plot(traces, args.output)}")
+            print(f"wrote {_plot(ranked, args.output)}")
             return 0
-        reports = [file_report(t) for t in traces]
+        reports = [file_report(t, rank) for rank, t in ranked]
         check_ranks(reports)
     except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -102,10 +108,11 @@ def _render(reports: Sequence[Any], as_json: bool) -> str:
     return json.dumps(report_json(reports), indent=1) if as_json else report_text(reports)
 
 
-def _plot(traces: Sequence[Any], output: Path) -> Path:
+def _plot(ranked: Sequence[tuple[int, Any]], output: Path) -> Path:
     from .trace_plot import plot_rows, traces_rows
 
+    traces = [t for _, t in ranked]
     title = ", ".join(str(t.path) for t in traces)
     if len(traces) == 1 and traces[0].timeline is not None:
         title += ": " + traces[0].timeline.headline()
-    return plot_rows(traces_rows(traces), output, title)
+    return plot_rows(traces_rows(traces, [rank for rank, _ in ranked]), output, title)

@@ -29,11 +29,14 @@ from .exposure import parse_name, waits_by_name
 FORMATS = (".png", ".svg", ".pdf")
 COLORS = {"F": "tab:blue", "B": "tab:green", "I": "tab:olive", "W": "tab:cyan",
           "fwd": "tab:orange", "bwd": "tab:red", "comm": "tab:purple",
-          "compute": "tab:gray", "other": "silver"}
+          "compute": "tab:gray", "other": "silver", "memory": "tan", "sync": "dimgray"}
 NAMES = {"F": "F (forward)", "B": "B (backward)", "I": "I (input gradient)",
          "W": "W (weight gradient)", "fwd": "activation transfer", "bwd": "gradient transfer",
          "comm": "other transfer", "compute": "compute (unattributed)",
-         "other": "communication (unattributed)"}
+         "other": "communication (unattributed)", "memory": "memcpy, memset (unattributed)",
+         "sync": "synchronization, other GPU work (unattributed)"}
+# An unattributed piece of work's category -> its bars' kind (a key of COLORS).
+_UNATTRIBUTED = {"compute": "compute", "comm": "other", "memory": "memory", "other": "sync"}
 WAIT = "compute waiting for a transfer"
 _RANK = re.compile(r"^r\d+ ")
 _CHANNEL = re.compile(r"^(fwd|bwd)(\d+)(?:\.(\d+))?$")
@@ -82,7 +85,8 @@ def timeline_rows(tl: Any) -> list[Row]:
 
 def capture_rows(work: Sequence[GpuWork]) -> list[Row]:
     """The rows of a profiler's capture: per device its compute and one per channel (read
-    from the range names); then per GPU its unattributed compute and communication."""
+    from the range names); then per GPU its unattributed compute, communication, memory and
+    other work."""
     rows = []
     devices = sorted({w.device for w in work if w.device is not None})
     for d in devices:
@@ -101,7 +105,7 @@ def capture_rows(work: Sequence[GpuWork]) -> list[Row]:
             rows.append(Row(f"d{d} {stream}", tuple(streams[stream]),
                             waits if stream == "compute" else ()))
     for g in sorted({w.gpu for w in work if w.device is None}):
-        for category, kind in (("compute", "compute"), ("comm", "other")):
+        for category, kind in _UNATTRIBUTED.items():
             bars = tuple(Bar(w.start, w.end, kind, "") for w in work
                          if w.device is None and w.gpu == g and w.category == category)
             if bars:
@@ -146,15 +150,15 @@ def shifted(rows: Sequence[Row], t0: float, prefix: str) -> list[Row]:
                 tuple((a - t0, b - t0) for a, b in r.waits)) for r in rows]
 
 
-def traces_rows(traces: Sequence[Any]) -> list[Row]:
+def traces_rows(traces: Sequence[Any], ranks: Sequence[int] | None = None) -> list[Row]:
     """The rows of every trace read (:class:`scheduler.trace_report.Trace`), one under the
-    other: one as is, several prefixed ``r<k>`` in the order given. Our own traces keep
-    their times (each from its own start); profilers' captures share one clock, from its
-    earliest work."""
+    other: one as is, several prefixed ``r<rank>`` (``ranks``, default 0, 1, ... in the
+    order given). Our own traces keep their times (each from its own start); profilers'
+    captures share one clock, from its earliest work."""
     captures = [t.capture.work for t in traces if t.timeline is None]
     t0 = min((w.start for work in captures for w in work), default=0.0)
     rows: list[Row] = []
-    for k, t in enumerate(traces):
+    for k, t in zip(range(len(traces)) if ranks is None else ranks, traces):
         mine = (timeline_rows(t.timeline) if t.timeline is not None else
                 capture_rows(t.capture.work))
         rows += shifted(mine, 0.0 if t.timeline is not None else t0,

@@ -2,9 +2,10 @@
 source — ours (runtime or simulator), an Nsight Systems capture, a PyTorch profiler trace —
 with one definition of exposed communication (:mod:`scheduler.exposure`).
 
-Several files are the ranks of one job, in rank order: each device must be in one file only
-(each process traces its own devices); the report is one per-device table with a rank
-column, the unattributed work of each rank's GPUs, and a per-rank breakdown (each file's
+Several files are the ranks of one job (:func:`in_rank_order`): each device must be in one
+file only (each process traces its own devices); the report is one per-device table with a
+rank column, the unattributed work of each rank's GPUs, each GPU's time as Holistic Trace
+Analysis breaks it down (:mod:`scheduler.gpu_time`), and a per-rank breakdown (each file's
 steps, iteration time and bubble: ranks' clocks are not compared).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from .capture import (
     unattributed_figures,
 )
 from .exposure import Figures, device_table, parse_name
+from .gpu_time import GpuTime, gpu_times
 from .timeline import Timeline
 
 SOURCES = {"overlap": "a trace of overlap's runtime or simulator",
@@ -32,20 +34,22 @@ SOURCES = {"overlap": "a trace of overlap's runtime or simulator",
 
 @dataclass(frozen=True)
 class Trace:
-    """One file read: its work (attributed), our own Timeline when it is one of ours, and
-    which kind of source it is (a key of :data:`SOURCES`)."""
+    """One file read: its work (attributed), our own Timeline when it is one of ours, which
+    kind of source it is (a key of :data:`SOURCES`), and the rank of the job's process that
+    wrote it when the file says (a PyTorch trace's ``distributedInfo.rank``)."""
 
     path: Path
     capture: Capture
     timeline: Timeline | None
     source: str
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
 class FileReport:
     """One file's figures: per device (and the stages it ran), per GPU its unattributed
-    work, and its steps (``steps``, ``iteration_ms``, ``bubble_pct``; None without step
-    ranges)."""
+    work, its steps (``steps``, ``iteration_ms``, ``bubble_pct``; None without step
+    ranges), per GPU all its time (:class:`~scheduler.gpu_time.GpuTime`), and its rank."""
 
     path: Path
     source: str
@@ -53,11 +57,13 @@ class FileReport:
     stages: dict[int, tuple[int, ...]]
     unattributed: dict[int, Figures]
     steps: dict[str, float] | None
+    gpus: dict[int, GpuTime] = field(default_factory=dict)
+    rank: int = 0
 
 
 def read_trace(path: Path) -> Trace:
     """The file at ``path`` read by the reader of its kind (ValueError naming it)."""
-    from .kineto import is_kineto, kineto_work
+    from .kineto import distributed_rank, is_kineto, kineto_work
     from .nsys import is_sqlite, read_sqlite
 
     if path.suffix == ".nsys-rep":
@@ -71,7 +77,7 @@ def read_trace(path: Path) -> Trace:
                          f"{type(exc).__name__}: {exc}") from None
     if is_kineto(data):
         try:
-            return Trace(path, kineto_work(data), None, "kineto")
+            return Trace(path, kineto_work(data), None, "kineto", distributed_rank(data))
         except ValueError as exc:
             raise ValueError(f"file: {path}: {exc}") from None
     try:
@@ -81,13 +87,30 @@ def read_trace(path: Path) -> Trace:
     return Trace(path, Capture(tuple(timeline_work(tl))), tl, "overlap")
 
 
-def file_report(trace: Trace) -> FileReport:
+def in_rank_order(traces: Sequence[Trace]) -> list[tuple[int, Trace]]:
+    """Each trace with its rank, in rank order: by the rank each names (a PyTorch trace's
+    ``distributedInfo.rank``, as Holistic Trace Analysis orders them) when every one names
+    its own, else in the order given, numbered from 0. ValueError naming both files when
+    two name the same rank."""
+    if any(t.rank is None for t in traces):
+        return list(enumerate(traces))
+    seen: dict[int, Path] = {}
+    for t in traces:
+        if t.rank in seen:
+            raise ValueError(f"file: {seen[t.rank]} and {t.path} are both rank {t.rank} (their "
+                             "distributedInfo.rank): give one file per rank")
+        seen[t.rank] = t.path  # type: ignore[index]
+    return sorted(((t.rank, t) for t in traces), key=lambda kt: kt[0])  # type: ignore[misc]
+
+
+def file_report(trace: Trace, rank: int = 0) -> FileReport:
+    """The figures of one file read, reported as rank ``rank``."""
     tl = trace.timeline
     if tl is not None:  # ours: the waits along the step graph's data edges
         return FileReport(trace.path, trace.source, {d: tl.figures(d) for d in tl.devices},
                           {d: (tl.stage_of[d],) for d in tl.devices},
                           {}, {"steps": 1, "iteration_ms": tl.iteration_time * 1e3,
-                               "bubble_pct": 100.0 * tl.bubble_fraction})
+                               "bubble_pct": 100.0 * tl.bubble_fraction}, rank=rank)
     work = trace.capture.work
     stages: dict[int, set[int]] = {}
     for w in work:
@@ -96,7 +119,8 @@ def file_report(trace: Trace) -> FileReport:
             stages.setdefault(w.device, set()).add(op.stage)  # type: ignore[arg-type]
     return FileReport(trace.path, trace.source, device_figures(work),
                       {d: tuple(sorted(s)) for d, s in stages.items()},
-                      unattributed_figures(work), step_figures(trace.capture))
+                      unattributed_figures(work), step_figures(trace.capture),
+                      gpu_times(work), rank)
 
 
 def check_ranks(reports: Sequence[FileReport]) -> None:
@@ -129,17 +153,18 @@ def report_json(reports: Sequence[FileReport]) -> dict[str, Any]:
     """The JSON of ``overlap trace report --json`` (see the command's help)."""
     from .exposure import DEFINITION
 
-    out: dict[str, Any] = {"definition": DEFINITION, "devices": {}, "unattributed": []}
-    for rank, r in enumerate(reports):
+    out: dict[str, Any] = {"definition": DEFINITION, "devices": {}, "unattributed": [],
+                           "gpus": []}
+    for r in reports:
         for d, f in r.devices.items():
             out["devices"][str(d)] = {**f.as_json(), "stages": list(r.stages.get(d, ())),
-                                      "rank": rank}
-        out["unattributed"] += [{"rank": rank, "gpu": g, **f.as_json()}
+                                      "rank": r.rank}
+        out["unattributed"] += [{"rank": r.rank, "gpu": g, **f.as_json()}
                                 for g, f in r.unattributed.items()]
+        out["gpus"] += [{"rank": r.rank, "gpu": g, **t.as_json()} for g, t in r.gpus.items()]
     out.update(merged_steps(reports) or {})
-    out["ranks"] = [{"rank": k, "file": str(r.path), "source": r.source,
-                     "devices": sorted(r.devices), **(r.steps or {})}
-                    for k, r in enumerate(reports)]
+    out["ranks"] = [{"rank": r.rank, "file": str(r.path), "source": r.source,
+                     "devices": sorted(r.devices), **(r.steps or {})} for r in reports]
     return out
 
 
@@ -148,25 +173,49 @@ def report_text(reports: Sequence[FileReport]) -> str:
     per-device table, then unattributed work, then what the columns mean."""
     many = len(reports) > 1
     lines = [f"{len(reports)} files, one per rank:" if many else ""]
-    for k, r in enumerate(reports):
-        lines.append(("  rank " + str(k) + ": " if many else "") + _file_line(r))
-    devices = [(*((k,) if many else ()), d, _stages(r.stages.get(d, ())), f)
-               for k, r in enumerate(reports) for d, f in r.devices.items()]
+    for r in reports:
+        lines.append(("  rank " + str(r.rank) + ": " if many else "") + _file_line(r))
+    devices = [(*((r.rank,) if many else ()), d, _stages(r.stages.get(d, ())), f)
+               for r in reports for d, f in r.devices.items()]
     if devices:
         lines.append("per device:")
         lines.append(device_table(devices, ("rank", "device", "stage") if many else
                                   ("device", "stage")))
-    gpus = [(*((k,) if many else ()), g if g >= 0 else "-", f)
-            for k, r in enumerate(reports) for g, f in r.unattributed.items()]
+    gpus = [(*((r.rank,) if many else ()), g if g >= 0 else "-", f)
+            for r in reports for g, f in r.unattributed.items()]
     if gpus:
         lines.append("unattributed (GPU work inside none of the runtime's ranges, per GPU; "
                      "counted on no device):")
         lines.append(device_table(gpus, ("rank", "GPU") if many else ("GPU",)))
+    times = [(*((r.rank,) if many else ()), g, t) for r in reports for g, t in r.gpus.items()]
+    if times:
+        lines.append("per GPU, all its work (kernels classed as Holistic Trace Analysis "
+                     "classes them):")
+        lines.append(gpu_table(times, ("rank", "GPU") if many else ("GPU",)))
     if devices or gpus:
         lines.append("exposed: communication while the device computed nothing; overlap %: "
                      "the rest of it, hidden under compute;\nwaited: its compute stream idle "
                      "while a transfer bringing its next op's input ran (part of exposed).")
+    if times:
+        lines.append("span: a GPU's first start to its last end; idle: no work of it ran; "
+                     "non-compute: some ran, none of it compute\n(communication, memcpy, "
+                     "memset, synchronization).")
     return "\n".join(line for line in lines if line)
+
+
+GPU_COLUMNS = ("span ms", "idle ms", "compute ms", "non-compute ms")
+
+
+def gpu_table(rows: Sequence[tuple[Any, ...]], keys: Sequence[str]) -> str:
+    """The per-GPU table: each row's ``keys`` columns, then its :class:`GpuTime` (last item)
+    under :data:`GPU_COLUMNS`."""
+    head = [*keys, *GPU_COLUMNS]
+    body = [[*map(str, key), *(f"{v * 1e3:.3f}" for v in (t.span, t.idle, t.compute,
+                                                          t.non_compute))]
+            for *key, t in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths))
+                     for row in (head, *body))
 
 
 def _stages(stages: tuple[int, ...]) -> str:
@@ -175,7 +224,7 @@ def _stages(stages: tuple[int, ...]) -> str:
 
 def _file_line(r: FileReport) -> str:
     head = f"{r.path} ({SOURCES[r.source]})"
-    if not r.devices and not r.unattributed:
+    if not r.devices and not r.unattributed and not r.gpus:
         return (f"{head}: no work in it — neither GPU work nor the runtime's ranges (Nsight: "
                 "`nsys profile -t cuda,nvtx`; PyTorch: record with overlap.torch.profiler(), "
                 "which records the runtime's threads)")

@@ -8,6 +8,7 @@ import sqlite3
 import pytest
 
 from scheduler.capture import device_figures, step_figures, unattributed_figures
+from scheduler.gpu_time import gpu_times
 from scheduler.nsys import read_sqlite
 
 MS = 1_000_000  # the export's times are nanoseconds
@@ -153,10 +154,14 @@ def test_a_capture_without_overlap_ranges_is_unattributed_per_gpu_by_kernel_name
             memsets=[(30 * MS, 31 * MS, 3, 99)])  # its launch is not in the capture
     work = read_sqlite(f).work
     assert device_figures(work) == {}
+    # The memset is memory work: neither compute nor communication (as HTA classes it) ...
     figures = {g: f.as_json() for g, f in unattributed_figures(work).items()}
-    assert figures == {3: pytest.approx({"compute_ms": 16.0, "comm_ms": 10.0,
+    assert figures == {3: pytest.approx({"compute_ms": 15.0, "comm_ms": 10.0,
                                          "exposed_comm_ms": 5.0, "overlap_pct": 50.0,
                                          "waited_for_transfer_ms": None})}
+    # ... but the GPU's time: busy 21 ms of its 31, 15 of them computing.
+    assert gpu_times(work)[3].as_json() == pytest.approx({
+        "span_ms": 31.0, "idle_ms": 10.0, "compute_ms": 15.0, "non_compute_ms": 6.0})
 
 
 def test_missing_tables_read_as_empty(tmp_path):

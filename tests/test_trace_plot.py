@@ -88,6 +88,21 @@ def test_a_cpu_only_profiler_trace_draws_one_row_per_channel(tmp_path):
     assert rows[0].waits == (pytest.approx((0.040, 0.045)),)
 
 
+def test_unattributed_work_has_a_row_per_class(tmp_path):
+    def gpu(cat, name, ts, stream=7):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts,
+                "dur": 5 * US, "args": {"device": 2, "stream": stream, "correlation": ts}}
+
+    f = tmp_path / "torch.json"
+    kineto(f, [gpu("kernel", "gemm", 0), gpu("kernel", "ncclKernel_Broadcast", 0, stream=9),
+               gpu("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 10 * US),
+               gpu("cuda_sync", "Stream Sync", 20 * US)])
+    rows = capture_rows(read_trace(f).capture.work)
+    assert [(r.name, [b.kind for b in r.bars]) for r in rows] == [
+        ("GPU 2 unattributed compute", ["compute"]), ("GPU 2 unattributed comm", ["other"]),
+        ("GPU 2 unattributed memory", ["memory"]), ("GPU 2 unattributed other", ["sync"])]
+
+
 def test_several_files_are_drawn_one_under_the_other(tmp_path):
     assert overlap.cli.main(["simulate", "--stages", "2", "--gpus-per-stage", "1",
                              "--microbatches", "2", "--shape", "64,64",

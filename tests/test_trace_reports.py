@@ -212,6 +212,61 @@ def test_a_missing_file_among_several_is_named_before_any_is_read(tmp_path):
                           r"^error: file: no such file: .*r9\.json$")
 
 
+# ---- the rank each PyTorch trace names -----------------------------------------------------------
+
+
+def _rank_trace(path, device: int, rank: object = None):
+    """A PyTorch trace of one process: one compute op on ``device`` (the CPU backend's: its
+    range is the work), naming ``rank`` in ``distributedInfo`` unless it is None."""
+    data: dict = {"schemaVersion": 1, "traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": f"F s{device} mb0 on device {device}",
+         "pid": 1, "tid": 1, "ts": 0, "dur": 10 + device, "args": {}}]}
+    if rank is not None:
+        data["distributedInfo"] = {"backend": "nccl", "rank": rank, "world_size": 8}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_traces_are_ordered_by_the_rank_each_names(tmp_path, capsys):
+    from scheduler.trace_plot import traces_rows
+    from scheduler.trace_report import in_rank_order, read_trace
+
+    files = [_rank_trace(tmp_path / "a.json", 3, rank=3),
+             _rank_trace(tmp_path / "b.json", 1, rank=1)]
+    data = _report_json(capsys, *files)
+    assert [(r["rank"], r["file"]) for r in data["ranks"]] == [(1, str(files[1])),
+                                                             (3, str(files[0]))]
+    assert {d: f["rank"] for d, f in data["devices"].items()} == {"1": 1, "3": 3}
+    assert overlap.cli.main(["trace", "report", *map(str, files)]) == 0
+    text = capsys.readouterr().out
+    assert text.index(f"rank 1: {files[1]}") < text.index(f"rank 3: {files[0]}")
+    ranked = in_rank_order([read_trace(f) for f in files])
+    rows = traces_rows([t for _, t in ranked], [k for k, _ in ranked])
+    assert [r.name for r in rows] == ["r1 d1 compute", "r3 d3 compute"]
+
+
+def test_without_a_rank_in_every_trace_the_files_order_is_the_ranks(tmp_path, capsys):
+    files = [_rank_trace(tmp_path / "a.json", 3, rank=3), _rank_trace(tmp_path / "b.json", 1)]
+    data = _report_json(capsys, *files)
+    assert [(r["rank"], r["file"]) for r in data["ranks"]] == [(0, str(files[0])),
+                                                             (1, str(files[1]))]
+
+
+def test_two_traces_naming_one_rank_are_refused(tmp_path):
+    a = _rank_trace(tmp_path / "a.json", 0, rank=2)
+    b = _rank_trace(tmp_path / "b.json", 1, rank=2)
+    assert_one_line_error(run_overlap("trace", "report", str(a), str(b)),
+                          r"^error: file: .*a\.json and .*b\.json are both rank 2")
+
+
+@pytest.mark.parametrize("rank", ["1", -1, 1.5, True])
+def test_a_rank_that_is_no_rank_is_named(tmp_path, rank):
+    f = _rank_trace(tmp_path / "a.json", 0, rank=rank)
+    assert_one_line_error(run_overlap("trace", "report", str(f)),
+                          r"^error: file: .*a\.json: its distributedInfo\.rank is .*, not a "
+                          r"rank")
+
+
 # ---- PyTorch profiler traces without GPU work (the CPU backend's) --------------------------------
 
 
