@@ -218,6 +218,22 @@ def max_over_ranks(value: float, world: World) -> float:
     return max(every)
 
 
+def sum_over_ranks(value: float, world: World) -> float:
+    """The sum of ``value`` over every process of the job (collective, as
+    :func:`max_over_ranks`; in rank order, so every process gets the same float)."""
+    if not world.distributed:
+        return value
+    if world.source == "mpi":
+        MPI = _mpi()
+        every = MPI.COMM_WORLD.allgather(float(value))
+    else:
+        import torch.distributed as dist
+
+        every = [None] * world.size
+        dist.all_gather_object(every, float(value))
+    return float(sum(every))
+
+
 def describe(world: World, devices: Sequence[int]) -> str:
     """One line naming this process: rank, pid, host, devices (for logs and errors)."""
     span = _ranges(devices)

@@ -44,6 +44,7 @@ from ..runtime import Runtime, _schedule
 from .bounded import call_within
 from .checkpoint import LoadResult, load, stage_state
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
+from .clip import clip_grad_norm_, total_norm
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
@@ -257,6 +258,26 @@ class TorchPipeline:
         for st in self.local_stages:
             for m in st.modules:
                 yield from m.parameters()
+
+    def get_total_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                       ) -> torch.Tensor:
+        """The norm of the whole model's gradient — every parameter once, over every stage
+        and process — as ``torch.nn.utils.get_total_norm`` gives it on the plain model
+        (``torch.nn.utils.clip_grad_norm_(pipe.parameters(), ...)`` would count each
+        replica again and see only this process's stages). A float32 scalar tensor.
+        Under a launcher every process calls it (:mod:`overlap.torch.clip`)."""
+        return total_norm(self, norm_type, error_if_nonfinite)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the whole model's gradient to a total norm of ``max_norm`` as
+        ``torch.nn.utils.clip_grad_norm_`` clips the plain model's: the norm of every
+        parameter once (:meth:`get_total_norm`), and every gradient of this process's
+        parameters — each replica and shard — scaled by ``max_norm / (norm + 1e-6)`` when
+        that is below 1. Returns the total norm before clipping. Call it between
+        :meth:`train_step` and the optimizer's ``step``; under a launcher, on every
+        process."""
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     @property
     def local_stages(self) -> tuple[LocalStage, ...]:

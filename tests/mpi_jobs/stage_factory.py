@@ -2,8 +2,9 @@
 ``TorchPipeline(stage_fn, ..., rt=rt)`` builds for real only this rank's stages (the others
 on the meta device), hands the optimizer only their parameters, and trains them as plain
 single-process torch trains the same model (built by the same factory under the same
-seeds). Stage 1 is tensor-parallel across both ranks. Prints "rank r: ok" when all of that
-holds."""
+seeds), with the whole model's gradient clipped as plain torch clips it (every rank's part
+counted once: ``pipe.clip_grad_norm_``). Stage 1 is tensor-parallel across both ranks.
+Prints "rank r: ok" when all of that holds."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def main() -> int:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
         assert len(opt.param_groups[0]["params"]) == 4 + 4, "own stage + own shard"
         losses = pipe.train_step_sync(rt, x, num_microbatches=2, schedule="1f1b")
+        norm = pipe.clip_grad_norm_(0.01)  # (every rank: a collective)
         opt.step()
     reference = nn.Sequential(*(reference_stage(s) for s in range(3)))
     ref_losses = []
@@ -58,8 +60,11 @@ def main() -> int:
         loss = reference(xm).pow(2).mean()
         loss.backward()
         ref_losses.append(loss.item())
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+    assert float(ref_norm) > 0.01, float(ref_norm)  # (it clips)
     torch.optim.SGD(reference.parameters(), lr=0.5).step()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    torch.testing.assert_close(norm, ref_norm)
     own = 0 if rank == 0 else 2
     for key, value in reference[own].state_dict().items():
         torch.testing.assert_close(pipe.stage_state_dict(own)[key], value)
