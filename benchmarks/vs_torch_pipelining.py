@@ -5,8 +5,8 @@ Linear(W, W)`` (float32, W = 1024), batch 256 in 8 microbatches, MSE loss, ``tor
 step included in every measured step.
 
 - torch: ``PipelineStage`` per stage on 4 gloo processes (``torch.multiprocessing.spawn``,
-  127.0.0.1), ``Schedule1F1B`` and ``ScheduleGPipe`` (``scale_grads=False``: gradients are sums
-  over microbatches, as on our side). A step is timed on rank 0 between two barriers.
+  127.0.0.1), ``Schedule1F1B`` and ``ScheduleGPipe`` (gradients the mean over microbatches,
+  both sides' default). A step is timed on rank 0 between two barriers.
 - overlap: ``TorchPipeline`` on ``Runtime(cluster)`` with the CPU backend — 4 virtual devices,
   one per stage, each a thread of this one process — schedules 1f1b and eager-1f1b.
 - overlap under ``mpiexec -n 4`` (when mpi4py and mpiexec are installed: the ``mpi`` extra):
@@ -79,8 +79,7 @@ def _torch_worker(rank: int, cfg: dict, out_path: str) -> None:
         module = make_stages(cfg["width"])[rank]
         stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
         cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[cfg["schedule"]]
-        sched = cls(stage, n_microbatches=cfg["microbatches"], loss_fn=nn.functional.mse_loss,
-                    scale_grads=False)
+        sched = cls(stage, n_microbatches=cfg["microbatches"], loss_fn=nn.functional.mse_loss)
         opt = torch.optim.SGD(module.parameters(), lr=cfg["lr"])
         batches = make_batches(cfg["warmup"] + cfg["steps"], cfg["batch"], cfg["width"])
         times, cpu, first_losses = [], [], []

@@ -123,7 +123,7 @@ def train(args: argparse.Namespace, auto: Any, reference: nn.Sequential,
             ref_losses = []
             for xm, ym in mbs:
                 loss = lm_loss(reference(xm), ym)
-                loss.backward()  # summed over microbatches, as the pipeline's
+                (loss * (1.0 / len(mbs))).backward()  # the mean, as the pipeline's
                 ref_losses.append(loss.item())
             ref_opt.step()
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))

@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                 for m in reference:
                     h = m(h.to(next(m.parameters()).device))
                 loss = lm_loss(h, ym.to(h.device))
-                loss.backward()  # summed over microbatches, as the pipeline does
+                # The mean over the microbatches, as the pipeline's gradients are by default
+                # (torch's schedules' scale_grads=True).
+                (loss * (1.0 / len(mbs))).backward()
                 ref_losses.append(loss.item())
             ref_opt.step()
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))

@@ -1,7 +1,8 @@
 """The torch adapter (overlap.torch): nn.Module stages on the CPU runtime.
 
 Expected values come from plain single-process torch on copies of the same modules (the same
-microbatches, ``loss.backward()`` per microbatch), never from the runtime. Skipped, with the
+microbatches, ``(loss / m).backward()`` per microbatch: the mean over the m microbatches, the
+pipeline's default), never from the runtime. Skipped, with the
 reason, where torch is not installed; CI installs the ``torch`` extra.
 """
 
@@ -58,7 +59,7 @@ def _reference(ref: nn.Module, x, y, m: int, loss_fn=nn.functional.mse_loss) -> 
     losses = []
     for xm, ym in zip(x.chunk(m), y.chunk(m)):
         loss = loss_fn(ref(xm), ym)
-        loss.backward()
+        (loss * (1.0 / m)).backward()  # (as the pipeline scales it: the mean, by default)
         losses.append(loss.item())
     return losses
 
@@ -177,8 +178,9 @@ def test_float32_sgd_steps_track_plain_torch(schedule):
 
 
 def test_gradients_accumulate_over_microbatches_and_steps():
-    """.grad is the sum over microbatches (not their mean, not the last one), and a second
-    step without zero_grad adds to it — torch's own accumulation rule."""
+    """With ``scale_grads=False`` .grad is the sum over microbatches (not their mean, not
+    the last one), and a second step without zero_grad adds to it — torch's own
+    accumulation rule."""
     pipe, ref = _pipe()
     x, y = _batch(8)
     per_mb = []
@@ -188,9 +190,10 @@ def test_gradients_accumulate_over_microbatches_and_steps():
         per_mb.append([p.grad.clone() for p in ref.parameters()])
     total = [sum(gs) for gs in zip(*per_mb)]
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
-        pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule="1f1b")
+        pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule="1f1b", scale_grads=False)
         first = [p.grad.clone() for p in pipe.modules[0][0].parameters()]
-        pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule="eager-1f1b")
+        pipe.train_step_sync(rt, x, y, num_microbatches=4, schedule="eager-1f1b",
+                             scale_grads=False)
     for got, want, last in zip(first, total, per_mb[-1]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         assert not torch.allclose(got, last)  # a sum, not the last microbatch's alone
@@ -212,7 +215,7 @@ def test_loss_without_targets():
     want = []
     for xm in x.chunk(3):
         loss = (ref(xm) ** 2).sum()
-        loss.backward()
+        (loss * (1.0 / 3)).backward()
         want.append(loss.item())
     np.testing.assert_allclose(losses, want, rtol=0, atol=1e-12)
     _assert_grads(pipe, ref, atol=1e-12)

@@ -44,6 +44,32 @@ def test_scale_grads_gives_the_mean_over_microbatches_as_torch_does(schedule, sc
     assert_grads_match(pipe, reference, rtol=1e-12, atol=1e-14)
 
 
+def test_the_default_is_the_mean_as_torchs_schedules_default():
+    import inspect
+
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    ours = inspect.signature(TorchPipeline.train_step).parameters["scale_grads"].default
+    for schedule in (Schedule1F1B, ScheduleGPipe):
+        assert inspect.signature(schedule).parameters["scale_grads"].default is ours is True
+    modules = _stages()
+    reference = copy.deepcopy(modules)
+    meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1], ("tp",)), DeviceMesh([2], ("tp",))]
+    pipe = TorchPipeline(modules, meshes, nn.functional.mse_loss)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    with Runtime(Cluster.local(3), timeout=20) as rt:
+        pipe.train_step_sync(rt, x, y, num_microbatches=4)
+    # The gradient of the batch's mean loss, as plain torch gives it on the whole batch.
+    for m in reference:
+        m.zero_grad()
+    h = x
+    for m in reference:
+        h = m(h)
+    torch.stack([nn.functional.mse_loss(a, b) for a, b in zip(h.chunk(4), y.chunk(4))]
+                ).mean().backward()
+    assert_grads_match(pipe, reference, rtol=1e-12, atol=1e-14)
+
+
 def test_scale_grads_must_be_a_bool():
     pipe = TorchPipeline(_stages()[:1], [DeviceMesh([0], ("tp",))], nn.functional.mse_loss)
     with Runtime(Cluster.local(1), timeout=20) as rt, \

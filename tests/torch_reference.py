@@ -21,9 +21,14 @@ def load_example(filename: str) -> ModuleType:
     return mod
 
 
-def reference_losses(modules, xs, loss_fn, ys=None, scale: float = 1.0) -> list[float]:
+def reference_losses(modules, xs, loss_fn, ys=None, scale: float | None = None
+                     ) -> list[float]:
     """Each microbatch through ``modules`` in turn, ``(loss * scale).backward()`` per
-    microbatch (gradients add up in ``.grad``, as the pipeline's do); the unscaled losses."""
+    microbatch (gradients add up in ``.grad``, as the pipeline's do); the unscaled losses.
+    ``scale`` None: 1 / the microbatches, the mean the pipeline's ``scale_grads`` gives by
+    default (1.0: their sum, ``scale_grads=False``)."""
+    if scale is None:
+        scale = 1.0 / len(xs)
     losses = []
     for i, x in enumerate(xs):
         h = x

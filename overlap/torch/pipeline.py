@@ -5,8 +5,10 @@ autograd recording, keeps the input and the output in ``ctx.saved`` and hands th
 without a copy; the last stage applies ``loss_fn`` and returns the loss. Backward calls
 ``torch.autograd.backward`` with the incoming gradient (``loss.backward()`` on the last stage)
 and returns the input's ``.grad``. Parameter gradients therefore accumulate in ``.grad`` over
-the step's microbatches, exactly as repeated ``loss.backward()`` calls would, and the user's
-optimizer and ``zero_grad`` work unchanged.
+the step's microbatches — by default their mean, each backward starting from ``loss /
+num_microbatches`` (torch's schedules' ``scale_grads=True``), or with ``scale_grads=False``
+their sum, as repeated ``loss.backward()`` calls would — and the user's optimizer and
+``zero_grad`` work unchanged.
 
 Schedules that split the backward (``zb-h1``, ``zbv``) get stages whose ``I`` computes only the
 input's gradient and keeps the gradients arriving at the parameterized layers, and whose
@@ -378,18 +380,19 @@ class TorchPipeline:
                          schedule: str | Schedule = "eager-1f1b",
                          options: PlanOptions | None = None,
                          max_activations: int | Sequence[int] | None = None,
-                         scale_grads: bool = False, return_outputs: bool = False) -> Any:
+                         scale_grads: bool = True, return_outputs: bool = False) -> Any:
         """One step: split ``inputs`` (and ``targets``) into ``num_microbatches`` along dim 0,
         run forward and backward of each on ``rt``; return the per-microbatch losses
         (``schedule``, ``options`` and ``max_activations`` as for
         :meth:`overlap.Runtime.train_step`).
 
         Gradients are *added* to ``.grad`` (call ``zero_grad`` between steps, as in torch):
-        the sum over the microbatches, or with ``scale_grads=True`` their mean — what
-        ``torch.distributed.pipelining``'s schedules do by default (``scale_grads=True``
-        there), the gradient of the batch's mean loss. (Each microbatch's backward starts
-        from ``loss / num_microbatches``; the losses returned are not scaled.) After a failed
-        step ``.grad`` holds a partial sum — zero it before the next one.
+        by default their mean over the microbatches — the gradient of the batch's mean loss,
+        what ``torch.distributed.pipelining``'s schedules give by default (``scale_grads=True``
+        there too): each microbatch's backward starts from ``loss / num_microbatches``; the
+        losses returned are not scaled. ``scale_grads=False`` gives their sum, as repeated
+        ``loss.backward()`` calls would. After a failed step ``.grad`` holds a partial sum —
+        zero it before the next one.
 
         ``microbatches=[(x0, y0), (x1, y1), ...]`` (or ``[x0, x1, ...]`` without targets)
         gives the microbatches already split — torch's ``arg_mbs`` / ``target_mbs`` — each

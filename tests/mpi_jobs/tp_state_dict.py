@@ -52,7 +52,7 @@ def main() -> int:
         h = xm
         for m in reference:
             h = m(h)
-        h.pow(2).mean().backward()
+        (h.pow(2).mean() * 0.5).backward()  # (the mean over the 2 microbatches: the default)
     torch.optim.SGD([p for m in reference for p in m.parameters()], lr=0.5).step()
     if outputs is not None:
         for xm, out in zip(x.chunk(2), outputs):
