@@ -367,3 +367,57 @@ def test_projections_of_one_input_reduce_its_gradient_once(monkeypatch):
     assert_grads_match(pipe, reference, rtol=1e-10, atol=1e-10)
     # Per microbatch and device: forward one (o's sum), backward one (the shared input's).
     assert calls.count("F") == 2 * 2 and calls.count("B") == 2 * 2
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's causal self-attention: one fused q/k/v Linear, sizes kept as attributes."""
+
+    def __init__(self, n_embd: int = 8, n_head: int = 2) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = n_head, n_embd
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = NanoAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x)
+
+
+def test_a_shard_that_reshapes_with_the_full_sizes_says_which_module_and_sizes():
+    # nanoGPT's attention splits its fused projection by the full n_embd: in a shard of a
+    # column-parallel c_attn that fails with a bare shape error; the step's error names the
+    # module, the split projections and the sizes it keeps, per shard.
+    from overlap.errors import StreamError
+    from overlap.torch.shard_errors import ShardForwardError
+
+    meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2], ("tp",))]
+    plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel()}
+    pipe = TorchPipeline([NanoBlock().double(), NanoBlock().double()], meshes, _sum_loss,
+                         plans=[None, plan])
+    assert [m.attn.n_head for m in pipe.tp[1].modules] == [1, 1]  # (n_head divided per shard)
+    x = torch.randn(4, 4, 8, dtype=torch.float64)
+    with Runtime(CLUSTER, timeout=TIMEOUT) as rt, pytest.raises(StreamError) as info:
+        pipe.train_step_sync(rt, x, num_microbatches=2, schedule="1f1b")
+    cause = info.value.__cause__
+    assert isinstance(cause, ShardForwardError), info.value
+    assert isinstance(cause.__cause__, ValueError)  # (the shard's own error, kept as the cause)
+    msg = str(cause)
+    assert msg.startswith("plans[1]: attn (NanoAttention) failed in its tensor-parallel shard")
+    assert "attn.c_attn" in msg and "1/2 of their output features" in msg
+    assert "attn.n_embd = 8 (per shard 4)" in msg
+    assert "attn.n_head = 1 (divided per shard already)" in msg
+    assert "attn.c_attn project to 3 × their input (a fused q/k/v)" in msg

@@ -35,8 +35,10 @@ A stage's boundary layouts: its input is what the root's ``PrepareModuleInput`` 
 receives, else Shard(seq) when its first planned module is sequence-parallel, else
 Replicate(); its output is what the root's ``PrepareModuleOutput`` makes it, else what its last
 planned module (in ``named_modules`` order) leaves. A module with an integer ``num_heads`` (or
-``n_heads``) attribute above column-parallel projections gets ``num_heads // n`` in each
-shard, which then computes its own heads (as torchtitan sets by hand).
+``n_heads``, or nanoGPT's ``n_head``) attribute above column-parallel projections gets
+``num_heads // n`` in each shard, which then computes its own heads (as torchtitan sets by
+hand). A shard whose forward fails anyway says where and with which sizes
+(:mod:`overlap.torch.shard_errors`).
 """
 
 from __future__ import annotations
@@ -530,14 +532,14 @@ def _shard(module: nn.Module, split: Mapping[str, int], comm: AxisComm) -> nn.Mo
     return shard
 
 
-_HEADS = ("num_heads", "n_heads")
+HEADS = ("num_heads", "n_heads", "n_head")
 
 
 def _heads_owners(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple[str, str]]:
     colwise = [k for k, s in plan.items() if isinstance(s, ColwiseParallel)]
     found = []
     for name, sub in module.named_modules():
-        for attr in _HEADS:
+        for attr in HEADS:
             if isinstance(getattr(sub, attr, None), int) and any(
                     k.startswith(f"{name}.") if name else True for k in colwise):
                 found.append((name, attr))

@@ -50,6 +50,7 @@ from .clip import clip_grad_norm_, total_norm
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
+from .shard_errors import shard_failure
 from .split_backward import Weights, stage_backward_input, stage_backward_weight
 from .stages import META, LocalStage, StageFn, build_stages, check_seed
 from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
@@ -763,7 +764,13 @@ class TorchPipeline:
                 xt = to_torch(x, ctx)
                 if s > 0 and train:
                     xt.requires_grad_(True)  # its .grad is what backward returns
-                y = modules[ctx.device](xt)
+                try:
+                    y = modules[ctx.device](xt)
+                except Exception as exc:  # (a shard's shape error says what to do)
+                    tp = self.tp[s]
+                    if tp is None or isinstance(exc, OverlapRuntimeError):
+                        raise
+                    raise shard_failure(tp, s, ctx.device, exc) from exc
                 if train:
                     ctx.saved["x"] = xt
                 if last:
