@@ -492,6 +492,7 @@ class Runtime:
         options: PlanOptions | None = None,
         graph: StepGraph | None = None,
         max_activations: int | Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> list[float]:
         """Run one training step (forward and backward of every microbatch); return the losses.
 
@@ -505,9 +506,11 @@ class Runtime:
         :class:`~scheduler.Schedule`; ``options``: how boundaries are planned. The step graph
         is lowered off the event loop and cached per configuration; or pass ``graph``,
         lowered by the caller (``scheduler.lower``: the very graph one simulated), instead of
-        ``schedule`` and ``options``.
+        ``schedule`` and ``options``. ``timeout``: this step's bound (every wait and op of
+        it) instead of the runtime's; under a launcher, the same on every process.
         """
         self._check_open()
+        _check_bound(timeout)
         check_pipeline(stages, boundaries, input_sharding, microbatches, self._array_types())
         if max_activations is not None and schedule != "auto":
             raise ValueError("max_activations: only schedule='auto' chooses under a cap; a "
@@ -545,7 +548,8 @@ class Runtime:
             table = await self._call("train_step", graph, go, subject="the step graph",
                                      channels=step_channels(graph, boundaries, stages),
                                      digest=digest, trace=trace,
-                                     payload=losses if self.world.distributed else None)
+                                     payload=losses if self.world.distributed else None,
+                                     timeout=timeout)
         finally:
             range_end(step_range)
             if window is not None and index == window.stop - 1:
@@ -735,10 +739,12 @@ class Runtime:
     async def _call(self, what: str, graph: StepGraph, launch: Callable[[CancelScope], Any],
                     *, channels: Any, subject: str = "", digest: bytes = b"",
                     members: tuple[int, ...] | None = None,
-                    payload: Callable[[], bytes] | None = None, trace: Trace | None = None
-                    ) -> Any:
+                    payload: Callable[[], bytes] | None = None, trace: Trace | None = None,
+                    timeout: float | None = None) -> Any:
         """Run one call as a scope (:class:`~overlap.call.Call`), one at a time, recording
-        its ops into ``trace`` if given. Returns the end-of-call table across processes."""
+        its ops into ``trace`` if given, bounded by ``timeout`` instead of the runtime's when
+        given (every wait of the backend reads its one ``Bound``). Returns the end-of-call
+        table across processes."""
         refuse_reentry(what, self.backend)
         async with self._gate:
             self._check_open()
@@ -752,10 +758,15 @@ class Runtime:
                     self._check_open()
             call = Call(self.backend, self.scope, what, graph, self.backend.dist, trace=trace,
                         dump=self._hang_dump)
+            bound = self.backend.bound
+            usual = bound.seconds
+            if timeout is not None:
+                bound.seconds = timeout
             try:
                 table = await call.run(launch, channels=channels, digest=digest,
                                        members=members, payload=payload, subject=subject)
             finally:
+                bound.seconds = usual
                 self._unsettled = call.unsettled
                 if call.lost is not None:
                     self._lost = call.lost
@@ -882,3 +893,9 @@ class Runtime:
     async def __aexit__(self, tp: object, error: BaseException | None, tb: object) -> None:
         refuse_reentry("close", self.backend)
         await asyncio.to_thread(self._close, error, error is None)
+
+
+def _check_bound(timeout: float | None) -> None:
+    """A call's own bound: None (the runtime's) or seconds > 0 (ValueError naming it)."""
+    if timeout is not None:
+        check_seconds("timeout", timeout)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from overlap.backends import wire
+from overlap.backends.bound import Bound
 from overlap.backends.engine import Engine
 from overlap.backends.host_links import HostLinks
 from overlap.backends.routes import Route
@@ -42,6 +43,7 @@ class Backend:
 
     def __init__(self, rank: int, placement: Placement, timeout: float) -> None:
         self.rank, self.placement, self.timeout = rank, placement, timeout
+        self.bound = Bound(timeout)
 
 
 class Dist:

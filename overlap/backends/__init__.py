@@ -20,8 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from scheduler.errors import check_seconds
+
 from ..world import Placement, World
 from .backend import SETTLE_GRACE_S, Backend, Remote
+from .bound import Bound
 from .cpu import CpuDevices
 from .engine import Backoff
 from .routes import Route
@@ -44,20 +47,21 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
     processes: every rank calls it, from the main thread, in the same order."""
     if name not in BACKENDS:
         raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
+    bound = Bound(check_seconds("timeout", timeout))  # (one, shared by every part that waits)
     if name == "cuda":
         from .cuda import CudaDevices
 
-        devices: Any = CudaDevices(timeout=timeout)
+        devices: Any = CudaDevices(timeout=bound)
     else:
         devices = CpuDevices()
     if world is None or not world.distributed:
-        return Backend(devices, num_devices, timeout=timeout, link_time=link_time)
+        return Backend(devices, num_devices, timeout=bound, link_time=link_time)
     return _joined(devices, num_devices, world, placement or Placement.blocks(
-        num_devices, world.size), timeout, host_links, grace, poll)
+        num_devices, world.size), bound, host_links, grace, poll)
 
 
 def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
-            timeout: float, host_links: bool | None, grace: float,
+            timeout: Bound, host_links: bool | None, grace: float,
             poll: Backoff | None) -> Backend:
     from ..world import mpi_world_comm
     from .bootstrap import Bootstrap, MpiBootstrap, TorchBootstrap
@@ -82,7 +86,7 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
                              f"links (it has no MPI); {HOST_LINKS_ENV}=0 / host_links=False "
                              "need an MPI launcher")
         comm: Any = None
-        boot: Bootstrap = TorchBootstrap(world.rank, world.size, timeout)
+        boot: Bootstrap = TorchBootstrap(world.rank, world.size, timeout.seconds)
     else:
         comm = mpi_world_comm("a multi-process world")
         if comm.Get_size() != world.size or comm.Get_rank() != world.rank:

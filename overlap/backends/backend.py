@@ -17,6 +17,7 @@ from scheduler.errors import check_seconds
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope, Waiter
 from ..world import Placement
+from .bound import Bound
 from .collectives import Communicators
 from .routes import Route
 from .streams import Busy, Event, Stream, Trace
@@ -68,12 +69,15 @@ class Backend:
             process drives every device.
     """
 
-    def __init__(self, devices: Any, num_devices: int, *, timeout: float = 30.0,
+    def __init__(self, devices: Any, num_devices: int, *, timeout: float | Bound = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None,
                  placement: Placement | None = None, rank: int = 0) -> None:
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices: expected an int >= 1, got {num_devices!r}")
-        self.timeout = check_seconds("timeout", timeout)
+        if not isinstance(timeout, Bound):
+            timeout = Bound(check_seconds("timeout", timeout))
+        # Every wait of the backend reads it (``bound``): a call may widen it for itself.
+        self.bound = timeout
         self.devices = devices
         self.name: str = devices.name
         self.xp: Any = devices.xp  # the array module: numpy or cupy
@@ -83,7 +87,7 @@ class Backend:
         self.placement = placement
         self.rank = rank
         self._owned = frozenset(placement.devices_of(rank)) if placement is not None else None
-        self.comms = Communicators(self.timeout)
+        self.comms = Communicators(self.bound)
         self.local = devices.transport(self)
         self.remote: Remote | None = None  # set by a multi-process flavour
         # The control plane of a multi-process job (a ``distributed.Distributed``).
@@ -92,6 +96,11 @@ class Backend:
         self._lock = threading.Lock()
         self._closed = False
         self.lost: list[Busy] = []  # ops whose stream threads were abandoned, stuck in them
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a wait may last now (see ``bound``)."""
+        return self.bound.seconds
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, {self.num_devices} devices)"

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
 from ..scope import CancelScope, sleep
+from .bound import Bound, bound_of
 
 
 class _Slot:
@@ -43,15 +44,19 @@ class _Slot:
 class Communicator:
     """Collectives among a fixed group of this process's devices (see module doc)."""
 
-    def __init__(self, devices: tuple[int, ...], timeout: float) -> None:
+    def __init__(self, devices: tuple[int, ...], timeout: float | Bound) -> None:
         self.devices = devices
-        self.timeout = timeout
+        self.bound = bound_of(timeout)
         self._cv = threading.Condition(threading.Lock())
         self._next: dict[int, int] = dict.fromkeys(devices, 0)
         self._slots: dict[int, _Slot] = {}
         # The launch position whose ``combine`` is running (the same op has the same
         # position on every process: combines that cross processes name their messages by it)
         self.position = -1
+
+    @property
+    def timeout(self) -> float:
+        return self.bound.seconds
 
     def run(self, device: int, desc: str, contribution: Any,
             combine: Callable[[dict[int, Any]], Any], scope: CancelScope) -> Any:
@@ -130,8 +135,8 @@ class Communicators:
     a stream's (a channel's, a lane's), so collectives issued from different streams never
     share launch positions (NCCL needs a communicator per concurrently used stream too)."""
 
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
+    def __init__(self, timeout: float | Bound) -> None:
+        self.bound = bound_of(timeout)
         self._lock = threading.Lock()
         self._comms: dict[tuple[str, tuple[int, ...]], Communicator] = {}
 
@@ -140,7 +145,7 @@ class Communicators:
         with self._lock:
             comm = self._comms.get(key)
             if comm is None:
-                comm = self._comms[key] = Communicator(key[1], self.timeout)
+                comm = self._comms[key] = Communicator(key[1], self.bound)
             return comm
 
     def forget(self) -> None:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CollectiveAborted, DeviceFault, DeviceTimeout, OverlapRuntimeError
+from .bound import Bound, bound_of
 from .local import LocalTransport
 from .streams import InFlight
 
@@ -151,7 +152,7 @@ class CudaDevices:
     # kernels (the stand-in: 110.7 -> 88.9 µs of host per op; docs/benchmarks.md).
     poll_s = 0.0
 
-    def __init__(self, *, timeout: float = 30.0, num_gpus: int | None = None) -> None:
+    def __init__(self, *, timeout: float | Bound = 30.0, num_gpus: int | None = None) -> None:
         cp = _cupy()
         available = gpu_count()
         if available < 1:
@@ -159,7 +160,7 @@ class CudaDevices:
         if num_gpus is not None and not 1 <= num_gpus <= available:
             raise ValueError(f"num_gpus: {num_gpus} not in 1..{available} visible GPUs")
         self.xp = cp
-        self.timeout = timeout
+        self.bound = bound_of(timeout)  # (the backend's, when it makes the kind)
         self.num_gpus = num_gpus or available
         self.pinned: int | None = None  # across processes: this process's one GPU
         self.waiters = CompletionWaiters()
@@ -171,6 +172,10 @@ class CudaDevices:
         self._keep_lock = threading.Lock()
         self.nccl: Any = None  # the in-process NCCL groups (made with the transport)
         self._join_streams: dict[int, Any] = {}  # per GPU: where a call's ends are joined
+
+    @property
+    def timeout(self) -> float:
+        return self.bound.seconds
 
     def physical(self, device: int) -> int:
         return self.pinned if self.pinned is not None else device % self.num_gpus

@@ -70,6 +70,7 @@ import numpy as np
 from ..errors import CallMismatch, CollectiveAborted, CollectiveTimeout, RankFailed
 from ..scope import CancelScope
 from ..world import Placement, World, describe
+from .bound import Bound, bound_of
 from .engine import Completion, Engine
 from .host_links import HostLinks
 from .mpi import MpiReceive
@@ -135,7 +136,8 @@ class Distributed:
     """One rank's control plane (see module doc), on its progress ``engine``."""
 
     def __init__(self, world: World, placement: Placement, engine: Engine, comm: Any,
-                 links: HostLinks | None, *, timeout: float, grace: float = 5.0) -> None:
+                 links: HostLinks | None, *, timeout: float | Bound,
+                 grace: float = 5.0) -> None:
         if comm is None:  # (torchrun: no MPI; links join every pair of ranks)
             if links is None or len(links.peers) != world.size - 1:
                 raise RuntimeError("a job without MPI needs links between every two ranks")
@@ -150,7 +152,7 @@ class Distributed:
         self.local_devices = placement.devices_of(world.rank)
         self.engine = engine
         self.links = links
-        self.timeout = timeout
+        self.bound = bound_of(timeout)  # (the backend's: a call may widen it)
         self.grace = grace
         self.comm = comm  # COMM_WORLD: duplicated, never used directly (None: no MPI)
         # Collective over every rank, in the same order everywhere (main thread).
@@ -184,6 +186,10 @@ class Distributed:
             engine.every(LISTEN_TICK_S, self._listen)
         _LIVE.add(self)
         _install_exit_guards()
+
+    @property
+    def timeout(self) -> float:
+        return self.bound.seconds
 
     def describe(self) -> str:
         return describe(self.world, self.local_devices)

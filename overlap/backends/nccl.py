@@ -43,6 +43,7 @@ from scheduler.dtypes import NARROW_FLOATS
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope
+from .bound import Bound, bound_of
 from .nccl_bootstrap import bootstrap_nccl
 from .routes import Route
 
@@ -221,15 +222,19 @@ class NcclLinks:
     """This rank's NCCL communicators across processes, keyed by channel (or (namespace,
     group)): the NCCL calls :class:`NcclTransport` makes."""
 
-    def __init__(self, comm: Any, rank: int, *, timeout: float) -> None:
+    def __init__(self, comm: Any, rank: int, *, timeout: float | Bound) -> None:
         self._boot = comm  # an MPI communicator of every rank: carries the unique ids
         self.rank = rank
-        self.timeout = timeout
+        self.bound = bound_of(timeout)
         self._comms: dict[Any, Any] = {}
         # This process's one GPU: NCCL calls on it from several threads (channel threads, the
         # compute thread) at once are unsafe; each call only enqueues, so holding this while
         # it does blocks nobody for long.
         self._issue = threading.Lock()
+
+    @property
+    def timeout(self) -> float:
+        return self.bound.seconds
 
     @staticmethod
     def _nccl() -> Any:
@@ -312,7 +317,7 @@ class NcclTransport:
         self.placement = backend.placement
         self.rank = backend.rank
         self._links = self.links_class(dist.bootstrap_comm(), world.rank,
-                                       timeout=backend.timeout)
+                                       timeout=backend.bound)
         self._members: dict[Any, tuple[int, ...]] = {}
         self._aborter = _Aborter(self._links.abort)
 

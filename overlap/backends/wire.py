@@ -132,14 +132,18 @@ class WireTransport:
             raise OverlapRuntimeError("a wire without MPI needs links to every other rank")
         self.tag_ub = dist.tag_ub if mpi is None else mpi.tag_ub
         self.chunk_bytes = chunk_bytes  # a broadcast's pieces (None: piece_bytes's choice)
-        self.timeout = backend.timeout
-        self.comms = Communicators(backend.timeout)  # this rank's participants' rendezvous
+        self.bound = backend.bound
+        self.comms = Communicators(backend.bound)  # this rank's participants' rendezvous
         self._channels: dict[str, int] = {}  # namespace -> channel id (the same on every rank)
         self._group_ids: dict[tuple[str, tuple[int, ...]], int] = {}
         # Set to a list to time every cross-rank hop this rank takes part in (a
         # ``HopTiming`` each; ``benchmarks/mpi_step_profile.py``); None: not timed.
         self.hop_timings: list[HopTiming] | None = None
         self._spans: dict[tuple[int, ...], bool] = {}
+
+    @property
+    def timeout(self) -> float:
+        return self.bound.seconds
 
     # ---- communicators (every rank, same order) ------------------------------------------
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from ..world import max_over_ranks, sum_over_ranks
 
-if TYPE_CHECKING:
-    from .pipeline import TorchPipeline
+# (``pipe``: a TorchPipeline — typed Any, as this module is imported by its own.)
+TorchPipeline = Any
 
 
 def counted_once(pipe: TorchPipeline) -> Iterator[torch.Tensor]:

@@ -38,6 +38,7 @@ from scheduler import (
     Schedule,
     Sharding,
 )
+from scheduler.errors import check_seconds
 from scheduler.lowering import Boundaries
 
 from ..errors import OverlapRuntimeError, StageTimeout
@@ -47,6 +48,7 @@ from .bounded import call_within
 from .checkpoint import LoadResult, load, stage_state
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
 from .clip import clip_grad_norm_, total_norm
+from .compiled import CompileBounds, shapes_of
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
@@ -97,6 +99,9 @@ class TorchPipeline:
         seed: with a factory, stage ``s`` is built under ``torch.manual_seed(seed + s)``
             on a forked RNG — the same on every process (default ``torch.initial_seed()``:
             seed torch alike on every process, or pass it).
+        compile_timeout: where a stage module is compiled (``torch.compile``), the bound of
+            a step on shapes it has not run yet — and of its shape probe — instead of the
+            runtime's ``timeout``: a first compile is not a hang (:mod:`overlap.torch.compiled`).
 
     Intra-stage parallelism: a stage without a plan is **replicated** — every device of its
     mesh runs the whole stage on the whole microbatch (layouts ``P()``). A stage with a plan
@@ -110,8 +115,9 @@ class TorchPipeline:
                  meshes: Sequence[DeviceMesh], loss_fn: LossFn, *,
                  plans: Sequence[Any] | None = None, axis: str | None = None,
                  num_threads: int | None = None, rt: Runtime | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, compile_timeout: float = 600.0) -> None:
         self.num_threads = check_threads(num_threads)
+        check_seconds("compile_timeout", compile_timeout)
         self.meshes = check_meshes(meshes)
         # Devices this process drives (None: all of them, one process).
         self._local: frozenset[int] | None = self._local_of(rt)
@@ -126,6 +132,8 @@ class TorchPipeline:
         self._meta_away()
         self.modules = check_modules(modules, self.meshes,
                                      [None if t is None else t.modules for t in self.tp])
+        # A step on shapes compiled modules have not run is bounded by compile_timeout.
+        self._compile = CompileBounds(compile_timeout, self.modules)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (output, target) -> scalar loss "
                             f"tensor, got {type(loss_fn).__name__}")
@@ -432,10 +440,17 @@ class TorchPipeline:
         self._loss_scale = loss_scale
         self._outputs = {} if return_outputs else None
         try:
-            losses = await rt.train_step(stages, boundaries, mbs,
-                                         input_sharding=self._sharding(0, "input",
-                                                                       mbs[0].ndim),
-                                         **step)
+            shapes = shapes_of("eval" if stages is self.eval_stages else "train", mbs)
+            bound = await self._compile.step_bound(rt, shapes)
+            try:
+                losses = await rt.train_step(stages, boundaries, mbs,
+                                             input_sharding=self._sharding(0, "input",
+                                                                           mbs[0].ndim),
+                                             timeout=bound, **step)
+            except Exception as exc:
+                self._compile.explain(exc)
+                raise
+            self._compile.ran(shapes)
             return self._result(rt, losses, len(mbs)) if return_outputs else losses
         finally:
             self._targets = None
@@ -569,7 +584,7 @@ class TorchPipeline:
             return self._boundaries[key]
         if self._probe_lost is not None:
             raise OverlapRuntimeError(self._probe_lost)
-        timeout = rt.backend.timeout
+        timeout = self._compile.probe_bound(rt)
         start = time.perf_counter()
         done, found = call_within(lambda: self._probe(microbatch, target), timeout,
                                   "overlap shape probe")
@@ -581,13 +596,15 @@ class TorchPipeline:
         self._probe_lost = (f"this pipeline's shape probe is still running {what} (abandoned "
                             f"past the timeout, {timeout:g} s): its modules may be in use — "
                             "make a new TorchPipeline (and Runtime)")
-        raise StageTimeout(
+        err = StageTimeout(
             f"{what} never finished its first run on microbatch {i} "
             f"{tuple(microbatch.shape)} {microbatch.dtype} (the shape probe, on the caller's "
             f"process before the step): it has run {seconds:.1f} s (timeout {timeout:g} s). "
             "Its thread is abandoned and this pipeline refuses further steps",
             op=f"{what} (shape probe)", device=self.meshes[s].device_ids[0],
             stream="compute", stage=s, microbatch=i, phase="F", seconds=seconds)
+        self._compile.explain(err)
+        raise err
 
     def boundary_report(self, cluster: Cluster | Runtime, microbatch: torch.Tensor,
                         target: torch.Tensor | None = None,
