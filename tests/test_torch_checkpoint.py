@@ -16,7 +16,12 @@ torch = pytest.importorskip("torch", reason="torch is not installed: pip install
 from torch import nn  # noqa: E402
 
 from overlap import Runtime  # noqa: E402
-from overlap.torch import ColwiseParallel, RowwiseParallel, TorchPipeline  # noqa: E402
+from overlap.torch import (  # noqa: E402
+    ColwiseParallel,
+    RowwiseParallel,
+    TorchPipeline,
+    read_checkpoint,
+)
 from scheduler import Cluster, DeviceMesh  # noqa: E402
 
 PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}
@@ -217,11 +222,11 @@ def test_a_checkpoint_of_two_processes_loads_on_one_and_into_plain_torch(tmp_pat
     sys.path.insert(0, str(jobs))
     import tp_checkpoint as job
 
-    files = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    model = {**files[0]["model"], **files[1]["model"]}
-    optim = {"state": {**files[0]["optim"]["state"], **files[1]["optim"]["state"]},
-             "param_groups": files[0]["optim"]["param_groups"]}
-    assert not set(files[0]["model"]) & set(files[1]["model"])  # each stage written once
+    whole = read_checkpoint(tmp_path)  # the union of the two processes' files
+    model, optim = whole["model"], whole["optim"]
+    assert whole["extra"] == {"step": 2}
+    assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank0-of-2.pt",
+                                                                 "rank1-of-2.pt"]
     reference = nn.Sequential(*(build_stage(job.stage_fn, s, job.SEED) for s in range(3)))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     batches = [job.batch(k) for k in range(3)]
@@ -242,9 +247,8 @@ def test_a_checkpoint_of_two_processes_loads_on_one_and_into_plain_torch(tmp_pat
     meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2, 3, 4], ("tp",)),
               DeviceMesh([5], ("tp",))]
     pipe = TorchPipeline(job.stage_fn, meshes, nn.functional.mse_loss, plans=[None, PLAN, None])
-    pipe.load_state_dict(model)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
-    pipe.load_optimizer_state_dict(opt, optim)
+    assert pipe.load_checkpoint(tmp_path, opt) == {"step": 2}
     with Runtime(Cluster.local(6), timeout=20) as rt:
         _adam_steps(pipe, opt, batches[2:], rt)
     _adam_steps(plain, plain_opt, batches[2:])
@@ -255,3 +259,112 @@ def test_a_checkpoint_of_two_processes_loads_on_one_and_into_plain_torch(tmp_pat
                                        atol=1e-6)
             torch.testing.assert_close(plain[s].state_dict()[key], value, rtol=1e-5,
                                        atol=1e-6)
+    # Saved by 2 processes, resumed by 4 (one device each), which save again: plain torch's.
+    done = launch(launcher, 4, jobs / "tp_checkpoint.py", str(tmp_path), "resume")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    resumed = read_checkpoint(tmp_path / "resumed")
+    assert resumed["extra"] == {"step": 3}
+    assert list(resumed["model"]) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(resumed["model"][key], value, rtol=1e-5, atol=1e-6)
+
+
+# ---- checkpoint directories: refused by name, nothing changed ------------------------------
+
+def _saved(tmp_path):
+    """A one-process TP pipeline after an AdamW step, saved with its optimizer to tmp_path;
+    (pipe, opt)."""
+    pipe = _tp_pipe(_model(0))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    with Runtime(Cluster.local(8), timeout=20) as rt:
+        _adam_steps(pipe, opt, [(x, y)], rt)
+    path = pipe.save_checkpoint(tmp_path, opt, extra={"step": 1})
+    assert path.name == "rank0-of-1.pt" and (tmp_path / "checkpoint.json").exists()
+    return pipe, opt
+
+
+def _snapshot(pipe, opt):
+    return ({k: v.clone() for k, v in pipe.state_dict().items()},
+            {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()})
+
+
+def _assert_unchanged(pipe, opt, snap):
+    model, state = snap
+    for k, v in pipe.state_dict().items():
+        assert torch.equal(v, model[k]), k
+    assert {id(p) for p in opt.state} == set(state)
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, state[id(p)][k]), k
+
+
+def test_a_checkpoint_loads_into_another_plan_with_its_optimizer(tmp_path):
+    pipe, _ = _saved(tmp_path)
+    other = _replicated_pipe(_model(5))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.5)
+    assert other.load_checkpoint(tmp_path, other_opt) == {"step": 1}
+    for key, value in pipe.state_dict().items():
+        torch.testing.assert_close(other.state_dict()[key], value)
+    assert other_opt.param_groups[0]["lr"] == 0.01  # (the saved hyperparameters)
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("no manifest", r"directory: .* has no checkpoint.json"),
+    ("another save", r"is not of this checkpoint's save"),
+    ("missing file", r"rank0-of-1.pt is missing"),
+    ("not a directory", r"is not a directory"),
+])
+def test_a_damaged_checkpoint_is_named_and_changes_nothing(tmp_path, damage, match):
+    _saved(tmp_path)
+    target = tmp_path
+    if damage == "no manifest":
+        (tmp_path / "checkpoint.json").unlink()
+    elif damage == "another save":  # a file of an earlier save, under this save's name
+        part = torch.load(tmp_path / "rank0-of-1.pt", weights_only=True)
+        part["save_id"] -= 1.0
+        torch.save(part, tmp_path / "rank0-of-1.pt")
+    elif damage == "missing file":
+        (tmp_path / "rank0-of-1.pt").unlink()
+    else:
+        target = tmp_path / "checkpoint.json"
+    pipe = _tp_pipe(_model(3))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.5)
+    snap = _snapshot(pipe, opt)
+    with pytest.raises(ValueError, match=match):
+        pipe.load_checkpoint(target, opt)
+    _assert_unchanged(pipe, opt, snap)
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_a_refused_model_puts_the_optimizer_back(tmp_path):
+    # The optimizer's state loads first; the model's then fails (a stage of other widths):
+    # the optimizer is as it was, state and hyperparameters.
+    _saved(tmp_path)
+    pipe = _tp_pipe(_model(3))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.5)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    with Runtime(Cluster.local(8), timeout=20) as rt:
+        _adam_steps(pipe, opt, [(x, y)], rt)
+    whole = read_checkpoint(tmp_path)
+    whole["model"]["2.0.weight"] = torch.zeros(3, 3, dtype=torch.float64)
+    part = torch.load(tmp_path / "rank0-of-1.pt", weights_only=True)
+    part["model"] = whole["model"]
+    torch.save(part, tmp_path / "rank0-of-1.pt")
+    snap = _snapshot(pipe, opt)
+    with pytest.raises(ValueError):
+        pipe.load_checkpoint(tmp_path, opt)
+    _assert_unchanged(pipe, opt, snap)
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_checkpoint_arguments_are_named(tmp_path):
+    pipe = _tp_pipe(_model(0))
+    with pytest.raises(TypeError, match=r"directory: expected a path"):
+        pipe.save_checkpoint(3)
+    with pytest.raises(TypeError, match=r"extra: expected a dict"):
+        pipe.save_checkpoint(tmp_path, extra=[1])
+    pipe.save_checkpoint(tmp_path)  # (no optimizer)
+    with pytest.raises(ValueError, match=r"optimizer: the checkpoint .* without an optimizer"):
+        pipe.load_checkpoint(tmp_path, torch.optim.SGD(pipe.parameters(), lr=0.1))
+    assert pipe.load_checkpoint(tmp_path) is None

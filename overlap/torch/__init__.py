@@ -32,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 from .auto_partition import AutoPartition, auto_partition, measure_layers
 from .checkpoint import LoadResult
+from .checkpoint_files import read_checkpoint
 from .parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -57,4 +58,5 @@ __all__ = ["AutoPartition", "BoundaryReport", "ColwiseParallel", "LoadResult", "
            "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
            "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TensorParallel",
            "TorchPipeline", "auto_partition", "build_stage", "measure_layers", "parallelize",
-           "profiler", "replicate", "stage_backward_input", "stage_backward_weight"]
+           "profiler", "read_checkpoint", "replicate", "stage_backward_input",
+           "stage_backward_weight"]

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +48,7 @@ from ..pipeline import Stage, StageContext
 from ..runtime import Runtime, _schedule
 from .bounded import call_within
 from .checkpoint import LoadResult, load, stage_state
+from .checkpoint_files import load_checkpoint, save_checkpoint
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
 from .clip import clip_grad_norm_, total_norm
 from .compiled import CompileBounds, shapes_of
@@ -329,6 +332,24 @@ class TorchPipeline:
         ``strict`` a missing or unexpected key raises ``KeyError`` naming them; a wrong
         shape or a non-tensor always raises. Nothing is changed when anything raises."""
         return load(self, state_dict, strict, None if self._local is None else set(self._local))
+
+    def save_checkpoint(self, directory: str | os.PathLike[str],
+                        optimizer: torch.optim.Optimizer | None = None,
+                        extra: dict[str, Any] | None = None) -> Path:
+        """Save the model (and ``optimizer``'s state, and ``extra``: plain data such as the
+        step) to ``directory``, one file per process plus a manifest; under a launcher every
+        process calls it together, and when it returns the checkpoint is complete on every
+        process. :meth:`load_checkpoint` reads it back on any number of processes
+        (:mod:`overlap.torch.checkpoint_files`; plain torch: ``read_checkpoint``)."""
+        return save_checkpoint(self, directory, optimizer, extra)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str],
+                        optimizer: torch.optim.Optimizer | None = None,
+                        strict: bool = True) -> dict[str, Any] | None:
+        """Load what :meth:`save_checkpoint` wrote — by any number of processes, another
+        placement or plan — into this process's stages (and ``optimizer``); returns the
+        ``extra`` saved. A refused checkpoint (named) changes nothing."""
+        return load_checkpoint(self, directory, optimizer, strict)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer``'s state (made over :meth:`parameters`) under the plain model's

@@ -1,8 +1,10 @@
-"""Under a launcher with 2 processes: ``python tp_checkpoint.py OUT``. A 3-stage pipeline whose
+"""Under a launcher: ``python tp_checkpoint.py OUT`` (2 processes). A 3-stage pipeline whose
 middle stage is tensor-parallel across both ranks trains two AdamW steps; then every rank
-saves ``pipe.state_dict()`` and ``pipe.optimizer_state_dict(opt)`` (collective: stage 1's
-shards and moments are gathered through the runtime) to ``OUT/rank<r>.pt``. The test merges
-the files and loads them elsewhere (one process, another plan; plain torch)."""
+saves with ``pipe.save_checkpoint(OUT, opt)`` (collective: stage 1's shards and moments are
+gathered through the runtime), and loads it straight back (no barrier of its own).
+``python tp_checkpoint.py OUT resume`` (any number of processes, 4 here): loads OUT into the
+same model on this job's placement, takes the third step and saves to ``OUT/resumed``. The
+test reads both back and compares with plain torch."""
 
 from __future__ import annotations
 
@@ -33,20 +35,31 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> int:
     out = Path(sys.argv[1])
+    resume = sys.argv[2:] == ["resume"]
     torch.set_num_threads(1)
     meshes = [DeviceMesh([0], ("tp",)), DeviceMesh([1, 2], ("tp",)), DeviceMesh([3], ("tp",))]
     with overlap.Runtime(Cluster.local(4), timeout=30) as rt:
-        pipe = TorchPipeline(stage_fn, meshes, nn.functional.mse_loss, rt=rt, seed=SEED,
-                             plans=[None, PLAN, None])
+        pipe = TorchPipeline(stage_fn, meshes, nn.functional.mse_loss, rt=rt,
+                             seed=SEED + 50 if resume else SEED, plans=[None, PLAN, None])
         opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
-        for step in range(2):
+        steps = range(2)
+        if resume:  # (other initial weights: the checkpoint replaces them)
+            extra = pipe.load_checkpoint(out, opt)
+            assert extra == {"step": 2}, extra
+            steps = range(2, 3)
+        for step in steps:
             x, y = batch(step)
             opt.zero_grad()
-            pipe.train_step_sync(rt, x, y, num_microbatches=2, scale_grads=True)
+            pipe.train_step_sync(rt, x, y, num_microbatches=2)
             opt.step()
         # Every rank, together: stage 1's halves meet on rank 0 (its first device's).
-        saved = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)}
-        torch.save(saved, out / f"rank{rt.world.rank}.pt")
+        pipe.save_checkpoint(out / "resumed" if resume else out, opt,
+                             extra={"step": steps[-1] + 1})
+        if not resume:  # read back at once, every rank: complete when save returned
+            before = {k: v.clone() for k, v in pipe.state_dict().items()}
+            assert pipe.load_checkpoint(out, opt) == {"step": 2}
+            for k, v in pipe.state_dict().items():
+                assert torch.equal(v, before[k]), k
         print(f"rank {rt.world.rank}: ok", flush=True)
     return 0
 
