@@ -17,7 +17,7 @@ from scheduler.errors import check_seconds
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope, Waiter
 from ..world import Placement
-from .bound import Bound
+from .bound import Bound, Bounded
 from .collectives import Communicators
 from .routes import Route
 from .streams import Busy, Event, Stream, Trace
@@ -54,7 +54,7 @@ class Remote(Protocol):
     def close(self) -> None: ...
 
 
-class Backend:
+class Backend(Bounded):
     """A device kind and its transports (see module doc): streams, events, collectives, the
     trace clock, and the end of a call's work.
 
@@ -96,11 +96,6 @@ class Backend:
         self._lock = threading.Lock()
         self._closed = False
         self.lost: list[Busy] = []  # ops whose stream threads were abandoned, stuck in them
-
-    @property
-    def timeout(self) -> float:
-        """Seconds a wait may last now (see ``bound``)."""
-        return self.bound.seconds
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, {self.num_devices} devices)"

@@ -23,9 +23,19 @@ class Bound:
         return f"Bound({self.seconds:g} s)"
 
 
+class Bounded:
+    """A part that waits: ``timeout`` is its ``bound``'s seconds now (read at each wait)."""
+
+    bound: Bound
+
+    @property
+    def timeout(self) -> float:
+        return self.bound.seconds
+
+
 def bound_of(timeout: float | Bound) -> Bound:
     """``timeout`` itself if it is a :class:`Bound` (shared), else a new one of its own."""
     return timeout if isinstance(timeout, Bound) else Bound(timeout)
 
 
-__all__ = ["Bound", "bound_of"]
+__all__ = ["Bound", "Bounded", "bound_of"]

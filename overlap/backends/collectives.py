@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
 from ..scope import CancelScope, sleep
-from .bound import Bound, bound_of
+from .bound import Bound, Bounded, bound_of
 
 
 class _Slot:
@@ -41,7 +41,7 @@ class _Slot:
         self.hold = 0.0  # seconds from ``start`` every participant stays (link emulation)
 
 
-class Communicator:
+class Communicator(Bounded):
     """Collectives among a fixed group of this process's devices (see module doc)."""
 
     def __init__(self, devices: tuple[int, ...], timeout: float | Bound) -> None:
@@ -53,10 +53,6 @@ class Communicator:
         # The launch position whose ``combine`` is running (the same op has the same
         # position on every process: combines that cross processes name their messages by it)
         self.position = -1
-
-    @property
-    def timeout(self) -> float:
-        return self.bound.seconds
 
     def run(self, device: int, desc: str, contribution: Any,
             combine: Callable[[dict[int, Any]], Any], scope: CancelScope) -> Any:

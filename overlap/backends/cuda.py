@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CollectiveAborted, DeviceFault, DeviceTimeout, OverlapRuntimeError
-from .bound import Bound, bound_of
+from .bound import Bound, Bounded, bound_of
 from .local import LocalTransport
 from .streams import InFlight
 
@@ -136,7 +136,7 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
-class CudaDevices:
+class CudaDevices(Bounded):
     """The CUDA device kind (see module doc).
 
     Args:
@@ -167,15 +167,9 @@ class CudaDevices:
         self._local = threading.local()  # .stream: the op's stream on this thread
         # Per CUDA stream, in record order: (event, buffers kept alive until it completes).
         self._keepalive: dict[int, collections.deque[tuple[Any, tuple[Any, ...]]]] = {}
-        # Per stream: buffers its ops were done with, until its next record (hold).
-        self._held: dict[int, list[Any]] = {}
         self._keep_lock = threading.Lock()
         self.nccl: Any = None  # the in-process NCCL groups (made with the transport)
         self._join_streams: dict[int, Any] = {}  # per GPU: where a call's ends are joined
-
-    @property
-    def timeout(self) -> float:
-        return self.bound.seconds
 
     def physical(self, device: int) -> int:
         return self.pinned if self.pinned is not None else device % self.num_gpus
@@ -189,13 +183,7 @@ class CudaDevices:
     # ---- a stream's items ----------------------------------------------------------------
 
     def attach(self, stream: Stream) -> None:
-        """(The stream's thread, as it starts.) The thread serves this stream alone: its GPU
-        is made current once, for good, and its CUDA stream made there — each op, record
-        and wait (run on this thread) then enqueues without entering the device again."""
-        gpu = self.physical(stream.device)
-        self.xp.cuda.runtime.setDevice(gpu)
-        self._native(stream)
-        self._local.own = (stream, gpu)
+        """(The stream's thread.) Its CUDA stream is made on first use, under its device."""
 
     def _native(self, stream: Stream) -> Any:
         if stream.native is None:
@@ -205,53 +193,43 @@ class CudaDevices:
         return stream.native
 
     def run(self, stream: Stream, fn: Callable[[], Any]) -> None:
-        """(The stream's thread: its GPU current.) ``fn`` with the CUDA stream current."""
         cp = self.xp
         native = self._native(stream)
-        with native:
+        with cp.cuda.Device(self.physical(stream.device)), native:
             self._local.stream = stream
             try:
                 fn()
             finally:
                 self._local.stream = None
-                own = getattr(self._local, "own", None)
-                # (The op's code may have made another GPU current and left it so.)
-                if own is not None and cp.cuda.runtime.getDevice() != own[1]:
-                    cp.cuda.runtime.setDevice(own[1])
 
     def mark(self, stream: Stream) -> tuple[int, Any]:
-        """A timed event on ``stream`` now (also from another thread: when device work in
-        flight ends, its span's end is marked where that is seen)."""
         cp = self.xp
         gpu = self.physical(stream.device)
-        own = getattr(self._local, "own", None)
-        if own is not None and own[0] is stream:
+        native = self._native(stream)
+        with cp.cuda.Device(gpu):
             ev = cp.cuda.Event()
-        else:
-            with cp.cuda.Device(gpu):
-                ev = cp.cuda.Event()
-        ev.record(self._native(stream))
+            ev.record(native)
         return (gpu, ev)  # CuPy events do not know their device
 
     def record(self, stream: Stream, event: Event) -> None:
-        """(The stream's thread: its GPU current.)"""
         cp = self.xp
-        # For waits only: untimed (cheaper); blocking-sync, so a host thread waiting for it
-        # sleeps instead of spinning.
-        ev = cp.cuda.Event(block=True, disable_timing=True)
-        ev.record(self._native(stream))
+        native = self._native(stream)
+        with cp.cuda.Device(self.physical(stream.device)):
+            # For waits only: untimed (cheaper); blocking-sync, so a host thread waiting for
+            # it sleeps instead of spinning.
+            ev = cp.cuda.Event(block=True, disable_timing=True)
+            ev.record(native)
         event.native = ev
         event.device_wait = self.device_wait
-        held = self._held.pop(id(stream), None)
-        if held:  # (buffers ops before it were done with: see hold)
-            self.keep(ev, *held, stream=stream)
 
     def waited(self, stream: Stream, event: Event, scope: CancelScope | None = None,
                what: str = "") -> None:
         """After the host wait (the other stream enqueued its record): the device-side wait
         (CUDA waits on an unrecorded event are no-ops, so the order matters)."""
-        if event.native is not None:  # (the stream's thread: its GPU current)
-            self._native(stream).wait_event(event.native)
+        if event.native is not None:
+            native = self._native(stream)
+            with self.xp.cuda.Device(self.physical(stream.device)):
+                native.wait_event(event.native)
 
     async def device_wait(self, event: Event) -> None:
         """Until the GPU passed ``event`` — bounded: after a device fault it may never
@@ -350,10 +328,9 @@ class CudaDevices:
 
     # ---- buffers in flight ---------------------------------------------------------------
 
-    def keep(self, event: Any, *buffers: Any, stream: Stream | None = None) -> None:
+    def keep(self, event: Any, *buffers: Any) -> None:
         """Keep ``buffers`` alive until ``event`` (recorded on the calling op's stream)
-        completes — CuPy has no record_stream — and let go of that stream's (``stream``, by
-        default the calling op's) earlier ones
+        completes — CuPy has no record_stream — and let go of that stream's earlier ones
         whose event has (``event`` None: of every stream's whose event has). One stream's
         events complete in the order they were recorded, so only its oldest are looked at:
         a host running a step ahead of the GPU keeps hundreds, and looking at all of them
@@ -361,27 +338,19 @@ class CudaDevices:
         with self._keep_lock:
             if event is None:
                 for kept in self._keepalive.values():
-                    while kept and kept[0][0].done:
-                        kept.popleft()
-                    if kept:  # (out of order: events of a stream other ops recorded on)
-                        left = [(e, b) for e, b in kept if not e.done]
-                        kept.clear()
-                        kept.extend(left)
+                    left = [k for k in kept if not k[0].done]
+                    kept.clear()
+                    kept.extend(left)
                 return
-            if stream is None:
-                stream = getattr(self._local, "stream", None)
+            stream = getattr(self._local, "stream", None)
             kept = self._keepalive.setdefault(id(stream), collections.deque())
             while kept and kept[0][0].done:
                 kept.popleft()
             kept.append((event, buffers))
 
     def hold(self, *buffers: Any) -> None:
-        """Keep ``buffers`` alive until the calling op's stream has run its work so far: until
-        the stream's next record (every lane ends with one), whose event the op's work
-        precedes — not an event of their own per op."""
-        stream = self._local.stream
-        with self._keep_lock:
-            self._held.setdefault(id(stream), []).extend(buffers)
+        """Keep ``buffers`` alive until the calling op's stream has run its work so far."""
+        self.keep(self.arrive(), *buffers)
 
     def current_native(self) -> Any:
         """The calling op's CUDA stream."""
@@ -439,15 +408,14 @@ class CudaDevices:
         if len(cuda) <= 1:
             return cuda + rest
         cp = self.xp
-        gpu = cp.cuda.Device().id
-        with cp.cuda.Device(gpu):
-            stream = self._join_streams.get(gpu)
-            if stream is None:
-                stream = self._join_streams[gpu] = cp.cuda.Stream(non_blocking=True)
-            for e in cuda:
-                stream.wait_event(e.native)
-            ev = cp.cuda.Event(block=True, disable_timing=True)
-            ev.record(stream)
+        gpu = cp.cuda.Device().id  # (the caller's current GPU: its stream and event go there)
+        stream = self._join_streams.get(gpu)
+        if stream is None:
+            stream = self._join_streams[gpu] = cp.cuda.Stream(non_blocking=True)
+        for e in cuda:
+            stream.wait_event(e.native)
+        ev = cp.cuda.Event(block=True, disable_timing=True)
+        ev.record(stream)
         end = backend.new_event("the end of every lane (" + ", ".join(e.label for e in cuda)
                                 + ")")
         end.native = ev
@@ -495,7 +463,6 @@ class CudaDevices:
             self.nccl.destroy()
         with self._keep_lock:
             self._keepalive.clear()
-            self._held.clear()
         self.waiters.close()
         cp = self.xp
         pool = cp.get_default_memory_pool()

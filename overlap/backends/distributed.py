@@ -70,7 +70,7 @@ import numpy as np
 from ..errors import CallMismatch, CollectiveAborted, CollectiveTimeout, RankFailed
 from ..scope import CancelScope
 from ..world import Placement, World, describe
-from .bound import Bound, bound_of
+from .bound import Bound, Bounded, bound_of
 from .engine import Completion, Engine
 from .host_links import HostLinks
 from .mpi import MpiReceive
@@ -132,7 +132,7 @@ def host_links_wanted(host_links: bool | None) -> bool:
     return value == "1"
 
 
-class Distributed:
+class Distributed(Bounded):
     """One rank's control plane (see module doc), on its progress ``engine``."""
 
     def __init__(self, world: World, placement: Placement, engine: Engine, comm: Any,
@@ -186,10 +186,6 @@ class Distributed:
             engine.every(LISTEN_TICK_S, self._listen)
         _LIVE.add(self)
         _install_exit_guards()
-
-    @property
-    def timeout(self) -> float:
-        return self.bound.seconds
 
     def describe(self) -> str:
         return describe(self.world, self.local_devices)

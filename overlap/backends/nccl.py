@@ -43,7 +43,7 @@ from scheduler.dtypes import NARROW_FLOATS
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope
-from .bound import Bound, bound_of
+from .bound import Bound, Bounded, bound_of
 from .nccl_bootstrap import bootstrap_nccl
 from .routes import Route
 
@@ -218,7 +218,7 @@ class NcclGroups:
             c.destroy()
 
 
-class NcclLinks:
+class NcclLinks(Bounded):
     """This rank's NCCL communicators across processes, keyed by channel (or (namespace,
     group)): the NCCL calls :class:`NcclTransport` makes."""
 
@@ -231,10 +231,6 @@ class NcclLinks:
         # compute thread) at once are unsafe; each call only enqueues, so holding this while
         # it does blocks nobody for long.
         self._issue = threading.Lock()
-
-    @property
-    def timeout(self) -> float:
-        return self.bound.seconds
 
     @staticmethod
     def _nccl() -> Any:

@@ -47,6 +47,7 @@ import numpy as np
 
 from ..errors import CollectiveAborted, CollectiveMismatch, OverlapRuntimeError
 from ..scope import CancelScope, Waiter
+from .bound import Bounded
 from .collectives import Communicators, check_alike, reduce_in_order
 from .engine import Completion
 from .routes import Route
@@ -111,7 +112,7 @@ class HopTiming(NamedTuple):
     done: float
 
 
-class WireTransport:
+class WireTransport(Bounded):
     """Collectives whose participants span processes, over wires (see module doc). Part of
     a multi-process CPU backend (its ``remote``)."""
 
@@ -140,10 +141,6 @@ class WireTransport:
         # ``HopTiming`` each; ``benchmarks/mpi_step_profile.py``); None: not timed.
         self.hop_timings: list[HopTiming] | None = None
         self._spans: dict[tuple[int, ...], bool] = {}
-
-    @property
-    def timeout(self) -> float:
-        return self.bound.seconds
 
     # ---- communicators (every rank, same order) ------------------------------------------
 
