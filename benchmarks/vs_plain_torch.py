@@ -4,7 +4,8 @@ The stages are ``GPTStage`` modules of ``examples/gpt_pipeline.py`` (embedding, 
 blocks, LM head). Both sides do the same device work:
 
 - **plain torch**: the same stage modules called one after the other, microbatch by
-  microbatch, ``loss.backward()`` after each (the gradient of the summed losses);
+  microbatch, ``(loss / microbatches).backward()`` after each (the mean, as the pipeline's
+  default);
 - **the pipeline**: ``TorchPipeline.train_step_sync`` with each schedule, every stage on a
   virtual device of its own — on ONE GPU with ``--device cuda`` (so every ratio above 1 is
   host cost and serialization, not physics), on the CPU backend with ``--device cpu``.
@@ -104,6 +105,42 @@ class Row:
         return self.steps[schedule] / self.plain
 
 
+@dataclass(frozen=True)
+class Model:
+    """One size's GPT stages, built the same way for the pipeline and for plain torch, and
+    a step's microbatches (input, target) on ``where``."""
+
+    gpt: Any  # examples/gpt_pipeline.py as a module
+    stage_fn: Callable[[int], Any]
+    meshes: list[Any]
+    cluster: Any
+    mbs: list[tuple[Any, Any]]
+    where: Any  # the torch device
+
+
+def model_of(size: Size, device: str, dtype: str) -> Model:
+    import torch
+
+    from scheduler import Cluster, DeviceMesh
+
+    gpt = gpt_module()
+    dt = getattr(torch, dtype)
+    per = stage_sizes(size)
+    p = size.stages
+
+    def stage_fn(s: int) -> Any:
+        return gpt.GPTStage(size.vocab, size.seq, size.width, size.heads, per[s], s == 0,
+                            s == p - 1).to(dt)
+
+    gen = torch.Generator().manual_seed(0)
+    mb = size.batch // size.microbatches
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    data = [torch.randint(size.vocab, (mb, size.seq + 1), generator=gen).to(where)
+            for _ in range(size.microbatches)]
+    return Model(gpt, stage_fn, [DeviceMesh([[s]], ("host", "gpu")) for s in range(p)],
+                 Cluster(p, 1, nic_gbps=400.0), [(x[:, :-1], x[:, 1:]) for x in data], where)
+
+
 def measure(size: Size, schedules: Sequence[str], device: str, dtype: str, rounds: int,
             warmup: int, log: Callable[[str], None] = print,
             polls: Sequence[float] = (), two_walks: bool = False) -> Row:
@@ -116,41 +153,26 @@ def measure(size: Size, schedules: Sequence[str], device: str, dtype: str, round
 
     import overlap
     from overlap.torch import TorchPipeline, build_stage
-    from scheduler import Cluster, DeviceMesh
 
-    gpt = gpt_module()
     cuda = device == "cuda"
-    dt = getattr(torch, dtype)
-    per = stage_sizes(size)
-    p = size.stages
-
-    def stage_fn(s: int) -> Any:
-        return gpt.GPTStage(size.vocab, size.seq, size.width, size.heads, per[s], s == 0,
-                            s == p - 1).to(dt)
-
-    meshes = [DeviceMesh([[s]], ("host", "gpu")) for s in range(p)]
-    cluster = Cluster(p, 1, nic_gbps=400.0)
-    gen = torch.Generator().manual_seed(0)
-    mb = size.batch // size.microbatches
-    where = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    data = [torch.randint(size.vocab, (mb, size.seq + 1), generator=gen).to(where)
-            for _ in range(size.microbatches)]
-    mbs = [(x[:, :-1], x[:, 1:]) for x in data]
+    model = model_of(size, device, dtype)
+    gpt, mbs = model.gpt, model.mbs
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    with overlap.Runtime(cluster, backend=device) as rt:
-        pipe = TorchPipeline(stage_fn, meshes, gpt.lm_loss, rt=rt, seed=0)
-        reference = [build_stage(stage_fn, s, seed=0).to(where) for s in range(p)]
+    with overlap.Runtime(model.cluster, backend=device) as rt:
+        pipe = TorchPipeline(model.stage_fn, model.meshes, gpt.lm_loss, rt=rt, seed=0)
+        reference = [build_stage(model.stage_fn, s, seed=0).to(model.where)
+                     for s in range(size.stages)]
 
-        def plain() -> None:
+        def plain() -> None:  # (the mean over the microbatches, as the pipeline's default)
             for xm, ym in mbs:
                 h = xm
                 for m in reference:
                     h = m(h)
-                gpt.lm_loss(h, ym).backward()
+                (gpt.lm_loss(h, ym) * (1.0 / len(mbs))).backward()
 
         kind = rt.backend.devices
         default_poll = kind.poll_s
@@ -264,38 +286,21 @@ def split_compute(size: Size, device: str, dtype: str, steps: int, warmup: int,
                   log: Callable[[str], None] = print) -> dict[str, float]:
     """Per stage, the runtime's own compute seconds of a zb-h1 step over a 1f1b step's
     (medians over ``steps`` steps, alternating), and the step's wall time ratio."""
-    import torch
-
     import overlap
     from overlap.torch import TorchPipeline
-    from scheduler import Cluster, DeviceMesh
 
-    gpt = gpt_module()
-    dt = getattr(torch, dtype)
-    per = stage_sizes(size)
+    model = model_of(size, device, dtype)
     p = size.stages
-
-    def stage_fn(s: int) -> Any:
-        return gpt.GPTStage(size.vocab, size.seq, size.width, size.heads, per[s], s == 0,
-                            s == p - 1).to(dt)
-
-    meshes = [DeviceMesh([[s]], ("host", "gpu")) for s in range(p)]
-    gen = torch.Generator().manual_seed(0)
-    mb = size.batch // size.microbatches
-    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-    data = [torch.randint(size.vocab, (mb, size.seq + 1), generator=gen).to(where)
-            for _ in range(size.microbatches)]
-    mbs = [(x[:, :-1], x[:, 1:]) for x in data]
     per_stage: dict[str, list[list[float]]] = {"1f1b": [], "zb-h1": []}
     wall: dict[str, list[float]] = {"1f1b": [], "zb-h1": []}
-    with overlap.Runtime(Cluster(p, 1, nic_gbps=400.0), backend=device) as rt:
-        pipe = TorchPipeline(stage_fn, meshes, gpt.lm_loss, rt=rt, seed=0)
+    with overlap.Runtime(model.cluster, backend=device) as rt:
+        pipe = TorchPipeline(model.stage_fn, model.meshes, model.gpt.lm_loss, rt=rt, seed=0)
         for i in range(warmup + steps):
             for schedule in per_stage:
                 for q in pipe.parameters():
                     q.grad = None
                 t0 = time.perf_counter()
-                pipe.train_step_sync(rt, microbatches=mbs, schedule=schedule)
+                pipe.train_step_sync(rt, microbatches=model.mbs, schedule=schedule)
                 seconds = time.perf_counter() - t0
                 if i < warmup:
                     continue

@@ -12,25 +12,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 "
                                             "(the 'torch' extra) to test overlap.torch")
 
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from torch_reference import assert_grads_match, reference_losses  # noqa: E402
+from torch_reference import Block, assert_grads_match, reference_losses  # noqa: E402
 
 from overlap import Runtime  # noqa: E402
 from overlap.torch import ColwiseParallel, RowwiseParallel, TorchPipeline  # noqa: E402
 from scheduler import Cluster, DeviceMesh  # noqa: E402
 
 CLUSTER = Cluster.preset("p3.8xlarge", 3)
-
-
-class Block(nn.Module):
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(width)
-        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
 def _loss(y):

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: pip install
 from launchers import LAUNCHERS, launch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
-from torch_reference import assert_grads_match, reference_losses  # noqa: E402
+from torch_reference import Block, assert_grads_match, reference_losses  # noqa: E402
 
 from overlap import Runtime  # noqa: E402
 from overlap.torch import (  # noqa: E402
@@ -37,18 +37,6 @@ from scheduler import Cluster, DeviceMesh, P, Sharding  # noqa: E402
 
 CLUSTER = Cluster.preset("p3.8xlarge", 3)
 TIMEOUT = 30.0
-
-
-class Block(nn.Module):
-    """LayerNorm, a column-parallel fc1, GELU, a row-parallel fc2, with a residual."""
-
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(width)
-        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
 MEGATRON = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}

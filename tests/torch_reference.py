@@ -8,6 +8,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -19,6 +21,19 @@ def load_example(filename: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+class Block(nn.Module):
+    """LayerNorm, a column-parallel fc1, GELU, a row-parallel fc2, with a residual (the
+    tensor-parallel tests' stage)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
 def reference_losses(modules, xs, loss_fn, ys=None, scale: float | None = None

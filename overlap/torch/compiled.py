@@ -17,6 +17,7 @@ compiled pipeline says that a compile may have been running and which argument t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -62,8 +63,6 @@ class CompileBounds:
         timeout = rt.backend.timeout
         want = max(timeout, self.compile_timeout) if self.compiled else timeout
         if rt.world.distributed:  # (every process runs the same shapes: all ask together)
-            import asyncio
-
             want = await asyncio.to_thread(max_over_ranks, want, rt.world)
         return None if want == timeout else want
 
