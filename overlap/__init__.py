@@ -32,7 +32,7 @@ from .errors import (
     StageTimeout,
     StreamError,
 )
-from .pipeline import Stage, StageContext
+from .pipeline import GradSync, Stage, StageContext
 from .runtime import Runtime, run
 from .stats import StepHookHandle, StepStats
 
@@ -54,6 +54,7 @@ __all__ = [
     "Runtime",
     "Sharding",
     "ShardingSpec",
+    "GradSync",
     "Stage",
     "StageContext",
     "StageTimeout",

@@ -18,6 +18,14 @@ A stage may split its backward in two, for schedules that run the weight gradien
 gradient needs) and ``backward_weight(ctx) -> None`` accumulates the parameter gradients. A
 full backward ``B`` of such a stage calls one, then the other.
 
+A stage may be **data-parallel** over an axis of its mesh (``Stage(..., data_parallel=
+GradSync(axis, nbytes, reduce))``): each line of devices along the axis holds replicas fed
+different parts of each microbatch (its input layout splits the batch over the axis), and
+once a device has run the stage's last backward of the step, ``reduce(ctx)`` runs there on
+the stage's own stream ``dp<s>`` — a :class:`~scheduler.GradReduce` op of the step graph,
+overlapping the compute stream and every other stage — to combine the replicas' gradients
+with ``ctx.all_reduce(x, axis)`` (through that stream's communicators).
+
 ``ctx`` (:class:`StageContext`) names the device, stage, microbatch and mesh, carries
 ``ctx.saved`` — a dict shared by the F and B of the same (stage, device, microbatch) — and
 offers mesh collectives (``ctx.all_reduce``, ``ctx.all_gather``) that run on the device's
@@ -41,9 +49,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler import Boundary, Channel, Compute, DeviceMesh, Op, Sharding, StepGraph
+from scheduler import (
+    Boundary,
+    Channel,
+    Compute,
+    DataParallel,
+    DeviceMesh,
+    GradReduce,
+    Op,
+    Sharding,
+    StepGraph,
+)
 from scheduler.dtypes import is_floating
-from scheduler.graph import buffers_used, input_channel, output_channel
+from scheduler.graph import buffers_used, dp_stream, input_channel, output_channel, reduce_lines
 from scheduler.lowering import Boundaries, MicrobatchBoundaries, channels, per_microbatch
 from scheduler.regions import region_shape
 
@@ -62,14 +80,27 @@ BackwardWeight = Callable[["StageContext"], None]
 
 
 @dataclass(frozen=True)
+class GradSync:
+    """A stage data-parallel over mesh axis ``axis`` (see module doc): ``reduce(ctx)`` combines
+    one device's parameter gradients — ``nbytes`` of them, what the simulator and ``auto``
+    cost — with the other replicas of its line, after the step's last backward there."""
+
+    axis: str
+    nbytes: int
+    reduce: Callable[["StageContext"], None]
+
+
+@dataclass(frozen=True)
 class Stage:
     """One pipeline stage: its mesh and its SPMD forward and backward functions (and the
-    weight-gradient half of a split backward; see module doc)."""
+    weight-gradient half of a split backward, and a data-parallel stage's gradient
+    reduction; see module doc)."""
 
     mesh: DeviceMesh
     forward: Forward
     backward: Backward
     backward_weight: BackwardWeight | None = None
+    data_parallel: GradSync | None = None
 
 
 @dataclass(frozen=True)
@@ -78,12 +109,14 @@ class StageContext:
 
     device: int
     stage: int
-    microbatch: int
-    phase: str  # "F" or "B"
+    microbatch: int  # (-1 in a gradient reduction: it belongs to the whole step)
+    phase: str  # "F", "B", "I", "W", or "R" (a data-parallel stage's gradient reduction)
     mesh: DeviceMesh
     saved: dict[str, Any]
     _backend: Backend = field(repr=False)
     _scope: CancelScope = field(repr=False)
+    # The communicators its collectives use: the compute stream's, or the dp stream's.
+    _namespace: str = field(default="compute", repr=False)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -110,7 +143,7 @@ class StageContext:
         buf = self.xp.array(x, copy=True)
         self._backend.all_reduce(self._group(axis), self.device, buf,
                                  f"all_reduce s{self.stage} mb{self.microbatch} {self.phase}",
-                                 namespace="compute", scope=self._scope)
+                                 namespace=self._namespace, scope=self._scope)
         return buf
 
     def all_gather(self, x: np.ndarray, axis: str | None = None) -> np.ndarray:
@@ -121,7 +154,7 @@ class StageContext:
         out = xp.empty((len(group), *buf.shape), buf.dtype)
         self._backend.all_gather(group, self.device, buf, out,
                                  f"all_gather s{self.stage} mb{self.microbatch} {self.phase}",
-                                 namespace="compute", scope=self._scope)
+                                 namespace=self._namespace, scope=self._scope)
         return out
 
 
@@ -151,6 +184,15 @@ def check_pipeline(stages: Sequence[Stage], boundaries: Boundaries,
             raise TypeError(f"stages[{s}]: forward and backward must be callables")
         if st.backward_weight is not None and not callable(st.backward_weight):
             raise TypeError(f"stages[{s}]: backward_weight must be a callable or None")
+        dp = st.data_parallel
+        if dp is not None:
+            if not isinstance(dp, GradSync) or not callable(dp.reduce):
+                raise TypeError(f"stages[{s}]: data_parallel must be a GradSync(axis, nbytes, "
+                                f"reduce) or None, got {dp!r}")
+            DataParallel(dp.axis, dp.nbytes)  # (checks both)
+            if dp.axis not in st.mesh.axis_names:
+                raise ValueError(f"stages[{s}]: data_parallel axis {dp.axis!r} is not an axis "
+                                 f"of its mesh {st.mesh!r}")
     if not isinstance(input_sharding, Sharding):
         raise TypeError(f"input_sharding: expected a Sharding, got "
                         f"{type(input_sharding).__name__}")
@@ -187,7 +229,8 @@ def step_channels(graph: StepGraph, boundaries: Boundaries, stages: Sequence[Sta
                   ) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]:
     """The communicators a step's collectives use, in one order on every process: one per
     channel stream (a channel's, and one per lane above 0 of its plan) over both stage
-    meshes, and the groups stage collectives may use (every mesh and every mesh axis line)."""
+    meshes, the groups stage collectives may use (every mesh and every mesh axis line), and
+    each data-parallel stage's lines on its ``dp<s>`` stream."""
     chans: dict[str, tuple[int, ...]] = {}
     first = boundaries.per[0] if isinstance(boundaries, MicrobatchBoundaries) else boundaries
     for channel, b, _, _ in channels(first):
@@ -195,7 +238,9 @@ def step_channels(graph: StepGraph, boundaries: Boundaries, stages: Sequence[Sta
         for name in graph.comm_streams.get(channel, (str(channel),)):
             chans[name] = devices
     groups = sorted({g for st in stages for g in mesh_groups(st.mesh)})
-    return chans, [("compute", g) for g in groups]
+    reduced = [(dp_stream(s), tuple(sorted(line))) for s, dp in graph.data_parallel.items()
+               for line in reduce_lines(graph.stages[s], dp.axis)]
+    return chans, [("compute", g) for g in groups] + sorted(reduced)
 
 
 def launch_step(
@@ -288,6 +333,8 @@ class _Binder:
 
     def _bind(self, op: Op, device: int) -> Callable[[], Any]:
         body = op.body
+        if isinstance(body, GradReduce):
+            return self._reduce(body, device)
         if isinstance(body, Compute):
             seconds = self.compute_time(body.stage, body.kind) if self.compute_time else 0.0
             return _emulated(self._compute(body, device), seconds, self.scope, str(body))
@@ -347,6 +394,17 @@ class _Binder:
                 check_loss(y, what)
                 if d == stage.mesh.device_ids[0]:
                     state.losses[i] = y  # float() after the step: no device sync here
+        return body
+
+    def _reduce(self, r: GradReduce, d: int) -> Callable[[], None]:
+        stage = self.stages[r.stage]
+        sync = stage.data_parallel
+        assert sync is not None  # (the runtime lowers reductions from the stages' own)
+
+        def body() -> None:
+            ctx = StageContext(d, r.stage, -1, "R", stage.mesh, {}, self.backend, self.scope,
+                               dp_stream(r.stage))
+            sync.reduce(ctx)
         return body
 
     def _deliver(self, channel: Channel, i: int, d: int, value: Any, what: str) -> None:

@@ -33,6 +33,7 @@ from scheduler import (
     Channel,
     Cluster,
     CostModel,
+    DataParallel,
     DeviceMesh,
     PlanCache,
     PlanOptions,
@@ -235,11 +236,18 @@ def _named_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedu
     return make_schedule(name, num_stages, num_microbatches)
 
 
+def data_parallel_of(stages: Sequence[Stage]) -> dict[int, DataParallel]:
+    """The stages' gradient reductions, as the lowering takes them."""
+    return {s: DataParallel(st.data_parallel.axis, st.data_parallel.nbytes)
+            for s, st in enumerate(stages) if st.data_parallel is not None}
+
+
 def check_graph(graph: StepGraph, meshes: tuple[DeviceMesh, ...],
-                boundaries: Boundaries, num_microbatches: int) -> None:
+                boundaries: Boundaries, num_microbatches: int,
+                data_parallel: Mapping[int, DataParallel] | None = None) -> None:
     """Raise ValueError naming ``graph`` unless it was lowered for these stage meshes,
-    boundaries (every channel's plan moves its boundary's tensor between its layouts) and
-    number of microbatches."""
+    boundaries (every channel's plan moves its boundary's tensor between its layouts),
+    number of microbatches and data-parallel stages."""
     if not isinstance(graph, StepGraph):
         raise TypeError(f"graph: expected a StepGraph, got {type(graph).__name__}")
     if graph.schedule is None or graph.stages != meshes:
@@ -247,6 +255,10 @@ def check_graph(graph: StepGraph, meshes: tuple[DeviceMesh, ...],
     if graph.schedule.num_microbatches != num_microbatches:
         raise ValueError(f"graph: lowered for {graph.schedule.num_microbatches} microbatches, "
                          f"got {num_microbatches}")
+    want = dict(data_parallel or {})
+    if dict(graph.data_parallel) != want:
+        raise ValueError(f"graph: lowered with data-parallel stages {dict(graph.data_parallel)}, "
+                         f"the stages have {want} (lower(..., data_parallel=...))")
     per = per_microbatch(boundaries, num_microbatches)
     rows = range(1) if all(k is None or not isinstance(k, tuple) for k in graph.plans) \
         and len(set(per)) == 1 else range(num_microbatches)
@@ -579,12 +591,12 @@ class Runtime:
             if schedule is not None or options is not None:
                 raise ValueError("graph: give a step graph, or a schedule and options to "
                                  "lower one, not both")
-            check_graph(graph, meshes, boundaries, num_microbatches)
+            check_graph(graph, meshes, boundaries, num_microbatches, data_parallel_of(stages))
             key: Any = ("given", id(graph))
         else:
             sched = _schedule(schedule, len(stages), num_microbatches)
             key = ("lowered", meshes, boundaries_key(boundaries), sched,
-                   options or PlanOptions())
+                   options or PlanOptions(), tuple(sorted(data_parallel_of(stages).items())))
         chosen = graph.schedule if graph is not None else sched
         check_split(stages, chosen.kinds)  # type: ignore[union-attr]
         hit = self._memo.pop(key, None)
@@ -594,7 +606,8 @@ class Runtime:
                 if graph is not None:
                     check_given_graph(graph)
                 g = graph if graph is not None else lower(
-                    meshes, boundaries, key[3], self.cluster, key[4], cache=self.plans)
+                    meshes, boundaries, key[3], self.cluster, key[4], cache=self.plans,
+                    data_parallel=dict(key[5]))
                 return g, (agreement_digest(g) if self.world.distributed else b"")
 
             hit = await asyncio.to_thread(make)
@@ -610,16 +623,18 @@ class Runtime:
         the runtime's compute costs, chosen once per pipeline, microbatch count and options
         (planned off the event loop, like a lowering), then reused."""
         cap = check_caps(max_activations, len(stages))  # bad caps named before any work
+        dp = data_parallel_of(stages)
         key = ("auto", meshes, boundaries_key(boundaries), num_microbatches,
                options or PlanOptions(),
-               None if cap is None else tuple(cap))
+               None if cap is None else tuple(cap), tuple(sorted(dp.items())))
         hit = self._memo.pop(key, None)
         if hit is None:
             costs = self._auto_costs(stages, meshes)
 
             def make() -> tuple[StepGraph, bytes]:
                 choice = auto_schedule(meshes, boundaries, num_microbatches, self.cluster,
-                                       costs, key[4], max_activations=cap, cache=self.plans)
+                                       costs, key[4], max_activations=cap, cache=self.plans,
+                                       data_parallel=dp)
                 log.info("schedule 'auto' chose %s (%.3g s simulated)", choice.schedule.name,
                          choice.seconds)
                 g = choice.graph

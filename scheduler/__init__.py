@@ -13,7 +13,19 @@ from .balance import BALANCES
 from .cluster import Cluster
 from .cost import CostModel, estimate, lower_bound_for, paper_model_time, plan_report
 from .errors import ClusterError, PlanError, ShardingError
-from .graph import COMPUTE, Channel, Compute, Dep, Lane, Op, StepGraph, TransferOp, reshard_graph
+from .graph import (
+    COMPUTE,
+    Channel,
+    Compute,
+    DataParallel,
+    Dep,
+    GradReduce,
+    Lane,
+    Op,
+    StepGraph,
+    TransferOp,
+    reshard_graph,
+)
 from .lowering import Boundary, MicrobatchBoundaries, lower
 from .mesh import DeviceMesh
 from .partition import Layer, PartitionError, PartitionPlan, SearchBudget, StagePlan, partition
@@ -52,6 +64,7 @@ __all__ = [
     "Cluster",
     "ClusterError",
     "Compute",
+    "DataParallel",
     "CostModel",
     "Dep",
     "DeviceMesh",
@@ -81,6 +94,7 @@ __all__ = [
     "Timeline",
     "Transfer",
     "TransferOp",
+    "GradReduce",
     "auto_schedule",
     "compute_only_time",
     "estimate",

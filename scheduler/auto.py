@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .cluster import Cluster
 from .cost import estimate
-from .graph import StepGraph
+from .graph import DataParallel, StepGraph
 from .lowering import Boundaries, MicrobatchBoundaries, channels, lower, per_microbatch
 from .mesh import DeviceMesh
 from .planner import PlanCache, PlanOptions
@@ -106,10 +106,13 @@ def auto_schedule(stages: Sequence[DeviceMesh], boundaries: Boundaries,
                   num_microbatches: int, cluster: Cluster, compute_costs: ComputeCosts,
                   options: PlanOptions | None = None, *,
                   max_activations: int | Sequence[int] | None = None,
-                  cache: PlanCache | None = None) -> AutoChoice:
+                  cache: PlanCache | None = None,
+                  data_parallel: Mapping[int, DataParallel] | None = None) -> AutoChoice:
     """The fastest schedule in simulation that fits ``max_activations`` (microbatches kept
     between F and B per stage: one number for all, or one per stage); see module doc. The
-    backward is split only when ``compute_costs`` gives ``I`` and ``W``."""
+    backward is split only when ``compute_costs`` gives ``I`` and ``W``. ``data_parallel``:
+    stages whose gradients are reduced over a mesh axis (:func:`scheduler.lower`), in every
+    candidate's graph and cost."""
     p, m = len(stages), num_microbatches
     caps = check_caps(max_activations, p)
     cache = cache if cache is not None else PlanCache(cluster)
@@ -133,7 +136,8 @@ def auto_schedule(stages: Sequence[DeviceMesh], boundaries: Boundaries,
         peaks = tuple(sched.peak_activations(s) for s in range(p))
         if caps is not None and any(k > c for k, c in zip(peaks, caps)):
             continue
-        graph = lower(stages, boundaries, sched, cluster, options, cache=cache)
+        graph = lower(stages, boundaries, sched, cluster, options, cache=cache,
+                      data_parallel=data_parallel)
         seconds = simulate(graph, cluster, compute_costs).iteration_time
         tried.append((name, seconds, peaks))
         best.append((seconds, sum(peaks), name, sched, graph))

@@ -132,6 +132,37 @@ class CostModel:
         # a port listed twice would be double-booked, so keep each once.
         return TransferCost(tuple(dict.fromkeys(ports)), latency + fill, nbytes, bw)
 
+    def ring(self, group: Sequence[int]) -> list[Hop]:
+        """The hops of a ring over ``group`` (NCCL's ring all-reduce): the devices host by
+        host, in their order, and back to the first."""
+        c = self.cluster
+        by_host: dict[int, list[int]] = {}
+        for d in group:
+            by_host.setdefault(c.host_of(d), []).append(d)
+        order = [d for devices in by_host.values() for d in devices]
+        return [Hop(a, b, c.host_of(a) != c.host_of(b))
+                for a, b in zip(order, order[1:] + order[:1])]
+
+    def all_reduce_cost(self, group: Sequence[int], nbytes: int) -> TransferCost:
+        """What a ring all-reduce of ``nbytes`` per device over ``group`` needs: every device
+        sends ``2 (n - 1) / n`` of the bytes to its ring neighbour, in ``2 (n - 1)`` steps of
+        the slowest hop's latency; its ports are the ring's, its bandwidth the slowest hop's."""
+        n = len(group)
+        if n < 2:
+            return TransferCost((), 0.0, 0, math.inf)
+        c = self.cluster
+        ports: list[tuple[str, int]] = []
+        bw, latency = math.inf, 0.0
+        for hop in self.ring(group):
+            if hop.network:
+                ports += [(NIC_OUT, c.nic_of(hop.src)), (NIC_IN, c.nic_of(hop.dst))]
+                bw, latency = min(bw, c.nic_bytes_per_s), max(latency, c.nic_latency_s)
+            else:
+                ports += [(GPU_OUT, hop.src), (GPU_IN, hop.dst)]
+                bw, latency = min(bw, c.nvlink_bytes_per_s), max(latency, c.nvlink_latency_s)
+        return TransferCost(tuple(dict.fromkeys(ports)), 2 * (n - 1) * latency,
+                            2 * (n - 1) * nbytes // n, bw)
+
     def latency_of(self, sender: int, receivers: Sequence[int]) -> float:
         """Only the latency terms of a transfer: what a 1-byte message costs (signal mode)."""
         c = self.cluster

@@ -6,9 +6,12 @@ Every device runs streams, as on a GPU: one **compute** stream, and one comm str
 their gradients back; its stream is named ``str(channel)`` (``"fwd0"``), here and nowhere
 else. A (device, stream) pair is a :class:`Lane`.
 
-An :class:`Op` is either a :class:`Compute` — stage ``s``'s F or B of a microbatch on one
-device — or a :class:`TransferOp` — one transfer of a resharding plan, a collective of its
-devices, on their lanes of the channel's stream. Dependencies are explicit:
+An :class:`Op` is a :class:`Compute` — stage ``s``'s F or B of a microbatch on one
+device —, a :class:`TransferOp` — one transfer of a resharding plan, a collective of its
+devices, on their lanes of the channel's stream —, or a :class:`GradReduce` — a stage's
+parameter gradients all-reduced over one line of its mesh's data-parallel axis, on the
+stage's stream ``dp<s>`` once each device of the line ran the stage's last backward of the
+step. Dependencies are explicit:
 
 - **stream order**: ``StepGraph.lanes[lane]`` lists the ops of each lane in FIFO order; an op
   with several lanes (a transfer) starts once it heads all of them;
@@ -28,7 +31,8 @@ simulator and every runtime backend execute this one value.
 **Text form** (a view; :meth:`StepGraph.to_text`, :meth:`StepGraph.with_text`): one line per
 lane, its ops in order; a compute is ``1F0`` (stage 1, F, microbatch 0, as torch's pipelining
 actions), a transfer ``fwd0:3#2`` (channel fwd0, microbatch 3, transfer 2 of the plan; ``#2``
-alone in a standalone resharding); an op's waits on that lane follow ``<``, comma-separated,
+alone in a standalone resharding), a gradient reduction ``dp1:4`` (stage 1's, over the line
+of its data-parallel axis that starts at device 4); an op's waits on that lane follow ``<``, comma-separated,
 ``@d`` marking one recorded on another device::
 
     d0 compute: 0F0 0F1 0B0<bwd0:0#0 0B1<bwd0:1#0
@@ -116,12 +120,14 @@ def output_channel(stage: int, kind: str, p: int) -> Channel | None:
     return Channel("bwd", stage - 1) if stage > 0 else None
 
 
-def buffers_used(body: Compute | TransferOp, p: int) -> tuple[tuple[object, int], ...]:
+def buffers_used(body: Compute | TransferOp | GradReduce, p: int) -> tuple[tuple[object, int], ...]:
     """The per-device step buffers an op uses on each of its devices, as (what, microbatch):
     ``(channel, i)`` — what the channel brings to or takes from the device for microbatch i —
     and, for a compute of stage s, ``(("saved", s), i)`` — the dict that stage's F and B of i
     share (a device may run several stages). A standalone resharding's transfers (no
     channel) use the caller's buffers: none."""
+    if isinstance(body, GradReduce):
+        return ()  # (the stage's parameters' gradients: the user's, not the step's)
     if isinstance(body, TransferOp):
         return () if body.channel is None else ((body.channel, body.microbatch),)
     i = body.microbatch
@@ -184,6 +190,53 @@ class TransferOp:
         return f"{what} s{ch.src_stage}→s{ch.dst_stage} mb{self.microbatch} #{self.index}"
 
 
+@dataclass(frozen=True, slots=True)
+class DataParallel:
+    """A stage whose mesh axis ``axis`` splits each microbatch's batch: every line of devices
+    along it holds replicas whose parameter gradients — ``nbytes`` per device — are summed
+    (and averaged) over the line once the step's backward of the stage is done there."""
+
+    axis: str
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str) or not self.axis:
+            raise TypeError(f"DataParallel axis: expected a mesh axis name, got {self.axis!r}")
+        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) \
+                or self.nbytes < 0:
+            raise ValueError(f"DataParallel nbytes: expected an int >= 0 (the gradients' bytes "
+                             f"per device), got {self.nbytes!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class GradReduce:
+    """Stage ``stage``'s parameter gradients all-reduced over ``group`` — one line of its
+    mesh along the data-parallel axis, in the axis's order — ``nbytes`` per device, on the
+    stage's stream ``dp<stage>``."""
+
+    stage: int
+    group: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def token(self) -> str:
+        """Its cell in :meth:`StepGraph.to_text`: ``dp<stage>:<first device of the line>``."""
+        return f"dp{self.stage}:{self.group[0]}"
+
+    @property
+    def microbatch(self) -> int:
+        """-1: a gradient reduction belongs to the whole step, no microbatch."""
+        return -1
+
+    def __str__(self) -> str:
+        return f"dp all-reduce s{self.stage} over {list(self.group)}"
+
+
+def dp_stream(stage: int) -> str:
+    """The stream a stage's gradient reductions run on, on each device of its mesh."""
+    return f"dp{stage}"
+
+
 class Dep(NamedTuple):
     """This op's lane on device ``dst`` waits for the end of op ``op``, recorded on that op's
     lane on device ``src`` (the same device for a data dependency: events are per device)."""
@@ -198,7 +251,7 @@ class Op:
     """One operation: ``body`` on the ``stream`` of each of ``devices``, after ``waits``."""
 
     id: int
-    body: Compute | TransferOp
+    body: Compute | TransferOp | GradReduce
     stream: str
     devices: tuple[int, ...]
     waits: tuple[Dep, ...] = ()
@@ -253,13 +306,16 @@ class StepGraph:
 
     ``stages`` are the pipeline's stage meshes (empty for a standalone resharding),
     ``schedule`` the schedule it was lowered from (None for a resharding), ``plans`` the
-    resharding plan of each channel (key None: the standalone resharding's)."""
+    resharding plan of each channel (key None: the standalone resharding's),
+    ``data_parallel`` the stages whose gradients are reduced over a mesh axis (their
+    :class:`GradReduce` ops)."""
 
     ops: tuple[Op, ...]
     lanes: Mapping[Lane, tuple[int, ...]]
     stages: tuple[DeviceMesh, ...] = ()
     schedule: Schedule | None = None
     plans: Mapping[PlanKey, ReshardPlan] = field(default_factory=dict)
+    data_parallel: Mapping[int, DataParallel] = field(default_factory=dict)
 
     # ---- derived tables -------------------------------------------------------------------
 
@@ -397,7 +453,7 @@ class StepGraph:
             lanes[lane] = tuple(ids)
         ops = tuple(Op(op.id, op.body, op.stream, op.devices, tuple(waits[op.id]))
                     for op in self.ops)
-        return StepGraph(ops, lanes, self.stages, self.schedule, self.plans)
+        return StepGraph(ops, lanes, self.stages, self.schedule, self.plans, self.data_parallel)
 
     def _lookup(self, token: str, device: int, line: str, n: int) -> int:
         i = self.by_key.get(op_key(token, device))
@@ -417,6 +473,8 @@ class StepGraph:
             "plans": {_plan_key_text(k): json.loads(p.to_json())
                       for k, p in self.plans.items()},
             "streams": {op.key: op.stream for op in self.ops if isinstance(op.body, TransferOp)},
+            "data_parallel": {str(s): [dp.axis, dp.nbytes]
+                              for s, dp in sorted(self.data_parallel.items())},
             "ops": [op.key for op in self.ops],
             "text": self.to_text(),
         })
@@ -433,11 +491,13 @@ class StepGraph:
             _plan_key_of(k): ReshardPlan.from_json(json.dumps(p))
             for k, p in data["plans"].items()
         }
-        ops = tuple(_op_from_key(i, key, plans, data["streams"])
+        stages = tuple(DeviceMesh.from_dict(m) for m in data["stages"])
+        dp = {int(s): DataParallel(axis, nbytes)
+              for s, (axis, nbytes) in data.get("data_parallel", {}).items()}
+        ops = tuple(_op_from_key(i, key, plans, data["streams"], stages, dp)
                     for i, key in enumerate(data["ops"]))
-        bare = cls(ops, {}, tuple(DeviceMesh.from_dict(m) for m in data["stages"]),
-                   None if data["schedule"] is None
-                   else Schedule.from_json(json.dumps(data["schedule"])), plans)
+        bare = cls(ops, {}, stages, None if data["schedule"] is None
+                   else Schedule.from_json(json.dumps(data["schedule"])), plans, dp)
         return bare.with_text(data["text"])
 
     def digest(self) -> bytes:
@@ -456,6 +516,12 @@ class StepGraph:
 
 _COMPUTE_TOKEN = re.compile(r"\d+[FBIW]\d+")
 _TRANSFER_TOKEN = re.compile(r"((fwd|bwd)\d+:\d+)?#\d+")
+_REDUCE_TOKEN = re.compile(r"dp(\d+):(\d+)")
+
+
+def _is_op_token(token: str) -> bool:
+    return bool(_is_compute(token) or _TRANSFER_TOKEN.fullmatch(token)
+                or _REDUCE_TOKEN.fullmatch(token))
 
 
 def _is_compute(token: str) -> bool:
@@ -488,15 +554,24 @@ def _parse_line(line: str, n: int) -> tuple[Lane, list[tuple[str, list[tuple[str
                 raise ValueError(f"text: line {n}: bad device in {dep!r}")
             parsed.append((dep_token, int(src) if at else None))
         for t in (token, *(d for d, _ in parsed)):
-            if not (_is_compute(t) or _TRANSFER_TOKEN.fullmatch(t)):
-                raise ValueError(f"text: line {n}: {t!r} is neither a compute (1F0) nor a "
-                                 "transfer (fwd0:3#2)")
+            if not _is_op_token(t):
+                raise ValueError(f"text: line {n}: {t!r} is neither a compute (1F0), a "
+                                 "transfer (fwd0:3#2) nor a gradient reduction (dp1:4)")
         entries.append((token, parsed))
     return Lane(int(m.group(1)), m.group(2)), entries
 
 
 def _op_from_key(i: int, key: str, plans: Mapping[PlanKey, ReshardPlan],
-                 streams: Mapping[str, str]) -> Op:
+                 streams: Mapping[str, str], stages: tuple[DeviceMesh, ...] = (),
+                 dp: Mapping[int, DataParallel] | None = None) -> Op:
+    m = _REDUCE_TOKEN.fullmatch(key)
+    if m is not None:
+        s, first = int(m.group(1)), int(m.group(2))
+        if dp is None or s not in dp or s >= len(stages) \
+                or first not in stages[s].device_ids:
+            raise ValueError(f"ops[{i}]: {key!r} names no data-parallel line of the graph")
+        group = reduce_line(stages[s], first, dp[s].axis)
+        return Op(i, GradReduce(s, group, dp[s].nbytes), dp_stream(s), group)
     token, at, device = key.partition("@")
     if at:
         m = re.fullmatch(r"(\d+)([FBIW])(\d+)", token)
@@ -530,6 +605,28 @@ def transfer_ops(plan: ReshardPlan, channel: Channel | None, microbatch: int, st
         ops.append(Op(first_id + k, TransferOp(channel, microbatch, k, t), lane_stream(stream, t),
                       t.devices, tuple(waits)))
     return ops
+
+
+def reduce_line(mesh: DeviceMesh, device: int, axis: str) -> tuple[int, ...]:
+    """The devices of ``mesh`` that differ from ``device`` only along ``axis``, in the order
+    of their index along it: the group of a gradient reduction (and of an axis collective)."""
+    ax = mesh.axis_index(axis)
+    coords = mesh.coords()
+    here = coords[device]
+    return tuple(sorted((d for d, c in coords.items()
+                         if all(c[k] == here[k] for k in range(len(c)) if k != ax)),
+                        key=lambda d: coords[d][ax]))
+
+
+def reduce_lines(mesh: DeviceMesh, axis: str) -> list[tuple[int, ...]]:
+    """Every line of ``mesh`` along ``axis`` (:func:`reduce_line`), by first device's order in
+    the mesh; lines of one device are left out (nothing to reduce)."""
+    out: dict[tuple[int, ...], None] = {}
+    for d in mesh.device_ids:
+        line = reduce_line(mesh, d, axis)
+        if len(line) > 1:
+            out.setdefault(line)
+    return list(out)
 
 
 def lane_stream(stream: str, t: Transfer) -> str:

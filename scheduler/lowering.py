@@ -15,6 +15,12 @@ between senders. Every lane lists its ops in that order, so:
   boundaries in front of it (each channel has its own stream);
 - the consumer waits only right before the compute that needs it;
 - every channel's collectives have one launch order, the same on all their devices.
+
+A stage with ``data_parallel`` gets, right after the schedule's last backward (B or W) of the
+stage, one :class:`~scheduler.graph.GradReduce` per line of its mesh along the axis, on the
+stage's stream ``dp<s>``: each device of the line waits there for its own last backward of
+the stage, so the reduction runs while the device's compute stream (and every other stage)
+goes on.
 """
 
 from __future__ import annotations
@@ -30,14 +36,18 @@ from .graph import (
     COMPUTE,
     Channel,
     Compute,
+    DataParallel,
     Dep,
+    GradReduce,
     Op,
     PlanKey,
     StepGraph,
     input_channel,
+    dp_stream,
     lanes_of,
     output_channel,
     plan_for,
+    reduce_lines,
     transfer_ops,
 )
 from .mesh import DeviceMesh
@@ -152,6 +162,7 @@ def lower(
     *,
     plans: Mapping[Channel, ReshardPlan] | None = None,
     cache: PlanCache | None = None,
+    data_parallel: Mapping[int, DataParallel] | None = None,
 ) -> StepGraph:
     """Lower ``schedule`` over ``stages`` to the step graph every consumer executes.
 
@@ -163,6 +174,8 @@ def lower(
     Channels are planned with ``options`` (through ``cache`` when given, so a caller that
     lowers often plans each boundary once); ``plans`` gives some channels' plans instead
     (checked: the channel's layouts, shape and dtype, and the plan's invariants).
+    ``data_parallel[s]``: stage ``s``'s gradients are reduced over that mesh axis after its
+    last backward (see module doc; not for a forward-only schedule).
     """
     stages = tuple(stages)
     if not isinstance(schedule, Schedule):
@@ -179,16 +192,43 @@ def lower(
         raise ValueError("cache: expected a PlanCache of this cluster")
     cache = cache if cache is not None else PlanCache(cluster)
     options = options or PlanOptions()
+    dp = check_data_parallel(data_parallel, stages, schedule)
     if len(distinct) == 1:
         return _build(stages, schedule, _plan_channels(distinct[0], cluster, options,
-                                                       plans or {}, cache))
+                                                       plans or {}, cache), dp)
     if plans:
         raise ValueError("plans: given plans fit one shape per channel; with boundaries that "
                          "differ by microbatch every shape is planned (leave plans out)")
     by_row = {row: _plan_channels(row, cluster, options, {}, cache) for row in distinct}
     keyed: dict[PlanKey, ReshardPlan] = {
         (channel, i): plan for i, row in enumerate(per) for channel, plan in by_row[row].items()}
-    return _build(stages, schedule, keyed)
+    return _build(stages, schedule, keyed, dp)
+
+
+def check_data_parallel(data_parallel: Mapping[int, DataParallel] | None,
+                        stages: tuple[DeviceMesh, ...], schedule: Schedule
+                        ) -> dict[int, DataParallel]:
+    """``data_parallel`` checked against the stages (each key a stage whose mesh has the
+    axis; none for a forward-only schedule), as a plain dict."""
+    if data_parallel is None:
+        return {}
+    if not isinstance(data_parallel, Mapping):
+        raise TypeError(f"data_parallel: expected a mapping stage -> DataParallel, got "
+                        f"{type(data_parallel).__name__}")
+    out: dict[int, DataParallel] = {}
+    for s, dp in data_parallel.items():
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < len(stages):
+            raise ValueError(f"data_parallel: key {s!r} is not a stage (0..{len(stages) - 1})")
+        if not isinstance(dp, DataParallel):
+            raise TypeError(f"data_parallel[{s}]: expected a DataParallel, got "
+                            f"{type(dp).__name__}")
+        if dp.axis not in stages[s].axis_names:
+            raise ValueError(f"data_parallel[{s}]: stage {s}'s mesh {stages[s]!r} has no axis "
+                             f"{dp.axis!r}")
+        out[s] = dp
+    if out and schedule.forward_only:
+        raise ValueError("data_parallel: a forward-only schedule has no gradients to reduce")
+    return out
 
 
 def channels(boundaries: Sequence[Boundary]
@@ -236,14 +276,19 @@ def _plan_channels(boundaries: tuple[Boundary, ...], cluster: Cluster, options: 
 
 
 def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
-           plans: dict[PlanKey, ReshardPlan]) -> StepGraph:
+           plans: dict[PlanKey, ReshardPlan],
+           data_parallel: dict[int, DataParallel] | None = None) -> StepGraph:
     """The ops in the global launch order (see module doc), and every lane's order."""
     p = len(stages)
     ops: list[Op] = []
+    dp = data_parallel or {}
+    order = list(dependency_order(schedule))
+    # Each data-parallel stage's last backward action: its reductions follow it.
+    last_backward = {s: k for k, (s, a) in enumerate(order) if a.kind in ("B", "W")}
     # (channel, microbatch) -> device -> the transfer ops it takes part in (what the compute
     # that consumes the data there waits for).
     delivered: dict[tuple[Channel, int], dict[int, list[int]]] = {}
-    for s, action in dependency_order(schedule):
+    for k, (s, action) in enumerate(order):
         i, kind = action.microbatch, action.kind
         into = input_channel(s, kind, p)
         got = delivered.pop((into, i), {}) if into is not None else {}
@@ -253,6 +298,10 @@ def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
             here[d] = Dep(len(ops), d, d)
             ops.append(Op(len(ops), body, COMPUTE, (d,),
                           tuple(Dep(t, d, d) for t in got.get(d, ()))))
+        if s in dp and last_backward.get(s) == k:
+            for line in reduce_lines(stages[s], dp[s].axis):
+                ops.append(Op(len(ops), GradReduce(s, line, dp[s].nbytes), dp_stream(s), line,
+                              tuple(here[d] for d in line)))
         out = output_channel(s, kind, p)
         if out is None:
             continue
@@ -262,7 +311,7 @@ def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
         for op in new:
             for r in op.devices:
                 to.setdefault(r, []).append(op.id)
-    return StepGraph(tuple(ops), lanes_of(ops), stages, schedule, plans)
+    return StepGraph(tuple(ops), lanes_of(ops), stages, schedule, plans, dp)
 
 
 def _check_meshes(stages: tuple[DeviceMesh, ...], schedule: Schedule, cluster: Cluster) -> None:

@@ -2,7 +2,8 @@
 
 :func:`simulate` costs every op of the graph — a compute its stage's duration, a transfer
 what the cost model says (its ports, latency, pipeline fill; in **signal** mode only its
-latency: the paper's upper bound, a 1-byte message) — and runs them on the cost model's one
+latency: the paper's upper bound, a 1-byte message), a gradient reduction a ring all-reduce
+(:meth:`CostModel.all_reduce_cost`) — and runs them on the cost model's one
 engine (:meth:`CostModel.run_ops`, the same that costs a resharding plan), which drives the
 event kernel (:mod:`scheduler.kernel`): an op starts when it heads every lane it runs on
 and what it waits for has ended; transfers running together share NIC and NVLink ports
@@ -20,7 +21,7 @@ import numpy as np
 
 from .cluster import Cluster
 from .cost import CostModel, TransferCost
-from .graph import Compute, StepGraph
+from .graph import Compute, GradReduce, StepGraph
 from .timeline import SpanTable, Timeline
 
 ComputeCosts = Mapping[Any, float] | Callable[[int, str], float]
@@ -117,6 +118,8 @@ def _op_costs(graph: StepGraph, model: CostModel, cost_of: Callable[[int, str], 
         b = op.body
         if isinstance(b, Compute):
             key: Any = (b.stage, b.kind) if per_mb is None else (b.stage, b.kind, b.microbatch)
+        elif isinstance(b, GradReduce):
+            key = b
         else:
             key = id(b.transfer)
         tc = by_body.get(key)
@@ -127,6 +130,10 @@ def _op_costs(graph: StepGraph, model: CostModel, cost_of: Callable[[int, str], 
                              f"microbatch_costs: stage {b.stage} {b.kind!r} microbatch "
                              f"{b.microbatch}")
                 tc = TransferCost((), seconds, 0, math.inf)
+            elif isinstance(b, GradReduce):
+                tc = model.all_reduce_cost(b.group, b.nbytes)
+                if signal:
+                    tc = TransferCost((), tc.fixed_s, 0, math.inf)
             elif signal:
                 t = b.transfer
                 tc = TransferCost((), model.latency_of(t.sender, t.receivers), 0, math.inf)

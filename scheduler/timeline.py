@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, overload
 
 from .exposure import Figures, device_table, figures_of, waits
-from .graph import Compute, Op, TransferOp
+from .graph import Compute, GradReduce, Op, TransferOp
 from .intervals import check_interval, length, union
 from .schedules import peak_live
 
@@ -37,7 +37,7 @@ class Span(NamedTuple):
     end: float
     stage: int  # the compute's stage; a transfer's source stage (-1: a standalone resharding)
     microbatch: int
-    kind: str  # "F", "B", "fwd", "bwd" ("comm": a standalone resharding)
+    kind: str  # "F", "B", "fwd", "bwd", "dp" (gradient reduction; "comm": a resharding)
     op: int = -1  # the step graph's op id (-1: a trace from elsewhere, without ids)
 
 
@@ -91,12 +91,14 @@ class SpanTable(Sequence[Span]):
     __hash__ = None  # type: ignore[assignment]
 
 
-def span_meta(body: Compute | TransferOp) -> tuple[str, int, int, str]:
+def span_meta(body: Compute | TransferOp | GradReduce) -> tuple[str, int, int, str]:
     """(name, stage, microbatch, kind) of an op's spans: a compute's stage and F/B; a
     transfer's source stage and channel direction (-1 and "comm" in a standalone
-    resharding)."""
+    resharding); a gradient reduction's stage, microbatch -1 and "dp"."""
     if isinstance(body, Compute):
         return str(body), body.stage, body.microbatch, body.kind
+    if isinstance(body, GradReduce):
+        return str(body), body.stage, -1, "dp"
     ch = body.channel
     if ch is None:
         return str(body), -1, 0, "comm"

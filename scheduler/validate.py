@@ -12,7 +12,9 @@
    **data dependencies** — every compute waits for each transfer of its
    input's resharding that its device takes part in (delivering the input to it, or forwarding
    it from its buffer, which the compute may overwrite), and every transfer whose sender
-   computed the data waits for that compute on the sender;
+   computed the data waits for that compute on the sender; a data-parallel stage reduces its
+   gradients once per line of its axis, each device of the line waiting there for its last
+   backward of the stage (a reduction before it would miss gradients);
 3. **a dry run** — with the runtime's semantics (FIFO lanes; a transfer runs once it heads
    all its lanes, a collective; an op runs after its waits) every op runs, in steps: step k
    holds the ops whose predecessors all ran in steps before k. A deadlock — a cycle of
@@ -26,7 +28,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .graph import Compute, Lane, StepGraph, TransferOp, input_channel, op_key
+from .graph import (
+    Compute,
+    GradReduce,
+    Lane,
+    StepGraph,
+    TransferOp,
+    input_channel,
+    op_key,
+    reduce_lines,
+)
 
 
 class ProgramError(ValueError):
@@ -199,6 +210,7 @@ def _check_data(graph: StepGraph) -> None:
         if isinstance(op.body, TransferOp):
             by_channel.setdefault((op.body.channel, op.body.microbatch), []).append(op.id)
     _check_complete(graph, by_channel)
+    _check_reductions(graph)
     for op in graph.ops:
         b = op.body
         waits = {(dep.op, dep.dst) for dep in op.waits}
@@ -211,7 +223,7 @@ def _check_data(graph: StepGraph) -> None:
                         f"dependency violation: device {d} runs {b} ({b.token}) before "
                         f"{graph.ops[t]} ({graph.ops[t].key}), which moves its input, has "
                         "ended: it does not wait for it")
-        elif b.channel is not None:
+        elif isinstance(b, TransferOp) and b.channel is not None:
             sender = b.transfer.sender
             made = graph.by_key.get(op_key(
                 Compute(b.channel.src_stage, b.microbatch, b.channel.kind).token, sender))
@@ -220,6 +232,46 @@ def _check_data(graph: StepGraph) -> None:
                     f"dependency violation: device {sender} sends {b} ({b.token}) before it "
                     f"ran {graph.ops[made]} ({graph.ops[made].body.token}): it does not wait "
                     "for it")
+
+
+def _check_reductions(graph: StepGraph) -> None:
+    """Each data-parallel stage's lines reduce once, each device after its last backward of
+    the stage (the end of the stage's computes on its lane: nothing adds to a gradient after
+    it)."""
+    last: dict[tuple[int, int], int] = {}  # (device, stage) -> its last compute of the stage
+    for lane, ids in graph.lanes.items():
+        for i in ids:
+            b = graph.ops[i].body
+            if isinstance(b, Compute):
+                last[(lane.device, b.stage)] = i
+    seen: dict[tuple[int, tuple[int, ...]], int] = {}
+    for op in graph.ops:
+        b = op.body
+        if not isinstance(b, GradReduce):
+            continue
+        dp = graph.data_parallel.get(b.stage)
+        if dp is None or b.group not in reduce_lines(graph.stages[b.stage], dp.axis):
+            raise ProgramError(f"{b} ({b.token}) reduces over no data-parallel line of stage "
+                               f"{b.stage}")
+        if (b.stage, b.group) in seen:
+            raise ProgramError(f"{b} ({b.token}) appears twice; a line reduces once a step")
+        seen[(b.stage, b.group)] = op.id
+        waits = {(dep.op, dep.dst) for dep in op.waits}
+        for d in b.group:
+            end = last.get((d, b.stage))
+            if end is None or (end, d) not in waits:
+                what = "nothing of the stage" if end is None else \
+                    f"{graph.ops[end]} ({graph.ops[end].body.token})"
+                raise ProgramError(
+                    f"dependency violation: device {d} runs {b} ({b.token}) without waiting "
+                    f"for its last backward of stage {b.stage}, {what}: the gradients would "
+                    "be reduced before they are complete")
+    for s, dp in sorted(graph.data_parallel.items()):
+        for line in reduce_lines(graph.stages[s], dp.axis):
+            if (s, line) not in seen:
+                raise ProgramError(f"stage {s}: no gradient reduction over {list(line)} (its "
+                                   f"data-parallel axis {dp.axis!r}); the replicas would "
+                                   "drift apart")
 
 
 def _check_complete(graph: StepGraph, by_channel: dict[tuple[object, int], list[int]]) -> None:
