@@ -156,16 +156,18 @@ class WireTransport(Bounded):
         """Whether every one of these channels and groups is made already (every call asks:
         a call with nothing new goes on without a thread hop)."""
         return ("compute" in self._channels and all(n in self._channels for n in channels)
-                and all((n, tuple(sorted(set(g)))) in self._group_ids for n, g in groups))
+                and all(n in self._channels and (n, tuple(sorted(set(g)))) in self._group_ids
+                        for n, g in groups))
 
     def prepare(self, channels: dict[str, tuple[int, ...]],
                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> None:
         """Make each new channel's communicator (an ``MPI_Comm_idup`` over every rank, in
-        the same order everywhere: collective, its wait bounded by the liveness rule) and
-        number each new stage-collective group."""
+        the same order everywhere: collective, its wait bounded by the liveness rule) — a
+        group's namespace (a data-parallel stage's ``dp<s>``) is one too — and number each
+        new stage-collective group."""
         if "compute" not in self._channels:
             self._new_channel("compute")
-        for namespace in channels:
+        for namespace in [*channels, *(n for n, _ in groups)]:
             if namespace not in self._channels:
                 self._new_channel(namespace)
         limit = (self.tag_ub >> GROUP_TAG_BITS) + 1

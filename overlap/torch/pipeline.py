@@ -52,6 +52,7 @@ from .checkpoint_files import load_checkpoint, save_checkpoint
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
 from .clip import clip_grad_norm_, total_norm
 from .compiled import CompileBounds, shapes_of
+from .data_parallel import BatchSplit
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
@@ -105,23 +106,33 @@ class TorchPipeline:
         compile_timeout: where a stage module is compiled (``torch.compile``), the bound of
             a step on shapes it has not run yet — and of its shape probe — instead of the
             runtime's ``timeout``: a first compile is not a hang (:mod:`overlap.torch.compiled`).
+        data_parallel: the name of a mesh axis that splits each microbatch's batch
+            (dimension 0) over its devices, in every stage whose mesh has it
+            (:mod:`overlap.torch.data_parallel`): each device runs its stage on its slice,
+            and after the step's last backward of the stage the replicas' gradients are
+            averaged over the axis, on a stream of their own while the other stages compute.
+            Default None: no axis splits the batch.
 
     Intra-stage parallelism: a stage without a plan is **replicated** — every device of its
-    mesh runs the whole stage on the whole microbatch (layouts ``P()``). A stage with a plan
-    is **tensor-parallel**: each device runs its shard, with the plan's collectives. Either
-    way every device's parameters get their exact gradient in their own ``.grad`` — give the
-    optimizer :meth:`parameters` and replicas stay identical. :meth:`stage_state_dict` gathers
-    a stage back into its full module's names.
+    mesh runs the whole stage on the whole microbatch (layouts ``P()``), or, along the
+    ``data_parallel`` axis, on its part of it. A stage with a plan is **tensor-parallel**:
+    each device runs its shard, with the plan's collectives (and, on a 2-d mesh, its part of
+    the batch along ``data_parallel``). Either way every device's parameters get the exact
+    gradient of the whole batch in their own ``.grad`` — give the optimizer
+    :meth:`parameters` and replicas stay identical. :meth:`stage_state_dict` gathers a stage
+    back into its full module's names.
     """
 
     def __init__(self, modules: Sequence[nn.Module | Sequence[nn.Module]] | StageFn,
                  meshes: Sequence[DeviceMesh], loss_fn: LossFn, *,
                  plans: Sequence[Any] | None = None, axis: str | None = None,
                  num_threads: int | None = None, rt: Runtime | None = None,
-                 seed: int | None = None, compile_timeout: float = 600.0) -> None:
+                 seed: int | None = None, compile_timeout: float = 600.0,
+                 data_parallel: str | None = None) -> None:
         self.num_threads = check_threads(num_threads)
         check_seconds("compile_timeout", compile_timeout)
         self.meshes = check_meshes(meshes)
+        self.data_parallel = BatchSplit.of(data_parallel, self.meshes, axis)
         # Devices this process drives (None: all of them, one process).
         self._local: frozenset[int] | None = self._local_of(rt)
         self._built_for = self._local
@@ -149,16 +160,19 @@ class TorchPipeline:
         # Each tensor-parallel device's collectives read the op's context (parallel.py).
         self._comms = [{} if t is None else dict(zip(t.mesh.device_ids, t.comms))
                        for t in self.tp]
+        sync = [self.data_parallel.grad_sync(s, self._by_device[s], self._reduce_in)
+                for s in range(len(self.meshes))]
         self.stages: tuple[Stage, ...] = tuple(
-            Stage(mesh, self._forward(s), self._backward(s)) for s, mesh in enumerate(self.meshes)
-        )
+            Stage(mesh, self._forward(s), self._backward(s), data_parallel=sync[s])
+            for s, mesh in enumerate(self.meshes))
         # Forward only (eval_step): no graph recorded, nothing kept, no backward.
         self.eval_stages: tuple[Stage, ...] = tuple(
             Stage(mesh, self._forward(s, train=False), _no_backward)
             for s, mesh in enumerate(self.meshes))
         # For schedules with I and W: the same forwards, the backward in two.
         self.split_stages: tuple[Stage, ...] = tuple(
-            Stage(mesh, self._forward(s), self._backward_input(s), self._backward_weight(s))
+            Stage(mesh, self._forward(s), self._backward_input(s), self._backward_weight(s),
+                  sync[s])
             for s, mesh in enumerate(self.meshes))
         # torch's ExternalStream of each runtime CUDA stream (tensors.op_stream), made once.
         self._torch_streams: dict[tuple[int, int], Any] = {}
@@ -401,7 +415,8 @@ class TorchPipeline:
         tp = self.tp[s]
         axis = tp.axis if tp is not None else self.meshes[s].axis_names[0]
         name = f"plans[{s}]" if tp is not None else f"modules[{s}]"
-        return Sharding(self.meshes[s], spec_of(layout, rank, axis, f"{name} {side} layout"))
+        spec = spec_of(layout, rank, axis, f"{name} {side} layout")
+        return Sharding(self.meshes[s], self.data_parallel.spec(s, spec, f"{name} {side} layout"))
 
     async def train_step(self, rt: Runtime, inputs: torch.Tensor | None = None,
                          targets: torch.Tensor | None = None, *,
@@ -761,6 +776,10 @@ class TorchPipeline:
             if entry is None:
                 continue
             k = self.meshes[s].axis_sizes[entry]
+            if y.shape[dim] % k and entry == self.data_parallel.axis and dim == 0:
+                raise ValueError(f"data_parallel: {what} has a batch of {y.shape[0]}, which does "
+                                 f"not split over stage {s}'s axis {entry!r} of size {k}; "
+                                 "give microbatches whose size it divides")
             if y.shape[dim] % k:
                 owner = f"plans[{s}]" if self.tp[s] is not None else f"modules[{s}]"
                 layout = self.layouts(s)[0 if side == "input" else 1]
@@ -790,6 +809,14 @@ class TorchPipeline:
 
     # ---- the stage functions --------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _reduce_in(self, ctx: StageContext) -> Iterator[None]:
+        """Where a data-parallel stage's gradient reduction runs its torch work: the op's
+        stream and intra-op threads, as a stage function's."""
+        run_with(self._threads)
+        with op_stream(ctx, self._torch_streams):
+            yield
+
     def _forward(self, s: int, train: bool = True) -> Callable[[StageContext, Any], Any]:
         last = s == len(self.meshes) - 1
         modules = self._by_device[s]
@@ -812,15 +839,20 @@ class TorchPipeline:
                 if train:
                     ctx.saved["x"] = xt
                 if last:
+                    split = self.data_parallel
                     loss = self._loss(y, None if self._targets is None
-                                      else self._targets[ctx.microbatch])
-                    scale = self._loss_scale
+                                      else split.part(s, ctx, self._targets[ctx.microbatch]))
+                    scale = split.loss_scale(s, self._loss_scale)
                     if train:
                         ctx.saved["out"] = loss if scale is None else loss * scale
-                    if self._outputs is not None and ctx.device == ctx.mesh.device_ids[0]:
-                        self._outputs[ctx.microbatch] = y.detach()  # (one device's: the
-                        # last stage's output is replicated over its mesh)
-                    return loss.detach()  # float() after the step: no device sync here
+                    if self._outputs is not None:
+                        whole = split.gathered(s, ctx, y.detach())  # (the batch's parts)
+                        if ctx.device == ctx.mesh.device_ids[0]:
+                            self._outputs[ctx.microbatch] = whole  # (one device's: the
+                            # last stage's output is replicated over the rest of its mesh)
+                    # The microbatch's loss: the mean of its parts' (float() after the step:
+                    # no device sync here).
+                    return split.mean(s, ctx, loss.detach())
                 if train:
                     ctx.saved["out"] = y
                 return from_torch(y.detach(), ctx)
