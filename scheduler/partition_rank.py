@@ -1,7 +1,8 @@
 """The search's finalists, ranked by the project's simulator.
 
-Each finalist becomes a real pipeline — stage meshes, boundaries with the layers' layouts,
-per-stage compute costs — lowered (its boundaries planned with the caller's
+Each finalist becomes a real pipeline — stage meshes, boundaries with the layers' layouts
+(``"dp"`` on dim 0 of a data-parallel side), per-stage compute costs, the gradient
+reductions of its data-parallel stages — lowered (its boundaries planned with the caller's
 :class:`~scheduler.PlanOptions`) and simulated under the fixed schedules that fit memory
 (gpipe, 1f1b, eager-1f1b; zb-h1 when every layer splits its backward): the best estimate's
 first, then the two-chunks-per-rank candidates, then the other finalists while the budget
