@@ -171,7 +171,8 @@ def _no_fit(problem: Problem, budget: SearchBudget) -> PartitionError:
     total, s, a, b, size, params, acts, k = max(need)
     return PartitionError(
         f"no partition fits memory_per_device {fmt_bytes(cap)}: the best without the limit has "
-        f"stage {s} (layers {a}-{b - 1} on {size} devices{_dp_note(stages[s][4])}) needing {fmt_bytes(total)} per "
+        f"stage {s} (layers {a}-{b - 1} on {size} devices{_dp_note(stages[s][4])}) needing "
+        f"{fmt_bytes(total)} per "
         f"device (parameters {fmt_bytes(params)} + activations {fmt_bytes(acts)} × {k}, the "
         f"microbatches 1f1b keeps there); fewer layers per stage need more devices than the "
         f"cluster's {problem.cluster.num_devices}")

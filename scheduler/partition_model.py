@@ -7,11 +7,11 @@ of the degrees its layers give times for) and data-parallel of degree ``dp`` —
 ``1/dp`` of every microbatch's batch (dim 0), so its seconds are the layers' at ``tp``
 divided by ``dp`` (the model's assumption: the layers' time scales with the batch), and its
 parameter gradients are all-reduced over each ``"dp"`` line after its last backward. A stage
-of ``dp = 1`` keeps the 1-d mesh over ``"tp"``. Submeshes are Alpa's shapes: ``1 × g`` inside one host for every ``g``
-dividing the GPUs per host, and ``h × G`` whole hosts. Stages are laid out in pipeline order
-on the host-major device list: each starts at the next free device aligned to its size
-(``g`` inside a host, a host boundary for whole hosts) — so a submesh never straddles hosts,
-and devices left over stay idle.
+of ``dp = 1`` keeps the 1-d mesh over ``"tp"``. Submeshes are Alpa's shapes: ``1 × g``
+inside one host for every ``g`` dividing the GPUs per host, and ``h × G`` whole hosts.
+Stages are laid out in pipeline order on the host-major device list: each starts at the next
+free device aligned to its size (``g`` inside a host, a host boundary for whole hosts) — so
+a submesh never straddles hosts, and devices left over stay idle.
 
 The **estimate** of a candidate (what the search minimises) is the pipeline's fill and drain
 plus ``m − 1`` periods of its slowest term, with every boundary's transfers on the critical
@@ -20,21 +20,22 @@ path once each way:
     E = Σ_s (F_s + B_s) + Σ_b (x_b→ + x_b←) + (m − 1) · max(max_s (F_s + B_s), max_b x_b→,
                                                            max_b x_b←)
 
-``F_s``, ``B_s``: the stage's layers' seconds at its TP degree divided by its DP degree; ``x_b→``, ``x_b←``: the cost
-model's estimate (:func:`scheduler.estimate`) of boundary ``b``'s activation and gradient
-resharding, planned with the search's strategy and the cheap ``size`` balance. With free
-transfers and a backward proportional to the forward it is exactly GPipe's iteration time
-in the simulator, and no less than 1F1B's (``tests/test_partition.py`` checks both). A
-data-parallel stage adds its gradient reduction ``R_s`` (the cost model's ring all-reduce of
-its parameter bytes / ``tp`` over one ``"dp"`` line, :meth:`CostModel.all_reduce_cost`) to E
-once: ``E_dp = E + Σ_s R_s``. Conservative on purpose — the reduction of stage 0 starts after
-the step's last backward and is exposed in full, the later stages' overlap the backwards of
-the stages before them, and the sum also stands for their maximum — and a per-stage term
-keeps E a sum plus a maximum, which the search needs. The finalists are then simulated for
-real (the reductions as the step graph's ops). A stage fits its devices when its parameters
-and the activations of the microbatches 1F1B keeps there (``min(m, p − s)``) fit
-``memory_per_device``: parameters divided by ``tp`` (replicated over ``dp``), activations by
-``tp · dp`` (each device keeps its part of the batch).
+``F_s``, ``B_s``: the stage's layers' seconds at its TP degree divided by its DP degree;
+``x_b→``, ``x_b←``: the cost model's estimate (:func:`scheduler.estimate`) of boundary
+``b``'s activation and gradient resharding, planned with the search's strategy and the cheap
+``size`` balance. With free transfers and a backward proportional to the forward it is
+exactly GPipe's iteration time in the simulator, and no less than 1F1B's
+(``tests/test_partition.py`` checks both). A data-parallel stage adds its gradient reduction
+``R_s`` (the cost model's ring all-reduce of its parameter bytes / ``tp`` over one ``"dp"``
+line, :meth:`CostModel.all_reduce_cost`) to E once: ``E_dp = E + Σ_s R_s``. Conservative on
+purpose — the reduction of stage 0 starts after the step's last backward and is exposed in
+full, the later stages' overlap the backwards of the stages before them, and the sum also
+stands for their maximum — and a per-stage term keeps E a sum plus a maximum, which the
+search needs. The finalists are then simulated for real (the reductions as the step graph's
+ops). A stage fits its devices when its parameters and the activations of the microbatches
+1F1B keeps there (``min(m, p − s)``) fit ``memory_per_device``: parameters divided by ``tp``
+(replicated over ``dp``), activations by ``tp · dp`` (each device keeps its part of the
+batch).
 """
 
 from __future__ import annotations

@@ -1,28 +1,27 @@
 """The search behind :func:`scheduler.partition`: a dynamic program over layers × devices ×
-stage shapes (a submesh size and its DP degree), in the spirit of Alpa's inter-operator pass, minimising the estimate E of
-:mod:`scheduler.partition_model`.
+stage shapes (a submesh size and its DP degree), in the spirit of Alpa's inter-operator
+pass, minimising the estimate E of :mod:`scheduler.partition_model`.
 
 E = S + (m − 1)·P is a sum S of per-stage and per-boundary terms plus their maximum P. As
 Alpa does, the program fixes a threshold ``t`` on every term and minimises the sum alone:
 
-    f(i, d, q, n) = min over stages (layers i..j−1, size k) of
-                    stage(i, j, k) + cut(i, d, q, k) + f(j, next(d, k), k, n − 1)
+    f(i, d, q, n) = min over stages (layers i..j−1, shape k) of
+                    stage(i, j, k) + R(i, j, k) + cut(i, d, q, k) + f(j, next(d, k), k, n − 1)
 
 — the best sum for layers ``i..`` when device ``d`` is the first free one, ``q`` the shape
-of the stage before (the boundary's cost depends on both submeshes and their layouts) and ``n`` the stages left,
-itself included (1F1B keeps ``min(m, n)`` microbatches on a stage ``n`` from the end):
-counted 1..B−1 and "B or more", B one more than the largest memory cap below the most stages
-a pipeline can have among the stages the threshold allows — beyond it no allowed stage's
-feasibility changes — and not counted at all when no such cap binds. Every term above ``t``
-is left out. A data-parallel stage's gradient reduction R is part of its sum term
-(``stage(i, j, k)`` + R) but no term of the maximum. Run at every distinct term value ``t`` (in increasing order, stopping once
-``S_min + (m − 1)·t`` cannot beat the best E found), the minimum over the runs is the exact
-minimum of E. Each run is vectorised over the devices and the stages left (numpy). When the
-runs would exceed the work budget (cells of the program evaluated, never seconds), a coarse
-grid of thresholds runs first, then ``t`` takes a geometric grid of ratio ``1 + gap``,
-which keeps the result within ``1 + gap`` of the optimum (reported). Every run's solution is
-a candidate; the best few by E go on to the simulator.
-"""
+of the stage before (the boundary's cost depends on both submeshes and their layouts) and
+``n`` the stages left, itself included (1F1B keeps ``min(m, n)`` microbatches on a stage
+``n`` from the end): counted 1..B−1 and "B or more", B one more than the largest memory cap
+below the most stages a pipeline can have among the stages the threshold allows — beyond it
+no allowed stage's feasibility changes — and not counted at all when no such cap binds.
+Every term above ``t`` is left out. A data-parallel stage's gradient reduction R is part of
+the sum but no term of the maximum. Run at every distinct term value ``t`` (in increasing
+order, stopping once ``S_min + (m − 1)·t`` cannot beat the best E found), the minimum over
+the runs is the exact minimum of E. Each run is vectorised over the devices and the stages
+left (numpy). When the runs would exceed the work budget (cells of the program evaluated,
+never seconds), a coarse grid of thresholds runs first, then ``t`` takes a geometric grid of
+ratio ``1 + gap``, which keeps the result within ``1 + gap`` of the optimum (reported).
+Every run's solution is a candidate; the best few by E go on to the simulator. """
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ from scheduler import (
     plan_resharding,
     simulate,
 )
-from scheduler.partition_chunks import balanced_edges
 from scheduler.graph import reduce_lines
+from scheduler.partition_chunks import balanced_edges
 from scheduler.partition_model import Problem
 from scheduler.partition_search import search
 from scheduler.sharding import Sharding, ShardingSpec
