@@ -21,7 +21,8 @@ the runs is the exact minimum of E. Each run is vectorised over the devices and 
 left (numpy). When the runs would exceed the work budget (cells of the program evaluated,
 never seconds), a coarse grid of thresholds runs first, then ``t`` takes a geometric grid of
 ratio ``1 + gap``, which keeps the result within ``1 + gap`` of the optimum (reported).
-Every run's solution is a candidate; the best few by E go on to the simulator. """
+Every run's solution is a candidate; the best few by E go on to the simulator.
+"""
 
 from __future__ import annotations
 
