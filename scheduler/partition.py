@@ -1,5 +1,6 @@
 """Automatic pipeline partitioning: from a model's layers and a cluster, the stages, each
-stage's submesh and tensor-parallel degree, the boundary layouts and the schedule.
+stage's submesh and its data-parallel × tensor-parallel degrees, the boundary layouts and the
+schedule.
 
     import scheduler as s
 
@@ -7,7 +8,7 @@ stage's submesh and tensor-parallel degree, the boundary layouts and the schedul
                       params_bytes=3 << 30, activation_bytes=800 << 20) for _ in range(24)]
     plan = s.partition(layers, s.Cluster.preset("p3.8xlarge", 4), num_microbatches=16,
                        memory_per_device=16 << 30)
-    print(plan.to_text())                  # stages, layers, meshes, TP, layouts, schedule
+    print(plan.to_text())                  # stages, layers, meshes, TP, DP, layouts, schedule
     graph = plan.lower()                   # what simulate and the runtime take
 
 Three steps (docs/partition.md): a dynamic program over layers × devices × submesh sizes
@@ -61,22 +62,30 @@ class SearchBudget:
 
 def partition(layers: Sequence[Layer], cluster: Cluster, num_microbatches: int, *,
               memory_per_device: float | None = None, options: PlanOptions | None = None,
-              budget: SearchBudget | None = None) -> PartitionPlan:
+              budget: SearchBudget | None = None,
+              data_parallel: bool = True) -> PartitionPlan:
     """The fastest pipeline found for ``layers`` on ``cluster`` (module doc).
 
     Args:
         layers: the model as a chain of :class:`Layer` (each one's seconds per microbatch at
             the TP degrees it supports, its output, parameter and activation bytes).
         cluster: where it runs; stages take Alpa's submeshes of it (``1 × g`` inside a host,
-            whole hosts), tensor-parallel over all their devices.
+            whole hosts), each ``dp × tp`` (data-parallel × tensor-parallel) over all its
+            devices.
         num_microbatches: per step.
         memory_per_device: bytes each device may hold (None: no limit); every stage fits it
             with the activations its schedule keeps, or :class:`PartitionError` names the
             stage (or layer) that cannot and what it needs.
         options: how boundaries are planned (strategy and balance) when lowering.
         budget: :class:`SearchBudget` (default: 96 layers on 64 GPUs plan in seconds).
+        data_parallel: whether a stage may split its microbatches' batch over a ``"dp"``
+            axis of its submesh (False: DP degree 1 everywhere, tensor-parallel only — for a
+            runtime that runs no data-parallel stage).
     """
-    problem = _problem(layers, cluster, num_microbatches, memory_per_device, options)
+    if not isinstance(data_parallel, bool):
+        raise TypeError(f"data_parallel: expected a bool, got {data_parallel!r}")
+    problem = _problem(layers, cluster, num_microbatches, memory_per_device, options,
+                       data_parallel)
     budget = budget if budget is not None else SearchBudget()
     if not isinstance(budget, SearchBudget):
         raise TypeError(f"budget: expected a SearchBudget, got {type(budget).__name__}")
@@ -89,7 +98,7 @@ def partition(layers: Sequence[Layer], cluster: Cluster, num_microbatches: int, 
 
 
 def _problem(layers: object, cluster: object, m: object, memory: object,
-             options: object) -> Problem:
+             options: object, data_parallel: bool = True) -> Problem:
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise TypeError(f"layers: expected a non-empty sequence of scheduler.Layer, got "
                         f"{type(layers).__name__}")
@@ -122,7 +131,7 @@ def _problem(layers: object, cluster: object, m: object, memory: object,
                                  "GPUs of a host, or whole hosts)")
     return Problem(tuple(layers), cluster, m,
                    None if memory is None else float(memory),  # type: ignore[arg-type]
-                   (options or PlanOptions()).strategy)
+                   (options or PlanOptions()).strategy, data_parallel)
 
 
 def _named(layer: Layer) -> str:
@@ -145,7 +154,7 @@ def _no_fit(problem: Problem, budget: SearchBudget) -> PartitionError:
                 f"(parameters {fmt_bytes(params)} + one microbatch's activations "
                 f"{fmt_bytes(acts)}); memory_per_device is {fmt_bytes(cap)}")
     free = Problem(problem.layers, problem.cluster, problem.num_microbatches, None,
-                   problem.strategy)
+                   problem.strategy, problem.data_parallel)
     found = search(free, budget.cells, 1)
     if not found.candidates or cap is None:
         return PartitionError(
@@ -155,17 +164,22 @@ def _no_fit(problem: Problem, budget: SearchBudget) -> PartitionError:
     stages = found.candidates[0][1]
     p, m = len(stages), problem.num_microbatches
     need = []
-    for s, (a, b, _, size) in enumerate(stages):
-        params, acts = problem.stage_bytes(a, b, size)
+    for s, (a, b, _, size, dp) in enumerate(stages):
+        params, acts = problem.stage_bytes(a, b, size, dp)
         k = min(m, p - s)
         need.append((params + k * acts, s, a, b, size, params, acts, k))
     total, s, a, b, size, params, acts, k = max(need)
     return PartitionError(
         f"no partition fits memory_per_device {fmt_bytes(cap)}: the best without the limit has "
-        f"stage {s} (layers {a}-{b - 1} on {size} devices) needing {fmt_bytes(total)} per "
+        f"stage {s} (layers {a}-{b - 1} on {size} devices{_dp_note(stages[s][4])}) needing "
+        f"{fmt_bytes(total)} per "
         f"device (parameters {fmt_bytes(params)} + activations {fmt_bytes(acts)} × {k}, the "
         f"microbatches 1f1b keeps there); fewer layers per stage need more devices than the "
         f"cluster's {problem.cluster.num_devices}")
+
+
+def _dp_note(dp: int) -> str:
+    return f", DP {dp}" if dp > 1 else ""
 
 
 def _degree_summary(problem: Problem) -> str:
@@ -189,12 +203,12 @@ def _plan(problem: Problem, trials: list[Trial], found: Found,
     best = trials[0]
     pipe, sched = best.pipeline, best.schedule
     stages = []
-    for s, (a, b, _, size) in enumerate(pipe.stages):
-        params, acts = problem.stage_bytes(a, b, size)
+    for s, (a, b, _, size, dp) in enumerate(pipe.stages):
+        params, acts = problem.stage_bytes(a, b, size, dp)
         c = pipe.costs
-        stages.append(StagePlan(range(a, b), pipe.meshes[s], size,
+        stages.append(StagePlan(range(a, b), pipe.meshes[s], size // dp,
                                 submesh_shape(size, problem.cluster), c[(s, "F")], c[(s, "B")],
-                                c.get((s, "I")), c.get((s, "W")), params, acts))
+                                c.get((s, "I")), c.get((s, "W")), params, acts, dp))
     per_rank = rank_memory(problem, sched, pipe.stages)
     peaks = [per_rank[sched.rank_of(s)] for s in range(len(stages))]
     tl = best.timeline
@@ -207,9 +221,11 @@ def _plan(problem: Problem, trials: list[Trial], found: Found,
                          report)
 
 
-def describe(stages: Sequence[tuple[int, int, int, int]]) -> str:
-    """``0-11@4 12-23@4``: each stage's layers and TP degree."""
-    return " ".join(f"{a}-{b - 1}@{size}" for a, b, _, size in stages)
+def describe(stages: Sequence[tuple[int, int, int, int, int]]) -> str:
+    """``0-11@4 12-23@2x2``: each stage's layers and TP degree, as ``dp x tp`` when its DP
+    degree is above 1."""
+    return " ".join(f"{a}-{b - 1}@{size}" if dp == 1 else f"{a}-{b - 1}@{dp}x{size // dp}"
+                    for a, b, _, size, dp in stages)
 
 
 __all__ = ["Layer", "PartitionError", "PartitionPlan", "SearchBudget", "StagePlan",

@@ -14,7 +14,8 @@ a V (zbv: rank ``c`` on the way down, ``2p − 1 − c`` back up), rank ``r`` on
 (``w_r``: rank ``r``'s chunks' F + B; ``c_c``: one chunk's — the fill and drain a rank
 pays once per chunk, which interleaving halves; with one chunk per rank it is E), and the
 best that fits memory under the schedule (each rank holding both chunks' parameters and the
-activations the schedule keeps of each) goes on to the simulator.
+activations the schedule keeps of each) goes on to the simulator. The family is
+tensor-parallel only (DP degree 1 on every chunk).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def chunked(problem: Problem, keep: int) -> list[Chunked]:
                     continue
                 sched = make_schedule(name, 2 * p, m)
                 edges = balanced_edges(costs, 2 * p)
-                stages = tuple((edges[c], edges[c + 1], r * t, t)
+                stages = tuple((edges[c], edges[c + 1], r * t, t, 1)
                                for c, r in enumerate(rank_of(sched)))
                 if fits(problem, sched, stages):
                     found.append(Chunked(sched, stages, estimate(problem, sched, stages)))
@@ -110,8 +111,8 @@ def rank_memory(problem: Problem, schedule: Schedule, stages: tuple[Stage, ...]
                 ) -> list[float]:
     """Bytes per device of each rank: its chunks' parameters and kept activations."""
     total = [0.0] * schedule.num_ranks
-    for c, (a, b, _, size) in enumerate(stages):
-        params, acts = problem.stage_bytes(a, b, size)
+    for c, (a, b, _, size, dp) in enumerate(stages):
+        params, acts = problem.stage_bytes(a, b, size, dp)
         total[schedule.rank_of(c)] += params + schedule.peak_activations(c) * acts
     return total
 
@@ -119,7 +120,7 @@ def rank_memory(problem: Problem, schedule: Schedule, stages: tuple[Stage, ...]
 def estimate(problem: Problem, schedule: Schedule, stages: tuple[Stage, ...]) -> float:
     """E₂ of the module doc."""
     m, p = problem.num_microbatches, schedule.num_ranks
-    chunk = [problem.stage_seconds(a, b, size) for a, b, _, size in stages]
+    chunk = [problem.stage_seconds(a, b, size, dp) for a, b, _, size, dp in stages]
     work = [0.0] * p
     for c, w in enumerate(chunk):
         work[schedule.rank_of(c)] += w

@@ -1,4 +1,5 @@
-"""The values :func:`scheduler.partition` returns: each stage's layers, submesh and TP degree,
+"""The values :func:`scheduler.partition` returns: each stage's layers, submesh, TP and DP
+degrees,
 the boundaries between them, the schedule and what the simulator says of it — and their JSON,
 which ``overlap simulate --case`` reads as a pipeline case and :meth:`PartitionPlan.from_json`
 reads back for :meth:`~PartitionPlan.lower` (the step graph the runtime runs)."""
@@ -6,12 +7,13 @@ reads back for :meth:`~PartitionPlan.lower` (the step graph the runtime runs).""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .cluster import Cluster
 from .errors import load_json
-from .graph import StepGraph
+from .graph import DataParallel, StepGraph
 from .lowering import Boundary, lower
 from .mesh import DeviceMesh
 from .plan import fmt_bytes
@@ -24,11 +26,14 @@ from .timeline import Timeline
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage: ``layers`` (a range of the model's layers), its submesh (``mesh``, 1-d
-    over axis ``"tp"``; ``submesh``: its shape as hosts × GPUs per host), its TP degree (the
-    mesh's size) and its seconds per microbatch on each of its devices (``input_grad`` and
-    ``weight_grad`` None unless every layer splits its backward); ``params_bytes`` and
-    ``activation_bytes`` per device (activations: per microbatch kept)."""
+    """One stage: ``layers`` (a range of the model's layers), its submesh (``mesh``: 1-d
+    over axis ``"tp"`` when ``dp`` is 1, else ``dp × tp`` over ``("dp", "tp")``;
+    ``submesh``: its shape as hosts × GPUs per host), its TP degree ``tp`` and DP degree
+    ``dp`` (``tp · dp`` is the mesh's size) and its seconds per microbatch on each of its
+    devices (its part of the batch; ``input_grad`` and ``weight_grad`` None unless every
+    layer splits its backward); ``params_bytes`` and ``activation_bytes`` per device
+    (activations: per microbatch kept). A stage of ``dp`` > 1 all-reduces its gradients,
+    ``params_bytes`` per device, over each ``"dp"`` line after its last backward."""
 
     layers: range
     mesh: DeviceMesh
@@ -40,6 +45,7 @@ class StagePlan:
     weight_grad: float | None
     params_bytes: float
     activation_bytes: float
+    dp: int = 1
 
 
 @dataclass(frozen=True)
@@ -81,11 +87,20 @@ class PartitionPlan:
                 out[(s, "I")], out[(s, "W")] = st.input_grad, st.weight_grad
         return out
 
+    @property
+    def data_parallel(self) -> dict[int, DataParallel]:
+        """The stages of DP degree > 1 and their gradient reductions (what :func:`scheduler.
+        lower` takes as ``data_parallel``): over axis ``"dp"``, ``params_bytes`` per device
+        rounded up."""
+        return {s: DataParallel("dp", math.ceil(st.params_bytes))
+                for s, st in enumerate(self.stages) if st.dp > 1}
+
     def lower(self, options: PlanOptions | None = None) -> StepGraph:
         """The step graph of this pipeline — what ``simulate`` and the runtime's
-        ``train_step(..., graph=)`` take (``options``: this plan's by default)."""
+        ``train_step(..., graph=)`` take (``options``: this plan's by default), with a
+        gradient reduction per ``"dp"`` line of each data-parallel stage."""
         return lower(self.meshes, self.boundaries, self.schedule, self.cluster,
-                     options or self.options)
+                     options or self.options, data_parallel=self.data_parallel)
 
     def simulate(self) -> Timeline:
         """The plan's step simulated: :func:`scheduler.simulate` of :meth:`lower`."""
@@ -94,8 +109,9 @@ class PartitionPlan:
     # ---- text and JSON -------------------------------------------------------------------
 
     def to_text(self) -> str:
-        """The plan as a table: stages, layers, mesh, TP, boundary layouts, seconds, memory."""
-        head = ["stage", "layers", "mesh", "devices", "TP", "receives", "sends", "F ms",
+        """The plan as a table: stages, layers, mesh, TP and DP degrees, boundary layouts,
+        seconds, memory."""
+        head = ["stage", "layers", "mesh", "devices", "TP", "DP", "receives", "sends", "F ms",
                 "B ms", "memory/device"]
         rows = [head]
         for s, st in enumerate(self.stages):
@@ -104,7 +120,7 @@ class PartitionPlan:
             ids = st.mesh.device_ids
             rows.append([str(s), f"{st.layers.start}-{st.layers.stop - 1}",
                          f"{st.submesh[0]}x{st.submesh[1]}", f"{ids[0]}-{ids[-1]}",
-                         str(st.tp), recv, send, f"{st.forward * 1e3:.2f}",
+                         str(st.tp), str(st.dp), recv, send, f"{st.forward * 1e3:.2f}",
                          f"{st.backward * 1e3:.2f}", fmt_bytes(int(self.peak_memory[s]))])
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]
@@ -132,6 +148,7 @@ class PartitionPlan:
             "partition": {
                 "layers": [[st.layers.start, st.layers.stop] for st in self.stages],
                 "tp": [st.tp for st in self.stages],
+                "dp": [st.dp for st in self.stages],
                 "submesh": [list(st.submesh) for st in self.stages],
                 "bytes_per_device": [[st.params_bytes, st.activation_bytes]
                                      for st in self.stages],
@@ -155,6 +172,9 @@ def _from_data(data: dict[str, Any]) -> PartitionPlan:
     if not (len(costs) == len(part["layers"]) == len(meshes) == len(data["boundaries"]) + 1):
         raise ValueError("stages, compute_ms, partition.layers and boundaries disagree on "
                          "the number of stages")
+    dps = part.get("dp", [1] * len(meshes))  # (plans written before the DP axis: all 1)
+    if len(dps) != len(meshes):
+        raise ValueError("partition.dp: one DP degree per stage expected")
     stages = []
     for s, mesh in enumerate(meshes):
         c = costs[s]
@@ -163,7 +183,7 @@ def _from_data(data: dict[str, Any]) -> PartitionPlan:
         stages.append(StagePlan(
             range(*part["layers"][s]), mesh, int(part["tp"][s]), tuple(part["submesh"][s]),
             c["F"] / 1e3, c["B"] / 1e3, c["I"] / 1e3 if split else None,
-            c["W"] / 1e3 if split else None, float(params), float(acts)))
+            c["W"] / 1e3 if split else None, float(params), float(acts), int(dps[s])))
     boundaries = tuple(
         Boundary(tuple(b["shape"]), str(b["dtype"]),
                  Sharding(meshes[s], ShardingSpec.from_json(b["producer"])),

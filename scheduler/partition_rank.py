@@ -1,7 +1,8 @@
 """The search's finalists, ranked by the project's simulator.
 
-Each finalist becomes a real pipeline — stage meshes, boundaries with the layers' layouts,
-per-stage compute costs — lowered (its boundaries planned with the caller's
+Each finalist becomes a real pipeline — stage meshes, boundaries with the layers' layouts
+(``"dp"`` on dim 0 of a data-parallel side), per-stage compute costs, the gradient
+reductions of its data-parallel stages — lowered (its boundaries planned with the caller's
 :class:`~scheduler.PlanOptions`) and simulated under the fixed schedules that fit memory
 (gpipe, 1f1b, eager-1f1b; zb-h1 when every layer splits its backward): the best estimate's
 first, then the two-chunks-per-rank candidates, then the other finalists while the budget
@@ -17,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .auto import auto_schedule
+from .graph import DataParallel
 from .lowering import Boundary, lower
 from .mesh import DeviceMesh
 from .partition_chunks import Chunked, chunked
-from .partition_model import Problem, Stage, stage_mesh
+from .partition_model import DP_AXIS, Problem, Stage, grad_bytes, stage_mesh, with_dp
 from .planner import PlanCache, PlanOptions
 from .schedules import SCHEDULES, Schedule, make_schedule
 from .sharding import Sharding
@@ -37,6 +39,8 @@ class Pipeline:
     boundaries: tuple[Boundary, ...]
     costs: dict[tuple[int, str], float]
     caps: tuple[int, ...]  # most microbatches each stage may keep (m: no limit)
+    # The stages of DP degree > 1: their gradient reductions in every graph lowered.
+    data_parallel: dict[int, DataParallel] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -51,23 +55,47 @@ class Trial:
 
 
 def realize(problem: Problem, stages: tuple[Stage, ...]) -> Pipeline:
+    """The finalist's meshes (``dp × tp`` where DP > 1), boundaries (``"dp"`` on dim 0 of a
+    data-parallel side's layout), per-device seconds (the layers' at ``tp`` over ``dp``),
+    memory caps and gradient reductions."""
     layers = problem.layers
-    meshes = tuple(stage_mesh(start, size) for _, _, start, size in stages)
-    boundaries = tuple(
-        Boundary(layers[b - 1].output_shape, layers[b - 1].dtype,
-                 Sharding(meshes[s], layers[b - 1].output_spec),
-                 Sharding(meshes[s + 1], layers[b].input_spec))
-        for s, (_, b, _, _) in enumerate(stages[:-1]))
+    meshes = tuple(stage_mesh(start, size, dp) for _, _, start, size, dp in stages)
+    boundaries = tuple(_boundary(problem, stages, s, meshes) for s in range(len(stages) - 1))
     costs: dict[tuple[int, str], float] = {}
-    for s, (a, b, _, size) in enumerate(stages):
-        part = layers[a:b]
-        costs[(s, "F")] = sum(x.forward[size] for x in part)
-        costs[(s, "B")] = sum(x.backward[size] for x in part)
+    for s, (a, b, _, size, dp) in enumerate(stages):
+        part, tp = layers[a:b], size // dp
+        costs[(s, "F")] = sum(x.forward[tp] for x in part) / dp
+        costs[(s, "B")] = sum(x.backward[tp] for x in part) / dp
         if problem.split:
-            costs[(s, "I")] = sum(x.input_grad[size] for x in part)  # type: ignore[index]
-            costs[(s, "W")] = sum(x.weight_grad[size] for x in part)  # type: ignore[index]
-    caps = tuple(problem.most_kept(a, b, size) for a, b, _, size in stages)
-    return Pipeline(stages, meshes, boundaries, costs, caps)
+            costs[(s, "I")] = sum(x.input_grad[tp] for x in part) / dp  # type: ignore[index]
+            costs[(s, "W")] = sum(x.weight_grad[tp] for x in part) / dp  # type: ignore[index]
+    caps = tuple(problem.most_kept(a, b, size, dp) for a, b, _, size, dp in stages)
+    return Pipeline(stages, meshes, boundaries, costs, caps, data_parallel(problem, stages))
+
+
+def _boundary(problem: Problem, stages: tuple[Stage, ...], s: int,
+              meshes: tuple[DeviceMesh, ...]) -> Boundary:
+    """The boundary after stage ``s``: the last layer's output in each side's layout."""
+    cut = stages[s][1]
+    out, into = problem.layers[cut - 1], problem.layers[cut]
+    src = with_dp(out.output_spec, out.output_shape, stages[s][4])
+    dst = with_dp(into.input_spec, out.output_shape, stages[s + 1][4])
+    if src is None or dst is None:  # (the search never picks it: its boundary costs inf)
+        raise ValueError(f"stages: the cut before layer {cut} cannot split its batch "
+                         f"{out.output_shape[0]} over the stages' DP degrees")
+    return Boundary(out.output_shape, out.dtype, Sharding(meshes[s], src),
+                    Sharding(meshes[s + 1], dst))
+
+
+def data_parallel(problem: Problem, stages: tuple[Stage, ...]) -> dict[int, DataParallel]:
+    """Each stage of DP degree > 1: its gradients (parameter bytes / TP degree per device)
+    all-reduced over the ``"dp"`` axis after its last backward."""
+    out = {}
+    for s, (a, b, _, size, dp) in enumerate(stages):
+        if dp > 1:
+            params = sum(x.params_bytes for x in problem.layers[a:b])
+            out[s] = DataParallel(DP_AXIS, grad_bytes(params, size // dp))
+    return out
 
 
 class Ranking:
@@ -101,7 +129,7 @@ class Ranking:
                 return
             self.left -= self.units(pipe)
             graph = lower(pipe.meshes, pipe.boundaries, sched, self.problem.cluster,
-                          self.options, cache=self.cache)
+                          self.options, cache=self.cache, data_parallel=pipe.data_parallel)
             tl = simulate(graph, self.problem.cluster, pipe.costs)
             self.trials.append(Trial(pipe, estimate, sched, tl.iteration_time, tl))
 
@@ -115,7 +143,7 @@ class Ranking:
         caps = None if all(c >= m for c in pipe.caps) else list(pipe.caps)
         choice = auto_schedule(pipe.meshes, pipe.boundaries, m, self.problem.cluster,
                                pipe.costs, self.options, max_activations=caps,
-                               cache=self.cache)
+                               cache=self.cache, data_parallel=pipe.data_parallel)
         tl = simulate(choice.graph, self.problem.cluster, pipe.costs)
         self.trials.append(Trial(pipe, best.estimate, choice.schedule, tl.iteration_time, tl))
 
@@ -126,7 +154,7 @@ class Ranking:
             return
         self.left -= self.units(pipe)
         graph = lower(pipe.meshes, pipe.boundaries, member.schedule, self.problem.cluster,
-                      self.options, cache=self.cache)
+                      self.options, cache=self.cache, data_parallel=pipe.data_parallel)
         tl = simulate(graph, self.problem.cluster, pipe.costs)
         self.trials.append(Trial(pipe, member.estimate, member.schedule, tl.iteration_time,
                                  tl))
@@ -158,4 +186,4 @@ def rank(problem: Problem, finalists: tuple[tuple[float, tuple[Stage, ...]], ...
     return [t for _, t in ordered]
 
 
-__all__ = ["Pipeline", "Trial", "rank", "realize"]
+__all__ = ["Pipeline", "Trial", "data_parallel", "rank", "realize"]

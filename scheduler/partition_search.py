@@ -1,26 +1,27 @@
 """The search behind :func:`scheduler.partition`: a dynamic program over layers × devices ×
-submesh sizes, in the spirit of Alpa's inter-operator pass, minimising the estimate E of
-:mod:`scheduler.partition_model`.
+stage shapes (a submesh size and its DP degree), in the spirit of Alpa's inter-operator
+pass, minimising the estimate E of :mod:`scheduler.partition_model`.
 
 E = S + (m − 1)·P is a sum S of per-stage and per-boundary terms plus their maximum P. As
 Alpa does, the program fixes a threshold ``t`` on every term and minimises the sum alone:
 
-    f(i, d, q, n) = min over stages (layers i..j−1, size k) of
-                    stage(i, j, k) + cut(i, d, q, k) + f(j, next(d, k), k, n − 1)
+    f(i, d, q, n) = min over stages (layers i..j−1, shape k) of
+                    stage(i, j, k) + R(i, j, k) + cut(i, d, q, k) + f(j, next(d, k), k, n − 1)
 
-— the best sum for layers ``i..`` when device ``d`` is the first free one, ``q`` the size of
-the stage before (the boundary's cost depends on both submeshes) and ``n`` the stages left,
-itself included (1F1B keeps ``min(m, n)`` microbatches on a stage ``n`` from the end):
-counted 1..B−1 and "B or more", B one more than the largest memory cap below the most stages
-a pipeline can have among the stages the threshold allows — beyond it no allowed stage's
-feasibility changes — and not counted at all when no such cap binds. Every term above ``t``
-is left out. Run at every distinct term value ``t`` (in increasing order, stopping once
-``S_min + (m − 1)·t`` cannot beat the best E found), the minimum over the runs is the exact
-minimum of E. Each run is vectorised over the devices and the stages left (numpy). When the
-runs would exceed the work budget (cells of the program evaluated, never seconds), a coarse
-grid of thresholds runs first, then ``t`` takes a geometric grid of ratio ``1 + gap``,
-which keeps the result within ``1 + gap`` of the optimum (reported). Every run's solution is
-a candidate; the best few by E go on to the simulator.
+— the best sum for layers ``i..`` when device ``d`` is the first free one, ``q`` the shape
+of the stage before (the boundary's cost depends on both submeshes and their layouts) and
+``n`` the stages left, itself included (1F1B keeps ``min(m, n)`` microbatches on a stage
+``n`` from the end): counted 1..B−1 and "B or more", B one more than the largest memory cap
+below the most stages a pipeline can have among the stages the threshold allows — beyond it
+no allowed stage's feasibility changes — and not counted at all when no such cap binds.
+Every term above ``t`` is left out. A data-parallel stage's gradient reduction R is part of
+the sum but no term of the maximum. Run at every distinct term value ``t`` (in increasing
+order, stopping once ``S_min + (m − 1)·t`` cannot beat the best E found), the minimum over
+the runs is the exact minimum of E. Each run is vectorised over the devices and the stages
+left (numpy). When the runs would exceed the work budget (cells of the program evaluated,
+never seconds), a coarse grid of thresholds runs first, then ``t`` takes a geometric grid of
+ratio ``1 + gap``, which keeps the result within ``1 + gap`` of the optimum (reported).
+Every run's solution is a candidate; the best few by E go on to the simulator.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .partition_model import Problem, Stage, placed
+from .partition_model import Problem, Stage, dp_allowed, placed
 
 INF = math.inf
 BOUND_SLACK = 1e-9
@@ -54,10 +55,12 @@ class Tables:
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
         self.L, self.N = len(problem.layers), problem.cluster.num_devices
-        self.sizes = np.array(problem.sizes, dtype=np.int64)
+        # Index k runs over the stage shapes: sizes[k] devices at DP degree dps[k].
+        self.sizes = np.array([n for n, _ in problem.shapes], dtype=np.int64)
+        self.dps = np.array([k for _, k in problem.shapes], dtype=np.int64)
         self.S = len(self.sizes)
         self._placement()
-        self.stage, self.cap = self._stage_tables()
+        self.stage, self.cap, self.reduce = self._stage_tables()
         self._memory_mode()
         self.bsum, self.bmax = self._boundary_tables()
 
@@ -75,31 +78,39 @@ class Tables:
                 if s + size <= N:
                     self.next_free[d, k] = s + size
 
-    def _stage_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """stage[i, j, k]: F + B of layers i..j−1 at size k (inf: a layer lacks the degree,
-        or j <= i); cap[i, j, k]: most microbatches it may keep within memory (−1: none)."""
+    def _stage_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """stage[i, j, k]: F + B of layers i..j−1 at shape k (inf: a layer lacks the TP
+        degree or cannot run at the DP degree, or j <= i); cap[i, j, k]: most microbatches
+        it may keep within memory (−1: none); reduce[i, j, k]: its gradient reduction R."""
         p, L, S = self.problem, self.L, self.S
         stage = np.full((L + 1, L + 1, S), INF)
         cap = np.full((L + 1, L + 1, S), -1, np.int64)
+        reduce = np.zeros((L + 1, L + 1, S))
         params = np.concatenate([[0], np.cumsum([x.params_bytes for x in p.layers])])
         acts = np.concatenate([[0], np.cumsum([x.activation_bytes for x in p.layers])])
         big = p.num_microbatches + L  # "any number": more than a stage ever keeps
         upper = np.triu(np.ones((L + 1, L + 1), bool), 1)
-        for k, size in enumerate(self.sizes.tolist()):
-            secs = np.array([x.seconds(size) if size in x.forward else 0.0 for x in p.layers])
-            lacks = np.concatenate([[0], np.cumsum([size not in x.forward for x in p.layers])])
+        for k, (size, dp) in enumerate(p.shapes):
+            tp = size // dp
+            secs = np.array([x.seconds(tp) if tp in x.forward else 0.0 for x in p.layers])
+            lacks = np.concatenate([[0], np.cumsum([tp not in x.forward
+                                                    or not dp_allowed(x, dp)
+                                                    for x in p.layers])])
             cum = np.concatenate([[0.0], np.cumsum(secs)])
             ok = upper & (lacks[None, :] - lacks[:, None] == 0)
-            stage[:, :, k] = np.where(ok, cum[None, :] - cum[:, None], INF)
+            stage[:, :, k] = np.where(ok, (cum[None, :] - cum[:, None]) / dp, INF)
+            if dp > 1:
+                reduce[:, :, k] = np.vectorize(lambda b, n=size, d=dp: p.reduce_seconds(
+                    int(b), n, d), otypes=[float])(np.maximum(params[None, :] - params[:, None], 0))
             if p.memory_per_device is None:
                 cap[:, :, k] = np.where(ok, big, -1)
                 continue
             # (int sums, one division: the same floats Problem.fits computes)
-            pb = (params[None, :] - params[:, None]) / size
+            pb = (params[None, :] - params[:, None]) / tp
             ab = (acts[None, :] - acts[:, None]) / size
             cap[:, :, k] = np.where(ok, _most_kept(pb, ab, p.memory_per_device, big), -1)
         stage[cap < 1] = INF
-        return stage, cap
+        return stage, cap, reduce
 
     def _memory_mode(self) -> None:
         """Entries of stages whose memory cap binds below the most stages a pipeline can
@@ -121,7 +132,7 @@ class Tables:
 
     def _boundary_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """bsum / bmax[i, d, q, k]: both directions' seconds summed / their larger, at the
-        cut before layer i, the stage before of size index q ending at d, this one of size
+        cut before layer i, the stage before of shape index q ending at d, this one of shape
         k starting at start[d, k] (q = S: no stage before, only at i = 0, d = 0)."""
         L, N, S = self.L, self.N, self.S
         bsum = np.full((L, N + 1, S + 1, S), INF)
@@ -138,19 +149,19 @@ class Tables:
         return bsum, bmax
 
     def _cut_table(self, cut: int) -> tuple[np.ndarray, np.ndarray]:
-        N, S, sizes, cluster = self.N, self.S, self.sizes.tolist(), self.problem.cluster
+        N, S, shapes, cluster = self.N, self.S, self.problem.shapes, self.problem.cluster
         total = np.full((N + 1, S, S), INF)
         worst = np.full((N + 1, S, S), INF)
-        for q, before in enumerate(sizes):
+        for q, (before, qdp) in enumerate(shapes):
             for d in range(before, N + 1):
                 first = d - before
                 if placed(first, before, cluster) != first:
                     continue  # no stage of that size ends at d
-                for k, size in enumerate(sizes):
+                for k, (size, dp) in enumerate(shapes):
                     if self.next_free[d, k] > N:
                         continue
                     fwd, bwd = self.problem.boundary_seconds(
-                        cut, (first, before), (int(self.start[d, k]), size))
+                        cut, (first, before, qdp), (int(self.start[d, k]), size, dp))
                     total[d, q, k], worst[d, q, k] = fwd + bwd, max(fwd, bwd)
         return total, worst
 
@@ -166,8 +177,8 @@ class Tables:
     @cached_property
     def bounds(self) -> tuple[float, float]:
         """(the least possible maximum term, the least possible sum of stage terms)."""
-        best = [min((x.seconds(int(s)) for s in self.sizes if int(s) in x.forward),
-                    default=INF) for x in self.problem.layers]
+        best = [min((x.seconds(n // k) / k for n, k in self.problem.shapes
+                     if n // k in x.forward), default=INF) for x in self.problem.layers]
         return max(best), sum(best)
 
     @cached_property
@@ -243,7 +254,8 @@ class Run:
             if e <= i:
                 continue
             after = self.f[i + 1:e + 1][:, T.next_free[:, k], k, :]
-            val = T.stage[i, i + 1:e + 1, k][:, None, None] + self._left(after)
+            here = T.stage[i, i + 1:e + 1, k] + T.reduce[i, i + 1:e + 1, k]
+            val = here[:, None, None] + self._left(after)
             if self.B:
                 fits = T.cap[i, i + 1:e + 1, k][:, None] >= self.need[None, :]
                 val = np.where(fits[:, None, :], val, INF)
@@ -272,7 +284,7 @@ class Run:
         while i < T.L:
             k = int(self.size[i, d, q, n])
             j = int(self.stop[i, k, d, n])
-            stages.append((i, j, int(T.start[d, k]), int(T.sizes[k])))
+            stages.append((i, j, int(T.start[d, k]), int(T.sizes[k]), int(T.dps[k])))
             i, d, q = j, int(T.next_free[d, k]), k
             if self.B:  # the index the value came from (the bucket: the smaller)
                 n = n if n == self.B and self.f[i, d, q, n] < self.f[i, d, q, n - 1] else n - 1

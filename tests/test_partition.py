@@ -2,9 +2,11 @@
 the simulator, memory, determinism, and every refused input.
 
 The exhaustive side is written here from the model's definition (docs/partition.md): every
-chain of stages, each a contiguous range of layers on Alpa's submeshes placed in order, its
-estimate E summed directly and each boundary planned where it really sits — so the search's
-tables, its cached boundary costs and its threshold sweep are all checked against it."""
+chain of stages, each a contiguous range of layers on Alpa's submeshes placed in order at
+every factorisation dp × tp of its size, its estimate E summed directly, each boundary planned
+where it really sits and each gradient reduction costed on the stage's real "dp" lines — so
+the search's tables, its cached boundary and reduction costs and its threshold sweep are all
+checked against it."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from hypothesis import strategies as st
 
 from scheduler import (
     Cluster,
+    CostModel,
+    DeviceMesh,
     Layer,
     P,
     PartitionError,
@@ -29,10 +33,11 @@ from scheduler import (
     plan_resharding,
     simulate,
 )
+from scheduler.graph import reduce_lines
 from scheduler.partition_chunks import balanced_edges
-from scheduler.partition_model import Problem, stage_mesh
+from scheduler.partition_model import Problem
 from scheduler.partition_search import search
-from scheduler.sharding import Sharding
+from scheduler.sharding import Sharding, ShardingSpec
 
 SHAPES = ((64, 32), (1024, 256), (8192, 512), (6, 10))
 
@@ -45,22 +50,49 @@ def _sizes(cluster: Cluster) -> list[int]:
     return [d for d in range(1, g + 1) if g % d == 0] + [k * g for k in range(2, h + 1)]
 
 
-def _chains(layers, cluster, first=0, free=0):
-    """Every chain of (first layer, stop, first device, size) from layer ``first``, device
-    ``free`` on: a submesh of g | G GPUs starts at a multiple of g, whole hosts at a host."""
+def _batch_splits(layer, dp) -> bool:
+    """A layer runs on 1/dp of the batch: its output's dim 0 divides, no layout splits it."""
+    return dp == 1 or (layer.output_shape[0] % dp == 0 and all(
+        len(spec) == 0 or spec[0] is None for spec in (layer.output_spec, layer.input_spec)))
+
+
+def _chains(layers, cluster, first=0, free=0, dp_too=True):
+    """Every chain of (first layer, stop, first device, size, dp) from layer ``first``,
+    device ``free`` on: a submesh of g | G GPUs starts at a multiple of g, whole hosts at a
+    host; its TP degree size / dp one every layer of the stage supports."""
     if first == len(layers):
         yield ()
         return
     for stop in range(first + 1, len(layers) + 1):
         for size in _sizes(cluster):
-            if any(size not in x.forward for x in layers[first:stop]):
-                continue
-            align = size if size <= cluster.gpus_per_host else cluster.gpus_per_host
-            start = -(-free // align) * align
-            if start + size > cluster.num_devices:
-                continue
-            for rest in _chains(layers, cluster, stop, start + size):
-                yield ((first, stop, start, size), *rest)
+            for dp in (d for d in range(1, size + 1) if size % d == 0 and (dp_too or d == 1)):
+                part = layers[first:stop]
+                if any(size // dp not in x.forward or not _batch_splits(x, dp) for x in part):
+                    continue
+                align = size if size <= cluster.gpus_per_host else cluster.gpus_per_host
+                start = -(-free // align) * align
+                if start + size > cluster.num_devices:
+                    continue
+                for rest in _chains(layers, cluster, stop, start + size, dp_too):
+                    yield ((first, stop, start, size, dp), *rest)
+
+
+def _mesh(start, size, dp):
+    ids = list(range(start, start + size))
+    if dp == 1:
+        return DeviceMesh(ids, ("tp",))
+    return DeviceMesh([ids[i * (size // dp):(i + 1) * (size // dp)] for i in range(dp)],
+                      ("dp", "tp"))
+
+
+def _layout(spec, shape, dp):
+    """The TP layout with "dp" on dim 0 (None: the batch cannot split)."""
+    if dp == 1:
+        return spec
+    entries = spec.padded(len(shape))
+    if shape[0] % dp or entries[0] is not None:
+        return None
+    return ShardingSpec("dp", *entries[1:])
 
 
 class Exhaustive:
@@ -73,12 +105,18 @@ class Exhaustive:
 
     def transfer(self, cut, a, b, back=False) -> float:
         """The activation across the cut before layer ``cut`` from the stage on devices
-        ``a`` = (first, size) to the one on ``b`` (``back``: its gradient, b to a)."""
+        ``a`` = (first, size[, dp]) to the one on ``b`` (``back``: its gradient, b to a)."""
+        a, b = (*a, 1)[:3], (*b, 1)[:3]
         key = (cut, a, b, back)
         if key not in self.memo:
             out, into = self.layers[cut - 1], self.layers[cut]
-            src = Sharding(stage_mesh(*a), out.output_spec)
-            dst = Sharding(stage_mesh(*b), into.input_spec)
+            specs = (_layout(out.output_spec, out.output_shape, a[2]),
+                     _layout(into.input_spec, out.output_shape, b[2]))
+            if None in specs:
+                self.memo[key] = math.inf
+                return math.inf
+            src = Sharding(_mesh(*a), specs[0])
+            dst = Sharding(_mesh(*b), specs[1])
             if back:
                 src, dst = dst, src
             plan = plan_resharding(out.output_shape, out.dtype, src, dst, self.cluster,
@@ -90,25 +128,37 @@ class Exhaustive:
         if self.memory is None:
             return True
         p = len(chain)
-        for s, (a, b, _, size) in enumerate(chain):
-            params = sum(x.params_bytes for x in self.layers[a:b]) / size
+        for s, (a, b, _, size, dp) in enumerate(chain):
+            params = sum(x.params_bytes for x in self.layers[a:b]) / (size // dp)
             acts = sum(x.activation_bytes for x in self.layers[a:b]) / size
             if params + min(self.m, p - s) * acts > self.memory:
                 return False
         return True
 
-    def estimate(self, chain) -> float:
-        stage = [sum(x.forward[size] + x.backward[size] for x in self.layers[a:b])
-                 for a, b, _, size in chain]
-        comm = []
-        for (_, _, s0, z0), (cut, _, s1, z1) in itertools.pairwise(chain):
-            comm += [self.transfer(cut, (s0, z0), (s1, z1)),
-                     self.transfer(cut, (s0, z0), (s1, z1), back=True)]
-        return sum(stage) + sum(comm) + (self.m - 1) * max(stage + comm)
+    def reduction(self, a, b, start, size, dp) -> float:
+        """The slowest of the stage's gradient all-reduces, one per "dp" line where the
+        stage really sits (parameter bytes / tp per device, rounded up)."""
+        if dp == 1:
+            return 0.0
+        nbytes = math.ceil(sum(x.params_bytes for x in self.layers[a:b]) / (size // dp))
+        model = CostModel(self.cluster)
+        costs = [model.all_reduce_cost(line, nbytes)
+                 for line in reduce_lines(_mesh(start, size, dp), "dp")]
+        return max(c.fixed_s + c.nbytes / c.alone_bw for c in costs)
 
-    def best(self) -> tuple[float, tuple]:
-        options = [(self.estimate(c), c) for c in _chains(self.layers, self.cluster)
-                   if self.fits(c)]
+    def estimate(self, chain) -> float:
+        stage = [sum(x.forward[size // dp] + x.backward[size // dp] for x in self.layers[a:b])
+                 / dp for a, b, _, size, dp in chain]
+        reduce = [self.reduction(*c) for c in chain]
+        comm = []
+        for (_, _, s0, z0, d0), (cut, _, s1, z1, d1) in itertools.pairwise(chain):
+            comm += [self.transfer(cut, (s0, z0, d0), (s1, z1, d1)),
+                     self.transfer(cut, (s0, z0, d0), (s1, z1, d1), back=True)]
+        return sum(stage) + sum(comm) + sum(reduce) + (self.m - 1) * max(stage + comm)
+
+    def best(self, dp_too=True) -> tuple[float, tuple]:
+        options = [(self.estimate(c), c)
+                   for c in _chains(self.layers, self.cluster, dp_too=dp_too) if self.fits(c)]
         return min(options, default=(math.inf, ()))
 
 
@@ -227,12 +277,13 @@ def test_what_the_plan_says_is_what_the_simulator_says_and_it_lowers_like_a_pipe
     assert timeline.bubble_fraction == plan.bubble
     assert timeline.exposed_comm_fraction == plan.exposed_comm
     # Stages cover the layers in order; each on its own devices (or its rank's, with two
-    # chunks per rank), tensor-parallel over all of them; boundaries on those meshes.
+    # chunks per rank), dp × tp over all of them; boundaries on those meshes.
     covered = [i for stage in plan.stages for i in stage.layers]
     assert covered == list(range(10))
     for s, stage in enumerate(plan.stages):
-        assert stage.tp == stage.mesh.size and stage.mesh.axis_names == ("tp",)
-        assert stage.submesh[0] * stage.submesh[1] == stage.tp
+        assert stage.tp * stage.dp == stage.mesh.size
+        assert stage.mesh.axis_names == (("tp",) if stage.dp == 1 else ("dp", "tp"))
+        assert stage.submesh[0] * stage.submesh[1] == stage.mesh.size
         if s:
             assert plan.boundaries[s - 1].consumer.mesh == stage.mesh
             assert plan.boundaries[s - 1].producer.mesh == plan.stages[s - 1].mesh
@@ -283,9 +334,11 @@ def test_the_same_inputs_give_the_same_plan_and_a_small_budget_reports_its_gap()
 def test_two_chunks_per_rank_are_candidates_and_win_where_interleaving_pays():
     # Identical layers, fast links, few microbatches: the bubble dominates, and interleaving
     # halves it — partition must find that, not only one stage per rank.
+    # (Pipelines only: without parameters one stage data-parallel over all four devices has
+    # no bubble at all — tests/test_partition_dp.py covers that choice.)
     layers = [Layer({1: 0.01}, {1: 0.02}, (16, 16), "float32", 0, 0) for _ in range(16)]
     cluster = Cluster.local(4)
-    plan = partition(layers, cluster, 4)
+    plan = partition(layers, cluster, 4, data_parallel=False)
     assert plan.schedule.stages_per_rank == 2
     names = {f[1] for f in plan.search["finalists"]}
     assert {"1f1b", "interleaved-1f1b"} <= names
@@ -341,7 +394,7 @@ def test_the_estimate_is_the_simulators_gpipe_time_when_transfers_are_free(forwa
     cuts = sorted(data.draw(st.sets(st.integers(1, len(forward) - 1))) if len(forward) > 1
                   else [])
     edges = [0, *cuts, len(forward)]
-    chain = tuple((a, b, s, 1) for s, (a, b) in enumerate(itertools.pairwise(edges)))
+    chain = tuple((a, b, s, 1, 1) for s, (a, b) in enumerate(itertools.pairwise(edges)))
     problem = Problem(tuple(layers), free, m)
     pipe = realize(problem, chain)
     seconds = {}

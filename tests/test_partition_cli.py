@@ -142,7 +142,9 @@ def test_the_plan_json_runs_on_the_runtime_like_a_hand_written_pipeline():
                     {1: 2e-3 * (1 + i % 3), 2: 1.2e-3 * (1 + i % 3)}, (4, 16), "float64",
                     0, 0, output_spec=P(), input_spec=P()) for i in range(6)]
     cluster = Cluster.local(4)
-    plan = PartitionPlan.from_json(partition(layers, cluster, 4).to_json())
+    # (data_parallel=False: these stage functions are written for replicated layouts.)
+    plan = PartitionPlan.from_json(partition(layers, cluster, 4,
+                                             data_parallel=False).to_json())
     graph = plan.lower()
     stages = [overlap.Stage(st.mesh, _forward(weights, st.layers, last=s == len(plan.stages) - 1),
                             _backward(weights, st.layers))

@@ -421,8 +421,10 @@ def auto_partition(blocks: Sequence[nn.Module] | nn.Sequential, cluster: Cluster
                                 optimizer_states=optimizer_states)
     elif len(layers) != len(blocks):
         raise ValueError(f"layers: {len(layers)} layers for {len(blocks)} blocks")
+    # TorchPipeline runs tensor-parallel stages only: no stage gets a "dp" axis.
     plan = partition(list(layers), cluster, num_microbatches,
-                     memory_per_device=memory_per_device, options=options, budget=budget)
+                     memory_per_device=memory_per_device, options=options, budget=budget,
+                     data_parallel=False)
     modules, plans = [], []
     for st in plan.stages:
         part = blocks[st.layers.start:st.layers.stop]
