@@ -138,6 +138,38 @@ def test_auto_partition_hands_the_blocks_themselves_with_stage_plans():
     assert pipe.tp[0] is not None and pipe.tp[0].degree == 2
 
 
+def test_a_data_parallel_partition_trains_like_plain_torch():
+    # Given costs: blocks that only run at degree 1 with no parameters to reduce, on 4
+    # devices — the partition splits the batch over "dp" (all four devices compute).
+    import copy
+
+    from overlap import Runtime
+
+    torch.manual_seed(0)
+    blocks = [_mlp(8).double() for _ in range(2)]
+    reference = nn.Sequential(*copy.deepcopy(blocks))
+    layers = [Layer({1: 0.01}, {1: 0.02}, (8, 8), "float64", 0, 0) for _ in blocks]
+    auto = auto_partition(blocks, Cluster.local(4), 2, torch.randn(8, 8, dtype=torch.float64),
+                          layers=layers)
+    assert any(st.dp > 1 for st in auto.plan.stages), auto.plan.to_text()
+    pipe = auto.pipeline(nn.functional.mse_loss)
+    assert pipe.data_parallel.axis == "dp"
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    with Runtime(Cluster.local(4), timeout=30) as rt:
+        losses = pipe.train_step_sync(rt, x, y, num_microbatches=2, schedule=auto.schedule)
+    want = []
+    for xm, ym in zip(x.chunk(2), y.chunk(2)):
+        loss = nn.functional.mse_loss(reference(xm), ym)
+        (loss / 2).backward()
+        want.append(loss.item())
+    assert losses == pytest.approx(want, rel=1e-12)
+    stage0 = [p for p in pipe.local_stages[0].modules[0].parameters()]
+    first = auto.plan.stages[0].layers
+    ref0 = [p for b in list(reference)[first.start:first.stop] for p in b.parameters()]
+    for got, ref in zip(stage0, ref0):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-10, atol=1e-12)
+
+
 class _Raises(nn.Module):
     def forward(self, x):
         raise AssertionError("measured: the arguments were not checked first")

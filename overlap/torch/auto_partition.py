@@ -60,7 +60,7 @@ from scheduler import (
 from scheduler.partition_model import all_reduce_seconds
 
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
-from .pipeline import LossFn, TorchPipeline
+from .pipeline import LossFn, TorchPipeline, replicate
 from .tensors import numpy_dtype
 
 TpPlans = Callable[[nn.Module], Mapping[str, Any] | None] | Sequence[Mapping[str, Any] | None]
@@ -353,7 +353,9 @@ class AutoPartition:
     the ``layers`` it was made from, and per stage its module (an ``nn.Sequential`` of the
     blocks themselves, not copies), its mesh (axis ``"tp"``) and its tensor-parallel plan
     (the blocks' plans under the stage's names; None at TP degree 1) — what
-    :class:`TorchPipeline` takes, with :attr:`schedule`."""
+    :class:`TorchPipeline` takes, with :attr:`schedule`. A stage the plan splits over
+    ``"dp"`` (``plan.stages[s].dp > 1``) gets its mesh's ``dp`` axis as
+    ``TorchPipeline(..., data_parallel="dp")``."""
 
     plan: PartitionPlan
     layers: tuple[Layer, ...]
@@ -369,9 +371,16 @@ class AutoPartition:
     def pipeline(self, loss_fn: LossFn, **kwargs: Any) -> TorchPipeline:
         """A :class:`TorchPipeline` of these stages (``kwargs``: its other arguments)."""
         planned = any(p is not None for p in self.plans)
-        return TorchPipeline(list(self.modules), self.meshes, loss_fn,
+        split = any(st.dp > 1 for st in self.plan.stages)
+        # An unplanned stage on several devices takes a module per device: the block
+        # itself first, copies for the others.
+        modules: list[Any] = [m if p is not None or len(mesh.device_ids) == 1
+                              else replicate(m, len(mesh.device_ids))
+                              for m, p, mesh in zip(self.modules, self.plans, self.meshes)]
+        return TorchPipeline(modules, self.meshes, loss_fn,
                              plans=list(self.plans) if planned else None,
-                             axis="tp" if planned else None, **kwargs)
+                             axis="tp" if planned else None,
+                             **({"data_parallel": "dp"} if split else {}), **kwargs)
 
 
 def stage_plan(plans: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
@@ -405,9 +414,11 @@ def auto_partition(blocks: Sequence[nn.Module] | nn.Sequential, cluster: Cluster
                    memory_per_device: float | None = None, options: PlanOptions | None = None,
                    budget: SearchBudget | None = None, warmup: int = 1, repeat: int = 3,
                    optimizer_states: int = 0,
-                   layers: Sequence[Layer] | None = None) -> AutoPartition:
+                   layers: Sequence[Layer] | None = None,
+                   data_parallel: bool = True) -> AutoPartition:
     """Measure ``blocks`` (:func:`measure_layers`; or take ``layers`` already measured),
-    partition them on ``cluster`` (:func:`scheduler.partition`) and build each stage's
+    partition them on ``cluster`` (:func:`scheduler.partition`; ``data_parallel``: whether
+    a stage may split the batch over a ``"dp"`` axis of its mesh) and build each stage's
     module, mesh and tensor-parallel plan (module doc)."""
     blocks = _check_blocks(blocks)
     if not isinstance(cluster, Cluster):
@@ -421,10 +432,9 @@ def auto_partition(blocks: Sequence[nn.Module] | nn.Sequential, cluster: Cluster
                                 optimizer_states=optimizer_states)
     elif len(layers) != len(blocks):
         raise ValueError(f"layers: {len(layers)} layers for {len(blocks)} blocks")
-    # TorchPipeline runs tensor-parallel stages only: no stage gets a "dp" axis.
     plan = partition(list(layers), cluster, num_microbatches,
                      memory_per_device=memory_per_device, options=options, budget=budget,
-                     data_parallel=False)
+                     data_parallel=data_parallel)
     modules, plans = [], []
     for st in plan.stages:
         part = blocks[st.layers.start:st.layers.stop]
