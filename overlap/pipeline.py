@@ -61,8 +61,24 @@ from scheduler import (
     StepGraph,
 )
 from scheduler.dtypes import is_floating
-from scheduler.graph import buffers_used, dp_stream, input_channel, output_channel, reduce_lines
-from scheduler.lowering import Boundaries, MicrobatchBoundaries, channels, per_microbatch
+from scheduler.graph import (
+    ChannelSets,
+    buffers_used,
+    dp_stream,
+    input_channel,
+    inputs_of,
+    output_channel,
+    outputs_of,
+    reduce_lines,
+)
+from scheduler.lowering import (
+    BoundaryGroup,
+    Boundaries,
+    MicrobatchBoundaries,
+    channels,
+    elements,
+    per_microbatch,
+)
 from scheduler.regions import region_shape
 
 from .launch import launch
@@ -264,7 +280,8 @@ def launch_step(
     state = StepState() if state is None else state
     binder = _Binder(backend, state, stages,
                      per_microbatch(boundaries, len(microbatches)), microbatches,
-                     input_sharding, compute_time, graph.buffer_users, routes, scope)
+                     input_sharding, compute_time, graph.buffer_users, routes, scope,
+                     graph.channel_sets)
     return launch(backend, graph, binder, scope)
 
 
@@ -272,12 +289,14 @@ class _Binder:
     """``(op, device) -> callable``: what each op of the step does on each device."""
 
     def __init__(self, backend: Backend, state: StepState, stages: Sequence[Stage],
-                 boundaries: tuple[tuple[Boundary, ...], ...],
+                 boundaries: tuple[tuple[BoundaryGroup, ...], ...],
                  microbatches: Sequence[np.ndarray], input_sharding: Sharding,
                  compute_time: Callable[[int, str], float] | None,
                  users: Mapping[tuple[object, int, int], int],
-                 routes: Mapping[tuple[int, int], Route], scope: CancelScope) -> None:
+                 routes: Mapping[tuple[int, int], Route], scope: CancelScope,
+                 sets: ChannelSets) -> None:
         self.backend, self.state, self.stages = backend, state, stages
+        self.sets = sets
         self.routes, self.scope = routes, scope
         self.boundaries, self.microbatches = boundaries, microbatches
         self.compute_time = compute_time
@@ -293,15 +312,17 @@ class _Binder:
             if key not in regions:
                 regions[key] = sharding.device_regions(shape)
             return regions[key]
-        self.prod = [[of(b.producer, b.shape) for b in row] for row in boundaries]
-        self.cons = [[of(b.consumer, b.shape) for b in row] for row in boundaries]
+        # Per microbatch, each channel's (source regions, destination regions, dtype).
+        self.moves: list[dict[Channel, tuple[Any, Any, np.dtype]]] = [
+            {ch: (of(src, b.shape), of(dst, b.shape), np.dtype(b.dtype))
+             for ch, b, src, dst in channels(row)} for row in boundaries]
         self.in_regions = [of(input_sharding, np.shape(mb)) for mb in microbatches]
         self._buffers: dict[tuple[Channel, int], tuple[Any, ...]] = {}
         self._make_lock = threading.Lock()  # a receive buffer is made once (see _Lazy)
 
     def __call__(self, op: Op, device: int) -> Callable[[], Any]:
         run = self._bind(op, device)
-        keys = buffers_used(op.body, len(self.stages))
+        keys = buffers_used(op.body, len(self.stages), self.sets)
 
         def then_release() -> Any:
             issued = run()  # (device work left in flight: its buffers stay alive with it)
@@ -351,10 +372,7 @@ class _Binder:
         key = (channel, microbatch)
         buffers = self._buffers.get(key)
         if buffers is None:
-            b = channel.boundary
-            prod, cons = self.prod[microbatch][b], self.cons[microbatch][b]
-            src, dst = (prod, cons) if channel.direction == "fwd" else (cons, prod)
-            dtype = np.dtype(self.boundaries[microbatch][b].dtype)
+            src, dst, dtype = self.moves[microbatch][channel]
             outs = _Lazy(self.state.recvs, key,
                          lambda d: self.backend.xp.empty(region_shape(dst[d]), dtype),
                          self._make_lock)
@@ -363,19 +381,35 @@ class _Binder:
                 key, (src, dst, dtype, _Lazy(self.state.sends, key), outs))
         return buffers
 
+    def _group(self, channel: Channel | None, i: int) -> tuple[Channel, ...] | None:
+        """Where a boundary of several tensors is read or written: its channels in this
+        direction by element, None for the gradient of one that has none (an integer tensor);
+        None altogether for a boundary of one tensor."""
+        if channel is None or not isinstance(self.boundaries[i][channel.boundary], tuple):
+            return None
+        n = len(elements(self.boundaries[i][channel.boundary]))
+        have = {ch.element: ch for ch in self.sets.get((channel.direction, channel.boundary),
+                                                         ())}
+        return tuple(have.get(e) for e in range(n))  # type: ignore[misc]
+
     def _compute(self, c: Compute, d: int) -> Callable[[], None]:
         s, i = c.stage, c.microbatch
         p = len(self.stages)
         into, out = input_channel(s, c.kind, p), output_channel(s, c.kind, p)
+        in_group, out_group = self._group(into, i), self._group(out, i)
         stage, state, xp = self.stages[s], self.state, self.backend.xp
         what = f"stage {s} {PHASES[c.kind]} (mb {i}, device {d})"
+
+        def read(ch: Channel | None) -> Any:
+            return None if ch is None else self._buffers_of(ch, i)[4][d]
 
         def body() -> None:
             ctx = StageContext(d, s, i, c.kind, stage.mesh,
                                state.saved.setdefault((s, d, i), {}), self.backend, self.scope)
             # The input: what the channel brought this device (its buffer is made here when
-            # its region is empty: nothing arrives), or stage 0's own copy of the microbatch.
-            x = None if into is None else self._buffers_of(into, i)[4][d]
+            # its region is empty: nothing arrives), or stage 0's own copy of the microbatch;
+            # a tuple over a boundary of several tensors (None: a gradient it has not).
+            x = read(into) if in_group is None else tuple(read(ch) for ch in in_group)
             if c.kind == "F":
                 if into is None:  # each device gets its own copy, in its own memory
                     region = self.in_regions[i][d]
@@ -388,8 +422,10 @@ class _Binder:
                 y = stage.backward(ctx, x)
                 if c.kind == "B" and stage.backward_weight is not None:
                     stage.backward_weight(ctx)
-            if out is not None:
+            if out is not None and out_group is None:
                 self._deliver(out, i, d, y, what)
+            elif out is not None:
+                self._deliver_group(out_group, i, d, y, what)
             elif c.kind == "F":
                 check_loss(y, what)
                 if d == stage.mesh.device_ids[0]:
@@ -406,6 +442,20 @@ class _Binder:
                                dp_stream(r.stage))
             sync.reduce(ctx)
         return body
+
+    def _deliver_group(self, group: tuple[Channel | None, ...], i: int, d: int, value: Any,
+                       what: str) -> None:
+        """A stage function's output across a boundary of several tensors: a tuple (or list)
+        with one entry per tensor (a gradient's entry for a tensor that has none — an integer
+        one — is ignored)."""
+        if not isinstance(value, (tuple, list)) or len(value) != len(group):
+            got = f"{len(value)} values" if isinstance(value, (tuple, list)) else \
+                type(value).__name__
+            raise ValueError(f"{what} returned {got}; this boundary carries {len(group)} "
+                             "tensors: return a tuple of as many arrays")
+        for ch, v in zip(group, value):
+            if ch is not None:
+                self._deliver(ch, i, d, v, what)
 
     def _deliver(self, channel: Channel, i: int, d: int, value: Any, what: str) -> None:
         src, _, dtype, _, _ = self._buffers_of(channel, i)

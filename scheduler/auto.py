@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .cluster import Cluster
 from .cost import estimate
@@ -125,11 +126,17 @@ def auto_schedule(stages: Sequence[DeviceMesh], boundaries: Boundaries,
     # Each channel's transfer time: the mean over the microbatches (their shapes may differ).
     per = per_microbatch(boundaries if isinstance(boundaries, MicrobatchBoundaries)
                          else tuple(boundaries), m)
-    times = {row: {str(ch): estimate(cache.plan(b.shape, b.dtype, src, dst, options), cluster)
-                   for ch, b, src, dst in channels(row)} for row in set(per)}
-    xfer = {ch: sum(times[row][ch] for row in per) / m for ch in times[per[0]]}
-    fwd_s = [xfer[f"fwd{b}"] for b in range(p - 1)]
-    bwd_s = [xfer[f"bwd{b}"] for b in range(p - 1)]
+    # (A boundary of several tensors: its channels' times added, one after the other.)
+    times: dict[Any, dict[tuple[str, int], float]] = {}
+    for row in set(per):
+        t = times[row] = {}
+        for ch, b, src, dst in channels(row):
+            key = (ch.direction, ch.boundary)
+            t[key] = t.get(key, 0.0) + estimate(cache.plan(b.shape, b.dtype, src, dst, options),
+                                                cluster)
+    xfer = {k: sum(times[row].get(k, 0.0) for row in per) / m for k in times[per[0]]}
+    fwd_s = [xfer.get(("fwd", b), 0.0) for b in range(p - 1)]
+    bwd_s = [xfer.get(("bwd", b), 0.0) for b in range(p - 1)]
     tried: list[tuple[str, float, tuple[int, ...]]] = []
     best: list[tuple[float, int, str, Schedule, StepGraph]] = []
     for name, sched in _candidates(p, m, duration, fwd_s, bwd_s, caps, split):

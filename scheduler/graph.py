@@ -61,10 +61,12 @@ COMPUTE = "compute"  # the compute stream's name on every device
 @dataclass(frozen=True, order=True)
 class Channel:
     """A stage boundary in one direction: ``fwd`` carries activations from stage ``boundary``
-    to ``boundary + 1``, ``bwd`` their gradients back. Its stream is named ``str(self)``."""
+    to ``boundary + 1``, ``bwd`` their gradients back; ``element``: which tensor of a boundary
+    of several. Its stream is named ``str(self)``."""
 
     direction: Literal["fwd", "bwd"]
     boundary: int
+    element: int = 0
 
     def __post_init__(self) -> None:
         if self.direction not in ("fwd", "bwd"):
@@ -72,6 +74,9 @@ class Channel:
         if isinstance(self.boundary, bool) or not isinstance(self.boundary, int) \
                 or self.boundary < 0:
             raise ValueError(f"boundary: expected an int >= 0, got {self.boundary!r}")
+        if isinstance(self.element, bool) or not isinstance(self.element, int) \
+                or self.element < 0:
+            raise ValueError(f"element: expected an int >= 0, got {self.element!r}")
 
     @property
     def src_stage(self) -> int:
@@ -89,15 +94,18 @@ class Channel:
         return "F" if self.direction == "fwd" else "B"
 
     def __str__(self) -> str:
-        return f"{self.direction}{self.boundary}"
+        tail = f"_{self.element}" if self.element else ""
+        return f"{self.direction}{self.boundary}{tail}"
 
     @classmethod
     def parse(cls, text: str) -> Channel:
-        """A channel from its name, ``fwd<boundary>`` or ``bwd<boundary>``."""
-        m = re.fullmatch(r"(fwd|bwd)(\d+)", text.strip())
+        """A channel from its name, ``fwd<boundary>`` or ``bwd<boundary>`` (``_<element>``
+        for a boundary's tensor other than its first)."""
+        m = re.fullmatch(r"(fwd|bwd)(\d+)(?:_(\d+))?", text.strip())
         if m is None:
-            raise ValueError(f"channel: expected fwd<s> or bwd<s>, got {text!r}")
-        return cls(m.group(1), int(m.group(2)))  # type: ignore[arg-type]
+            raise ValueError(f"channel: expected fwd<s> or bwd<s> (or fwd<s>_<element>), got "
+                             f"{text!r}")
+        return cls(m.group(1), int(m.group(2)), int(m.group(3) or 0))  # type: ignore[arg-type]
 
 
 def input_channel(stage: int, kind: str, p: int) -> Channel | None:
@@ -120,7 +128,39 @@ def output_channel(stage: int, kind: str, p: int) -> Channel | None:
     return Channel("bwd", stage - 1) if stage > 0 else None
 
 
-def buffers_used(body: Compute | TransferOp | GradReduce, p: int) -> tuple[tuple[object, int], ...]:
+ChannelSets = dict[tuple[str, int], tuple[Channel, ...]]
+"""(direction, boundary) -> its channels, one per tensor (element) crossing it that way."""
+
+
+def channel_sets(keys: Iterable[object]) -> ChannelSets:
+    """The channels of each (direction, boundary) among plan keys (:data:`PlanKey`)."""
+    sets: dict[tuple[str, int], set[Channel]] = {}
+    for k in keys:
+        ch = k[0] if isinstance(k, tuple) else k
+        if isinstance(ch, Channel):
+            sets.setdefault((ch.direction, ch.boundary), set()).add(ch)
+    return {key: tuple(sorted(v)) for key, v in sets.items()}
+
+
+def inputs_of(stage: int, kind: str, p: int, sets: ChannelSets | None) -> tuple[Channel, ...]:
+    """Every channel bringing a compute its input (each tensor of a boundary of several; one
+    channel where ``sets`` is None)."""
+    ch = input_channel(stage, kind, p)
+    if ch is None:
+        return ()
+    return (ch,) if sets is None else sets.get((ch.direction, ch.boundary), ())
+
+
+def outputs_of(stage: int, kind: str, p: int, sets: ChannelSets | None) -> tuple[Channel, ...]:
+    """Every channel taking a compute's output on (see :func:`inputs_of`)."""
+    ch = output_channel(stage, kind, p)
+    if ch is None:
+        return ()
+    return (ch,) if sets is None else sets.get((ch.direction, ch.boundary), ())
+
+
+def buffers_used(body: Compute | TransferOp | GradReduce, p: int,
+                 sets: ChannelSets | None = None) -> tuple[tuple[object, int], ...]:
     """The per-device step buffers an op uses on each of its devices, as (what, microbatch):
     ``(channel, i)`` — what the channel brings to or takes from the device for microbatch i —
     and, for a compute of stage s, ``(("saved", s), i)`` — the dict that stage's F and B of i
@@ -132,8 +172,8 @@ def buffers_used(body: Compute | TransferOp | GradReduce, p: int) -> tuple[tuple
         return () if body.channel is None else ((body.channel, body.microbatch),)
     i = body.microbatch
     keys: list[tuple[object, int]] = [(("saved", body.stage), i)]
-    keys += [(ch, i) for ch in (input_channel(body.stage, body.kind, p),
-                                output_channel(body.stage, body.kind, p)) if ch is not None]
+    keys += [(ch, i) for ch in (*inputs_of(body.stage, body.kind, p, sets),
+                                *outputs_of(body.stage, body.kind, p, sets))]
     return tuple(keys)
 
 
@@ -366,11 +406,17 @@ class StepGraph:
         is done instead of holding every microbatch's boundaries until the step ends."""
         p = len(self.stages)
         users: dict[tuple[object, int, int], int] = {}
+        sets = self.channel_sets
         for op in self.ops:
-            for key in buffers_used(op.body, p):
+            for key in buffers_used(op.body, p, sets):
                 for d in op.devices:
                     users[(*key, d)] = users.get((*key, d), 0) + 1
         return users
+
+    @cached_property
+    def channel_sets(self) -> ChannelSets:
+        """Each (direction, boundary)'s channels: one per tensor crossing it that way."""
+        return channel_sets(self.plans)
 
     @cached_property
     def comm_streams(self) -> dict[Channel | None, tuple[str, ...]]:
@@ -515,7 +561,7 @@ class StepGraph:
 # ---- text parsing ------------------------------------------------------------------------
 
 _COMPUTE_TOKEN = re.compile(r"\d+[FBIW]\d+")
-_TRANSFER_TOKEN = re.compile(r"((fwd|bwd)\d+:\d+)?#\d+")
+_TRANSFER_TOKEN = re.compile(r"((fwd|bwd)\d+(_\d+)?:\d+)?#\d+")
 _REDUCE_TOKEN = re.compile(r"dp(\d+):(\d+)")
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cluster import Cluster
-from .dtypes import check_dtype
+from .dtypes import check_dtype, is_floating
 from .errors import ClusterError
 from .graph import (
     COMPUTE,
@@ -42,10 +42,11 @@ from .graph import (
     Op,
     PlanKey,
     StepGraph,
-    input_channel,
+    channel_sets,
     dp_stream,
+    inputs_of,
     lanes_of,
-    output_channel,
+    outputs_of,
     plan_for,
     reduce_lines,
     transfer_ops,
@@ -85,6 +86,29 @@ class Boundary:
         object.__setattr__(self, "dtype", dtype.name)
 
 
+BoundaryGroup = Boundary | tuple[Boundary, ...]
+"""What crosses one stage boundary: a tensor, or a tuple of them (each its own channel, its
+own layouts and plan; a gradient channel back for each floating-point one)."""
+
+
+def elements(group: BoundaryGroup) -> tuple[Boundary, ...]:
+    """The tensors of a boundary: itself, or the tuple's."""
+    return group if isinstance(group, tuple) else (group,)
+
+
+def _check_group(group: object, argument: str) -> None:
+    if isinstance(group, tuple):
+        if not group:
+            raise ValueError(f"{argument}: an empty tuple; a boundary carries at least one "
+                             "tensor")
+        for e, b in enumerate(group):
+            if not isinstance(b, Boundary):
+                raise TypeError(f"{argument}[{e}]: expected a Boundary, got {type(b).__name__}")
+    elif not isinstance(group, Boundary):
+        raise TypeError(f"{argument}: expected a Boundary (or a tuple of them), got "
+                        f"{type(group).__name__}")
+
+
 @dataclass(frozen=True)
 class MicrobatchBoundaries:
     """Boundaries that differ from microbatch to microbatch — sequences of different lengths,
@@ -105,17 +129,22 @@ class MicrobatchBoundaries:
                 raise TypeError(f"per[{i}]: expected a sequence of Boundary (microbatch {i}'s "
                                 f"boundaries), got {type(row).__name__}")
             for s, b in enumerate(row):
-                if not isinstance(b, Boundary):
-                    raise TypeError(f"per[{i}][{s}]: expected a Boundary, got "
-                                    f"{type(b).__name__}")
+                _check_group(b, f"per[{i}][{s}]")
             if len(row) != len(per[0]):
                 raise ValueError(f"per[{i}]: {len(row)} boundaries, microbatch 0 has "
                                  f"{len(per[0])}")
-            for s, (b, b0) in enumerate(zip(row, per[0])):
-                if (b.dtype, b.producer, b.consumer) != (b0.dtype, b0.producer, b0.consumer):
-                    raise ValueError(f"per[{i}][{s}]: dtype and layouts must be microbatch "
-                                     f"0's ({b0.dtype}, {b0.producer!r} -> {b0.consumer!r}); "
-                                     "only the shape may differ")
+            for s, (g, g0) in enumerate(zip(row, per[0])):
+                if isinstance(g, tuple) != isinstance(g0, tuple) or \
+                        len(elements(g)) != len(elements(g0)):
+                    raise ValueError(f"per[{i}][{s}]: {len(elements(g))} tensors, microbatch "
+                                     f"0's boundary {s} has {len(elements(g0))}")
+                for b, b0 in zip(elements(g), elements(g0)):
+                    if (b.dtype, b.producer, b.consumer) != (b0.dtype, b0.producer,
+                                                             b0.consumer):
+                        raise ValueError(
+                            f"per[{i}][{s}]: dtype and layouts must be microbatch 0's "
+                            f"({b0.dtype}, {b0.producer!r} -> {b0.consumer!r}); only the "
+                            "shape may differ")
             rows.append(tuple(row))
         object.__setattr__(self, "per", tuple(rows))
 
@@ -125,16 +154,18 @@ class MicrobatchBoundaries:
         return len(self.per)
 
     @property
-    def shapes(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
-        """Per microbatch, each boundary's shape."""
-        return tuple(tuple(tuple(b.shape) for b in row) for row in self.per)
+    def shapes(self) -> tuple[tuple[Any, ...], ...]:
+        """Per microbatch, each boundary's shape (a tuple of shapes for a boundary of several
+        tensors)."""
+        return tuple(tuple(tuple(tuple(e.shape) for e in b) if isinstance(b, tuple)
+                           else tuple(b.shape) for b in row) for row in self.per)
 
 
-Boundaries = Sequence[Boundary] | MicrobatchBoundaries
+Boundaries = Sequence[BoundaryGroup] | MicrobatchBoundaries
 
 
 def per_microbatch(boundaries: Boundaries, num_microbatches: int
-                   ) -> tuple[tuple[Boundary, ...], ...]:
+                   ) -> tuple[tuple[BoundaryGroup, ...], ...]:
     """Each microbatch's boundaries (the same tuple for all of a plain sequence)."""
     if isinstance(boundaries, MicrobatchBoundaries):
         if boundaries.num_microbatches != num_microbatches:
@@ -166,9 +197,11 @@ def lower(
 ) -> StepGraph:
     """Lower ``schedule`` over ``stages`` to the step graph every consumer executes.
 
-    ``boundaries[s]`` is the tensor stage ``s`` sends to stage ``s + 1``: its producer sharding
-    must be on ``stages[s]`` and its consumer sharding on ``stages[s + 1]``. Gradients travel
-    back with the same shape and dtype, from the consumer layout to the producer layout.
+    ``boundaries[s]`` is the tensor stage ``s`` sends to stage ``s + 1`` (or a tuple of them,
+    each its own channel: :data:`BoundaryGroup`): its producer sharding must be on
+    ``stages[s]`` and its consumer sharding on ``stages[s + 1]``. Gradients travel back with
+    the same shape and dtype, from the consumer layout to the producer layout (in a tuple,
+    for its floating-point tensors only).
     :class:`MicrobatchBoundaries` gives each microbatch its own shapes: every distinct shape
     is planned once, and the graph holds each microbatch's plans (keys ``(channel, i)``).
     Channels are planned with ``options`` (through ``cache`` when given, so a caller that
@@ -231,13 +264,18 @@ def check_data_parallel(data_parallel: Mapping[int, DataParallel] | None,
     return out
 
 
-def channels(boundaries: Sequence[Boundary]
+def channels(boundaries: Sequence[BoundaryGroup]
              ) -> Iterator[tuple[Channel, Boundary, Sharding, Sharding]]:
-    """Each boundary's two channels, with the layouts their plans move between: activations
-    from the producer's to the consumer's, gradients back."""
-    for s, b in enumerate(boundaries):
-        yield Channel("fwd", s), b, b.producer, b.consumer
-        yield Channel("bwd", s), b, b.consumer, b.producer
+    """Each boundary's channels, with the layouts their plans move between: activations from
+    the producer's to the consumer's, gradients back — a channel each way per tensor of a
+    tuple, gradients only for its floating-point tensors (integer ones, positions or masks,
+    have none)."""
+    for s, group in enumerate(boundaries):
+        grouped = isinstance(group, tuple)
+        for e, b in enumerate(elements(group)):
+            yield Channel("fwd", s, e), b, b.producer, b.consumer
+            if not grouped or is_floating(check_dtype(b.dtype)):
+                yield Channel("bwd", s, e), b, b.consumer, b.producer
 
 
 def plan_mismatch(plan: ReshardPlan, boundary: Boundary, src: Sharding, dst: Sharding
@@ -251,7 +289,7 @@ def plan_mismatch(plan: ReshardPlan, boundary: Boundary, src: Sharding, dst: Sha
             f"channel needs {want[0]} {want[1]} {src!r} -> {dst!r}")
 
 
-def _plan_channels(boundaries: tuple[Boundary, ...], cluster: Cluster, options: PlanOptions,
+def _plan_channels(boundaries: tuple[BoundaryGroup, ...], cluster: Cluster, options: PlanOptions,
                    given: Mapping[Channel, ReshardPlan], cache: PlanCache
                    ) -> dict[Channel, ReshardPlan]:
     out: dict[Channel, ReshardPlan] = {}
@@ -288,10 +326,13 @@ def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
     # (channel, microbatch) -> device -> the transfer ops it takes part in (what the compute
     # that consumes the data there waits for).
     delivered: dict[tuple[Channel, int], dict[int, list[int]]] = {}
+    sets = channel_sets(plans)
     for k, (s, action) in enumerate(order):
         i, kind = action.microbatch, action.kind
-        into = input_channel(s, kind, p)
-        got = delivered.pop((into, i), {}) if into is not None else {}
+        got: dict[int, list[int]] = {}
+        for into in inputs_of(s, kind, p, sets):
+            for d, ids in delivered.pop((into, i), {}).items():
+                got.setdefault(d, []).extend(ids)
         body = Compute(s, i, kind)  # one value for every device of the stage
         here: dict[int, Dep] = {}
         for d in stages[s].device_ids:
@@ -302,15 +343,13 @@ def _build(stages: tuple[DeviceMesh, ...], schedule: Schedule,
             for line in reduce_lines(stages[s], dp[s].axis):
                 ops.append(Op(len(ops), GradReduce(s, line, dp[s].nbytes), dp_stream(s), line,
                               tuple(here[d] for d in line)))
-        out = output_channel(s, kind, p)
-        if out is None:
-            continue
-        new = transfer_ops(plan_for(plans, out, i), out, i, str(out), len(ops), here)
-        ops += new
-        to = delivered[(out, i)] = {}
-        for op in new:
-            for r in op.devices:
-                to.setdefault(r, []).append(op.id)
+        for out in outputs_of(s, kind, p, sets):
+            new = transfer_ops(plan_for(plans, out, i), out, i, str(out), len(ops), here)
+            ops += new
+            to = delivered[(out, i)] = {}
+            for op in new:
+                for r in op.devices:
+                    to.setdefault(r, []).append(op.id)
     return StepGraph(tuple(ops), lanes_of(ops), stages, schedule, plans, dp)
 
 
@@ -354,14 +393,15 @@ def _check_inputs(stages, boundaries, schedule, cluster) -> None:
     if len(boundaries) != len(stages) - 1:
         raise ValueError(f"boundaries: {len(stages)} stages need {len(stages) - 1} boundaries, "
                          f"got {len(boundaries)}")
-    for s, b in enumerate(boundaries):
-        if not isinstance(b, Boundary):
-            raise TypeError(f"boundaries[{s}]: expected a Boundary, got {type(b).__name__}")
-        check_nbytes(check_shape(b.shape, argument=f"boundaries[{s}].shape"),
-                     check_dtype(b.dtype, f"boundaries[{s}].dtype"), f"boundaries[{s}].shape")
-        if b.producer.mesh != stages[s]:
-            raise ValueError(f"boundaries[{s}].producer: its mesh {b.producer.mesh!r} is not "
-                             f"stage {s}'s mesh {stages[s]!r}")
-        if b.consumer.mesh != stages[s + 1]:
-            raise ValueError(f"boundaries[{s}].consumer: its mesh {b.consumer.mesh!r} is not "
-                             f"stage {s + 1}'s mesh {stages[s + 1]!r}")
+    for s, group in enumerate(boundaries):
+        _check_group(group, f"boundaries[{s}]")
+        for e, b in enumerate(elements(group)):
+            name = f"boundaries[{s}][{e}]" if isinstance(group, tuple) else f"boundaries[{s}]"
+            check_nbytes(check_shape(b.shape, argument=f"{name}.shape"),
+                         check_dtype(b.dtype, f"{name}.dtype"), f"{name}.shape")
+            if b.producer.mesh != stages[s]:
+                raise ValueError(f"{name}.producer: its mesh {b.producer.mesh!r} is not "
+                                 f"stage {s}'s mesh {stages[s]!r}")
+            if b.consumer.mesh != stages[s + 1]:
+                raise ValueError(f"{name}.consumer: its mesh {b.consumer.mesh!r} is not "
+                                 f"stage {s + 1}'s mesh {stages[s + 1]!r}")

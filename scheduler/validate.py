@@ -34,7 +34,7 @@ from .graph import (
     Lane,
     StepGraph,
     TransferOp,
-    input_channel,
+    inputs_of,
     op_key,
     reduce_lines,
 )
@@ -216,8 +216,8 @@ def _check_data(graph: StepGraph) -> None:
         waits = {(dep.op, dep.dst) for dep in op.waits}
         if isinstance(b, Compute):
             d = op.devices[0]
-            channel = input_channel(b.stage, b.kind, p)
-            for t in by_channel.get((channel, b.microbatch), ()):
+            into = inputs_of(b.stage, b.kind, p, graph.channel_sets)
+            for t in (t for channel in into for t in by_channel.get((channel, b.microbatch), ())):
                 if d in graph.ops[t].devices and (t, d) not in waits:
                     raise ProgramError(
                         f"dependency violation: device {d} runs {b} ({b.token}) before "
