@@ -9,6 +9,11 @@ the mesh for every microbatch:
   the microbatch loss (a scalar) instead.
 - ``backward(ctx, dy) -> dx``: ``dy`` is this device's shard of the output gradient (``None`` on
   the last stage); returns its shard of the input gradient (ignored on stage 0, may be None).
+
+Where a boundary carries several tensors (``boundaries[s]`` a tuple of ``Boundary``), the
+functions on its two sides take and return tuples with one entry per tensor, in order; a
+gradient's entry for a tensor that has no gradient channel (an integer one) is None, and
+what a backward returns there is ignored.
   Parameter gradients are the user's to accumulate (e.g. in a dict keyed by ``ctx.device``),
   ready for the user's optimizer after the step.
 
@@ -50,7 +55,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from scheduler import (
-    Boundary,
     Channel,
     Compute,
     DataParallel,
@@ -66,14 +70,12 @@ from scheduler.graph import (
     buffers_used,
     dp_stream,
     input_channel,
-    inputs_of,
     output_channel,
-    outputs_of,
     reduce_lines,
 )
 from scheduler.lowering import (
-    BoundaryGroup,
     Boundaries,
+    BoundaryGroup,
     MicrobatchBoundaries,
     channels,
     elements,
@@ -103,7 +105,7 @@ class GradSync:
 
     axis: str
     nbytes: int
-    reduce: Callable[["StageContext"], None]
+    reduce: Callable[[StageContext], None]
 
 
 @dataclass(frozen=True)

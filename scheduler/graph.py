@@ -32,8 +32,8 @@ simulator and every runtime backend execute this one value.
 lane, its ops in order; a compute is ``1F0`` (stage 1, F, microbatch 0, as torch's pipelining
 actions), a transfer ``fwd0:3#2`` (channel fwd0, microbatch 3, transfer 2 of the plan; ``#2``
 alone in a standalone resharding), a gradient reduction ``dp1:4`` (stage 1's, over the line
-of its data-parallel axis that starts at device 4); an op's waits on that lane follow ``<``, comma-separated,
-``@d`` marking one recorded on another device::
+of its data-parallel axis that starts at device 4); an op's waits on that lane follow ``<``,
+comma-separated, ``@d`` marking one recorded on another device::
 
     d0 compute: 0F0 0F1 0B0<bwd0:0#0 0B1<bwd0:1#0
     d0 fwd0: fwd0:0#0<0F0 fwd0:1#0<0F1

@@ -79,7 +79,7 @@ def test_validator_refuses_a_reduction_before_the_last_backward():
     graph = lower([M0, M1], [BOUNDARY], make_schedule("1f1b", 2, 3), CLUSTER, data_parallel=DP)
     text = graph.to_text()
     assert "dp1:2<1B2" in text
-    with pytest.raises(ProgramError, match="dependency violation: device 2 .* last backward"):
+    with pytest.raises(ProgramError, match=r"dependency violation: device 2 .* last backward"):
         validate(graph.with_text(text.replace("dp1:2<1B2", "dp1:2<1B1")))
 
 

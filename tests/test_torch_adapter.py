@@ -256,11 +256,11 @@ def test_cpu_crossings_share_memory():
             seen["x"].append(x)
             if not last:
                 seen["y"].append(y)
-            seen["xt"].append(ctx.saved["x"])
+            seen["xt"].append(ctx.saved["x"][0])  # (the tensors that crossed in)
             return y
 
         def b(ctx, dy):
-            xt = ctx.saved["x"]
+            xt = ctx.saved["x"][0]
             dx = st.backward(ctx, dy)
             if s > 0:
                 seen["dx"].append((dx, xt.grad))
@@ -413,6 +413,11 @@ class TupleOut(nn.Module):
         return x, x
 
 
+class TextOut(nn.Module):
+    def forward(self, x):
+        return "activations"
+
+
 def _bad_construction(what: str):
     mods = _mods()
     meshes, loss = list(MESHES), nn.functional.mse_loss
@@ -491,8 +496,10 @@ def _bad_step(what: str):
         mods[2] = [_stage(2, torch.float32)]
     elif what == "module on another device":
         mods[3] = [m.to("meta") for m in mods[3]]
-    elif what == "stage returns a tuple":
-        mods[1] = [nn.Sequential(*m, TupleOut()) for m in mods[1]]
+    elif what == "stage returns a string":
+        mods[1] = [nn.Sequential(*m, TextOut()) for m in mods[1]]
+    elif what == "last stage returns a tuple":
+        mods[3] = [nn.Sequential(*m, TupleOut()) for m in mods[3]]
     elif what == "loss is not a scalar":
         loss = lambda out, tgt: (out - tgt) ** 2
     elif what == "targets missing for a two-argument loss":
@@ -519,7 +526,10 @@ BAD_STEP = [
     ("boundary dtype differs from the next stage", ValueError,
      r"modules\[2\].*float32.*boundary 1.*float64"),
     ("module on another device", ValueError, r"modules\[3\]\[0\]: on the meta device.*device 12"),
-    ("stage returns a tuple", TypeError, r"modules\[1\].*tuple"),
+    ("stage returns a string", TypeError, r"modules\[1\] forward: returned str; a stage "
+                                          r"returns a tensor, or a tuple or dict of them"),
+    ("last stage returns a tuple", TypeError, r"modules\[3\]: forward returned tuple; the last "
+                                              r"stage must return one tensor"),
     ("loss is not a scalar", ValueError, r"loss_fn"),
     ("integer boundary", ValueError, r"modules\[0\].*int64"),
     ("targets missing for a two-argument loss", ValueError, r"loss_fn: .*without targets"),

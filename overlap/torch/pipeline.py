@@ -41,7 +41,7 @@ from scheduler import (
     Sharding,
 )
 from scheduler.errors import check_seconds
-from scheduler.lowering import Boundaries
+from scheduler.lowering import Boundaries, BoundaryGroup
 
 from ..errors import OverlapRuntimeError, StageTimeout
 from ..pipeline import Stage, StageContext
@@ -52,12 +52,18 @@ from .checkpoint_files import load_checkpoint, save_checkpoint
 from .checks import check_count, check_index, check_meshes, check_modules, module_device_dtype
 from .clip import clip_grad_norm_, total_norm
 from .compiled import CompileBounds, shapes_of
+from .crossing import Crossing
 from .data_parallel import BatchSplit
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
 from .shard_errors import shard_failure
-from .split_backward import Weights, stage_backward_input, stage_backward_weight
+from .split_backward import (
+    Weights,
+    plain_split_input,
+    stage_backward_input,
+    stage_backward_weight,
+)
 from .stages import META, LocalStage, StageFn, build_stages, check_seed
 from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
 from .threads import check_threads, default_threads, run_with
@@ -77,7 +83,10 @@ class TorchPipeline:
         modules: one entry per stage — an ``nn.Module`` for a one-device mesh, or a list of
             modules, one per device of the stage's mesh in ``mesh.device_ids`` order. Each
             device needs its own module object (replicas: ``copy.deepcopy``), identical
-            at the start; the stage's output must be one tensor. Or a **factory**
+            at the start. A stage returns a tensor, or a tuple or flat dict of them — each
+            tensor a boundary of its own, the next stage called with them as positional or
+            keyword arguments (:mod:`overlap.torch.crossing`); the last stage returns one
+            tensor. Or a **factory**
             ``stage_fn(stage_index) -> nn.Module`` (the stage's one module, replicated or
             sharded here): with ``rt=`` each process builds for real only the stages it
             runs, and the others on the meta device, for their shapes
@@ -133,6 +142,8 @@ class TorchPipeline:
         check_seconds("compile_timeout", compile_timeout)
         self.meshes = check_meshes(meshes)
         self.data_parallel = BatchSplit.of(data_parallel, self.meshes, axis)
+        # What each stage hands the next (:mod:`overlap.torch.crossing`), found by the probe.
+        self._crossings: dict[int, Crossing] = {}
         # Devices this process drives (None: all of them, one process).
         self._local: frozenset[int] | None = self._local_of(rt)
         self._built_for = self._local
@@ -183,7 +194,7 @@ class TorchPipeline:
         self._loss_scale: float | None = None  # 1 / microbatches with scale_grads
         self._outputs: dict[int, torch.Tensor] | None = None  # with return_outputs
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
-        self._boundaries: dict[Any, tuple[Boundary, ...]] = {}
+        self._boundaries: dict[Any, tuple[BoundaryGroup, ...]] = {}
         self._probing = ("modules[0]", 0)  # what the shape probe runs now, and its stage
         self._probe_lost: str | None = None  # a probe left running past the timeout
 
@@ -410,12 +421,18 @@ class TorchPipeline:
         microbatch's rank: :meth:`prepare` resolves it)."""
         return self._sharding(0, "input", None)
 
-    def _sharding(self, s: int, side: str, rank: int | None) -> Sharding:
-        layout = self.layouts(s)[0 if side == "input" else 1]
+    def _sharding(self, s: int, side: str, rank: int | None, element: int = 0,
+                  batch_split: bool = True) -> Sharding:
+        """Stage ``s``'s layout of a tensor crossing its ``side``: the plan's for the first
+        tensor of a boundary (replicated for the others), the batch (dimension 0) split
+        over ``data_parallel`` where ``batch_split``."""
+        layout = self.layouts(s)[0 if side == "input" else 1] if element == 0 else Replicate()
         tp = self.tp[s]
         axis = tp.axis if tp is not None else self.meshes[s].axis_names[0]
         name = f"plans[{s}]" if tp is not None else f"modules[{s}]"
         spec = spec_of(layout, rank, axis, f"{name} {side} layout")
+        if not batch_split:
+            return Sharding(self.meshes[s], spec)
         return Sharding(self.meshes[s], self.data_parallel.spec(s, spec, f"{name} {side} layout"))
 
     async def train_step(self, rt: Runtime, inputs: torch.Tensor | None = None,
@@ -725,13 +742,16 @@ class TorchPipeline:
                 for b, saved in buffers:
                     b.copy_(saved)
 
-    def _run_probe(self, x: torch.Tensor, target: torch.Tensor | None) -> tuple[Boundary, ...]:
+    def _run_probe(self, x: torch.Tensor, target: torch.Tensor | None
+                   ) -> tuple[BoundaryGroup, ...]:
         p = len(self.modules)
-        out: list[Boundary] = []
+        out: list[BoundaryGroup] = []
         _, dt0 = self._device_dtype[0][0]
         if x.is_floating_point() and dt0 is not None and x.dtype != dt0:
             raise ValueError(f"inputs: dtype {x.dtype}, but modules[0] has {dt0} parameters")
         self._fits(x, 0, "input", "inputs: a microbatch")
+        batch = x.shape[0] if x.dim() else None
+        xs, came = [x], Crossing("tensor")  # (what crossed into the stage, and how)
         with torch.no_grad():
             for s, reps in enumerate(self.modules):
                 tp = self.tp[s]
@@ -739,39 +759,66 @@ class TorchPipeline:
                     module_device_dtype(tp.module, f"modules[{s}]")[0]  # (the full module's)
                 name = f"modules[{s}]"
                 self._probing = (name, s)
-                if dev is not None and x.is_meta and dev != META:
-                    x = torch.zeros_like(x, device=dev)  # (after a stage run elsewhere)
+                if dev is not None and dev != META:  # (after a stage run elsewhere: zeros)
+                    xs = [torch.zeros_like(t, device=dev) if t.is_meta else t for t in xs]
                 try:
-                    y = (reps[0] if tp is None else tp.module)(x if dev is None else x.to(dev))
+                    y = came.call(reps[0] if tp is None else tp.module,
+                                  [t if dev is None else t.to(dev) for t in xs])
                 except Exception as exc:
+                    shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in xs)
                     raise ValueError(f"{name}: forward failed on a microbatch of shape "
-                                     f"{tuple(x.shape)} {x.dtype}: {exc}") from exc
-                if not isinstance(y, torch.Tensor):
-                    raise TypeError(f"{name}: forward returned {type(y).__name__}; a stage must "
-                                    f"return one tensor")
+                                     f"{shapes}: {exc}") from exc
                 if s == p - 1:
+                    if not isinstance(y, torch.Tensor):
+                        raise TypeError(f"{name}: forward returned {type(y).__name__}; the last "
+                                        "stage must return one tensor (loss_fn reads it)")
                     if not y.is_meta:  # (the last stage's own processes check its loss)
                         self._probe_loss(y, target)
                     break
-                _, nxt = self._device_dtype[s + 1][0]
-                npd = numpy_dtype(y.dtype)
-                if not y.is_floating_point() or npd is None:
-                    raise ValueError(f"{name}: output dtype {y.dtype}; a boundary must be a "
-                                     f"floating dtype (float16/32/64, bfloat16, float8: "
-                                     f"gradients cross it)")
-                if nxt is not None and y.dtype != nxt:
-                    raise ValueError(f"modules[{s + 1}]: its parameters are {nxt}, but boundary "
-                                     f"{s} (modules[{s}]'s output) is {y.dtype}")
-                what = f"boundary {s} ({tuple(y.shape)} {y.dtype})"
-                out.append(Boundary(tuple(y.shape), str(npd),
-                                    self._fits(y, s, "output", what),
-                                    self._fits(y, s + 1, "input", what)))
-                x = y
+                crossing = Crossing.of(y, f"{name} forward")
+                known = self._crossings.setdefault(s, crossing)
+                if known != crossing:
+                    raise ValueError(f"{name}: forward returned a {crossing.kind} with "
+                                     f"{list(crossing.keys)} on this microbatch shape, a "
+                                     f"{known.kind} with {list(known.keys)} on another: a "
+                                     "stage hands on the same structure for every shape")
+                tensors = crossing.tensors(y, f"{name} forward")
+                out.append(self._boundary_group(s, crossing, tensors, batch))
+                xs, came = tensors, crossing
         return tuple(out)
 
-    def _fits(self, y: torch.Tensor, s: int, side: str, what: str) -> Sharding:
+    def _boundary_group(self, s: int, crossing: Crossing, tensors: list[torch.Tensor],
+                        batch: int | None) -> BoundaryGroup:
+        """Boundary ``s`` from the tensors stage ``s`` hands on: one Boundary, or one per
+        tensor of a tuple or dict (see :mod:`overlap.torch.crossing`)."""
+        name = f"modules[{s}]"
+        _, nxt = self._device_dtype[s + 1][0]
+        group = []
+        for e, (key, y) in enumerate(zip(crossing.tensor_keys, tensors)):
+            npd = numpy_dtype(y.dtype)
+            entry = f" entry {key!r}" if crossing.grouped else ""
+            if npd is None or (not crossing.grouped and not y.is_floating_point()):
+                raise ValueError(f"{name}: output{entry} dtype {y.dtype}; a boundary must be a "
+                                 f"floating dtype (float16/32/64, bfloat16, float8: gradients "
+                                 f"cross it)" + ("" if npd is None else "; return it in a tuple "
+                                                 "with the activations to pass it on without "
+                                                 "a gradient"))
+            if y.is_floating_point() and nxt is not None and y.dtype != nxt and e == 0:
+                raise ValueError(f"modules[{s + 1}]: its parameters are {nxt}, but boundary "
+                                 f"{s} (modules[{s}]'s output{entry}) is {y.dtype}")
+            what = f"boundary {s}{entry} ({tuple(y.shape)} {y.dtype})"
+            # (a tensor of a tuple splits over data_parallel where its dimension 0 is the
+            # batch: positions of shape (1, seq) are the same for every sample)
+            split = e == 0 or (y.dim() > 0 and y.shape[0] == batch)
+            group.append(Boundary(tuple(y.shape), str(npd),
+                                  self._fits(y, s, "output", what, e, split),
+                                  self._fits(y, s + 1, "input", what, e, split)))
+        return tuple(group) if crossing.grouped else group[0]
+
+    def _fits(self, y: torch.Tensor, s: int, side: str, what: str, element: int = 0,
+              batch_split: bool = True) -> Sharding:
         """Stage s's ``side`` layout for ``y``, checked to split it evenly."""
-        sharding = self._sharding(s, side, y.dim())
+        sharding = self._sharding(s, side, y.dim(), element, batch_split)
         for dim, entry in enumerate(sharding.spec.padded(y.dim())):
             if entry is None:
                 continue
@@ -821,30 +868,34 @@ class TorchPipeline:
         last = s == len(self.meshes) - 1
         modules = self._by_device[s]
         grad_mode = torch.enable_grad if train else torch.no_grad
+        crossings = self._crossings  # (filled by the shape probe, before any step)
 
         def forward(ctx: StageContext, x: Any) -> Any:
             run_with(self._threads)  # (intra-op threads are per thread too: module doc)
+            came = crossings.get(s - 1, _ONE)
             # (grad mode is per thread in torch)
             with op_stream(ctx, self._torch_streams), grad_mode(), self._entered(s, ctx):
-                xt = to_torch(x, ctx)
+                xts = [to_torch(a, ctx) for a in (x if came.grouped else (x,))]
                 if s > 0 and train:
-                    xt.requires_grad_(True)  # its .grad is what backward returns
+                    for t in xts:
+                        if t.is_floating_point():
+                            t.requires_grad_(True)  # its .grad is what backward returns
                 try:
-                    y = modules[ctx.device](xt)
+                    y = came.call(modules[ctx.device], xts)
                 except Exception as exc:  # (a shard's shape error says what to do)
                     tp = self.tp[s]
                     if tp is None or isinstance(exc, OverlapRuntimeError):
                         raise
                     raise shard_failure(tp, s, ctx.device, exc) from exc
                 if train:
-                    ctx.saved["x"] = xt
+                    ctx.saved["x"] = xts
                 if last:
                     split = self.data_parallel
                     loss = self._loss(y, None if self._targets is None
                                       else split.part(s, ctx, self._targets[ctx.microbatch]))
                     scale = split.loss_scale(s, self._loss_scale)
                     if train:
-                        ctx.saved["out"] = loss if scale is None else loss * scale
+                        ctx.saved["out"] = [loss if scale is None else loss * scale]
                     if self._outputs is not None:
                         whole = split.gathered(s, ctx, y.detach())  # (the batch's parts)
                         if ctx.device == ctx.mesh.device_ids[0]:
@@ -853,45 +904,73 @@ class TorchPipeline:
                     # The microbatch's loss: the mean of its parts' (float() after the step:
                     # no device sync here).
                     return split.mean(s, ctx, loss.detach())
+                goes = crossings.get(s, _ONE)
+                ys = goes.tensors(y, f"modules[{s}] forward")
                 if train:
-                    ctx.saved["out"] = y
-                return from_torch(y.detach(), ctx)
+                    ctx.saved["out"] = ys
+                arrays = tuple(from_torch(t.detach(), ctx) for t in ys)
+                return arrays if goes.grouped else arrays[0]
         return forward
 
     def _backward(self, s: int) -> Callable[[StageContext, Any], Any]:
         def backward(ctx: StageContext, dy: Any) -> Any:
             run_with(self._threads)
-            xt, out = ctx.saved.pop("x"), ctx.saved.pop("out")
+            xts, outs = ctx.saved.pop("x"), ctx.saved.pop("out")
             with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
-                if out.requires_grad:
-                    grad = None if dy is None else to_torch(dy, ctx)
-                    torch.autograd.backward(out, grad)
-                if s == 0:
-                    return None
-                dx = xt.grad if xt.grad is not None else torch.zeros_like(xt)
-                return from_torch(dx, ctx)
+                ys, grads = self._pairs(s, ctx, outs, dy)
+                if ys:
+                    torch.autograd.backward(ys, grads)
+                return self._input_grads(s, ctx, xts)
         return backward
 
+    def _pairs(self, s: int, ctx: StageContext, outs: list[torch.Tensor], dy: Any
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The outputs a backward starts from, with their incoming gradients (the loss: none;
+        a tensor of a boundary without a gradient — an integer one — or that needs none is
+        left out)."""
+        if dy is None:  # (the last stage: its loss)
+            return [o for o in outs if o.requires_grad], [None] * sum(o.requires_grad
+                                                                     for o in outs)
+        dys = dy if self._crossings.get(s, _ONE).grouped else (dy,)
+        pairs = [(o, to_torch(g, ctx)) for o, g in zip(outs, dys)
+                 if g is not None and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _input_grads(self, s: int, ctx: StageContext, xts: list[torch.Tensor]) -> Any:
+        """What a backward returns: each floating-point input's gradient (zeros where the
+        output does not depend on it), None for the others; a tuple for a boundary of
+        several tensors."""
+        if s == 0:
+            return None
+        dxs = tuple(from_torch(t.grad if t.grad is not None else torch.zeros_like(t), ctx)
+                    if t.is_floating_point() else None for t in xts)
+        return dxs if self._crossings.get(s - 1, _ONE).grouped else dxs[0]
 
     def _backward_input(self, s: int) -> Callable[[StageContext, Any], Any]:
         """``I``: the input's gradient only, keeping for ``W`` the gradients that reach the
         parameterized layers (:mod:`overlap.torch.split_backward`; stage 0's input needs
-        none: its ``I`` leaves everything to ``W``)."""
+        none: its ``I`` leaves everything to ``W``). A stage with several tensors in or out
+        splits plainly: ``I`` one walk for the inputs' gradients, ``W`` one for the
+        parameters'."""
         modules = self._by_device[s]
 
         def backward_input(ctx: StageContext, dy: Any) -> Any:
             run_with(self._threads)
-            xt, out = ctx.saved.pop("x"), ctx.saved.pop("out")
+            xts, outs = ctx.saved.pop("x"), ctx.saved.pop("out")
             with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
-                grad = None if dy is None else to_torch(dy, ctx)
                 weights = Weights.of(modules[ctx.device].parameters(),
                                      self._weights.get(ctx.device))
                 self._weights[ctx.device] = weights
-                dx, ctx.saved["weights"] = stage_backward_input(
-                    out, grad, xt if s > 0 else None, weights)
-                if s == 0:
-                    return None
-                return from_torch(dx if dx is not None else torch.zeros_like(xt), ctx)
+                ys, grads = self._pairs(s, ctx, outs, dy)
+                if len(ys) == 1 and len(xts) == 1:
+                    dx, ctx.saved["weights"] = stage_backward_input(
+                        ys[0], grads[0], xts[0] if s > 0 else None, weights)
+                    if s > 0 and dx is not None:
+                        xts[0].grad = dx
+                else:
+                    ctx.saved["weights"] = plain_split_input(ys, grads,
+                                                             xts if s > 0 else [], weights)
+                return self._input_grads(s, ctx, xts)
         return backward_input
 
     def _backward_weight(self, s: int) -> Callable[[StageContext], None]:
@@ -951,6 +1030,9 @@ def split_given(microbatches: Any) -> tuple[list[torch.Tensor], list[torch.Tenso
             raise ValueError(f"microbatches[{i}]: {x.dim()}-d {x.dtype}, microbatches[0] is "
                              f"{first.dim()}-d {first.dtype}; only the sizes may differ")
     return xs, (ts if paired else None)
+
+
+_ONE = Crossing("tensor")  # (a boundary of one tensor)
 
 
 def _no_backward(ctx: StageContext, dy: Any) -> Any:

@@ -59,8 +59,8 @@ class PendingWeights:
 
     params: tuple[torch.Tensor, ...]
     kept: tuple[_Kept, ...] = ()
-    out: torch.Tensor | None = None
-    grad: torch.Tensor | None = None
+    out: torch.Tensor | tuple[torch.Tensor, ...] | None = None
+    grad: torch.Tensor | tuple[torch.Tensor | None, ...] | None = None
 
 
 class Weights:
@@ -121,11 +121,32 @@ def stage_backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.
     return x.grad, PendingWeights(params, kept=kept)
 
 
+def plain_split_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                      xs: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | Weights
+                      ) -> PendingWeights:
+    """``I`` of a stage with several outputs or inputs (tensors of a tuple boundary): the
+    floating-point inputs' gradients, into their ``.grad`` (one walk, the graph kept), and
+    for ``W`` the outputs and their gradients (a second walk, to the parameters)."""
+    weights = params if isinstance(params, Weights) else Weights(params)
+    wanted = [x for x in xs if x.requires_grad]
+    if outs and wanted:
+        dxs = torch.autograd.grad(list(outs), wanted, list(grads), retain_graph=True,
+                                  allow_unused=True)
+        for x, dx in zip(wanted, dxs):
+            if dx is not None:
+                x.grad = dx
+    return PendingWeights(weights.params, out=tuple(outs), grad=tuple(grads))
+
+
 def stage_backward_weight(pending: PendingWeights) -> None:
     """``W``: the parameters' gradients, accumulated into their ``.grad``."""
     if pending.out is not None:
-        if pending.params and pending.out.requires_grad:
-            torch.autograd.backward(pending.out, pending.grad, inputs=list(pending.params))
+        outs = pending.out if isinstance(pending.out, tuple) else (pending.out,)
+        grads = pending.grad if isinstance(pending.out, tuple) else (pending.grad,)
+        live = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]  # type: ignore[arg-type]
+        if pending.params and live:
+            torch.autograd.backward([o for o, _ in live], [g for _, g in live],
+                                    inputs=list(pending.params))
         return
     for k in pending.kept:
         edges = [(GradientEdge(node, i), g) for node, grads in k.nodes
@@ -220,4 +241,5 @@ def _meeting_nodes(root: Node | None, target: Node, weights: Weights
     return True, (groups, now)
 
 
-__all__ = ["PendingWeights", "Weights", "stage_backward_input", "stage_backward_weight"]
+__all__ = ["PendingWeights", "Weights", "plain_split_input", "stage_backward_input",
+           "stage_backward_weight"]
