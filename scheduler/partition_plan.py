@@ -143,6 +143,8 @@ class PartitionPlan:
             "compute_ms": [{k: v * 1e3 for (s2, k), v in self.compute_costs().items()
                             if s2 == s} for s in range(len(self.stages))],
             "schedule": json.loads(self.schedule.to_json()),
+            "data_parallel": {str(s): {"axis": dp.axis, "nbytes": dp.nbytes}
+                              for s, dp in sorted(self.data_parallel.items())},
             "plan_options": {"strategy": self.options.strategy, "balance": self.options.balance,
                              "seed": self.options.seed, "budget": self.options.budget},
             "partition": {

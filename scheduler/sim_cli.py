@@ -10,7 +10,12 @@ layout for every stage boundary, and per-microbatch compute times. A JSON case f
      "boundaries": [{"shape": [1024, 8192], "dtype": "float16",
                      "producer": [null, "gpu"], "consumer": ["gpu", null]}, ...],
      "microbatches": 16,
-     "compute_ms": {"F": 50, "B": 100}}       # or a list per stage: [{"F": .., "B": ..}, ...]
+     "compute_ms": {"F": 50, "B": 100},       # or a list per stage: [{"F": .., "B": ..}, ...]
+     "data_parallel": {"1": {"axis": "dp", "nbytes": 1073741824}}}   # optional
+
+``data_parallel`` names the stages whose mesh axis splits the batch, with their gradients'
+bytes per device: each schedule's graph then reduces them after the stage's last backward
+(:class:`~scheduler.DataParallel`), as ``overlap partition --json`` writes for its dp stages.
 
 Schedules that split the backward (zb-h1, zbv, and auto's split candidates) take ``I`` and
 ``W`` from ``compute_ms`` when given, else half of ``B`` each. The schedules with two stages
@@ -44,6 +49,7 @@ from .cli_common import (
     read_json_file,
 )
 from .cluster import Cluster
+from .graph import DataParallel
 from .lowering import Boundary, _check_meshes, lower
 from .mesh import DeviceMesh
 from .planner import PlanCache, PlanOptions
@@ -67,6 +73,7 @@ class PipelineCase:
     # schedule (of twice the stages) says. None for a case file (its stages are the stages).
     halves: Callable[[Schedule], PipelineCase] | None = field(default=None, compare=False)
     schedule: Schedule | None = None  # the case's own (a partition plan's), if it has one
+    data_parallel: dict[int, DataParallel] = field(default_factory=dict)  # (a case file's)
 
 
 @dataclass(frozen=True)
@@ -115,11 +122,13 @@ def run_rows(case: PipelineCase, options: PlanOptions | None = None, *,
         chosen = ""
         if sched is None:
             choice = auto_schedule(c.stages, c.boundaries, c.microbatches, c.cluster,
-                                   c.compute, options, cache=cache)
+                                   c.compute, options, cache=cache,
+                                   data_parallel=c.data_parallel)
             sched, graph = choice.schedule, choice.graph
             chosen = sched.name.removeprefix("auto (").removesuffix(")")
         else:
-            graph = lower(c.stages, c.boundaries, sched, c.cluster, options, cache=cache)
+            graph = lower(c.stages, c.boundaries, sched, c.cluster, options, cache=cache,
+                          data_parallel=c.data_parallel)
         tl = simulate(graph, c.cluster, c.compute, signal=label == "signal")
         if trace_dir is not None:
             tl.to_chrome_trace(Path(trace_dir) / f"sim-{label}.json")
@@ -176,7 +185,28 @@ def case_from_json(data: dict[str, Any]) -> PipelineCase:
                              f"{schedule.num_microbatches} microbatches; the case has "
                              f"{len(stages)} × {m}")
     return PipelineCase(cluster, stages, tuple(boundaries), m,
-                        _compute_table(data["compute_ms"], len(stages)), schedule=schedule)
+                        _compute_table(data["compute_ms"], len(stages)), schedule=schedule,
+                        data_parallel=_data_parallel(data.get("data_parallel", {}), stages))
+
+
+def _data_parallel(spec: Any, stages: tuple[DeviceMesh, ...]) -> dict[int, DataParallel]:
+    """A case's ``data_parallel``: ``{"<stage>": {"axis": name, "nbytes": bytes}}``."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"data_parallel: expected an object stage -> {{axis, nbytes}}, got "
+                         f"{type(spec).__name__}")
+    out: dict[int, DataParallel] = {}
+    for key, entry in spec.items():
+        if not str(key).isdigit() or not int(key) < len(stages):
+            raise ValueError(f"data_parallel: key {key!r} is not a stage (0..{len(stages) - 1})")
+        if not isinstance(entry, dict) or set(entry) != {"axis", "nbytes"}:
+            raise ValueError(f"data_parallel[{key}]: expected {{\"axis\": name, \"nbytes\": "
+                             f"bytes}}, got {entry!r}")
+        s = int(key)
+        if entry["axis"] not in stages[s].axis_names:
+            raise ValueError(f"data_parallel[{key}]: stage {s}'s mesh has no axis "
+                             f"{entry['axis']!r}")
+        out[s] = DataParallel(entry["axis"], entry["nbytes"])
+    return out
 
 
 def _compute_table(spec: Any, num_stages: int) -> dict[tuple[int, str], float]:

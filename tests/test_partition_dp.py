@@ -151,3 +151,22 @@ def test_text_json_and_cli_carry_the_dp_degree(tmp_path, capsys):
 def test_data_parallel_must_be_a_bool():
     with pytest.raises(TypeError, match=r"data_parallel: expected a bool"):
         partition(_flat(), CLUSTER, 8, data_parallel=1)
+
+
+def test_simulate_case_of_a_dp_plan_includes_its_reductions():
+    from scheduler.sim_cli import case_from_json, run_rows
+
+    layers = [Layer({1: 0.01, 2: 0.01}, {1: 0.02, 2: 0.02}, (8, 64), "float32", 64 << 20,
+                    1 << 10) for _ in range(4)]
+    plan = partition(layers, Cluster.local(8), 4)
+    assert plan.data_parallel, plan.to_text()
+    case = case_from_json(json.loads(plan.to_json()))
+    assert case.data_parallel == plan.data_parallel
+    rows, _ = run_rows(case, schedules=())
+    own = next(r for r in rows if r.label == plan.schedule.name)
+    assert own.timeline.iteration_time == pytest.approx(plan.simulate().iteration_time)
+    data = json.loads(plan.to_json())
+    data["data_parallel"] = {"0": {"axis": "rows", "nbytes": 8}}
+    with pytest.raises(ValueError, match=r"data_parallel\[0\]: stage 0's mesh has no axis "
+                                         r"'rows'"):
+        case_from_json(data)
