@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler import Compute, StepGraph
 
@@ -440,26 +440,53 @@ class Call:
         """A timeout waiting for a peer is often the consequence of a stage that hangs, here
         or on that peer — named when it has run ``timeout``, which may be a little after
         this wait gave up: wait briefly (at most 1 s) for the hang here or the peer's
-        report."""
+        report. A wait among this process's own devices that gave up (one of them waited
+        in turn for what a peer never sent) also asks every member of the call how far it
+        got, as a wait for a peer does: one not at work — frozen, stuck in its own code,
+        gone — is named, at every job size; this process's own device is never blamed for
+        a peer's silence."""
         dist = self.dist
         assert dist is not None
         scope = self.scope
         deadline = time.perf_counter() + min(1.0, self.backend.timeout)
-        while True:
-            if isinstance(dist.broken, RankFailed):
-                return dist.broken
-            failures = [*scope.failures, *(scope.parent.failures if scope.parent else ())]
-            better = root_cause(timeout, failures)
-            if not isinstance(better, (CollectiveAborted, CollectiveTimeout)):
-                return better  # (a peer's report, a mismatch, a failure here)
-            hung = overdue(self.backend, self.scope)
-            if hung:  # (named as the watch names one: the settling says if it is abandoned)
-                self.named = hang_error(hung, self.graph, self.backend.timeout,
-                                        abandoned=False)
-                return self.named
-            if time.perf_counter() >= deadline:
-                return timeout
-            await asyncio.sleep(0.01)
+        asking = None
+        if isinstance(timeout, CollectiveTimeout) and not timeout.ranks and dist.members:
+            asking = asyncio.ensure_future(asyncio.to_thread(dist.ask, dist.members))
+        try:
+            while True:
+                if isinstance(dist.broken, RankFailed):
+                    return dist.broken
+                failures = [*scope.failures, *(scope.parent.failures if scope.parent else ())]
+                better = root_cause(timeout, failures)
+                if not isinstance(better, (CollectiveAborted, CollectiveTimeout)):
+                    return better  # (a peer's report, a mismatch, a failure here)
+                hung = overdue(self.backend, self.scope)
+                if hung:  # (named as the watch names one: the settling says if abandoned)
+                    self.named = hang_error(hung, self.graph, self.backend.timeout,
+                                            abandoned=False)
+                    return self.named
+                if asking is not None and asking.done():
+                    answers, asking = asking.result(), None
+                    if not answers.at_work and answers.absent:
+                        return self._silent_peers(timeout, answers)  # type: ignore[arg-type]
+                if time.perf_counter() >= deadline and asking is None:
+                    return timeout
+                await asyncio.sleep(0.01)
+        finally:
+            if asking is not None:
+                asking.cancel()
+
+    def _silent_peers(self, timeout: CollectiveTimeout, answers: Any) -> CollectiveTimeout:
+        """``timeout``, among this process's devices, explained by the peers that are not at
+        work in the call (``answers``: :class:`~overlap.backends.distributed.Answers`)."""
+        dist = self.dist
+        assert dist is not None
+        return CollectiveTimeout(
+            f"{timeout.op}: rank {dist.rank} waited {self.backend.timeout:g} s (its devices "
+            f"{list(timeout.missing)} waited in turn for what other ranks send); "
+            f"{answers.text}", op=timeout.op, devices=timeout.devices,
+            missing=tuple(d for r in answers.absent for d in dist.placement.devices_of(r)),
+            ranks=answers.absent)
 
     def _abandon(self, stuck: list[Busy]) -> StageTimeout:
         backend = self.backend

@@ -25,21 +25,37 @@ JOB_BOUND_S = 90.0  # startup, the stall, the others' timeout, the exit's grace,
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
 
 
-@pytest.mark.parametrize("when", ["before", "during"])
-@pytest.mark.parametrize("how", ["sleep", "stop"])
-def test_a_stalled_rank_is_named_by_the_others_within_the_timeout_and_a_second(
-        tmp_path, how, when):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    done = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(JOB), how, when, "1",
-                           str(tmp_path)], env=env, cwd=Path(__file__).parents[1],
-                          capture_output=True, text=True, timeout=JOB_BOUND_S)
+def _named(tmp_path, done, n):
     assert done.returncode != 0, "the job went on as if nothing happened"
-    for r in (0, 2, 3):
+    for r in (r for r in range(n) if r != 1):
         path = tmp_path / f"rank{r}.json"
         assert path.exists(), f"rank {r} raised nothing:\n{done.stderr[-3000:]}"
         seen = json.loads(path.read_text())
         assert seen["error"] in ("CollectiveTimeout", "RankFailed"), seen
         assert re.search(r"\brank 1\b|\branks \[1\]", seen["message"]), seen
+        # (never this rank's own device blamed for the peer's silence)
+        assert "never launched it" not in seen["message"], seen
         assert seen["seconds"] <= TIMEOUT_S + 1.0, seen
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("when", ["before", "during"])
+@pytest.mark.parametrize("how", ["sleep", "stop"])
+def test_a_stalled_rank_is_named_by_the_others_within_the_timeout_and_a_second(
+        tmp_path, how, when, n):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA_"))}
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    done = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(JOB), how, when, "1",
+                           str(tmp_path)], env=env, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=JOB_BOUND_S)
+    _named(tmp_path, done, n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("how, when", [("sleep", "before"), ("stop", "during")])
+def test_a_stalled_rank_is_named_under_torchrun(tmp_path, how, when, n):
+    from launchers import launch
+
+    done = launch("torchrun", n, JOB, how, when, "1", str(tmp_path), timeout=JOB_BOUND_S)
+    _named(tmp_path, done, n)
