@@ -229,3 +229,30 @@ def test_a_killed_rank_is_named_under_the_guard_with_torchrun(tmp_path):
     pid = re.search(r"overlap: rank 1/4 \(pid (\d+)", text).group(1)
     assert re.search(rf"overlap: rank 1 \(pid {pid} on [^)]+\) was killed by SIGKILL during "
                      r"train_step: the step graph \(call 2\)", text), verdicts(text)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_failed_job_ends_within_the_grace_once_every_rank_reported(tmp_path, launcher, n):
+    """Once every rank printed its error, the job ends within the exit's grace (5 s): the
+    failed ranks hear each other's exit reports (over the links without MPI) instead of
+    each waiting the whole grace."""
+    from launchers import command
+
+    start = time.perf_counter()
+    proc = subprocess.Popen(command(launcher, n, JOB, "raise", str(tmp_path), "1"),
+                            env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    reported: list[float] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if re.search(r"RankFailed: rank 1 failed|ValueError: injected failure", line):
+                reported.append(time.perf_counter() - start)
+        proc.wait(timeout=JOB_BOUND_S)
+    finally:
+        proc.kill()
+    ended = time.perf_counter() - start
+    assert proc.returncode != 0
+    assert len(reported) >= n, reported  # (every rank said what happened)
+    assert ended - max(reported) <= 5.0, (ended, reported)

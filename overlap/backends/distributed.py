@@ -501,12 +501,16 @@ class Distributed(Bounded):
         return comm
 
     def close(self) -> None:
-        """The backend closes: stop the engine, close the links and communicators (what a
-        failed runtime needs at exit — its peers' reports — was waited for already)."""
+        """The backend closes: stop the engine, close the links and communicators — except
+        where a failed runtime keeps listening for the exit guards: its peers' reports
+        (that they are exiting too) come over the engine, and, without MPI, over the links,
+        which then stay open until the process ends (closed, every peer's report would be
+        lost and each rank would wait the whole ``grace`` at exit)."""
+        if self.listening:
+            return
         if self.links is not None:
             self.links.close()
-        if not self.listening:
-            self.engine.close()
+        self.engine.close()
 
 
 @dataclass(frozen=True)
