@@ -2,8 +2,8 @@
 
 The built HTML has no raw Sphinx role (``:class:`` …: the docstrings' cross-references become
 links, or inline code where the target is not documented — docs/_ext/sphinx_roles.py), no
-table broken apart (a ``| a | b |`` row outside a table, or a table with a header and no
-rows), and
+table or list broken apart (a ``| a | b |`` row outside a table, a table with a header and
+no rows, a list item read as part of a paragraph, a nested item indented less than 4 spaces), and
 docs/cli.md names every subcommand ``overlap --help`` lists.
 
 The site build (a few seconds) is skipped, with the reason, only where MkDocs and its plugins
@@ -220,14 +220,16 @@ def test_the_docstrings_cross_references_are_links_where_documented(site):
     assert links >= 50, links  # (about 110 when written)
 
 
-def test_no_table_is_broken_apart(site):
+def test_no_table_or_list_is_broken_apart(site):
     broken = []
     for name, page in _site_pages(site).items():
         for block in page.blocks:
             for line in block.splitlines():
                 line = line.strip()  # a table row: | a | b | (not |x − y| in a sentence)
                 if line.startswith("|") and line.endswith("|") and line.count("|") >= 3:
-                    broken.append(f"{name}: pipe text outside a table: {line.strip()[:100]!r}")
+                    broken.append(f"{name}: pipe text outside a table: {line[:100]!r}")
+                elif re.match(r"(?:[-*+]|\d+\.) \S", line):  # (a lazy continuation)
+                    broken.append(f"{name}: a list item inside a paragraph: {line[:100]!r}")
         for rows in page.tables:
             if not any(cell.strip() for row in rows for cell in row):
                 broken.append(f"{name}: a table with a header and no rows")
@@ -246,6 +248,20 @@ def test_the_checks_see_a_broken_table_and_a_raw_role():
     assert [b for b in page.blocks if b.startswith("|")] == [
         "| a rank x fails |\n| b |"]
     assert ROLE.findall("".join(page.prose)) == [":class:"]
+
+
+def test_nested_list_items_are_indented_four_spaces():
+    """Python-Markdown nests a list item (and keeps a list item's later paragraphs, code and
+    tables in it) only at 4 spaces: at 1 to 3 it flattens the list or ends the item."""
+    bad = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        fenced = False
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and re.match(r" {1,3}(?:[-*+]|\d+\.) \S", line):
+                bad.append(f"{page.relative_to(ROOT)}:{number}: {line.strip()[:80]}")
+    assert not bad, "\n".join(bad)
 
 
 # ---- docs/cli.md -----------------------------------------------------------------------------
