@@ -1,4 +1,5 @@
-"""The ``overlap`` command: the same subcommands as ``python -m scheduler`` (plan, simulate)."""
+"""The ``overlap`` command: the same subcommands as ``python -m scheduler`` (plan, simulate,
+partition, trace, profile)."""
 
 from __future__ import annotations
 
