@@ -275,15 +275,16 @@ def check_graph(graph: StepGraph, meshes: tuple[DeviceMesh, ...],
 
 
 def agreement_digest(graph: StepGraph) -> bytes:
-    """What a step's agreement compares across processes: the graph's digest, then each
-    microbatch's first-boundary shape (a mismatch of shapes is named by microbatch)."""
+    """What a step's agreement compares across processes: the graph's digest, then the
+    number of microbatches and each one's first-boundary shape (a mismatch of counts is
+    named by both counts, one of shapes by microbatch)."""
     from .backends.distributed import shape_table
 
     m = graph.schedule.num_microbatches if graph.schedule is not None else 0
     first = Channel("fwd", 0)
     shapes = [graph.plan_for(first, i).shape for i in range(m)] if len(graph.stages) > 1 \
         else []
-    return graph.digest() + shape_table(shapes)
+    return graph.digest() + shape_table(shapes, m)
 
 
 def check_given_graph(graph: StepGraph) -> None:

@@ -353,3 +353,11 @@ def test_pre_split_microbatches_are_checked_before_any_work():
             with pytest.raises(error, match=match):
                 pipe.train_step_sync(rt, **kwargs)
         assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_no_modules_with_a_seed_is_named_as_the_modules():
+    from scheduler import DeviceMesh
+
+    with pytest.raises(TypeError, match=r"modules: expected a stage_fn \(stage -> nn.Module\) "
+                                        r"or a sequence with one entry per stage, got NoneType"):
+        TorchPipeline(None, [DeviceMesh([0], ("x",))], lambda y: y.sum(), seed=1)

@@ -158,6 +158,19 @@ def test_a_rank_whose_microbatches_come_in_another_order_is_named_on_every_rank(
     assert not list(tmp_path.glob("rank*.npz"))  # nobody trained on swapped shapes
 
 
+def test_a_rank_with_fewer_microbatches_is_told_the_counts(tmp_path):
+    done = launch("mpiexec", 4, JOB, "vary", str(tmp_path), "fewer", "2", timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0, verdicts(text)
+    sys.path.insert(0, str(JOB.parent))
+    import job
+
+    n = len(job.VARIED_ROWS)
+    for r in (0, 1, 3):
+        assert (f"ranks [2] made a different call than rank {r}: this step has {n} "
+                f"microbatches here and {n - 1} on rank 2") in text, verdicts(text)
+
+
 def test_the_simulator_costs_each_microbatch_by_its_own_size():
     model = ToyMLP.build(CLUSTER, hidden=8, batch=8)
     graph = lower(model.meshes, _bounds(model, ROWS), make_schedule("1f1b", 4, len(ROWS)),

@@ -95,25 +95,32 @@ _TAGS = 1 << 31  # a round's tag is its call number modulo this (a link's tags a
 LISTEN_TICK_S = 0.02  # how often the engine looks for control messages
 QUERY_WAIT_S = 0.5  # how long an overdue wait waits for the peers' answers
 _LINGER_S = 0.5  # after every peer reported: time for the launcher to forward their output
-# An agreement row: the digest's first 24 bytes, the call number, then the shapes of the
-# step's first microbatches (SHAPE_SLOTS of them, SHAPE_DIMS int32 dimensions each, -1 for
-# none): a mismatch of shapes is named by microbatch and both shapes.
+# An agreement row: the digest's first 24 bytes, the call number, then the step's number of
+# microbatches (int32) and the shapes of its first microbatches (SHAPE_SLOTS of them,
+# SHAPE_DIMS int32 dimensions each, -1 for none): a mismatch of counts is named by both
+# counts, one of shapes by microbatch and both shapes.
 SHAPE_SLOTS, SHAPE_DIMS = 32, 4
-_SHAPE_BYTES = SHAPE_SLOTS * SHAPE_DIMS * 4
+_SHAPE_BYTES = 4 + SHAPE_SLOTS * SHAPE_DIMS * 4
 _ROW = 32 + _SHAPE_BYTES
 
 
-def shape_table(shapes: Sequence[Sequence[int]]) -> bytes:
-    """The shapes part of an agreement row, from each microbatch's (first boundary's) shape."""
+def shape_table(shapes: Sequence[Sequence[int]], count: int | None = None) -> bytes:
+    """The shapes part of an agreement row: the step's number of microbatches (``count``,
+    default ``len(shapes)``) and each microbatch's (first boundary's) shape."""
     table = np.full((SHAPE_SLOTS, SHAPE_DIMS), -1, np.int32)
     for i, shape in enumerate(shapes[:SHAPE_SLOTS]):
         dims = [min(int(n), 2**31 - 1) for n in shape][:SHAPE_DIMS]
         table[i, :len(dims)] = dims
-    return table.tobytes()
+    n = len(shapes) if count is None else count
+    return np.int32(min(n, 2**31 - 1)).tobytes() + table.tobytes()
+
+
+def _count_of(row: bytes) -> int:
+    return int(np.frombuffer(row, np.int32, 1, 32)[0])
 
 
 def _shape_text(row: bytes, slot: int) -> str:
-    dims = np.frombuffer(row, np.int32, SHAPE_DIMS, 32 + slot * SHAPE_DIMS * 4)
+    dims = np.frombuffer(row, np.int32, SHAPE_DIMS, 36 + slot * SHAPE_DIMS * 4)
     return str(tuple(int(n) for n in dims if n >= 0))
 
 _LIVE: weakref.WeakSet[Distributed] = weakref.WeakSet()
@@ -721,11 +728,16 @@ class CallRounds:
             self.scope.fail(self.mismatch)
 
     def _shapes_differ(self, rows: bytes, differ: tuple[int, ...]) -> str:
-        """Where the first differing rank's shapes differ from this rank's: the microbatch
-        and both shapes (empty where the shapes agree: something else differs)."""
+        """Where the first differing rank's step differs from this rank's: both numbers of
+        microbatches, or the microbatch and both shapes (empty where they agree: something
+        else differs)."""
         mine = self._mine.tobytes()
         r = differ[0]
         theirs = rows[_ROW * r:_ROW * r + _ROW]
+        here, there = _count_of(mine), _count_of(theirs)
+        if here != there:
+            return (f": this step has {here} microbatches here and {there} on rank {r} (every "
+                    "process splits the step into the same number of microbatches)")
         for slot in range(SHAPE_SLOTS):
             a, b = (_shape_text(x, slot) for x in (mine, theirs))
             if a != b:

@@ -151,6 +151,10 @@ class TorchPipeline:
         if callable(modules) and not isinstance(modules, nn.Module):
             modules = self._build(modules, plans, rt, check_seed(seed))
         elif seed is not None:
+            if not isinstance(modules, Sequence) or isinstance(modules, (str, bytes)):
+                raise TypeError(f"modules: expected a stage_fn (stage -> nn.Module) or a "
+                                f"sequence with one entry per stage, got "
+                                f"{type(modules).__name__}")
             raise ValueError("seed: seeds the stages a stage_fn builds; modules given "
                              "already built take none")
         self.tp: tuple[TensorParallel | None, ...] = self._parallelize(modules, plans, axis)

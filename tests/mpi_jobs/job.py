@@ -107,9 +107,10 @@ VARIED_ROWS = (3, 8, 5, 1, 8, 2)  # ``vary``: each microbatch's rows
 
 
 def run_varied(rt: Runtime, args: list[str]) -> dict[str, np.ndarray]:
-    """``vary OUT [permute RANK]``: the toy pipeline on microbatches of different batch rows
-    (``MicrobatchBoundaries``), one step per schedule; with ``permute RANK`` that rank swaps
-    its first two microbatches (data and shapes): a different call, which must be named."""
+    """``vary OUT [permute|fewer RANK]``: the toy pipeline on microbatches of different batch
+    rows (``MicrobatchBoundaries``), one step per schedule; with ``permute RANK`` that rank
+    swaps its first two microbatches (data and shapes), with ``fewer RANK`` it leaves out the
+    last one: a different call, which must be named."""
     import dataclasses
 
     from scheduler import MicrobatchBoundaries
@@ -117,6 +118,8 @@ def run_varied(rt: Runtime, args: list[str]) -> dict[str, np.ndarray]:
     rows = list(VARIED_ROWS)
     if args[:1] == ["permute"] and rt.world.rank == int(args[1]):
         rows[0], rows[1] = rows[1], rows[0]
+    if args[:1] == ["fewer"] and rt.world.rank == int(args[1]):
+        rows.pop()
     out: dict[str, np.ndarray] = {}
     for schedule in ("1f1b", "eager-1f1b", "zb-h1"):
         model = ToyMLP.build(rt.cluster, hidden=8, batch=8, seed=0)
