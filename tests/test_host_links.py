@@ -562,3 +562,162 @@ def test_setup_values_travel_as_json_never_pickled():
     with pytest.raises(ValueError):  # a pickle is not JSON: refused, never loaded
         _decode(np.frombuffer(pickle.dumps(("vm",)), np.uint8)[None, :],
                 np.array([len(pickle.dumps(("vm",)))]))
+
+
+# ---- setup: nobody else can join or disturb it --------------------------------------------
+
+
+class _ThreadBoot:
+    """A bootstrap for ranks played by threads of this process (every collective a
+    barrier), all on one host."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._barrier = threading.Barrier(size, timeout=BOUND_S)
+        self._values: list[object] = [None] * size
+
+    def of(self, rank: int) -> object:
+        boot = self
+
+        class Rank:
+            def __init__(self) -> None:
+                self.rank, self.size = rank, boot.size
+
+            def allgather(self, value: object) -> list[object]:
+                boot._values[rank] = value
+                boot._barrier.wait()
+                out = list(boot._values)
+                boot._barrier.wait()
+                return out
+
+            def bcast(self, value: object, root: int = 0) -> object:
+                return self.allgather(value)[root]
+
+            def all_true(self, ok: bool) -> bool:
+                return all(self.allgather(ok))
+
+            def host(self) -> str:
+                return "this-host"
+        return Rank()
+
+
+def _link_ranks(size: int, engine: Engine, during=None, **kwargs) -> list[object]:
+    """``HostLinks.connect`` on ``size`` threads; ``during(rank)`` runs in each before."""
+    boot = _ThreadBoot(size)
+    out: list[object] = [None] * size
+    failures: list[list[str]] = [[] for _ in range(size)]
+
+    def run(r: int) -> None:
+        out[r] = HostLinks.connect(boot.of(r), engine, failures=failures[r], **kwargs)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    if during is not None:
+        during()
+    for t in threads:
+        t.join(BOUND_S)
+    return [out, failures]
+
+
+def test_a_connection_without_the_jobs_secret_is_refused_and_setup_goes_on(engine, caplog,
+                                                                          monkeypatch):
+    from overlap.backends import host_links
+
+    # An intruder of this very user connects to rank 1's socket just before rank 0 does:
+    # refused, logged; rank 0 still links.
+    real_dial = host_links._dial
+    intruders: list[threading.Thread] = []
+
+    def dial(address, timeout):
+        bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bad.settimeout(BOUND_S)
+        bad.connect(address)
+
+        def answer() -> None:
+            with contextlib.suppress(OSError):
+                bad.recv(host_links._CHALLENGE_BYTES)
+                bad.sendall(b"\0\0\0\0" + b"x" * 32)  # "rank 0", a wrong answer
+                bad.recv(1)  # (until refused)
+            bad.close()
+
+        intruders.append(threading.Thread(target=answer))
+        intruders[-1].start()
+        return real_dial(address, timeout)
+
+    monkeypatch.setattr(host_links, "_dial", dial)
+    with caplog.at_level(logging.WARNING, logger="overlap"):
+        (links, failures) = _link_ranks(2, engine)
+    assert all(isinstance(x, HostLinks) for x in links), failures
+    assert links[0].peers == (1,) and links[1].peers == (0,)
+    assert "refused a link connection during setup: it does not hold this job's secret" \
+        in caplog.text
+    for t in intruders:
+        t.join(BOUND_S)
+    for x in links:
+        x.close()
+
+
+def test_the_setup_sockets_are_out_of_other_users_reach(engine, monkeypatch, tmp_path):
+    # Each rank listens in a directory only its user may enter (not the abstract namespace,
+    # which every user can list and connect to).
+    import os
+    import stat
+    import tempfile
+
+    from overlap.backends import host_links
+
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def spy(*a, **k):
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(host_links.tempfile, "mkdtemp", spy)
+    seen: list[int] = []
+    real_accept = host_links._accept
+
+    def look(listener, *a):
+        path = listener.getsockname()
+        assert isinstance(path, str) and not path.startswith("\0"), path
+        seen.append(stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode))
+        if os.geteuid() == 0:  # another user (nobody) tries to connect: the kernel refuses
+            pid = os.fork()
+            if pid == 0:  # (the child: only a setuid and a connect, then out)
+                code = 0
+                try:
+                    os.setuid(65534)
+                    socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(path)
+                except PermissionError:
+                    code = 3
+                except BaseException:
+                    code = 4
+                os._exit(code)
+            seen.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        return real_accept(listener, *a)
+
+    monkeypatch.setattr(host_links, "_accept", look)
+    (links, failures) = _link_ranks(2, engine)
+    assert all(isinstance(x, HostLinks) for x in links), failures
+    assert seen[0] == 0o700
+    if os.geteuid() == 0:
+        assert seen[1] == 3, "another user reached the socket"
+    assert not any(os.path.exists(d) for d in made)  # cleaned up
+    for x in links:
+        x.close()
+
+
+def test_a_failed_setup_says_the_socket_error(engine, monkeypatch):
+    from overlap.backends import host_links
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied", "/tmp")
+
+    monkeypatch.setattr(host_links.tempfile, "mkdtemp", refuse)
+    (links, failures) = _link_ranks(2, engine)
+    assert links == [None, None]
+    assert failures[0] == failures[1]
+    assert "rank 0: listening: PermissionError: [Errno 13] Permission denied: '/tmp'" \
+        in failures[0]
+    assert not any("firewall" in f for f in failures[0])  # (one host)

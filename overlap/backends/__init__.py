@@ -97,11 +97,13 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
                       rank=world.rank)
     engine = Engine(f"overlap-engine-r{world.rank}", poll)
     try:
-        links = HostLinks.connect(boot, engine, network=torchrun) if links_on else None
+        failures: list[str] = []
+        links = HostLinks.connect(boot, engine, network=torchrun,
+                                  failures=failures) if links_on else None
         if torchrun and links is None:
             raise RuntimeError(f"rank {world.rank}: could not link every pair of ranks of "
                                "this torchrun job (TCP between nodes, Unix sockets within "
-                               "one); a firewall between the nodes?")
+                               f"one): {'; '.join(failures) or 'no reason given'}")
         dist = Distributed(world, placement, engine, comm, links, timeout=timeout,
                            grace=grace)
         backend.dist = dist

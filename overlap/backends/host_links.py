@@ -25,13 +25,15 @@ send to it fails at once, naming it.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import secrets
 import socket
 import struct
-import sys
+import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -145,68 +147,82 @@ class HostLinks:
 
     @classmethod
     def connect(cls, boot: Bootstrap, engine: Engine, *, network: bool = False,
-                timeout: float = CONNECT_TIMEOUT_S) -> HostLinks | None:
+                timeout: float = CONNECT_TIMEOUT_S,
+                failures: list[str] | None = None) -> HostLinks | None:
         """Collective over ``boot`` (every rank, same thread order): link this rank to every
         other rank on its host (same ``boot.host()``: a Unix socket) and, with ``network``,
         to every rank on other hosts too (TCP: a job with no MPI, started by torchrun). None
-        where links cannot be made on every rank that needs them."""
+        where links cannot be made on every rank that needs them; ``failures`` (when given)
+        then gets each failed rank's reason, the socket error included.
+
+        No one else can join or disturb the setup: each rank listens on a Unix socket in a
+        directory of its own that only its user may enter (``mkdtemp``: mode 0700; nothing
+        in the abstract namespace, where every user could list and reach it), accepts only
+        peers of its own user (``SO_PEERCRED``), and every peer proves it holds the job's
+        secret by an HMAC of a fresh challenge — the secret never crosses a link. A
+        connection that fails any of this (another user, a port scanner, a stale client) is
+        closed and logged, and the setup goes on waiting for the real peers."""
         rank, size = boot.rank, boot.size
         hosts = boot.allgather(boot.host())
-        token = boot.bcast(secrets.token_hex(8) if rank == 0 else None, root=0)
+        # (The secret travels once, through the launcher's bootstrap — MPI, or torch's
+        # rendezvous store, which torchrun's ranks trust for everything else too.)
+        secret = bytes.fromhex(boot.bcast(secrets.token_hex(32) if rank == 0 else None,
+                                          root=0))
         mates = [r for r in range(size) if r != rank and hosts[r] == hosts[rank]]
         remote = [r for r in range(size) if r != rank and hosts[r] != hosts[rank]] \
             if network else []
         peers: dict[int, socket.socket] = {}
-        ok, unix, tcp, where = True, None, None, None
+        why: str | None = None
+        unix = tcp = home = path = where = None
         try:
             if mates:
+                home = tempfile.mkdtemp(prefix="overlap-links-")
+                path = os.path.join(home, f"r{rank}")
                 unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                unix.bind(_address(token, rank))
-                unix.listen(len(mates))
+                unix.bind(path)
+                unix.listen(len(mates) + 8)
             if remote:
-                tcp = socket.create_server((reachable_address(), 0), backlog=len(remote))
+                tcp = socket.create_server((reachable_address(), 0),
+                                           backlog=len(remote) + 8)
                 where = tcp.getsockname()[:2]
-        except OSError:
-            ok = False
+        except OSError as exc:
+            why = f"listening: {type(exc).__name__}: {exc}"
         # Everyone listens before anyone connects; a rank that cannot makes every rank fall
         # back (links are all or nothing: both ends of a pair must agree).
-        addresses = boot.allgather(where)
-        ok = boot.all_true(ok)
+        addresses = boot.allgather([path, where])
+        ok = boot.all_true(why is None)
         try:
             if ok:
-                hello = struct.pack("<i", rank) + token.encode()
                 for r in (r for r in (*mates, *remote) if r > rank):  # lower ranks connect
-                    s = _dial(_address(token, r) if r in mates else tuple(addresses[r]),
+                    s = _dial(addresses[r][0] if r in mates else tuple(addresses[r][1]),
                               timeout)
                     peers[r] = s
                     _check_same_user(s)
-                    s.sendall(hello)
+                    _prove(s, secret, rank)
                 for listener, group in ((unix, mates), (tcp, remote)):
-                    for _ in (r for r in group if r < rank):  # higher ranks accept
+                    want = {r for r in group if r < rank}  # higher ranks accept
+                    if want:
                         assert listener is not None
-                        listener.settimeout(timeout)
-                        s, _addr = listener.accept()
-                        s.settimeout(timeout)
-                        _check_same_user(s)
-                        who = struct.unpack("<i", _read_exactly(s, 4))[0]
-                        if _read_exactly(s, len(token)).decode() != token or \
-                                who not in group or who > rank or who in peers:
-                            s.close()
-                            raise OSError(f"link from unexpected rank {who}")
-                        peers[who] = s
-        except OSError:
-            ok = False
+                        _accept(listener, want, secret, peers, timeout)
+        except OSError as exc:
+            why = f"linking: {type(exc).__name__}: {exc}"
         finally:
             for listener in (unix, tcp):
                 if listener is not None:
                     listener.close()
-            if unix is not None and not sys.platform.startswith("linux"):
+            if home is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(_address(token, rank))
-        ok = boot.all_true(ok)
-        if not ok:
+                    if path is not None:
+                        os.unlink(path)
+                    os.rmdir(home)
+        whys = boot.allgather(why)
+        if any(w is not None for w in whys):
             for s in peers.values():
                 s.close()
+            if failures is not None:
+                failures += [f"rank {r}: {w}" for r, w in enumerate(whys) if w is not None]
+                if remote and any(w is not None and w.startswith("linking") for w in whys):
+                    failures.append("the ranks are on several hosts: a firewall between them?")
             return None
         for r in remote:
             with contextlib.suppress(OSError):  # (frames are small and latency-bound)
@@ -535,20 +551,53 @@ class LinksComm:
         return self.links.irecv(self.channel, source, tag, buf)
 
 
-def _address(token: str, rank: int) -> str:
-    """Where ``rank`` listens: Linux's abstract namespace (nothing on disk to clean up),
-    elsewhere a path in the temporary directory."""
-    name = f"overlap-{token}-{rank}"
-    if sys.platform.startswith("linux"):
-        return "\0" + name
-    import tempfile
+_CHALLENGE_BYTES = 32
 
-    return os.path.join(tempfile.gettempdir(), name)
+
+def _prove(s: socket.socket, secret: bytes, rank: int) -> None:
+    """(The connecting side.) Answer the listener's challenge: this rank and an HMAC of the
+    challenge and the rank under the job's secret."""
+    challenge = _read_exactly(s, _CHALLENGE_BYTES)
+    who = struct.pack("<i", rank)
+    s.sendall(who + hmac.digest(secret, challenge + who, "sha256"))
+
+
+def _accept(listener: socket.socket, want: set[int], secret: bytes,
+            peers: dict[int, socket.socket], timeout: float) -> None:
+    """(The listening side.) Accept until every rank of ``want`` joined, within ``timeout``:
+    a connection that is not one of them (another user, a wrong answer, a rank already
+    linked) is closed and logged, and the wait goes on."""
+    deadline = time.monotonic() + timeout
+    while want:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"ranks {sorted(want)} never linked within {timeout:g} s")
+        listener.settimeout(left)
+        s, _addr = listener.accept()
+        try:
+            s.settimeout(max(0.1, min(left, deadline - time.monotonic())))
+            _check_same_user(s)
+            challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+            s.sendall(challenge)
+            answer = _read_exactly(s, 4 + 32)
+            who = struct.unpack("<i", answer[:4])[0]
+            if not hmac.compare_digest(answer[4:],
+                                       hmac.digest(secret, challenge + answer[:4], "sha256")):
+                raise OSError("it does not hold this job's secret")
+            if who not in want:
+                raise OSError(f"it says it is rank {who}, which this rank does not wait for")
+        except OSError as exc:
+            s.close()
+            log.warning("overlap: refused a link connection during setup: %s", exc)
+            continue
+        s.settimeout(timeout)
+        want.discard(who)
+        peers[who] = s
 
 
 def _check_same_user(s: socket.socket) -> None:
     """A Unix-socket peer must run as this process's user (``SO_PEERCRED``): another user's
-    process on the host cannot pose as a rank. (TCP peers prove the job's token instead.)"""
+    process on the host cannot pose as a rank. (Every peer also proves the job's secret.)"""
     if s.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
         return
     creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
