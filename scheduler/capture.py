@@ -31,6 +31,7 @@ import bisect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .exposure import Figures, figures_of, waited_by_name
 from .gpu_time import gpu_class
@@ -43,6 +44,18 @@ STEP = re.compile(r"^(?:step |ProfilerStep#)(\d+)$")
 # reads it (overlap.profiling).
 PROFILE_STEPS_ENV = "OVERLAP_PROFILE_STEPS"
 _WINDOW = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
+# A JSON trace is parsed whole: one of 64 MiB takes ~0.5 GB and a few minutes to report here
+# (2 cores); a bigger one is refused before it is read.
+MAX_TRACE_BYTES = 64 << 20
+
+
+def check_trace_bytes(path: Path) -> None:
+    """ValueError naming ``path`` when its JSON trace is over :data:`MAX_TRACE_BYTES`."""
+    size = path.stat().st_size
+    if size > MAX_TRACE_BYTES:
+        raise ValueError(f"{path} is {size} bytes; a JSON trace is at most {MAX_TRACE_BYTES} "
+                         f"({MAX_TRACE_BYTES >> 20} MiB): capture fewer steps (overlap profile "
+                         "--steps A:B)")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from .cli_common import (
     write_output,
 )
 from .cluster import Cluster
-from .cost import lower_bound_for, paper_model_time, plan_report
+from .cost import lower_bound_for, paper_model_time, plan_report, ratio_text
 from .plan import transfers_text
 from .planner import plan_resharding
 from .sharding import Sharding
@@ -107,8 +107,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     print(plan_report(plan, case.cluster))
     lb = lower_bound_for(case.shape, case.dtype, case.src, case.dst, case.cluster)
     paper = paper_model_time(plan, case.cluster)
-    print(f"  paper's simple model: {paper * 1e3:.2f} ms "
-          f"(ratio {paper / lb if lb else float('nan'):.3f})")
+    print(f"  paper's simple model: {paper * 1e3:.2f} ms ({ratio_text(paper, lb, case.shape)})")
     if args.show_transfers:
         print(transfers_text(plan.transfers))
     if args.json is not None:

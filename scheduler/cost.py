@@ -642,12 +642,22 @@ def plan_report(plan: ReshardPlan, cluster: Cluster) -> str:
     model = CostModel(cluster)
     est = model.plan_time(plan)
     lb = lower_bound_for(plan.shape, plan.dtype, plan.src, plan.dst, cluster)
-    ratio = est / lb if lb > 0 else float("nan")
     return "\n".join([
         plan.summary(),
         f"  network bytes: {fmt_bytes(model.network_bytes(plan))}",
-        f"  estimate {est * 1e3:.2f} ms, lower bound {lb * 1e3:.2f} ms, ratio {ratio:.3f}",
+        f"  estimate {est * 1e3:.2f} ms, lower bound {lb * 1e3:.2f} ms, "
+        f"{ratio_text(est, lb, plan.shape)}",
     ])
+
+
+def ratio_text(time: float, bound: float, shape: Sequence[int]) -> str:
+    """``ratio X`` of a time to its lower bound; without a bound to divide by (0: nothing
+    has to move), why — never ``ratio nan``."""
+    if bound > 0:
+        return f"ratio {time / bound:.3f}"
+    if math.prod(shape) == 0:
+        return f"no ratio: the tensor is empty (shape {tuple(shape)})"
+    return "no ratio: the lower bound is 0 (nothing has to cross a link)"
 
 
 # ---- the paper's simple model ----------------------------------------------------------------

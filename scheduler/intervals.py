@@ -10,20 +10,61 @@ from collections.abc import Iterable, Sequence
 Interval = tuple[float, float]
 
 MAX_SECONDS = 1e12  # a timestamp beyond this (~31,700 years) is no capture's
+MAX_EVENT_SECONDS = 1e6  # an event longer than this (~11.6 days) is no capture's either
+MAX_ID = (1 << 63) - 1  # an id (device, process, thread, op) beyond int64 is none of ours
+
+
+def check_id(value: object, what: str, name: str, *, lo: int = 0) -> int:
+    """An event's id field (a device, a thread, an op): an int in ``lo``..:data:`MAX_ID` —
+    not a bool (``true`` is no thread 1), a float or a string; ValueError naming ``what``
+    and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_ID:
+        low = str(lo) if abs(lo) < 1 << 32 else "-(2**63-1)"
+        raise ValueError(f"{what}: its {name} is {_short(value)}, not an integer in "
+                         f"{low}..2**63-1")
+    return value
+
+
+def scaled_interval(start: object, duration: object, unit: float,
+                    what: str) -> tuple[float, float]:
+    """:func:`check_interval` of an event given as a start and a duration in ``unit``
+    seconds (1e-6: microseconds), converted without overflow (an integer of 400 digits is
+    named, not raised as OverflowError)."""
+    begin = _number(start, what, "start")
+    return check_interval(begin * unit, (begin + _number(duration, what, "duration")) * unit,
+                          what)
+
+
+def _number(value: object, what: str, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what}: its {name} is {_short(value)}, not a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{what}: its {name} is {_short(value)}, not a time within a "
+                         "capture") from None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
 
 
 def check_interval(start: object, end: object, what: str) -> tuple[float, float]:
     """An event's (start, end) in seconds, or ValueError naming ``what``: both finite real
-    numbers within :data:`MAX_SECONDS`, the end not before the start — a report never prints
-    a figure made of NaN, infinities or a negative duration."""
-    for name, v in (("start", start), ("end", end)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{what}: its {name} is {v!r}, not a number")
+    numbers within :data:`MAX_SECONDS`, the end not before the start nor more than
+    :data:`MAX_EVENT_SECONDS` after it — a report never prints a figure made of NaN,
+    infinities, a negative duration or one no capture lasts."""
+    a, b = _number(start, what, "start"), _number(end, what, "end")
+    for name, v in (("start", a), ("end", b)):
         if not math.isfinite(v) or abs(v) > MAX_SECONDS:
             raise ValueError(f"{what}: its {name} is {v!r} s, not a time within a capture")
-    if end < start:  # type: ignore[operator]
+    if b < a:
         raise ValueError(f"{what}: it ends ({end!r} s) before it starts ({start!r} s)")
-    return float(start), float(end)  # type: ignore[arg-type]
+    if b - a > MAX_EVENT_SECONDS:
+        raise ValueError(f"{what}: it lasts {b - a:.4g} s, longer than any capture "
+                         f"(at most {MAX_EVENT_SECONDS:g} s)")
+    return a, b
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -73,5 +114,6 @@ def clipped(intervals: Sequence[Interval], start: float, end: float) -> float:
                if a < end and b > start)
 
 
-__all__ = ["MAX_SECONDS", "Interval", "check_interval", "clipped", "difference", "length", "minus",
+__all__ = ["MAX_EVENT_SECONDS", "MAX_ID", "MAX_SECONDS", "Interval", "check_id",
+           "check_interval", "clipped", "difference", "length", "minus", "scaled_interval",
            "union"]

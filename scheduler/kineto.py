@@ -26,8 +26,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .capture import STEP, Capture, classify, innermost, range_work, step_windows
-from .intervals import check_interval
+from .capture import STEP, Capture, check_trace_bytes, classify, innermost, range_work, step_windows
+from .intervals import MAX_ID, check_id, scaled_interval
 
 # Kineto's category of GPU work -> what it recorded (scheduler.gpu_time.ACTIVITIES).
 ACTIVITY = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset",
@@ -81,8 +81,28 @@ def _on_a_stream(e: dict[str, Any]) -> bool:
     return _is_number(stream) and stream >= 0
 
 
+def _check_event(e: dict[str, Any], what: str) -> None:
+    """ValueError naming ``what`` and the field: its times (microseconds: numbers within a
+    capture, :func:`~scheduler.intervals.scaled_interval`), its process and thread (an
+    integer — not a bool, ``true`` is no thread 1 — or a name), and the ids in its args
+    (``device``, ``correlation``, ``stream``: integers)."""
+    scaled_interval(e.get("ts"), e.get("dur", 0), 1e-6, what)
+    for key in ("pid", "tid"):
+        v = e.get(key)
+        if v is not None and not isinstance(v, str):
+            check_id(v, what, key, lo=-MAX_ID)
+    args = e.get("args", {})
+    for key in ("device", "correlation", "stream"):
+        if key in args:
+            check_id(args[key], what, f"args.{key}", lo=-1)
+
+
 def read_kineto(path: str | Path) -> Capture:
     """Every piece of GPU work of the trace, attributed, and its steps (see module doc)."""
+    try:
+        check_trace_bytes(Path(path))
+    except OSError as exc:
+        raise ValueError(f"{path}: not a readable JSON trace ({type(exc).__name__})") from None
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError, RecursionError) as exc:
@@ -100,11 +120,7 @@ def kineto_work(data: dict[str, Any]) -> Capture:
         what = f"traceEvents: event {k} ({str(e.get('name', ''))[:60]!r})"
         if not isinstance(e.get("args", {}), dict):
             raise ValueError(f"{what}: its args are {e['args']!r}, not an object")
-        ts, dur = e.get("ts"), e.get("dur", 0)
-        if _is_number(ts) and _is_number(dur):  # (Kineto's times are microseconds)
-            check_interval(ts * 1e-6, (ts + dur) * 1e-6, what)
-        else:
-            check_interval(ts, dur, what)  # (names the one that is not a number)
+        _check_event(e, what)
     ranges: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
     launches: dict[Any, tuple[tuple[Any, Any], float]] = {}
     steps = []

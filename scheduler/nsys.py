@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .capture import STEP, Capture, classify, innermost, step_windows
+from .intervals import check_id, check_interval
 
 NVTX_PUSH_POP, NVTX_START_END, NVTX_DOMAIN_CREATE = 59, 60, 75
 DOMAIN = "overlap"
@@ -96,6 +97,7 @@ def _attribute(db: sqlite3.Connection) -> Capture:
     for start, end, kind, tid, text, text_id, dom in events:
         if kind in (NVTX_PUSH_POP, NVTX_START_END) and dom in domains and end is not None:
             message = text or strings.get(text_id, "")
+            _check_ns(start, end, f"NVTX_EVENTS row ({str(message)[:60]!r})")
             if STEP.match(message):
                 steps.append((message, start * 1e-9, end * 1e-9))
             else:
@@ -113,12 +115,18 @@ def _attribute(db: sqlite3.Connection) -> Capture:
             launch = launches.get(corr)
             label = innermost(ranges.get(launch[0], []), launch[1]) if launch else None
             what = f"{table} row ({name!r})"
-            if not all(isinstance(v, int) for v in (start, end)):
-                raise ValueError(f"{what}: start {start!r}, end {end!r}: not integer "
-                                 "nanoseconds")
-            work.append(classify(label, name, int(device or 0), start * 1e-9, end * 1e-9,
-                                 what, activity))
+            _check_ns(start, end, what)
+            gpu = 0 if device is None else check_id(device, what, "deviceId")
+            work.append(classify(label, name, gpu, start * 1e-9, end * 1e-9, what, activity))
     return Capture(tuple(work), step_windows(steps))
+
+
+def _check_ns(start: object, end: object, what: str) -> None:
+    """ValueError naming ``what`` unless ``start`` and ``end`` are integer nanoseconds of
+    an interval within a capture (:func:`~scheduler.intervals.check_interval`)."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
+        raise ValueError(f"{what}: start {start!r}, end {end!r}: not integer nanoseconds")
+    check_interval(start * 1e-9, end * 1e-9, what)  # type: ignore[operator]
 
 
 def is_sqlite(path: str | Path) -> bool:

@@ -32,7 +32,7 @@ from .partition_chunks import rank_memory
 from .partition_model import Layer, PartitionError, Problem, submesh_shape, submesh_sizes
 from .partition_plan import PartitionPlan, StagePlan
 from .partition_rank import Trial, rank
-from .partition_search import Found, search
+from .partition_search import MAX_DEVICES, MAX_SEARCH_BYTES, Found, search, search_bytes
 from .plan import fmt_bytes
 from .planner import PlanOptions
 from .schedules import check_size
@@ -86,6 +86,7 @@ def partition(layers: Sequence[Layer], cluster: Cluster, num_microbatches: int, 
         raise TypeError(f"data_parallel: expected a bool, got {data_parallel!r}")
     problem = _problem(layers, cluster, num_microbatches, memory_per_device, options,
                        data_parallel)
+    check_search_size(problem)
     budget = budget if budget is not None else SearchBudget()
     if not isinstance(budget, SearchBudget):
         raise TypeError(f"budget: expected a SearchBudget, got {type(budget).__name__}")
@@ -116,6 +117,10 @@ def _problem(layers: object, cluster: object, m: object, memory: object,
         raise TypeError(f"cluster: expected a scheduler.Cluster, got {type(cluster).__name__}")
     m = check_positive_int("num_microbatches", m)
     check_size(min(len(layers), cluster.num_devices), m)
+    if cluster.num_devices > MAX_DEVICES:
+        raise PartitionError(f"cluster: {cluster.num_hosts} hosts × {cluster.gpus_per_host} "
+                             f"GPUs is {cluster.num_devices} devices; a partition searches at "
+                             f"most {MAX_DEVICES}")
     if memory is not None and (isinstance(memory, bool) or not isinstance(
             memory, numbers.Real) or not 0 < memory < math.inf):
         raise ValueError(f"memory_per_device: expected bytes > 0 (or None: no limit), got "
@@ -132,6 +137,21 @@ def _problem(layers: object, cluster: object, m: object, memory: object,
     return Problem(tuple(layers), cluster, m,
                    None if memory is None else float(memory),  # type: ignore[arg-type]
                    (options or PlanOptions()).strategy, data_parallel)
+
+
+def check_search_size(problem: Problem) -> None:
+    """PartitionError naming what to shrink when the search's tables would take more than
+    :data:`~scheduler.partition_search.MAX_SEARCH_BYTES` (:func:`search_bytes`): ``layers``
+    when the layers² part is the larger, else ``cluster`` (its devices and stage shapes)."""
+    square, boundary = search_bytes(problem)
+    if square + boundary <= MAX_SEARCH_BYTES:
+        return
+    L, N = len(problem.layers), problem.cluster.num_devices
+    field = "layers" if square >= boundary else "cluster"
+    raise PartitionError(f"{field}: {L} layers on {N} devices ({len(problem.shapes)} stage "
+                         f"shapes) need about {fmt_bytes(square + boundary)} of search "
+                         f"tables, more than {fmt_bytes(MAX_SEARCH_BYTES)}: fewer layers "
+                         "(or repeats), hosts or TP degrees")
 
 
 def _named(layer: Layer) -> str:

@@ -38,7 +38,10 @@ from .cluster import Cluster
 from .partition import Layer, partition
 from .sharding import ShardingSpec
 
-MAX_LAYERS = 100_000  # a model of more layers is not one case file's
+# Layers in all, repeats counted: the list is made before the search sizes its tables
+# (scheduler.partition_search.search_bytes, refused past MAX_SEARCH_BYTES: layers² × stage
+# shapes); 4096 layers of one TP degree on one host fit them.
+MAX_LAYERS = 4096
 
 
 def _ms(value: Any, argument: str) -> dict[int, float]:

@@ -36,6 +36,28 @@ from .partition_model import Problem, Stage, dp_allowed, placed
 
 INF = math.inf
 BOUND_SLACK = 1e-9
+# What the search's tables may take (estimated by search_bytes before any is built): a
+# sixth of the 24 GiB of the machine the limits were measured on.
+MAX_SEARCH_BYTES = 4 << 30
+MAX_DEVICES = 4096  # devices a partition searches over (its shapes are listed before sizing)
+
+
+def search_bytes(problem: Problem) -> tuple[int, int]:
+    """Bytes the search's largest arrays take at once, as (the part growing with layers²:
+    :meth:`Tables._stage_tables` and the thresholds, the part growing with layers × devices ×
+    shapes²: the boundary tables and one :class:`Run`) — known from the problem's sizes
+    alone, before any table is built."""
+    L, N, S = len(problem.layers), problem.cluster.num_devices, len(problem.shapes)
+    cuts = len({(a.output_shape, a.dtype, a.output_spec, b.input_spec)
+                for a, b in zip(problem.layers, problem.layers[1:])})
+    n = min(L, N, problem.num_microbatches) + 2  # a run's "stages left" index
+    square = (L + 1) ** 2 * (S * (3 * 8 + 2 + 2 * 8) + 12 * 8)  # stage, cap, reduce; masks;
+    # the thresholds (concatenated, then unique); a shape's float temporaries
+    cells = (N + 2) * (S + 1)
+    boundary = 3 * 8 * L * cells * S + 2 * 8 * cuts * cells * S  # bsum, bmax, a run's cut;
+    # the cached tables of each distinct tensor crossing a cut
+    run = (L + 1) * cells * n * (8 + 1) + 4 * L * S * (N + 1) * n + 2 * 8 * cells * S * n
+    return square, boundary + run
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,13 @@ from .graph import DataParallel
 from .lowering import Boundary, _check_meshes, lower
 from .mesh import DeviceMesh
 from .planner import PlanCache, PlanOptions
-from .schedules import ALL_SCHEDULES, SCHEDULES, Schedule, make_schedule
+from .schedules import (
+    ALL_SCHEDULES,
+    MAX_STAGE_MICROBATCHES,
+    SCHEDULES,
+    Schedule,
+    make_schedule,
+)
 from .sharding import Sharding, ShardingSpec
 from .simulator import simulate
 from .timeline import Timeline
@@ -163,6 +169,10 @@ def case_from_json(data: dict[str, Any]) -> PipelineCase:
     if missing:
         raise ValueError(f"case file: missing keys {sorted(missing)}")
     cluster = Cluster.from_dict(data["cluster"])
+    if not isinstance(data["stages"], list):
+        raise ValueError(f"stages: expected a list of stage meshes, got "
+                         f"{type(data['stages']).__name__}")
+    _check_size(len(data["stages"]), 1, "stages")
     stages = tuple(DeviceMesh.from_dict(m) for m in data["stages"])
     if not stages:
         raise ValueError("case file: stages: need at least one stage mesh")
@@ -176,7 +186,8 @@ def case_from_json(data: dict[str, Any]) -> PipelineCase:
             Sharding(stages[s], ShardingSpec.from_json(b["producer"])),
             Sharding(stages[s + 1], ShardingSpec.from_json(b["consumer"])),
         ))
-    m = int(data["microbatches"])
+    m = _count(data["microbatches"], "microbatches")
+    _check_size(len(stages), m, "microbatches")
     schedule = None
     if "schedule" in data:
         schedule = Schedule.from_json(json.dumps(data["schedule"]))
@@ -187,6 +198,26 @@ def case_from_json(data: dict[str, Any]) -> PipelineCase:
     return PipelineCase(cluster, stages, tuple(boundaries), m,
                         _compute_table(data["compute_ms"], len(stages)), schedule=schedule,
                         data_parallel=_data_parallel(data.get("data_parallel", {}), stages))
+
+
+def _count(value: Any, field: str) -> int:
+    """A case file's count (``microbatches``): an int >= 1 — not a bool, a float (NaN,
+    infinite or whole), or a string; ValueError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}: expected an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{field}: expected an int >= 1, got {value}")
+    return value
+
+
+def _check_size(stages: int, microbatches: int, field: str) -> None:
+    """ValueError naming ``field`` when ``stages`` × ``microbatches`` is more than any
+    schedule lists (:data:`~scheduler.schedules.MAX_STAGE_MICROBATCHES` pairs): refused
+    before a mesh or boundary is made."""
+    if stages * microbatches > MAX_STAGE_MICROBATCHES:
+        raise ValueError(f"{field}: {stages} stages × {microbatches} microbatches is more "
+                         f"than {MAX_STAGE_MICROBATCHES} (stage, microbatch) pairs, the most "
+                         "one schedule runs")
 
 
 def _data_parallel(spec: Any, stages: tuple[DeviceMesh, ...]) -> dict[int, DataParallel]:
@@ -274,13 +305,12 @@ def _case_from_args(args: argparse.Namespace) -> PipelineCase:
         return interpret_case(args.case, data, case_from_json)
     if args.shape is None:
         raise ValueError("--shape is required without --case")
-    if args.stages < 1:
-        raise ValueError(f"--stages: need at least 1, got {args.stages}")
+    _check_counts(args)
     if args.hosts is not None and args.hosts < args.stages:
         raise ValueError(f"--hosts: {args.hosts} hosts for {args.stages} stages (stage s runs "
                          "on host s); give at least as many hosts as stages, or omit --hosts")
     cluster = Cluster.preset(args.cluster, args.hosts or args.stages)
-    gpus = args.gpus_per_stage or cluster.gpus_per_host
+    gpus = cluster.gpus_per_host if args.gpus_per_stage is None else args.gpus_per_stage
     if not 1 <= gpus <= cluster.gpus_per_host:
         raise ValueError(f"--gpus-per-stage: {gpus} not in 1..{cluster.gpus_per_host}")
     try:
@@ -296,6 +326,18 @@ def _case_from_args(args: argparse.Namespace) -> PipelineCase:
     pipeline = UniformPipeline(cluster, gpus, shape, args.dtype, src, dst, args.fwd_ms / 1e3,
                                args.bwd_ms / 1e3, args.microbatches)
     return pipeline.case(range(args.stages))
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """The flags' counts, before any mesh is made: --stages, --microbatches and
+    --gpus-per-stage >= 1 (0 GPUs is no stage), stages × microbatches within
+    :data:`~scheduler.schedules.MAX_STAGE_MICROBATCHES`."""
+    for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches),
+                        ("--gpus-per-stage", args.gpus_per_stage)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: need at least 1, got {value}")
+    _check_size(args.stages, args.microbatches, "--stages" if args.stages >
+                MAX_STAGE_MICROBATCHES else "--microbatches")
 
 
 def _schedules(text: str | None, case: PipelineCase) -> tuple[list[str], list[str]]:
@@ -356,6 +398,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _none_ran(skipped: Sequence[tuple[str, str]], argument: str) -> str:
+    """The error when no row ran: every schedule refused the pipeline (the reasons, each
+    once)."""
+    why = "; ".join(dict.fromkeys(reason for _, reason in skipped)) or "none was asked for"
+    return f"{argument}: no schedule applies to this pipeline: {why}"
+
+
 def simulate_main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
     try:
@@ -366,6 +415,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         names, notes = _schedules(args.schedules, case)
         rows, skipped = run_rows(case, plan_options(args), schedules=names,
                                  trace_dir=args.trace_dir)
+        if not rows:
+            raise ValueError(_none_ran(skipped, "--schedules" if args.case is None
+                                       else f"--case: {args.case}"))
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

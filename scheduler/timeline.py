@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, overload
 
 from .exposure import Figures, device_table, figures_of, waits
 from .graph import Compute, GradReduce, Op, TransferOp
-from .intervals import check_interval, length, union
+from .intervals import check_id, length, scaled_interval, union
 from .schedules import peak_live
 
 
@@ -294,25 +294,29 @@ class Timeline:
         stage_of: dict[int, int] = {}
         for e in events:
             if e.get("ph") == "M" and e.get("name") == "thread_name":
-                threads[(e["pid"], e["tid"])] = e["args"]["name"]
+                threads[(check_id(e["pid"], "thread_name", "pid"),
+                         check_id(e["tid"], "thread_name", "tid"))] = e["args"]["name"]
             if e.get("ph") == "M" and e.get("name") == "process_name":
                 label = e["args"]["name"]  # "device 5 (stage 1)"
                 if "(stage " in label:
-                    stage_of[e["pid"]] = int(label.rsplit("(stage ", 1)[1].rstrip(")"))
+                    stage_of[check_id(e["pid"], "process_name", "pid")] = int(
+                        label.rsplit("(stage ", 1)[1].rstrip(")"))
         spans = []
         inputs: dict[int, tuple[int, ...]] = {}
         for e in events:
             if e.get("ph") != "X":
                 continue
             args = e.get("args", {})
-            start, end = check_interval(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
-                                        f"event {e.get('name', '')!r}")
-            op = int(args.get("op", -1))
-            spans.append(Span(e["pid"], threads.get((e["pid"], e["tid"]), "compute"), e["name"],
-                              start, end, int(args.get("stage", 0)),
-                              int(args.get("microbatch", 0)), str(args.get("kind", "")), op))
+            what = f"event {str(e.get('name', ''))[:60]!r}"
+            start, end = scaled_interval(e["ts"], e["dur"], 1e-6, what)
+            pid, tid = check_id(e["pid"], what, "pid"), check_id(e["tid"], what, "tid")
+            op = check_id(args.get("op", -1), what, "op", lo=-1)
+            spans.append(Span(pid, threads.get((pid, tid), "compute"), e["name"],
+                              start, end, check_id(args.get("stage", 0), what, "stage"),
+                              check_id(args.get("microbatch", 0), what, "microbatch"),
+                              str(args.get("kind", "")), op))
             if args.get("inputs"):
-                inputs[op] = tuple(int(j) for j in args["inputs"])
+                inputs[op] = tuple(check_id(j, what, "inputs") for j in args["inputs"])
         for sp in spans:
             stage_of.setdefault(sp.device, sp.stage)
         num_stages = max(stage_of.values(), default=-1) + 1

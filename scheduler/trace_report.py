@@ -19,6 +19,7 @@ from typing import Any
 
 from .capture import (
     Capture,
+    check_trace_bytes,
     device_figures,
     step_figures,
     timeline_work,
@@ -70,6 +71,10 @@ def read_trace(path: Path) -> Trace:
         return Trace(path, read_sqlite(_exported(path)), None, "nsys")
     if is_sqlite(path):
         return Trace(path, read_sqlite(path), None, "nsys")
+    try:
+        check_trace_bytes(path)
+    except ValueError as exc:
+        raise ValueError(f"file: {exc}") from None
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as exc:

@@ -11,9 +11,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_overlap(*argv: str) -> subprocess.CompletedProcess[str]:
+def run_overlap(*argv: str, memory: int | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m overlap ARGV``; ``memory``: its address space capped at that many bytes
+    (a hostile input must be refused before it allocates: past the cap it would fail with
+    a MemoryError traceback, never take the machine's memory)."""
+    def cap() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
     return subprocess.run([sys.executable, "-m", "overlap", *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60,
+                          preexec_fn=cap if memory is not None else None)
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess[str], match: str) -> None:

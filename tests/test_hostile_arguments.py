@@ -216,3 +216,31 @@ def test_a_schedule_too_big_to_list_is_refused_at_once():
         make_schedule("gpipe", 4, 10**7)
     assert time.perf_counter() - start < 1
     make_schedule("1f1b", 4, MAX_STAGE_MICROBATCHES // 64)  # (well within: fine)
+
+
+def test_a_partition_too_big_to_search_is_refused_at_once():
+    import time
+
+    from scheduler import Layer, PartitionError, partition
+    from scheduler.partition_search import MAX_DEVICES
+
+    layer = Layer({1: 1e-3}, {1: 2e-3}, (8, 8), "float32", 1024, 1024)
+    start = time.perf_counter()
+    with pytest.raises(PartitionError, match=rf"cluster: .* devices; a partition searches at "
+                                             rf"most {MAX_DEVICES}$"):
+        partition([layer], Cluster.preset("p3.8xlarge", 10**9), 4)
+    with pytest.raises(PartitionError, match=r"layers: 8000 layers on 1 devices .* need about "
+                                             r"[\d.]+ GiB of search tables"):
+        partition([layer] * 8000, Cluster.local(1), 4)
+    assert time.perf_counter() - start < 5  # named before any table is built
+
+
+def test_event_times_no_float_holds_are_named_not_raised():
+    from scheduler.intervals import check_id, scaled_interval
+
+    with pytest.raises(ValueError, match=r"e: its start is 1000.*\(401 characters\), not a "
+                                         r"time within a capture"):
+        scaled_interval(10**400, 1, 1e-6, "e")
+    with pytest.raises(ValueError, match=r"e: its tid is True, not an integer in 0\.\.2\*\*63-1"):
+        check_id(True, "e", "tid")
+    assert scaled_interval(2, 3, 1e-6, "e") == pytest.approx((2e-6, 5e-6))

@@ -39,6 +39,18 @@ JSON_CASES = {
     "ours-nan": (_ours(ts=float("nan")), r"its start is nan"),
     "ours-negative": (_ours(dur=-1.0), r"ends .* before it starts"),
     "ours-no-dur": (_ours(dur=_GONE), r"not a trace written by overlap"),
+    # issue 46: ids that are no integers, times no float holds
+    "ours-tid-true": (_ours(tid=True), r"its tid is True, not an integer"),
+    "ours-pid-float": (_ours(pid=1.5), r"its pid is 1.5, not an integer"),
+    "ours-stage-string": (_ours(args={"stage": "1", "microbatch": 0, "op": 0}),
+                          r"its stage is '1', not an integer"),
+    "ours-huge-ts": (_ours(ts=10**400), r"its start is 1000.*\(401 characters\), not a time "
+                                         r"within a capture"),
+    "kineto-tid-true": (_kineto(tid=True), r"event 0 \('gemm'\): its tid is True, not an "
+                                           r"integer"),
+    "kineto-device-float": (_kineto(args={"device": 2.5}), r"its args.device is 2.5"),
+    "kineto-huge-ts": (_kineto(ts=10**400), r"its start is 1000.*not a time within a capture"),
+    "kineto-week-long": (_kineto(dur=2e12), r"it lasts 2e\+06 s, longer than any capture"),
 }
 
 
@@ -65,6 +77,9 @@ def test_deeply_nested_json_is_one_named_error(tmp_path):
 @pytest.mark.parametrize("kernel, match", [
     ((None, 4 * MS, 2, 1, 1, 1), r"CUPTI_ACTIVITY_KIND_KERNEL row \('gemm'\): start None"),
     ((4 * MS, 1 * MS, 2, 1, 1, 1), r"ends .* before it starts"),
+    ((-2**63, 2**63 - 1, 2, 1, 1, 1), r"CUPTI_ACTIVITY_KIND_KERNEL row \('gemm'\): it lasts "
+                                      r"1.845e\+10 s, longer than any capture"),
+    ((0, MS, 2.5, 1, 1, 1), r"its deviceId is 2.5, not an integer"),
 ])
 def test_a_malformed_sqlite_row_is_one_named_error(tmp_path, kernel, match):
     path = tmp_path / "cap.sqlite"
@@ -96,3 +111,14 @@ def test_a_table_past_the_row_bound_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(nsys, "MAX_ROWS", 3)
     with pytest.raises(ValueError, match=r"CUPTI_ACTIVITY_KIND_KERNEL has more than 3 rows"):
         nsys.read_sqlite(path)
+
+
+def test_a_json_trace_over_the_byte_limit_is_refused_before_it_is_read(tmp_path):
+    from scheduler.capture import MAX_TRACE_BYTES
+
+    path = tmp_path / "big.json"
+    with open(path, "wb") as f:  # (sparse: no disk used, nothing that could be parsed)
+        f.truncate(MAX_TRACE_BYTES + 1)
+    done = run_overlap("trace", "report", str(path), memory=1 << 30)
+    assert_one_line_error(done, rf"^error: file: .*big.json is {MAX_TRACE_BYTES + 1} bytes; a "
+                                rf"JSON trace is at most {MAX_TRACE_BYTES} \(64 MiB\)")
