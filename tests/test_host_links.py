@@ -721,3 +721,28 @@ def test_a_failed_setup_says_the_socket_error(engine, monkeypatch):
     assert "rank 0: listening: PermissionError: [Errno 13] Permission denied: '/tmp'" \
         in failures[0]
     assert not any("firewall" in f for f in failures[0])  # (one host)
+
+
+def test_a_connection_that_never_answers_is_dropped_and_setup_goes_on(engine, caplog,
+                                                                      monkeypatch):
+    from overlap.backends import host_links
+
+    monkeypatch.setattr(host_links, "_HANDSHAKE_S", 0.3)
+    real_dial = host_links._dial
+    silent: list[socket.socket] = []
+
+    def dial(address, timeout):
+        bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bad.connect(address)  # connects first, then says nothing
+        silent.append(bad)
+        return real_dial(address, timeout)
+
+    monkeypatch.setattr(host_links, "_dial", dial)
+    with caplog.at_level(logging.WARNING, logger="overlap"):
+        (links, failures) = _link_ranks(2, engine)
+    assert all(isinstance(x, HostLinks) for x in links), failures
+    assert "refused a link connection during setup: timed out" in caplog.text
+    for s in silent:
+        s.close()
+    for x in links:
+        x.close()

@@ -552,6 +552,9 @@ class LinksComm:
 
 
 _CHALLENGE_BYTES = 32
+# How long one connection may take to answer the challenge (a rank answers at once: it
+# connected to do so); one that does not is dropped and the wait for the real peers goes on.
+_HANDSHAKE_S = 5.0
 
 
 def _prove(s: socket.socket, secret: bytes, rank: int) -> None:
@@ -575,7 +578,7 @@ def _accept(listener: socket.socket, want: set[int], secret: bytes,
         listener.settimeout(left)
         s, _addr = listener.accept()
         try:
-            s.settimeout(max(0.1, min(left, deadline - time.monotonic())))
+            s.settimeout(max(0.1, min(_HANDSHAKE_S, deadline - time.monotonic())))
             _check_same_user(s)
             challenge = secrets.token_bytes(_CHALLENGE_BYTES)
             s.sendall(challenge)
