@@ -635,9 +635,8 @@ def test_a_connection_without_the_jobs_secret_is_refused_and_setup_goes_on(engin
         bad.connect(address)
 
         def answer() -> None:
-            with contextlib.suppress(OSError):
-                bad.recv(host_links._CHALLENGE_BYTES)
-                bad.sendall(b"\0\0\0\0" + b"x" * 32)  # "rank 0", a wrong answer
+            with contextlib.suppress(OSError):  # "rank 0", a nonce, a wrong proof
+                bad.sendall(b"\0\0\0\0" + b"n" * 32 + b"x" * 32)
                 bad.recv(1)  # (until refused)
             bad.close()
 
@@ -744,5 +743,55 @@ def test_a_connection_that_never_answers_is_dropped_and_setup_goes_on(engine, ca
     assert "refused a link connection during setup: timed out" in caplog.text
     for s in silent:
         s.close()
+    for x in links:
+        x.close()
+
+
+def test_a_peer_that_drips_its_hello_is_dropped_within_the_handshake_bound(engine, caplog,
+                                                                          monkeypatch):
+    import time
+
+    from overlap.backends import host_links
+
+    monkeypatch.setattr(host_links, "_HANDSHAKE_S", 0.4)
+    real_dial = host_links._dial
+    drips: list[threading.Thread] = []
+
+    def dial(address, timeout):
+        bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bad.connect(address)
+
+        def drip() -> None:  # one byte every 0.1 s: the whole hello would take 6.8 s
+            with contextlib.suppress(OSError):
+                for _ in range(68):
+                    bad.send(b"\0")
+                    time.sleep(0.1)
+            bad.close()
+        drips.append(threading.Thread(target=drip))
+        drips[-1].start()
+        return real_dial(address, timeout)
+
+    monkeypatch.setattr(host_links, "_dial", dial)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="overlap"):
+        (links, failures) = _link_ranks(2, engine)
+    took = time.monotonic() - start
+    assert all(isinstance(x, HostLinks) for x in links), failures
+    assert took < 3.0, took  # (not the 6.8 s the drip would take)
+    assert "refused a link connection during setup: timed out" in caplog.text
+    for t in drips:
+        t.join(BOUND_S)
+    for x in links:
+        x.close()
+
+
+def test_a_long_temporary_directory_still_links(engine, monkeypatch, tmp_path):
+    from overlap.backends import host_links
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(host_links.tempfile, "gettempdir", lambda: str(deep))
+    (links, failures) = _link_ranks(2, engine)
+    assert all(isinstance(x, HostLinks) for x in links), failures
     for x in links:
         x.close()

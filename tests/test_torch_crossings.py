@@ -158,3 +158,32 @@ def test_the_decoder_layers_example_trains_like_plain_torch(flags, capsys, monke
     ex = load_example("decoder_layers.py")
     assert ex.main(flags) == 0
     assert "decoder layers match plain torch" in capsys.readouterr().out
+
+
+def test_a_tensor_that_only_looks_batch_major_is_named_under_data_parallel():
+    # A per-position table (T, 8) where T happens to equal the microbatch's batch: split as
+    # the batch by the rule, and each device returns it whole — named, with what to do.
+    class WithTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8).double()
+            self.table = nn.Parameter(torch.randn(4, 8, dtype=torch.float64))
+
+        def forward(self, x):
+            return self.lin(x), self.table
+
+    class Use(nn.Module):
+        def forward(self, h, table):
+            return h + table.sum()
+
+    from overlap.torch import replicate
+
+    meshes = [DeviceMesh([[0], [1]], ("dp", "tp")), DeviceMesh([[2], [3]], ("dp", "tp"))]
+    pipe = TorchPipeline([replicate(WithTable(), 2), replicate(Use(), 2)], meshes, _loss,
+                         data_parallel="dp")
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with Runtime(CLUSTER, timeout=30) as rt, \
+            pytest.raises(StreamError, match=r"modules\[0\] forward: entry 1 has dimension 0 of "
+                                             r"size 4, but data_parallel splits it as the batch "
+                                             r".* needs a leading dimension of 1"):
+        pipe.train_step_sync(rt, x, num_microbatches=2, schedule="1f1b")

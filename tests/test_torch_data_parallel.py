@@ -207,3 +207,27 @@ def test_four_processes_match_plain_torch(launcher, schedule):
                   schedule, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert all(f"rank {r}: ok" in done.stdout for r in range(4)), done.stdout[-2000:]
+
+
+def test_gradients_add_up_over_steps_without_zero_grad():
+    pipe, reference = _pipeline([DP2, DP2B], [None, None])
+    x, y = _batch(8)
+    with Runtime(CLUSTER, timeout=30) as rt:
+        for _ in range(2):  # (no zero_grad between: .grad accumulates, as in torch)
+            pipe.train_step_sync(rt, x, y, num_microbatches=2, schedule="1f1b")
+    for _ in range(2):
+        reference_losses(reference, x.chunk(2), _loss, y.chunk(2))
+    assert_grads_match(pipe, reference, rtol=1e-10, atol=1e-12)
+
+
+def test_outputs_come_in_batch_order_whatever_the_device_ids():
+    # The last mesh's dp axis runs over devices 3 then 2: part 0 of the batch is device 3's.
+    meshes = [DP2, DeviceMesh([[3], [2]], ("dp", "tp"))]
+    pipe, reference = _pipeline(meshes, [None, None])
+    x, y = _batch(8)
+    with Runtime(CLUSTER, timeout=30) as rt:
+        _, outputs = pipe.train_step_sync(rt, x, y, num_microbatches=2, schedule="1f1b",
+                                          return_outputs=True)
+    model = nn.Sequential(*reference)
+    for got, xm in zip(outputs, x.chunk(2)):
+        torch.testing.assert_close(got, model(xm).detach())

@@ -509,15 +509,16 @@ class Distributed(Bounded):
 
     def close(self) -> None:
         """The backend closes: stop the engine, close the links and communicators — except
-        where a failed runtime keeps listening for the exit guards: its peers' reports
-        (that they are exiting too) come over the engine, and, without MPI, over the links,
+        what a failed runtime keeps listening with for the exit guards: its peers' reports
+        (that they are exiting too) come over the engine — and, without MPI, over the links,
         which then stay open until the process ends (closed, every peer's report would be
         lost and each rank would wait the whole ``grace`` at exit)."""
-        if self.listening:
-            return
+        if self.listening and self.MPI is None:
+            return  # (without MPI the control messages come over the links)
         if self.links is not None:
             self.links.close()
-        self.engine.close()
+        if not self.listening:
+            self.engine.close()
 
 
 @dataclass(frozen=True)

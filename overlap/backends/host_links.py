@@ -159,9 +159,11 @@ class HostLinks:
         directory of its own that only its user may enter (``mkdtemp``: mode 0700; nothing
         in the abstract namespace, where every user could list and reach it), accepts only
         peers of its own user (``SO_PEERCRED``), and every peer proves it holds the job's
-        secret by an HMAC of a fresh challenge — the secret never crosses a link. A
-        connection that fails any of this (another user, a port scanner, a stale client) is
-        closed and logged, and the setup goes on waiting for the real peers."""
+        secret by an HMAC of both ranks and a fresh nonce — the secret never crosses a link,
+        and a dialer waits for no answer (no rank's setup waits on another's). A connection
+        that fails any of this (another user, a port scanner, silence past ``_HANDSHAKE_S``)
+        is closed and logged, and the setup goes on waiting for the real
+        peers."""
         rank, size = boot.rank, boot.size
         hosts = boot.allgather(boot.host())
         # (The secret travels once, through the launcher's bootstrap — MPI, or torch's
@@ -176,7 +178,7 @@ class HostLinks:
         unix = tcp = home = path = where = None
         try:
             if mates:
-                home = tempfile.mkdtemp(prefix="overlap-links-")
+                home = _private_dir()
                 path = os.path.join(home, f"r{rank}")
                 unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 unix.bind(path)
@@ -198,12 +200,12 @@ class HostLinks:
                               timeout)
                     peers[r] = s
                     _check_same_user(s)
-                    _prove(s, secret, rank)
+                    _prove(s, secret, rank, r)
                 for listener, group in ((unix, mates), (tcp, remote)):
                     want = {r for r in group if r < rank}  # higher ranks accept
                     if want:
                         assert listener is not None
-                        _accept(listener, want, secret, peers, timeout)
+                        _accept(listener, want, secret, peers, timeout, rank)
         except OSError as exc:
             why = f"linking: {type(exc).__name__}: {exc}"
         finally:
@@ -211,9 +213,10 @@ class HostLinks:
                 if listener is not None:
                     listener.close()
             if home is not None:
-                with contextlib.suppress(OSError):
-                    if path is not None:
+                if path is not None:
+                    with contextlib.suppress(OSError):
                         os.unlink(path)
+                with contextlib.suppress(OSError):
                     os.rmdir(home)
         whys = boot.allgather(why)
         if any(w is not None for w in whys):
@@ -557,19 +560,26 @@ _CHALLENGE_BYTES = 32
 _HANDSHAKE_S = 5.0
 
 
-def _prove(s: socket.socket, secret: bytes, rank: int) -> None:
-    """(The connecting side.) Answer the listener's challenge: this rank and an HMAC of the
-    challenge and the rank under the job's secret."""
-    challenge = _read_exactly(s, _CHALLENGE_BYTES)
-    who = struct.pack("<i", rank)
-    s.sendall(who + hmac.digest(secret, challenge + who, "sha256"))
+def _proof(secret: bytes, dialer: int, listener: int, nonce: bytes) -> bytes:
+    """The HMAC a dialing rank sends: of both ranks and its fresh nonce, under the job's
+    secret (bound to this pair: it proves nothing to another listener)."""
+    return hmac.digest(secret, b"overlap-link" + struct.pack("<ii", dialer, listener) + nonce,
+                       "sha256")
+
+
+def _prove(s: socket.socket, secret: bytes, rank: int, listener: int) -> None:
+    """(The connecting side.) Say this rank, a fresh nonce and their proof, and go on: no
+    answer to wait for, so no rank's setup waits on another's."""
+    nonce = secrets.token_bytes(_CHALLENGE_BYTES)
+    s.sendall(struct.pack("<i", rank) + nonce + _proof(secret, rank, listener, nonce))
 
 
 def _accept(listener: socket.socket, want: set[int], secret: bytes,
-            peers: dict[int, socket.socket], timeout: float) -> None:
+            peers: dict[int, socket.socket], timeout: float, rank: int) -> None:
     """(The listening side.) Accept until every rank of ``want`` joined, within ``timeout``:
-    a connection that is not one of them (another user, a wrong answer, a rank already
-    linked) is closed and logged, and the wait goes on."""
+    a connection that is not one of them (another user, a wrong proof — one made for
+    another listener too —, a rank already linked, nothing said within ``_HANDSHAKE_S``) is
+    closed and logged, and the wait goes on."""
     deadline = time.monotonic() + timeout
     while want:
         left = deadline - time.monotonic()
@@ -578,14 +588,12 @@ def _accept(listener: socket.socket, want: set[int], secret: bytes,
         listener.settimeout(left)
         s, _addr = listener.accept()
         try:
-            s.settimeout(max(0.1, min(_HANDSHAKE_S, deadline - time.monotonic())))
             _check_same_user(s)
-            challenge = secrets.token_bytes(_CHALLENGE_BYTES)
-            s.sendall(challenge)
-            answer = _read_exactly(s, 4 + 32)
-            who = struct.unpack("<i", answer[:4])[0]
-            if not hmac.compare_digest(answer[4:],
-                                       hmac.digest(secret, challenge + answer[:4], "sha256")):
+            hello = _read_exactly(s, 4 + _CHALLENGE_BYTES + 32,
+                                  min(time.monotonic() + _HANDSHAKE_S, deadline))
+            who = struct.unpack("<i", hello[:4])[0]
+            nonce, mac = hello[4:4 + _CHALLENGE_BYTES], hello[4 + _CHALLENGE_BYTES:]
+            if not hmac.compare_digest(mac, _proof(secret, who, rank, nonce)):
                 raise OSError("it does not hold this job's secret")
             if who not in want:
                 raise OSError(f"it says it is rank {who}, which this rank does not wait for")
@@ -596,6 +604,15 @@ def _accept(listener: socket.socket, want: set[int], secret: bytes,
         s.settimeout(timeout)
         want.discard(who)
         peers[who] = s
+
+
+def _private_dir() -> str:
+    """A directory only this user may enter (``mkdtemp``: 0700) whose socket paths fit a Unix
+    address (108 bytes): the temporary directory, else ``/tmp`` where that is too long."""
+    base = tempfile.gettempdir()
+    if len(base) > 64 and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="overlap-links-", dir=base)
 
 
 def _check_same_user(s: socket.socket) -> None:
@@ -622,9 +639,16 @@ def _dial(address: Any, timeout: float) -> socket.socket:
     return s
 
 
-def _read_exactly(s: socket.socket, n: int) -> bytes:
+def _read_exactly(s: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes from ``s``; with ``deadline`` (``time.monotonic``) all of them by then (a
+    peer that sends a byte at a time cannot stretch it)."""
     data = b""
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            s.settimeout(left)
         chunk = s.recv(n - len(data))
         if not chunk:
             raise OSError("link closed during setup")

@@ -377,10 +377,11 @@ class AutoPartition:
         modules: list[Any] = [m if p is not None or len(mesh.device_ids) == 1
                               else replicate(m, len(mesh.device_ids))
                               for m, p, mesh in zip(self.modules, self.plans, self.meshes)]
+        if split:
+            kwargs.setdefault("data_parallel", "dp")
         return TorchPipeline(modules, self.meshes, loss_fn,
                              plans=list(self.plans) if planned else None,
-                             axis="tp" if planned else None,
-                             **({"data_parallel": "dp"} if split else {}), **kwargs)
+                             axis="tp" if planned else None, **kwargs)
 
 
 def stage_plan(plans: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:

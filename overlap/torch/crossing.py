@@ -88,7 +88,7 @@ class Crossing:
         entries = value if isinstance(value, Mapping) else dict(enumerate(value))
         for k, v in self.constants:
             now = entries[k]
-            if isinstance(now, torch.Tensor) or not (now is v or now == v):
+            if isinstance(now, torch.Tensor) or not _same(now, v):
                 raise ValueError(f"{what}: entry {k!r} is {_show(now)}, where it was {_show(v)} "
                                  "before; a value that is not a tensor is passed through as it "
                                  "was, and must be the same on every microbatch (return it as "
@@ -110,6 +110,19 @@ class Crossing:
         if self.kind == "dict":
             return module(**{k: entries[k] for k in self.keys})
         return module(*(entries[k] for k in self.keys))
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether a value passed through is the one first seen (NaN equals NaN; a comparison
+    that cannot say — arrays — is not equal unless it is the same object)."""
+    if a is b:
+        return True
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _show(v: object) -> str:

@@ -17,8 +17,11 @@ do with the axis of a stage mesh no tensor-parallel plan splits:
   number of slices — the slice's share of the microbatch's mean loss — so the gradient each
   device sends back is exactly the whole loss's gradient for its slice (every earlier stage,
   batch-split or not, computes exact gradients), and each device's parameter gradients are
-  its slice's share; after the step's last backward of the stage on a device they are summed
-  over its line of the axis — the whole batch's gradient, what ``DistributedDataParallel``'s
+  its slice's share — exact for a loss that averages over the batch (torch's default
+  reduction; with ``reduction="sum"`` they are 1/k of it); after the step's last backward of
+  the stage on a device the step's part is summed over its line of the axis (what ``.grad``
+  held before the step is kept as it is: gradients add up over steps as without data
+  parallelism) — the whole batch's gradient, what ``DistributedDataParallel``'s
   average gives — by a :class:`overlap.GradSync` the runtime runs as a step-graph op on the
   stage's own stream (``dp<s>``), while the device's compute stream and the other stages go
   on. One all-reduce per parameter dtype (a flat bucket). A parameter no slice used gets a
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from scheduler import DeviceMesh, P, ShardingSpec
+from scheduler.graph import reduce_line
 
 from ..pipeline import GradSync, StageContext
 from .tensors import from_torch, to_torch
@@ -123,13 +127,20 @@ class BatchSplit:
         if k == 1:
             return y
         parts = to_torch(ctx.all_gather(from_torch(y.contiguous(), ctx), self.axis), ctx)
-        return parts.reshape(k * y.shape[0], *y.shape[1:]).clone()
+        # (the parts come stacked in device-id order; the batch's slices go in the axis's)
+        line = reduce_line(self.meshes[s], ctx.device, self.axis)
+        order = [sorted(line).index(d) for d in line]
+        return parts[order].reshape(k * y.shape[0], *y.shape[1:])
 
     # ---- after the backward ---------------------------------------------------------------
 
-    def grad_sync(self, s: int, modules: Mapping[int, nn.Module], enter: Enter
+    def grad_sync(self, s: int, modules: Mapping[int, nn.Module], enter: Enter,
+                  carried: Callable[[int], Mapping[nn.Parameter, torch.Tensor]]
                   ) -> GradSync | None:
-        """Stage ``s``'s gradient reduction (None where it splits no batch)."""
+        """Stage ``s``'s gradient reduction (None where it splits no batch). ``carried(d)``:
+        what device ``d``'s parameters held in ``.grad`` before the step (the same on every
+        replica): kept as it is, only the step's own part is summed — gradients add up over
+        steps, as without data parallelism."""
         k = self.degree(s)
         if k == 1:
             return None
@@ -140,8 +151,9 @@ class BatchSplit:
 
         def reduce(ctx: StageContext) -> None:
             with enter(ctx), torch.no_grad():
+                before = carried(ctx.device)
                 for params in _by_dtype(modules[ctx.device]):
-                    _sum(params, ctx, axis)
+                    _sum(params, ctx, axis, before)
         return GradSync(axis, nbytes, reduce)
 
 
@@ -155,16 +167,26 @@ def _by_dtype(module: nn.Module) -> Iterator[list[nn.Parameter]]:
     yield from groups.values()
 
 
-def _sum(params: list[nn.Parameter], ctx: StageContext, axis: str) -> None:
-    """Every replica's gradients of ``params`` replaced by their sum over the line."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
+def _sum(params: list[nn.Parameter], ctx: StageContext, axis: str,
+         before: Mapping[nn.Parameter, torch.Tensor]) -> None:
+    """Every replica's gradients of ``params`` replaced by what they held ``before`` the
+    step plus the sum over the line of the step's part."""
+    def part(p: nn.Parameter) -> torch.Tensor:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        old = before.get(p)
+        return (g if old is None else g - old).reshape(-1)
+
+    flat = torch.cat([part(p) for p in params])
     summed = to_torch(ctx.all_reduce(from_torch(flat, ctx), axis), ctx)
     for p, g in zip(params, summed.split([p.numel() for p in params])):
+        g = g.view_as(p)
+        old = before.get(p)
+        if old is not None:
+            g = g + old
         if p.grad is None:
-            p.grad = g.view_as(p)
+            p.grad = g
         else:
-            p.grad.copy_(g.view_as(p))
+            p.grad.copy_(g)
 
 
 __all__ = ["BatchSplit"]

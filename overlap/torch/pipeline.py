@@ -142,8 +142,10 @@ class TorchPipeline:
         check_seconds("compile_timeout", compile_timeout)
         self.meshes = check_meshes(meshes)
         self.data_parallel = BatchSplit.of(data_parallel, self.meshes, axis)
-        # What each stage hands the next (:mod:`overlap.torch.crossing`), found by the probe.
+        # What each stage hands the next (:mod:`overlap.torch.crossing`), found by the probe,
+        # and which tensors of a tuple data_parallel splits as batch-major ((stage, key)).
         self._crossings: dict[int, Crossing] = {}
+        self._batch_major: dict[tuple[int, Any], bool] = {}
         # Devices this process drives (None: all of them, one process).
         self._local: frozenset[int] | None = self._local_of(rt)
         self._built_for = self._local
@@ -175,7 +177,11 @@ class TorchPipeline:
         # Each tensor-parallel device's collectives read the op's context (parallel.py).
         self._comms = [{} if t is None else dict(zip(t.mesh.device_ids, t.comms))
                        for t in self.tp]
-        sync = [self.data_parallel.grad_sync(s, self._by_device[s], self._reduce_in)
+        # Per device of a data-parallel stage, its .grad before the step (where any):
+        # the reduction sums only the step's part (data_parallel.py).
+        self._carried: dict[int, dict[nn.Parameter, torch.Tensor]] = {}
+        sync = [self.data_parallel.grad_sync(s, self._by_device[s], self._reduce_in,
+                                             lambda d: self._carried.get(d, {}))
                 for s in range(len(self.meshes))]
         self.stages: tuple[Stage, ...] = tuple(
             Stage(mesh, self._forward(s), self._backward(s), data_parallel=sync[s])
@@ -497,6 +503,8 @@ class TorchPipeline:
         self._loss_scale = loss_scale
         self._outputs = {} if return_outputs else None
         try:
+            if stages is not self.eval_stages:
+                self._carry_grads()
             shapes = shapes_of("eval" if stages is self.eval_stages else "train", mbs)
             bound = await self._compile.step_bound(rt, shapes)
             try:
@@ -513,7 +521,20 @@ class TorchPipeline:
             self._targets = None
             self._loss_scale = None
             self._outputs = None
+            self._carried.clear()
             self._busy.release()
+
+    def _carry_grads(self) -> None:
+        """What the parameters of this process's data-parallel devices hold in ``.grad``
+        before a step (copies; none where every gradient is None, as after ``zero_grad``)."""
+        for st in self.local_stages:
+            if self.data_parallel.degree(st.index) == 1:
+                continue
+            for d, m in zip(st.devices, st.modules):
+                held = {p: p.grad.detach().clone() for p in m.parameters()
+                        if p.requires_grad and p.grad is not None}
+                if held:
+                    self._carried[d] = held
 
     async def eval_step(self, rt: Runtime, inputs: torch.Tensor | None = None,
                         targets: torch.Tensor | None = None, *,
@@ -812,8 +833,10 @@ class TorchPipeline:
                                  f"{s} (modules[{s}]'s output{entry}) is {y.dtype}")
             what = f"boundary {s}{entry} ({tuple(y.shape)} {y.dtype})"
             # (a tensor of a tuple splits over data_parallel where its dimension 0 is the
-            # batch: positions of shape (1, seq) are the same for every sample)
-            split = e == 0 or (y.dim() > 0 and y.shape[0] == batch)
+            # batch — decided on the first shape seen, kept for every later one: positions
+            # of shape (1, seq) are the same for every sample and stay whole)
+            split = e == 0 or self._batch_major.setdefault(
+                (s, key), y.dim() > 0 and y.shape[0] == batch)
             group.append(Boundary(tuple(y.shape), str(npd),
                                   self._fits(y, s, "output", what, e, split),
                                   self._fits(y, s + 1, "input", what, e, split)))
@@ -910,11 +933,27 @@ class TorchPipeline:
                     return split.mean(s, ctx, loss.detach())
                 goes = crossings.get(s, _ONE)
                 ys = goes.tensors(y, f"modules[{s}] forward")
+                if goes.grouped and self.data_parallel.degree(s) > 1:
+                    self._check_batch_major(s, goes, ys, xts[0])
                 if train:
                     ctx.saved["out"] = ys
                 arrays = tuple(from_torch(t.detach(), ctx) for t in ys)
                 return arrays if goes.grouped else arrays[0]
         return forward
+
+    def _check_batch_major(self, s: int, goes: Crossing, ys: list[torch.Tensor],
+                           first: torch.Tensor) -> None:
+        """A tuple's tensors data_parallel splits as the batch hold this device's samples."""
+        local = first.shape[0] if first.dim() else None
+        for key, y in zip(goes.tensor_keys[1:], ys[1:]):
+            if self._batch_major.get((s, key)) and (y.dim() == 0 or y.shape[0] != local):
+                raise ValueError(
+                    f"modules[{s}] forward: entry {key!r} has dimension 0 of size "
+                    f"{y.shape[0] if y.dim() else 'none'}, but data_parallel splits it as the "
+                    f"batch (its size was the microbatch's when the pipeline first saw it) and "
+                    f"this device holds {local} samples; a tensor whose first dimension is not "
+                    "the batch needs a leading dimension of 1 (it then stays whole on every "
+                    "device)")
 
     def _backward(self, s: int) -> Callable[[StageContext, Any], Any]:
         def backward(ctx: StageContext, dy: Any) -> Any:
