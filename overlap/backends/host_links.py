@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
@@ -162,8 +163,7 @@ class HostLinks:
         secret by an HMAC of both ranks and a fresh nonce — the secret never crosses a link,
         and a dialer waits for no answer (no rank's setup waits on another's). A connection
         that fails any of this (another user, a port scanner, silence past ``_HANDSHAKE_S``)
-        is closed and logged, and the setup goes on waiting for the real
-        peers."""
+        is closed and logged, and the setup goes on waiting for the real peers."""
         rank, size = boot.rank, boot.size
         hosts = boot.allgather(boot.host())
         # (The secret travels once, through the launcher's bootstrap — MPI, or torch's
@@ -174,24 +174,10 @@ class HostLinks:
         remote = [r for r in range(size) if r != rank and hosts[r] != hosts[rank]] \
             if network else []
         peers: dict[int, socket.socket] = {}
-        why: str | None = None
-        unix = tcp = home = path = where = None
-        try:
-            if mates:
-                home = _private_dir()
-                path = os.path.join(home, f"r{rank}")
-                unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                unix.bind(path)
-                unix.listen(len(mates) + 8)
-            if remote:
-                tcp = socket.create_server((reachable_address(), 0),
-                                           backlog=len(remote) + 8)
-                where = tcp.getsockname()[:2]
-        except OSError as exc:
-            why = f"listening: {type(exc).__name__}: {exc}"
+        here, why = _Listening.open(rank, len(mates), len(remote))
         # Everyone listens before anyone connects; a rank that cannot makes every rank fall
         # back (links are all or nothing: both ends of a pair must agree).
-        addresses = boot.allgather([path, where])
+        addresses = boot.allgather([here.path, here.where])
         ok = boot.all_true(why is None)
         try:
             if ok:
@@ -201,7 +187,7 @@ class HostLinks:
                     peers[r] = s
                     _check_same_user(s)
                     _prove(s, secret, rank, r)
-                for listener, group in ((unix, mates), (tcp, remote)):
+                for listener, group in ((here.unix, mates), (here.tcp, remote)):
                     want = {r for r in group if r < rank}  # higher ranks accept
                     if want:
                         assert listener is not None
@@ -209,15 +195,7 @@ class HostLinks:
         except OSError as exc:
             why = f"linking: {type(exc).__name__}: {exc}"
         finally:
-            for listener in (unix, tcp):
-                if listener is not None:
-                    listener.close()
-            if home is not None:
-                if path is not None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                with contextlib.suppress(OSError):
-                    os.rmdir(home)
+            here.close()
         whys = boot.allgather(why)
         if any(w is not None for w in whys):
             for s in peers.values():
@@ -604,6 +582,50 @@ def _accept(listener: socket.socket, want: set[int], secret: bytes,
         s.settimeout(timeout)
         want.discard(who)
         peers[who] = s
+
+
+@dataclass
+class _Listening:
+    """Where one rank listens during setup: a Unix socket (``path``) in its private
+    directory (``home``), and a TCP one (``where``)."""
+
+    unix: socket.socket | None = None
+    tcp: socket.socket | None = None
+    home: str | None = None
+    path: str | None = None
+    where: Any = None
+
+    @classmethod
+    def open(cls, rank: int, mates: int, remote: int) -> tuple[_Listening, str | None]:
+        """Listen for ``mates`` ranks of this host and ``remote`` ones of others; the error
+        where that fails (what is open then is closed by :meth:`close`)."""
+        me = cls()
+        try:
+            if mates:
+                me.home = _private_dir()
+                me.path = os.path.join(me.home, f"r{rank}")
+                me.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                me.unix.bind(me.path)
+                me.unix.listen(mates + 8)
+            if remote:
+                me.tcp = socket.create_server((reachable_address(), 0), backlog=remote + 8)
+                me.where = me.tcp.getsockname()[:2]
+        except OSError as exc:
+            return me, f"listening: {type(exc).__name__}: {exc}"
+        return me, None
+
+    def close(self) -> None:
+        """Stop listening; the socket's file and its directory go (once linked, nothing is
+        left for anyone to reach)."""
+        for listener in (self.unix, self.tcp):
+            if listener is not None:
+                listener.close()
+        if self.home is not None:
+            if self.path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.home)
 
 
 def _private_dir() -> str:
