@@ -215,8 +215,10 @@ def _link_time(cluster: Cluster, emulate: bool | str
     return None
 
 
-def _schedule(schedule: str | Schedule | None, num_stages: int, num_microbatches: int
-              ) -> Schedule:
+def resolve_schedule(schedule: str | Schedule | None, num_stages: int,
+                     num_microbatches: int) -> Schedule:
+    """The step's schedule: ``schedule`` itself (checked against the step's stages and
+    microbatches), or the one named (default ``"eager-1f1b"``)."""
     if isinstance(schedule, Schedule):
         if (schedule.num_stages, schedule.num_microbatches) != (num_stages, num_microbatches):
             raise ValueError(f"schedule: built for {schedule.num_stages} stages × "
@@ -595,7 +597,7 @@ class Runtime:
             check_graph(graph, meshes, boundaries, num_microbatches, data_parallel_of(stages))
             key: Any = ("given", id(graph))
         else:
-            sched = _schedule(schedule, len(stages), num_microbatches)
+            sched = resolve_schedule(schedule, len(stages), num_microbatches)
             key = ("lowered", meshes, boundaries_key(boundaries), sched,
                    options or PlanOptions(), tuple(sorted(data_parallel_of(stages).items())))
         chosen = graph.schedule if graph is not None else sched

@@ -597,4 +597,4 @@ def test_a_schedule_by_name_is_made_once_per_size(monkeypatch):
         _step(rt, toy, toy.microbatches(4), schedule="1f1b")
     assert made == [("1f1b", 4, 3), ("1f1b", 4, 4)]
     with pytest.raises(ValueError, match="unknown schedule"):
-        runtime_module._schedule("nope", 4, 3)
+        runtime_module.resolve_schedule("nope", 4, 3)

@@ -25,6 +25,7 @@ from overlap import Runtime, StreamError  # noqa: E402
 from overlap.errors import CollectiveTimeout, OverlapRuntimeError, StageTimeout  # noqa: E402
 from overlap.pipeline import Stage  # noqa: E402
 from overlap.torch import TorchPipeline, replicate  # noqa: E402
+from overlap.torch.stage_functions import StepInputs  # noqa: E402
 from scheduler import SCHEDULES, Cluster, DeviceMesh  # noqa: E402
 
 CLUSTER = Cluster.preset("p3.8xlarge", 4)
@@ -273,7 +274,7 @@ def test_cpu_crossings_share_memory():
     mbs, tgts, boundaries = None, None, None
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
         mbs, tgts, boundaries = pipe.prepare(rt, x, y, 3)
-        pipe._targets = tgts
+        pipe._fns.step = StepInputs(targets=tgts)
         rt.train_step_sync(stages, boundaries, mbs, input_sharding=pipe.input_sharding,
                            schedule="1f1b")
     # The microbatches the runtime gets are views of the caller's batch.

@@ -1,25 +1,18 @@
 """``TorchPipeline``: ``nn.Module`` stages as the runtime's SPMD stage functions.
 
-Forward runs the device's module on its input (a tensor sharing the runtime's buffer) with
-autograd recording, keeps the input and the output in ``ctx.saved`` and hands the output back
-without a copy; the last stage applies ``loss_fn`` and returns the loss. Backward calls
-``torch.autograd.backward`` with the incoming gradient (``loss.backward()`` on the last stage)
-and returns the input's ``.grad``. Parameter gradients therefore accumulate in ``.grad`` over
-the step's microbatches — by default their mean, each backward starting from ``loss /
-num_microbatches`` (torch's schedules' ``scale_grads=True``), or with ``scale_grads=False``
-their sum, as repeated ``loss.backward()`` calls would — and the user's optimizer and
-``zero_grad`` work unchanged.
-
-Schedules that split the backward (``zb-h1``, ``zbv``) get stages whose ``I`` computes only the
-input's gradient and keeps the gradients arriving at the parameterized layers, and whose
-``W`` then computes the parameters' from those alone (:mod:`overlap.torch.split_backward`),
-so the gradient leaves for the previous stage before the weight gradient is computed, and
-the two together cost one backward.
+The pipeline holds the modules (built, replicated or sharded by a plan), checks a step's
+arguments, finds its boundaries by a shape probe and runs it on a runtime; the stage
+functions themselves — forward, backward, the split backward's ``I`` and ``W``, a
+data-parallel stage's gradient reduction — are :mod:`overlap.torch.stage_functions`', each
+step's values for them one immutable ``StepInputs``. Parameter gradients accumulate in
+``.grad`` over the step's microbatches — by default their mean, each backward starting from
+``loss / num_microbatches`` (torch's schedules' ``scale_grads=True``), or with
+``scale_grads=False`` their sum, as repeated ``loss.backward()`` calls would — and the
+user's optimizer and ``zero_grad`` work unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import threading
@@ -44,8 +37,8 @@ from scheduler.errors import check_seconds
 from scheduler.lowering import Boundaries, BoundaryGroup
 
 from ..errors import OverlapRuntimeError, StageTimeout
-from ..pipeline import Stage, StageContext
-from ..runtime import Runtime, _schedule
+from ..pipeline import Stage
+from ..runtime import Runtime, resolve_schedule
 from .bounded import call_within
 from .checkpoint import LoadResult, load, stage_state
 from .checkpoint_files import load_checkpoint, save_checkpoint
@@ -57,16 +50,10 @@ from .data_parallel import BatchSplit
 from .optimizer_state import load_optimizer_state, optimizer_state
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
-from .shard_errors import shard_failure
-from .split_backward import (
-    Weights,
-    plain_split_input,
-    stage_backward_input,
-    stage_backward_weight,
-)
+from .stage_functions import StageFunctions, StepInputs, loss_of
 from .stages import META, LocalStage, StageFn, build_stages, check_seed
-from .tensors import as_array, from_torch, numpy_dtype, op_stream, to_torch
-from .threads import check_threads, default_threads, run_with
+from .tensors import as_array, numpy_dtype
+from .threads import check_threads, default_threads
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -172,37 +159,11 @@ class TorchPipeline:
         self._device_dtype = [[module_device_dtype(m, f"modules[{s}][{k}]")
                                for k, m in enumerate(reps)]
                               for s, reps in enumerate(self.modules)]
-        self._by_device = [dict(zip(mesh.device_ids, reps))
-                           for mesh, reps in zip(self.meshes, self.modules)]
-        # Each tensor-parallel device's collectives read the op's context (parallel.py).
-        self._comms = [{} if t is None else dict(zip(t.mesh.device_ids, t.comms))
-                       for t in self.tp]
-        # Per device of a data-parallel stage, its .grad before the step (where any):
-        # the reduction sums only the step's part (data_parallel.py).
-        self._carried: dict[int, dict[nn.Parameter, torch.Tensor]] = {}
-        sync = [self.data_parallel.grad_sync(s, self._by_device[s], self._reduce_in,
-                                             lambda d: self._carried.get(d, {}))
-                for s in range(len(self.meshes))]
-        self.stages: tuple[Stage, ...] = tuple(
-            Stage(mesh, self._forward(s), self._backward(s), data_parallel=sync[s])
-            for s, mesh in enumerate(self.meshes))
-        # Forward only (eval_step): no graph recorded, nothing kept, no backward.
-        self.eval_stages: tuple[Stage, ...] = tuple(
-            Stage(mesh, self._forward(s, train=False), _no_backward)
-            for s, mesh in enumerate(self.meshes))
-        # For schedules with I and W: the same forwards, the backward in two.
-        self.split_stages: tuple[Stage, ...] = tuple(
-            Stage(mesh, self._forward(s), self._backward_input(s), self._backward_weight(s),
-                  sync[s])
-            for s, mesh in enumerate(self.meshes))
-        # torch's ExternalStream of each runtime CUDA stream (tensors.op_stream), made once.
-        self._torch_streams: dict[tuple[int, int], Any] = {}
-        # Each device's module's parameters and their gradient accumulators (split_backward).
-        self._weights: dict[int, Weights] = {}
-        self._targets: list[torch.Tensor] | None = None
-        self._threads = 1  # intra-op threads of the step in flight (set by train_step)
-        self._loss_scale: float | None = None  # 1 / microbatches with scale_grads
-        self._outputs: dict[int, torch.Tensor] | None = None  # with return_outputs
+        self._fns = StageFunctions(self.meshes, self.modules, self.tp, loss_fn,
+                                   self.data_parallel, self._crossings, self._batch_major)
+        self.stages: tuple[Stage, ...] = self._fns.stages("train")
+        self.eval_stages: tuple[Stage, ...] = self._fns.stages("eval")
+        self.split_stages: tuple[Stage, ...] = self._fns.stages("split")
         self._busy = threading.Lock()  # one step at a time: targets belong to the step
         self._boundaries: dict[Any, tuple[BoundaryGroup, ...]] = {}
         self._probing = ("modules[0]", 0)  # what the shape probe runs now, and its stage
@@ -285,19 +246,6 @@ class TorchPipeline:
                 for k, d in enumerate(tp.mesh.device_ids):
                     if d not in self._local:
                         tp.modules[k].to(META)
-
-    @contextlib.contextmanager
-    def _entered(self, s: int, ctx: StageContext) -> Iterator[None]:
-        """The op's context for the stage's tensor-parallel collectives (comm.py)."""
-        comm = self._comms[s].get(ctx.device)
-        if comm is None:
-            yield
-            return
-        comm.ctx = ctx
-        try:
-            yield
-        finally:
-            comm.ctx = None
 
     # ---- what a training loop uses --------------------------------------------------------
 
@@ -485,7 +433,7 @@ class TorchPipeline:
         mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches, microbatches)
         # ("auto" gets the fused backward: it then chooses among unsplit schedules.)
         split = schedule != "auto" and bool(
-            _schedule(schedule, len(self.meshes), len(mbs)).kinds & {"I", "W"})
+            resolve_schedule(schedule, len(self.meshes), len(mbs)).kinds & {"I", "W"})
         return await self._run(rt, self.split_stages if split else self.stages, boundaries,
                                mbs, tgts, 1.0 / len(mbs) if scale_grads else None,
                                return_outputs, schedule=schedule, options=options,
@@ -498,14 +446,13 @@ class TorchPipeline:
         collection set for the stage functions (one step at a time per pipeline)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("TorchPipeline: a step is already running on this pipeline")
-        self._targets = tgts
-        self._threads = self.num_threads or default_threads(rt.world)
-        self._loss_scale = loss_scale
-        self._outputs = {} if return_outputs else None
         try:
-            if stages is not self.eval_stages:
-                self._carry_grads()
-            shapes = shapes_of("eval" if stages is self.eval_stages else "train", mbs)
+            train = stages is not self.eval_stages
+            self._fns.step = StepInputs(
+                tgts, loss_scale, {} if return_outputs else None,
+                self.num_threads or default_threads(rt.world),
+                self._carried_grads() if train else {})
+            shapes = shapes_of("train" if train else "eval", mbs)
             bound = await self._compile.step_bound(rt, shapes)
             try:
                 losses = await rt.train_step(stages, boundaries, mbs,
@@ -518,15 +465,14 @@ class TorchPipeline:
             self._compile.ran(shapes)
             return self._result(rt, losses, len(mbs)) if return_outputs else losses
         finally:
-            self._targets = None
-            self._loss_scale = None
-            self._outputs = None
-            self._carried.clear()
+            self._fns.step = StepInputs()
             self._busy.release()
 
-    def _carry_grads(self) -> None:
+    def _carried_grads(self) -> dict[int, dict[nn.Parameter, torch.Tensor]]:
         """What the parameters of this process's data-parallel devices hold in ``.grad``
-        before a step (copies; none where every gradient is None, as after ``zero_grad``)."""
+        before a step (copies; none where every gradient is None, as after ``zero_grad``):
+        the reduction sums only the step's part (:mod:`overlap.torch.data_parallel`)."""
+        out: dict[int, dict[nn.Parameter, torch.Tensor]] = {}
         for st in self.local_stages:
             if self.data_parallel.degree(st.index) == 1:
                 continue
@@ -534,7 +480,8 @@ class TorchPipeline:
                 held = {p: p.grad.detach().clone() for p in m.parameters()
                         if p.requires_grad and p.grad is not None}
                 if held:
-                    self._carried[d] = held
+                    out[d] = held
+        return out
 
     async def eval_step(self, rt: Runtime, inputs: torch.Tensor | None = None,
                         targets: torch.Tensor | None = None, *,
@@ -553,7 +500,7 @@ class TorchPipeline:
         if not isinstance(return_outputs, bool):
             raise TypeError(f"return_outputs: expected a bool, got {return_outputs!r}")
         mbs, tgts, boundaries = self.prepare(rt, inputs, targets, num_microbatches, microbatches)
-        order = _schedule("gpipe" if schedule == "auto" else schedule, len(self.meshes),
+        order = resolve_schedule("gpipe" if schedule == "auto" else schedule, len(self.meshes),
                           len(mbs)).forward_order()
         return await self._run(rt, self.eval_stages, boundaries, mbs, tgts, None,
                                return_outputs, schedule=order, options=options)
@@ -568,7 +515,7 @@ class TorchPipeline:
     def _result(self, rt: Runtime, losses: list[float], m: int) -> tuple[Any, Any]:
         """(losses, the last stage's outputs in microbatch order where its first device is
         this process's, else None)."""
-        outs = self._outputs
+        outs = self._fns.step.outputs
         assert outs is not None
         here = rt.backend.is_local(self.meshes[-1].device_ids[0])
         return losses, [outs[i] for i in range(m)] if here else None
@@ -865,7 +812,7 @@ class TorchPipeline:
     def _probe_loss(self, y: torch.Tensor, target: torch.Tensor | None) -> None:
         self._probing = ("loss_fn", len(self.meshes) - 1)
         try:
-            loss = self._loss(y, target)
+            loss = loss_of(self.loss_fn, y, target)
         except Exception as exc:
             given = "without targets" if target is None else \
                 f"and target {tuple(target.shape)} {target.dtype}"
@@ -876,155 +823,7 @@ class TorchPipeline:
             raise ValueError(f"loss_fn: returned {what}; it must return a scalar tensor (the "
                              f"microbatch's loss)")
 
-    def _loss(self, y: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
-        if target is None:
-            return self.loss_fn(y)
-        return self.loss_fn(y, target.to(y.device, non_blocking=True))
-
     # ---- the stage functions --------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _reduce_in(self, ctx: StageContext) -> Iterator[None]:
-        """Where a data-parallel stage's gradient reduction runs its torch work: the op's
-        stream and intra-op threads, as a stage function's."""
-        run_with(self._threads)
-        with op_stream(ctx, self._torch_streams):
-            yield
-
-    def _forward(self, s: int, train: bool = True) -> Callable[[StageContext, Any], Any]:
-        last = s == len(self.meshes) - 1
-        modules = self._by_device[s]
-        grad_mode = torch.enable_grad if train else torch.no_grad
-        crossings = self._crossings  # (filled by the shape probe, before any step)
-
-        def forward(ctx: StageContext, x: Any) -> Any:
-            run_with(self._threads)  # (intra-op threads are per thread too: module doc)
-            came = crossings.get(s - 1, _ONE)
-            # (grad mode is per thread in torch)
-            with op_stream(ctx, self._torch_streams), grad_mode(), self._entered(s, ctx):
-                xts = [to_torch(a, ctx) for a in (x if came.grouped else (x,))]
-                if s > 0 and train:
-                    for t in xts:
-                        if t.is_floating_point():
-                            t.requires_grad_(True)  # its .grad is what backward returns
-                try:
-                    y = came.call(modules[ctx.device], xts)
-                except Exception as exc:  # (a shard's shape error says what to do)
-                    tp = self.tp[s]
-                    if tp is None or isinstance(exc, OverlapRuntimeError):
-                        raise
-                    raise shard_failure(tp, s, ctx.device, exc) from exc
-                if train:
-                    ctx.saved["x"] = xts
-                if last:
-                    split = self.data_parallel
-                    loss = self._loss(y, None if self._targets is None
-                                      else split.part(s, ctx, self._targets[ctx.microbatch]))
-                    scale = split.loss_scale(s, self._loss_scale)
-                    if train:
-                        ctx.saved["out"] = [loss if scale is None else loss * scale]
-                    if self._outputs is not None:
-                        whole = split.gathered(s, ctx, y.detach())  # (the batch's parts)
-                        if ctx.device == ctx.mesh.device_ids[0]:
-                            self._outputs[ctx.microbatch] = whole  # (one device's: the
-                            # last stage's output is replicated over the rest of its mesh)
-                    # The microbatch's loss: the mean of its parts' (float() after the step:
-                    # no device sync here).
-                    return split.mean(s, ctx, loss.detach())
-                goes = crossings.get(s, _ONE)
-                ys = goes.tensors(y, f"modules[{s}] forward")
-                if goes.grouped and self.data_parallel.degree(s) > 1:
-                    self._check_batch_major(s, goes, ys, xts[0])
-                if train:
-                    ctx.saved["out"] = ys
-                arrays = tuple(from_torch(t.detach(), ctx) for t in ys)
-                return arrays if goes.grouped else arrays[0]
-        return forward
-
-    def _check_batch_major(self, s: int, goes: Crossing, ys: list[torch.Tensor],
-                           first: torch.Tensor) -> None:
-        """A tuple's tensors data_parallel splits as the batch hold this device's samples."""
-        local = first.shape[0] if first.dim() else None
-        for key, y in zip(goes.tensor_keys[1:], ys[1:]):
-            if self._batch_major.get((s, key)) and (y.dim() == 0 or y.shape[0] != local):
-                raise ValueError(
-                    f"modules[{s}] forward: entry {key!r} has dimension 0 of size "
-                    f"{y.shape[0] if y.dim() else 'none'}, but data_parallel splits it as the "
-                    f"batch (its size was the microbatch's when the pipeline first saw it) and "
-                    f"this device holds {local} samples; a tensor whose first dimension is not "
-                    "the batch needs a leading dimension of 1 (it then stays whole on every "
-                    "device)")
-
-    def _backward(self, s: int) -> Callable[[StageContext, Any], Any]:
-        def backward(ctx: StageContext, dy: Any) -> Any:
-            run_with(self._threads)
-            xts, outs = ctx.saved.pop("x"), ctx.saved.pop("out")
-            with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
-                ys, grads = self._pairs(s, ctx, outs, dy)
-                if ys:
-                    torch.autograd.backward(ys, grads)
-                return self._input_grads(s, ctx, xts)
-        return backward
-
-    def _pairs(self, s: int, ctx: StageContext, outs: list[torch.Tensor], dy: Any
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """The outputs a backward starts from, with their incoming gradients (the loss: none;
-        a tensor of a boundary without a gradient — an integer one — or that needs none is
-        left out)."""
-        if dy is None:  # (the last stage: its loss)
-            return [o for o in outs if o.requires_grad], [None] * sum(o.requires_grad
-                                                                     for o in outs)
-        dys = dy if self._crossings.get(s, _ONE).grouped else (dy,)
-        pairs = [(o, to_torch(g, ctx)) for o, g in zip(outs, dys)
-                 if g is not None and o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
-
-    def _input_grads(self, s: int, ctx: StageContext, xts: list[torch.Tensor]) -> Any:
-        """What a backward returns: each floating-point input's gradient (zeros where the
-        output does not depend on it), None for the others; a tuple for a boundary of
-        several tensors."""
-        if s == 0:
-            return None
-        dxs = tuple(from_torch(t.grad if t.grad is not None else torch.zeros_like(t), ctx)
-                    if t.is_floating_point() else None for t in xts)
-        return dxs if self._crossings.get(s - 1, _ONE).grouped else dxs[0]
-
-    def _backward_input(self, s: int) -> Callable[[StageContext, Any], Any]:
-        """``I``: the input's gradient only, keeping for ``W`` the gradients that reach the
-        parameterized layers (:mod:`overlap.torch.split_backward`; stage 0's input needs
-        none: its ``I`` leaves everything to ``W``). A stage with several tensors in or out
-        splits plainly: ``I`` one walk for the inputs' gradients, ``W`` one for the
-        parameters'."""
-        modules = self._by_device[s]
-
-        def backward_input(ctx: StageContext, dy: Any) -> Any:
-            run_with(self._threads)
-            xts, outs = ctx.saved.pop("x"), ctx.saved.pop("out")
-            with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
-                weights = Weights.of(modules[ctx.device].parameters(),
-                                     self._weights.get(ctx.device))
-                self._weights[ctx.device] = weights
-                ys, grads = self._pairs(s, ctx, outs, dy)
-                if len(ys) == 1 and len(xts) == 1:
-                    dx, ctx.saved["weights"] = stage_backward_input(
-                        ys[0], grads[0], xts[0] if s > 0 else None, weights)
-                    if s > 0 and dx is not None:
-                        xts[0].grad = dx
-                else:
-                    ctx.saved["weights"] = plain_split_input(ys, grads,
-                                                             xts if s > 0 else [], weights)
-                return self._input_grads(s, ctx, xts)
-        return backward_input
-
-    def _backward_weight(self, s: int) -> Callable[[StageContext], None]:
-        """``W``: the parameters' gradients, added to their ``.grad``; frees the graph."""
-        def backward_weight(ctx: StageContext) -> None:
-            run_with(self._threads)
-            pending = ctx.saved.pop("weights")
-            with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
-                stage_backward_weight(pending)
-        return backward_weight
-
 
 def check_tensor(t: torch.Tensor, name: str) -> None:
     """A step's tensor: dense and strided (its memory crosses without a copy), and not an
@@ -1073,13 +872,6 @@ def split_given(microbatches: Any) -> tuple[list[torch.Tensor], list[torch.Tenso
             raise ValueError(f"microbatches[{i}]: {x.dim()}-d {x.dtype}, microbatches[0] is "
                              f"{first.dim()}-d {first.dtype}; only the sizes may differ")
     return xs, (ts if paired else None)
-
-
-_ONE = Crossing("tensor")  # (a boundary of one tensor)
-
-
-def _no_backward(ctx: StageContext, dy: Any) -> Any:
-    raise RuntimeError("an evaluation step has no backward (its schedule is forward-only)")
 
 
 def replicate(module: nn.Module, n: int) -> list[nn.Module]:
