@@ -42,6 +42,13 @@ from .schedules import (
 )
 from .sharding import P, Replicate, Shard, Sharding, ShardingSpec
 from .simulator import simulate
+from .state_reshard import (
+    StateOptions,
+    StateReshardPlan,
+    StateTensor,
+    plan_state_resharding,
+    state_lower_bound,
+)
 from .timeline import Span, Timeline
 from .validate import ProgramError, validate
 
@@ -91,6 +98,9 @@ __all__ = [
     "ShardingSpec",
     "Span",
     "StagePlan",
+    "StateOptions",
+    "StateReshardPlan",
+    "StateTensor",
     "StepGraph",
     "Timeline",
     "Transfer",
@@ -105,7 +115,9 @@ __all__ = [
     "partition",
     "plan_report",
     "plan_resharding",
+    "plan_state_resharding",
     "reshard_graph",
     "simulate",
+    "state_lower_bound",
     "validate",
 ]

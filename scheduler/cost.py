@@ -722,13 +722,22 @@ def lower_bound_for(
     """
     from .tasks import unit_tasks
 
-    tasks = unit_tasks(shape, dtype, src, dst, cluster)
+    return lower_bound_of_tasks([unit_tasks(shape, dtype, src, dst, cluster)], cluster)
+
+
+def lower_bound_of_tasks(task_lists: Iterable[Sequence[Any]], cluster: Cluster) -> float:
+    """:func:`lower_bound_for` of several reshardings run together (each a list of
+    :class:`~scheduler.tasks.UnitTask`): every term sums the bytes of all of them before the
+    largest is taken (a host ingests every tensor's bytes through the same NICs), so the
+    bound of a whole state is at least the bound of each of its tensors."""
     c = cluster
     host_in: dict[int, int] = defaultdict(int)
     gpu_in: dict[int, int] = defaultdict(int)
-    exclusive: dict[frozenset[int], list[tuple[frozenset[int], int]]] = defaultdict(list)
+    # holder hosts -> needing hosts -> bytes (summed: a state repeats the same pairs)
+    exclusive: dict[frozenset[int], dict[frozenset[int], int]] = defaultdict(
+        lambda: defaultdict(int))
     crosses_host = crosses_device = False
-    for task in tasks:
+    for task in (task for tasks in task_lists for task in tasks):
         holder_hosts = frozenset(c.host_of(d) for d in task.holders)
         need_hosts = {c.host_of(r) for r in task.needers}
         for h in need_hosts - holder_hosts:
@@ -738,7 +747,7 @@ def lower_bound_for(
             if r not in task.holders:
                 gpu_in[r] += task.nbytes
                 crosses_device = True
-        exclusive[holder_hosts].append((frozenset(need_hosts), task.nbytes))
+        exclusive[holder_hosts][frozenset(need_hosts)] += task.nbytes
     host_bw = c.nics_per_host * c.nic_bytes_per_s
     terms = [0.0]
     terms += [b / host_bw for b in host_in.values()]
@@ -750,7 +759,7 @@ def lower_bound_for(
             nbytes
             for holders, items in exclusive.items()
             if holders <= group
-            for need, nbytes in items
+            for need, nbytes in items.items()
             if need - group
         )
         terms.append(out / (len(group) * host_bw))

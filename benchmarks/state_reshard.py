@@ -1,0 +1,124 @@
+"""A whole model state resharded at once (the RL weight refit), simulated (a benchmark, not a
+test): every figure is an estimate under the project's cost model, next to the physical
+lower bound of the whole state (``scheduler.state_lower_bound``); only the planning time
+depends on the machine.
+
+A scaled-down dense model: ``--layers`` layers of four weight matrices (qkv, o, up, down of
+a width-``--width`` transformer, bfloat16), tensor-parallel 8 on the 8 GPUs of one DGX-H100
+preset host (the trainer), to tensor-parallel 8 × data-parallel 2 on the 16 GPUs of two
+other hosts (two inference engines). Printed: tensors, bytes, plan time, the joint plan's
+estimate / bound, its buckets and peak staging; and under the same cost model two
+baselines: every tensor planned alone and run one after another, and gather-to-one-then-
+broadcast (every shard to GPU 0 over NVLink, then one broadcast per destination shard from
+there). Goal: estimate / bound <= 1.05.
+
+    python benchmarks/state_reshard.py [--layers 32] [--width 1024] [--bucket-mib 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scheduler import (  # noqa: E402
+    Cluster,
+    CostModel,
+    P,
+    PlanOptions,
+    Sharding,
+    StateOptions,
+    StateTensor,
+    Transfer,
+    plan_resharding,
+    plan_state_resharding,
+)
+from scheduler.plan import fmt_bytes  # noqa: E402
+
+
+def model_state(layers: int, width: int, cluster: Cluster) -> dict[str, StateTensor]:
+    """Column-parallel qkv and up, row-parallel o and down; the trainer on host 0 (TP 8),
+    the engines on hosts 1 and 2 (TP 8 each, the same split)."""
+    train = cluster.mesh([0])
+    infer = cluster.mesh([1, 2])
+    col = (Sharding(train, P(("host", "gpu"), None)), Sharding(infer, P("gpu", None)))
+    row = (Sharding(train, P(None, ("host", "gpu"))), Sharding(infer, P(None, "gpu")))
+    shapes = {"qkv": ((3 * width, width), col), "o": ((width, width), row),
+              "up": ((4 * width, width), col), "down": ((width, 4 * width), row)}
+    return {f"layers.{i}.{n}": StateTensor(shape, "bfloat16", *layout)
+            for i in range(layers) for n, (shape, layout) in shapes.items()}
+
+
+def gather_then_broadcast(tensors: dict[str, StateTensor], model: CostModel) -> float:
+    """Every source shard to the trainer's first GPU, then from it one broadcast per
+    distinct destination shard to the devices that need it."""
+    transfers: list[Transfer] = []
+    for t in tensors.values():
+        itemsize = 2
+        root = t.src.mesh.device_ids[0]
+        for dev, region in t.src.device_regions(t.shape).items():
+            nbytes = itemsize * _volume(region)
+            transfers.append(Transfer(region, dev, (root,), nbytes))
+        by_region: dict = {}
+        for dev, region in t.dst.device_regions(t.shape).items():
+            by_region.setdefault(region, []).append(dev)
+        for region, devs in by_region.items():
+            transfers.append(Transfer(region, root, tuple(devs), itemsize * _volume(region)))
+    return max(x.end for x in model.run(transfers))
+
+
+def _volume(region) -> int:
+    n = 1
+    for a, b in region:
+        n *= b - a
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--bucket-mib", type=int, default=256)
+    args = ap.parse_args(argv)
+    cluster = Cluster.preset("dgx-h100", 3)
+    model = CostModel(cluster)
+    tensors = model_state(args.layers, args.width, cluster)
+    total = sum(t.nbytes for t in tensors.values())
+    print(f"{platform.machine()} {platform.system()}, Python {platform.python_version()}")
+    print(f"state: {len(tensors)} tensors, {fmt_bytes(total)} (bfloat16), TP 8 on host 0 -> "
+          f"TP 8 x DP 2 on hosts 1-2 of dgx-h100 x 3")
+    t0 = time.perf_counter()
+    plan = plan_state_resharding(tensors, cluster,
+                                 StateOptions(bucket_bytes=args.bucket_mib << 20))
+    planned = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan.check()
+    checked = time.perf_counter() - t0
+    print(plan.to_text())
+    print(f"  plan time {planned:.2f} s, check {checked:.2f} s, balance "
+          f"{plan.stats.get('auto_choice', plan.stats.get('options'))}")
+    t0 = time.perf_counter()
+    sequential = sum(
+        model.plan_time(plan_resharding(t.shape, t.dtype, t.src, t.dst, cluster,
+                                        PlanOptions()))
+        for t in tensors.values())
+    per_tensor_time = time.perf_counter() - t0
+    gathered = gather_then_broadcast(tensors, model)
+    bound = plan.bound_seconds
+    print(f"joint plan:               {plan.estimate_seconds * 1e3:8.3f} ms  "
+          f"(estimate / bound {plan.estimate_seconds / bound:.3f})")
+    print(f"per tensor, one by one:   {sequential * 1e3:8.3f} ms  "
+          f"({sequential / bound:.3f} x bound; planned in {per_tensor_time:.2f} s)")
+    print(f"gather to one, broadcast: {gathered * 1e3:8.3f} ms  ({gathered / bound:.3f} x bound)")
+    print(f"lower bound:              {bound * 1e3:8.3f} ms")
+    print(f"goal estimate / bound <= 1.05: {'met' if plan.ratio <= 1.05 else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

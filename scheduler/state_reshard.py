@@ -1,0 +1,479 @@
+"""Resharding a whole state at once (an RL weight refit): many tensors, one plan.
+
+:func:`plan_state_resharding` plans every tensor of a state (a model's weights, say, from the
+trainer's layout to the inference engine's) together, with the planner's own stages:
+
+1. per tensor, :func:`~scheduler.tasks.unit_tasks` and the planner's decomposition into local
+   work (copies, NVLink forwards from a holder on the same host) and *sends* (boxes that must
+   cross the network, any source replica a candidate sender, a destination's replicas reached
+   by one chained broadcast under the default strategy);
+2. ONE balancing (:func:`~scheduler.balance.balance_sends`) over the union of every tensor's
+   sends, after the union of their local work: a NIC that one tensor loads is avoided by the
+   next, and the launch order interleaves the tensors;
+3. the result split back per tensor (each tensor's own :class:`~scheduler.plan.ReshardPlan`,
+   checkable alone), and the launch order cut into *buckets* of at most
+   :attr:`StateOptions.bucket_bytes` bytes of staged transfers.
+
+Buckets bound memory: a device stages (sends from, or receives into, a buffer) only the
+transfers of one bucket at a time — its transfers of a bucket start once its transfers of its
+previous bucket have ended (:meth:`StateReshardPlan.schedule`) — so its extra memory is at
+most the bucket's bytes (:attr:`StateReshardPlan.peak_staging_bytes` says how much each device
+needs). A transfer larger than a bucket is first cut into parts that fit; one that cannot be
+cut small enough (a row longer than the bucket) runs alone in its own bucket and is listed in
+:attr:`StateReshardPlan.oversized`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .balance import balance_sends
+from .cluster import Cluster
+from .cost import CostModel, lower_bound_of_tasks, ratio_text
+from .dtypes import check_dtype
+from .errors import ClusterError, PlanError, ShardingError, load_json
+from .plan import ReshardPlan, Transfer, fmt_bytes
+from .planner import PlanOptions, _decompose, check_nbytes
+from .regions import is_empty, split_region, volume
+from .sharding import Sharding, check_shape
+from .tasks import check_fits, unit_tasks
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+Key = tuple[str, int]  # (tensor name, index of the transfer in that tensor's plan)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a state: its global ``shape`` and ``dtype``, where it is (``src``) and
+    where it must go (``dst``). Any meshes: disjoint, overlapping or the same devices."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    src: Sharding
+    dst: Sharding
+
+    def __post_init__(self) -> None:
+        shape = check_shape(self.shape)
+        dt = check_dtype(self.dtype)
+        check_nbytes(shape, dt)
+        for name in ("src", "dst"):
+            value = getattr(self, name)
+            if not isinstance(value, Sharding):
+                raise TypeError(f"{name}: expected a Sharding, got {type(value).__name__}")
+            try:
+                value.device_regions(shape)
+            except ShardingError as exc:
+                raise ShardingError(f"{name}: {exc}") from None
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dt.name)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's bytes."""
+        return math.prod(self.shape) * check_dtype(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "src": self.src.to_json(),
+                "dst": self.dst.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StateTensor:
+        return cls(tuple(int(n) for n in data["shape"]), str(data["dtype"]),
+                   Sharding.from_json(data["src"]), Sharding.from_json(data["dst"]))
+
+
+@dataclass(frozen=True)
+class StateOptions(PlanOptions):
+    """The planner's :class:`~scheduler.planner.PlanOptions` plus ``bucket_bytes``: the most
+    bytes of staged (non-local) transfers one bucket holds, so the most extra memory a device
+    needs at a time (256 MiB by default)."""
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        b = self.bucket_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"bucket_bytes: expected an int >= 1, got {b!r}")
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}, buckets of {fmt_bytes(self.bucket_bytes)}"
+
+
+@dataclass(frozen=True)
+class StateReshardPlan:
+    """Every tensor's transfers, chosen jointly, and the buckets they launch in.
+
+    ``plans[name]`` is the tensor's own :class:`~scheduler.plan.ReshardPlan` (its transfers
+    in the tensor's launch order; ``after`` names transfers of the same tensor only).
+    ``buckets``: the launch order of the whole state, cut into buckets, each a tuple of
+    ``(tensor name, transfer index)``. The figures are those of the cluster it was planned
+    for: ``bound_seconds`` (:func:`state_lower_bound`), ``estimate_seconds`` (the cost model
+    running :meth:`schedule`), ``network_bytes`` (each transfer's bytes times its inter-host
+    hops) and ``peak_staging_bytes`` (device -> the most bytes it stages in one bucket).
+    """
+
+    tensors: Mapping[str, StateTensor]
+    plans: Mapping[str, ReshardPlan]
+    buckets: tuple[tuple[Key, ...], ...]
+    bucket_bytes: int
+    bound_seconds: float
+    estimate_seconds: float
+    network_bytes: int
+    peak_staging_bytes: Mapping[int, int]
+    stats: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tensors", "plans", "peak_staging_bytes", "stats"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    __hash__ = None  # type: ignore[assignment]  # (mappings inside: compared, not hashed)
+
+    @property
+    def ratio(self) -> float:
+        """``estimate_seconds / bound_seconds`` (nan when the bound is 0: nothing moves)."""
+        return self.estimate_seconds / self.bound_seconds if self.bound_seconds > 0 else math.nan
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes delivered, every receiver counted (local copies included)."""
+        return sum(p.nbytes for p in self.plans.values())
+
+    @property
+    def num_transfers(self) -> int:
+        return sum(len(p.transfers) for p in self.plans.values())
+
+    @property
+    def oversized(self) -> tuple[Key, ...]:
+        """Staged transfers larger than a bucket (each alone in its bucket): none unless a
+        box could not be cut small enough."""
+        return tuple(k for b in self.buckets for k in b
+                     if _staged(self._transfer(k)) > self.bucket_bytes)
+
+    def _transfer(self, key: Key) -> Transfer:
+        return self.plans[key[0]].transfers[key[1]]
+
+    def bucket_nbytes(self, k: int) -> int:
+        """Bytes of the staged transfers of bucket ``k``."""
+        return sum(_staged(self._transfer(key)) for key in self.buckets[k])
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def schedule(self) -> list[tuple[Key, Transfer]]:
+        """The whole state's transfers in launch order (bucket by bucket), each with ``after``
+        in indices of this list: its plan's own ``after``, plus, for each of its devices, the
+        last transfer of every lane of that device's previous bucket (the bucket barrier that
+        bounds a device's staging memory to one bucket's bytes)."""
+        position = {key: g for g, key in enumerate(k for b in self.buckets for k in b)}
+        out: list[tuple[Key, Transfer]] = []
+        latest: dict[int, tuple[int, dict[int, int]]] = {}  # device -> (bucket, lane -> last)
+        barrier: dict[int, tuple[int, ...]] = {}  # device -> last of each lane, previous bucket
+        for b, bucket in enumerate(self.buckets):
+            for key in bucket:
+                g = len(out)
+                t = self._transfer(key)
+                deps = {position[(key[0], j)] for j in t.after}
+                for d in t.devices:
+                    entry = latest.get(d)
+                    if entry is None or entry[0] < b:
+                        if entry is not None:
+                            barrier[d] = tuple(entry[1].values())
+                        entry = latest[d] = (b, {})
+                    deps.update(barrier.get(d, ()))
+                    entry[1][t.lane] = g
+                out.append((key, Transfer(t.region, t.sender, t.receivers, t.nbytes,
+                                          tuple(sorted(deps)), t.lane)))
+        return out
+
+    # ---- invariants ------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise :class:`PlanError` unless every tensor's plan delivers each element of its
+        destination exactly once (:meth:`ReshardPlan.check`), the plans are those of the
+        tensors, the buckets launch every transfer once, each tensor's in its plan's order,
+        and no bucket holds more than ``bucket_bytes`` staged bytes unless it is one
+        transfer (listed in :attr:`oversized`)."""
+        if set(self.plans) != set(self.tensors):
+            raise PlanError(f"plans for {sorted(self.plans)} but tensors {sorted(self.tensors)}")
+        for name, plan in self.plans.items():
+            t = self.tensors[name]
+            if (plan.shape, plan.dtype, plan.src, plan.dst) != (t.shape, t.dtype, t.src, t.dst):
+                raise PlanError(f"tensor {name!r}: its plan is for another shape or layout")
+            try:
+                plan.check()
+            except PlanError as exc:
+                raise PlanError(f"tensor {name!r}: {exc}") from None
+        nxt = dict.fromkeys(self.plans, 0)
+        for b, bucket in enumerate(self.buckets):
+            for name, i in bucket:
+                if nxt.get(name) != i:
+                    raise PlanError(f"bucket {b}: ({name!r}, {i}) out of order (expected "
+                                    f"transfer {nxt.get(name)} of {name!r} next)")
+                nxt[name] = i + 1
+            size = self.bucket_nbytes(b)
+            if size > self.bucket_bytes and len(bucket) != 1:
+                raise PlanError(f"bucket {b}: {size} staged bytes in {len(bucket)} transfers, "
+                                f"more than bucket_bytes={self.bucket_bytes}")
+        for name, plan in self.plans.items():
+            if nxt[name] != len(plan.transfers):
+                raise PlanError(f"tensor {name!r}: transfers {nxt[name]}.. are in no bucket")
+
+    # ---- reporting -------------------------------------------------------------------------
+
+    def to_text(self) -> str:
+        """A summary: tensors, bytes, buckets, the bound, the estimate and their ratio."""
+        total = sum(t.nbytes for t in self.tensors.values())
+        peak = max(self.peak_staging_bytes.values(), default=0)
+        over = self.oversized
+        lines = [
+            f"StateReshardPlan: {len(self.tensors)} tensors, {fmt_bytes(total)}, "
+            f"{self.num_transfers} transfers in {len(self.buckets)} buckets of at most "
+            f"{fmt_bytes(self.bucket_bytes)}",
+            f"  bytes delivered {fmt_bytes(self.nbytes)}, over the network "
+            f"{fmt_bytes(self.network_bytes)}",
+            f"  peak staging {fmt_bytes(peak)} per device (on "
+            f"{sum(v == peak for v in self.peak_staging_bytes.values())} of "
+            f"{len(self.peak_staging_bytes)} staging devices)",
+            f"  estimate {self.estimate_seconds * 1e3:.3f} ms, lower bound "
+            f"{self.bound_seconds * 1e3:.3f} ms, "
+            + ratio_text(self.estimate_seconds, self.bound_seconds,
+                         (0,) if not total else (1,)),
+        ]
+        if over:
+            lines.append(f"  {len(over)} transfer(s) larger than a bucket, each alone: "
+                         + ", ".join(f"{n}[{i}]" for n, i in over[:5])
+                         + (" ..." if len(over) > 5 else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def to_json(self) -> str:
+        """The whole plan as JSON text (:meth:`from_json` reads it back)."""
+        return json.dumps({
+            "tensors": {n: t.to_json() for n, t in self.tensors.items()},
+            "plans": {n: json.loads(p.to_json()) for n, p in self.plans.items()},
+            "buckets": [[[n, i] for n, i in b] for b in self.buckets],
+            "bucket_bytes": self.bucket_bytes,
+            "bound_seconds": self.bound_seconds,
+            "estimate_seconds": self.estimate_seconds,
+            "network_bytes": self.network_bytes,
+            "peak_staging_bytes": {str(d): v for d, v in self.peak_staging_bytes.items()},
+        })
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StateReshardPlan:
+        """The plan ``text`` (from :meth:`to_json`) describes; ValueError naming what is
+        wrong with it (read only: :meth:`check` says whether it is correct)."""
+        return load_json(text, "state plan JSON", cls._from_data)
+
+    @classmethod
+    def _from_data(cls, data: dict[str, Any]) -> StateReshardPlan:
+        return cls(
+            tensors={str(n): StateTensor.from_json(t) for n, t in data["tensors"].items()},
+            plans={str(n): ReshardPlan._from_data(p) for n, p in data["plans"].items()},
+            buckets=tuple(tuple((str(n), int(i)) for n, i in b) for b in data["buckets"]),
+            bucket_bytes=int(data["bucket_bytes"]),
+            bound_seconds=float(data["bound_seconds"]),
+            estimate_seconds=float(data["estimate_seconds"]),
+            network_bytes=int(data["network_bytes"]),
+            peak_staging_bytes={int(d): int(v) for d, v in data["peak_staging_bytes"].items()},
+        )
+
+
+def _staged(t: Transfer) -> int:
+    """Bytes a transfer stages (a local copy goes shard to shard: none)."""
+    return 0 if t.is_local_copy else t.nbytes
+
+
+# ---- planning ------------------------------------------------------------------------------
+
+
+def _check_state(tensors: object, cluster: object, options: object
+                 ) -> tuple[dict[str, StateTensor], StateOptions]:
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors: expected a mapping of names to StateTensor, got "
+                        f"{type(tensors).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster: expected a Cluster, got {type(cluster).__name__}")
+    if options is None:
+        options = StateOptions()
+    elif type(options) is PlanOptions:
+        options = StateOptions(options.strategy, options.balance, options.seed, options.budget)
+    elif not isinstance(options, StateOptions):
+        raise TypeError(f"options: expected a StateOptions, got {type(options).__name__}")
+    out: dict[str, StateTensor] = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensors: names are non-empty strings, got {name!r}")
+        if not isinstance(t, StateTensor):
+            raise TypeError(f"tensors[{name!r}]: expected a StateTensor, got {type(t).__name__}")
+        for side in ("src", "dst"):
+            try:
+                check_fits(getattr(t, side), cluster, argument=side)
+            except ClusterError as exc:
+                raise ClusterError(f"tensors[{name!r}].{exc}") from None
+        out[name] = t
+    return out, options
+
+
+def state_lower_bound(tensors: Mapping[str, StateTensor], cluster: Cluster) -> float:
+    """Seconds no plan of the whole state can beat on ``cluster``.
+
+    :func:`~scheduler.cost.lower_bound_for` with every term summed over the tensors before
+    the largest is taken (:func:`~scheduler.cost.lower_bound_of_tasks`)::
+
+        max( max over destination hosts h:  Σ_tensors in_h  / (NICs per host × NIC rate),
+             max over destination GPUs g:   Σ_tensors in_g  / (NVLink rate + NIC rate),
+             max over holder-host sets S:   Σ_tensors out_S / (|S| × NICs per host × NIC rate) )
+        + one network latency (NVLink latency when nothing crosses hosts)
+
+    where ``in_h`` is the bytes host h's devices need that no source device on h holds,
+    ``in_g`` the bytes GPU g needs and does not hold, and ``out_S`` the bytes held only on
+    hosts within S and needed on a host outside it.
+    """
+    tensors, _ = _check_state(tensors, cluster, None)
+    return lower_bound_of_tasks(
+        (unit_tasks(t.shape, t.dtype, t.src, t.dst, cluster) for t in tensors.values()), cluster)
+
+
+def plan_state_resharding(
+    tensors: Mapping[str, StateTensor],
+    cluster: Cluster,
+    options: StateOptions | None = None,
+) -> StateReshardPlan:
+    """Plan resharding every tensor of ``tensors`` (name -> :class:`StateTensor`) on
+    ``cluster`` at once: senders and NICs balanced over the whole state, transfers in buckets
+    of at most ``options.bucket_bytes`` (see the module doc). Input errors name the argument
+    and are raised before any planning."""
+    state, options = _check_state(tensors, cluster, options)
+    names = list(state)
+    # 1. Per tensor: unit tasks and decomposition (local work, sends, all-gather forwards).
+    task_lists, parts, itemsizes = [], [], []
+    for t in state.values():
+        tasks = unit_tasks(t.shape, t.dtype, t.src, t.dst, cluster)
+        itemsize = check_dtype(t.dtype).itemsize
+        task_lists.append(tasks)
+        itemsizes.append(itemsize)
+        parts.append(_decompose(tasks, itemsize, cluster, options.strategy))
+    # 2. One balancing over every tensor's sends, after every tensor's local work.
+    owner_of_send: list[int] = []
+    sends, before = [], []
+    entries: list[tuple[int, Transfer]] = []  # (tensor, transfer, after in global indices)
+    for k, p in enumerate(parts):
+        owner_of_send += [k] * len(p.sends)
+        sends += p.sends
+        before += p.before
+        entries += [(k, t) for t in p.before]
+    ordered, stats = balance_sends(sends, cluster, options.balance, seed=options.seed,
+                                   budget=options.budget, before=before)
+    offset = len(entries)
+    brought: dict[int, list[int]] = {}  # global send index -> the entries that carry it
+    for j, (idx, region, sender, receivers, after, lane) in enumerate(ordered):
+        k = owner_of_send[idx]
+        entries.append((k, Transfer(region, sender, receivers, volume(region) * itemsizes[k],
+                                    tuple(offset + a for a in after), lane)))
+        brought.setdefault(idx, []).append(offset + j)
+    first_send = 0
+    for k, p in enumerate(parts):
+        for idx, region, local in p.after:
+            owner = p.sends[idx].receivers[0]
+            entries.append((k, Transfer(region, owner, local, volume(region) * itemsizes[k],
+                                        tuple(brought.get(first_send + idx, ())))))
+        first_send += len(p.sends)
+    # 3. Cut staged transfers larger than a bucket; then the buckets; then per tensor.
+    entries = _cut(entries, options.bucket_bytes)
+    buckets_g = _buckets([t for _, t in entries], options.bucket_bytes)
+    local_index: list[int] = []
+    count = [0] * len(names)
+    for k, _ in entries:
+        local_index.append(count[k])
+        count[k] += 1
+    per_tensor: list[list[Transfer]] = [[] for _ in names]
+    for k, t in entries:
+        # ``after`` across tensors is dropped: the buckets' per-device order stands in.
+        after = tuple(local_index[a] for a in t.after if entries[a][0] == k)
+        per_tensor[k].append(Transfer(t.region, t.sender, t.receivers, t.nbytes, after, t.lane))
+    plans = {
+        name: ReshardPlan(shape=t.shape, dtype=t.dtype, src=t.src, dst=t.dst,
+                          transfers=tuple(per_tensor[k]), strategy=options.strategy,
+                          balance=options.balance)
+        for k, (name, t) in enumerate(state.items())
+    }
+    buckets = tuple(tuple((names[entries[g][0]], local_index[g]) for g in b) for b in buckets_g)
+    peak: dict[int, int] = {}
+    for b in buckets_g:
+        staged: dict[int, int] = {}
+        for g in b:
+            t = entries[g][1]
+            if not t.is_local_copy:
+                for d in t.devices:
+                    staged[d] = staged.get(d, 0) + t.nbytes
+        for d, v in staged.items():
+            peak[d] = max(peak.get(d, 0), v)
+    model = CostModel(cluster)
+    draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
+    schedule = [t for _, t in draft.schedule()]
+    est = max((x.end for x in model.run(schedule)), default=0.0)
+    net = sum(t.nbytes * sum(h.network for h in model.chain(t.sender, t.receivers))
+              for t in schedule)
+    return StateReshardPlan(
+        tensors=state, plans=plans, buckets=buckets, bucket_bytes=options.bucket_bytes,
+        bound_seconds=lower_bound_of_tasks(task_lists, cluster), estimate_seconds=est,
+        network_bytes=net, peak_staging_bytes=peak, stats={**stats, "options": str(options)},
+    )
+
+
+def _cut(entries: Sequence[tuple[int, Transfer]], cap: int) -> list[tuple[int, Transfer]]:
+    """Every staged transfer larger than ``cap`` bytes cut into parts along its longest dim
+    (same sender, receivers and lane); ``after`` renumbered, naming every part of a cut one."""
+    parts_of: list[list[int]] = []
+    out: list[tuple[int, Transfer]] = []
+    for k, t in entries:
+        after = tuple(j for a in t.after for j in parts_of[a])
+        n = -(-_staged(t) // cap)
+        if n <= 1 or not t.region:
+            pieces = [t.region]
+        else:
+            longest = max(b - a for a, b in t.region)
+            pieces = [p for p in split_region(t.region, [1.0] * min(n, longest))
+                      if not is_empty(p)]
+        itemsize = t.nbytes // max(1, volume(t.region))
+        parts_of.append(list(range(len(out), len(out) + len(pieces))))
+        out += [(k, Transfer(p, t.sender, t.receivers, volume(p) * itemsize, after, t.lane))
+                for p in pieces]
+    return out
+
+
+def _buckets(transfers: Sequence[Transfer], cap: int) -> list[list[int]]:
+    """The launch order cut into consecutive buckets of at most ``cap`` staged bytes (a
+    transfer larger than that alone in its own)."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for g, t in enumerate(transfers):
+        b = _staged(t)
+        if current and size + b > cap:
+            out.append(current)
+            current, size = [], 0
+        current.append(g)
+        size += b
+    if current:
+        out.append(current)
+    return out
+
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "StateOptions",
+    "StateReshardPlan",
+    "StateTensor",
+    "plan_state_resharding",
+    "state_lower_bound",
+]

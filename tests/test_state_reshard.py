@@ -1,0 +1,277 @@
+"""Resharding a whole state at once: plan_state_resharding through the public API."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from scheduler import (
+    Cluster,
+    ClusterError,
+    CostModel,
+    DeviceMesh,
+    P,
+    PlanError,
+    PlanOptions,
+    Sharding,
+    ShardingError,
+    StateOptions,
+    StateReshardPlan,
+    StateTensor,
+    estimate,
+    lower_bound,
+    plan_resharding,
+    plan_state_resharding,
+    state_lower_bound,
+)
+from scheduler.regions import contains
+
+P3 = Cluster.preset("p3.8xlarge", 4)  # 4 hosts x 4 GPUs, one NIC per host
+DGX = Cluster.preset("dgx-h100", 2)  # one NIC per GPU
+
+
+def _box(region):
+    return tuple(slice(a, b) for a, b in region)
+
+
+def execute(plan: StateReshardPlan) -> None:
+    """Run the plan on numpy arrays, bucket by bucket: every sender sends from its source
+    shard or from what it already received; at the end every destination device holds its
+    destination region, each element delivered once."""
+    rng = np.random.default_rng(0)
+    data = {n: rng.standard_normal(t.shape) for n, t in plan.tensors.items()}
+    src = {n: t.src.device_regions(t.shape) for n, t in plan.tensors.items()}
+    dst = {n: t.dst.device_regions(t.shape) for n, t in plan.tensors.items()}
+    out = {n: {d: np.full(t.shape, np.nan) for d in dst[n]} for n, t in plan.tensors.items()}
+    count = {n: {d: np.zeros(t.shape, int) for d in dst[n]} for n, t in plan.tensors.items()}
+    seen = set()
+    for bucket in plan.buckets:
+        for name, i in bucket:
+            assert (name, i) not in seen
+            seen.add((name, i))
+            t = plan.plans[name].transfers[i]
+            box = _box(t.region)
+            own = src[name].get(t.sender)
+            if own is not None and contains(own, t.region):
+                values = data[name][box]
+            else:  # forwarding what it received: all of it must have arrived
+                assert t.sender in out[name], (name, i, t)
+                values = out[name][t.sender][box]
+                assert not np.isnan(values).any(), (name, i, t)
+            for r in t.receivers:
+                assert contains(dst[name][r], t.region)
+                out[name][r][box] = values
+                count[name][r][box] += 1
+    assert len(seen) == plan.num_transfers
+    for name, regions in dst.items():
+        for d, region in regions.items():
+            box = _box(region)
+            np.testing.assert_array_equal(out[name][d][box], data[name][box])
+            assert (count[name][d][box] == 1).all(), (name, d)
+            outside = np.ones(plan.tensors[name].shape, bool)
+            outside[box] = False
+            assert not count[name][d][outside].any()
+
+
+def _mesh(devices, names=("a", "b")):
+    return DeviceMesh(devices, names)
+
+
+def _random_sharding(rng: random.Random, devices: list[int], rank: int) -> Sharding:
+    n = len(devices)
+    shape = (2, n // 2) if n % 2 == 0 and n > 2 and rng.random() < 0.6 else (1, n)
+    mesh = _mesh(np.array(devices).reshape(shape).tolist())
+    entries = [None] * rank
+    for axis in rng.sample(["a", "b"], k=rng.randint(0, 2)):
+        if rank == 0:
+            break
+        d = rng.randrange(rank)
+        entries[d] = axis if entries[d] is None else (entries[d], axis)
+    return Sharding(mesh, P(*entries))
+
+
+def _random_state(rng: random.Random, cluster: Cluster, kind: str) -> dict[str, StateTensor]:
+    n = cluster.num_devices
+    size = rng.choice([2, 4, 6, 8])
+    src_devs = rng.sample(range(n), size)
+    if kind == "identical":
+        dst_devs = list(src_devs)
+    elif kind == "disjoint":
+        dst_devs = rng.sample([d for d in range(n) if d not in src_devs], rng.choice([2, 4, 8]))
+    else:  # overlapping
+        keep = rng.sample(src_devs, size // 2)
+        dst_devs = keep + rng.sample([d for d in range(n) if d not in src_devs], size // 2)
+    tensors = {}
+    for k in range(rng.randint(1, 4)):
+        rank = rng.randint(1, 3)
+        shape = tuple(rng.randint(1, 11) for _ in range(rank))  # uneven shards
+        tensors[f"t{k}"] = StateTensor(
+            shape, rng.choice(["float32", "bfloat16", "int64"]),
+            _random_sharding(rng, src_devs, rank), _random_sharding(rng, dst_devs, rank))
+    return tensors
+
+
+@pytest.mark.parametrize("kind", ["disjoint", "overlapping", "identical"])
+@pytest.mark.parametrize("strategy", ["broadcast", "send_recv", "local_allgather"])
+def test_random_states_deliver_every_element_once(kind, strategy):
+    rng = random.Random(f"{kind}-{strategy}")
+    for trial in range(6):
+        cluster = P3 if trial % 2 else DGX
+        tensors = _random_state(rng, cluster, kind)
+        bucket = rng.choice([64, 256, 1 << 20])
+        plan = plan_state_resharding(
+            tensors, cluster, StateOptions(strategy=strategy, budget=20_000, bucket_bytes=bucket))
+        plan.check()
+        execute(plan)
+        assert plan.estimate_seconds >= plan.bound_seconds - 1e-12
+        assert plan.bound_seconds == pytest.approx(state_lower_bound(tensors, cluster))
+        for k, b in enumerate(plan.buckets):
+            assert plan.bucket_nbytes(k) <= bucket or len(b) == 1
+        assert set(plan.oversized) <= {b[0] for b in plan.buckets if len(b) == 1}
+        assert max(plan.peak_staging_bytes.values(), default=0) <= max(
+            bucket, *(plan.bucket_nbytes(k) for k in range(len(plan.buckets))))
+        assert StateReshardPlan.from_json(plan.to_json()) == plan
+
+
+def _tp_state(layers: int = 4):
+    src = Sharding(P3.mesh([0]), P(None, ("host", "gpu")))  # TP 4 on host 0
+    dst = Sharding(P3.mesh([1, 2]), P(None, "gpu"))  # TP 4 x DP 2 on hosts 1 and 2
+    shapes = {"qkv": (96, 64), "o": (64, 64), "up": (130, 64), "down": (64, 130)}
+    return {f"l{i}.{n}": StateTensor(s, "float32", src, dst)
+            for i in range(layers) for n, s in shapes.items()}
+
+
+def test_bound_sums_every_tensor_and_is_at_least_each_tensor_bound():
+    tensors = _tp_state()
+    total = state_lower_bound(tensors, P3)
+    singles = [lower_bound(t.shape, t.dtype, t.src, t.dst, P3) for t in tensors.values()]
+    latency = P3.nic_latency_s
+    assert total >= max(singles)
+    # Host 0 holds everything and its one NIC sends every byte out at least once.
+    nbytes = sum(t.nbytes for t in tensors.values())
+    assert total == pytest.approx(max(nbytes / P3.nic_bytes_per_s + latency,
+                                      sum(s - latency for s in singles) + latency))
+
+
+def test_joint_plan_beats_tensor_by_tensor():
+    tensors = _tp_state()
+    plan = plan_state_resharding(tensors, P3, StateOptions(budget=50_000))
+    plan.check()
+    sequential = sum(
+        estimate(plan_resharding(t.shape, t.dtype, t.src, t.dst, P3,
+                                 PlanOptions(budget=50_000)), P3)
+        for t in tensors.values())
+    assert plan.bound_seconds <= plan.estimate_seconds <= sequential
+
+
+def test_joint_balancing_spreads_what_per_tensor_planning_piles_on_one_nic():
+    # Two tensors, each replicated on GPUs 0 and 1 (different NICs on a DGX), each needed
+    # whole by one GPU of host 1. Balanced alone (by size: one send, one sender), each picks
+    # the first NIC; together the second tensor takes the other one.
+    src = Sharding(_mesh([[0, 1]]), P())
+    tensors = {"a": StateTensor((1024, 1024), "float32", src, Sharding(_mesh([[8]]), P())),
+               "b": StateTensor((1024, 1024), "float32", src, Sharding(_mesh([[9]]), P()))}
+    options = StateOptions(balance="size")
+    joint = plan_state_resharding(tensors, DGX, options)
+    joint.check()
+    alone = [plan_resharding(t.shape, t.dtype, t.src, t.dst, DGX, PlanOptions(balance="size"))
+             for t in tensors.values()]
+    assert {p.transfers[0].sender for p in alone} == {0}  # piled on GPU 0's NIC
+    assert {p.transfers[0].sender for p in joint.plans.values()} == {0, 1}
+    model = CostModel(DGX)
+    together = max(x.end for x in model.run([t for p in alone for t in p.transfers]))
+    one_after_another = sum(model.plan_time(p) for p in alone)
+    assert joint.estimate_seconds < 0.6 * together
+    assert joint.estimate_seconds < 0.6 * one_after_another
+    # Side by side: the two take what one takes alone.
+    assert joint.estimate_seconds == pytest.approx(model.plan_time(alone[0]), rel=0.05)
+
+
+def test_buckets_bound_staging_and_cut_large_transfers():
+    tensors = _tp_state(2)
+    cap = 4096
+    plan = plan_state_resharding(tensors, P3, StateOptions(bucket_bytes=cap, budget=20_000))
+    plan.check()
+    execute(plan)
+    assert len(plan.buckets) > 1
+    assert not plan.oversized  # every box could be cut below 4 KiB
+    assert all(plan.bucket_nbytes(k) <= cap for k in range(len(plan.buckets)))
+    assert 0 < max(plan.peak_staging_bytes.values()) <= cap
+    # Smaller buckets cost barriers, never correctness; one big bucket is no slower.
+    big = plan_state_resharding(tensors, P3, StateOptions(budget=20_000))
+    assert len(big.buckets) == 1
+    assert big.estimate_seconds <= plan.estimate_seconds
+    assert "buckets of at most 4.00 KiB" in plan.to_text()
+
+
+def test_a_row_larger_than_a_bucket_runs_alone_and_is_said():
+    src = Sharding(_mesh([[0]]), P())
+    dst = Sharding(_mesh([[4]]), P())
+    # 48 B, cut along its longest dim (4) at most: 4 parts of 12 B, each over 10 B.
+    tensors = {"w": StateTensor((4, 3), "float32", src, dst)}
+    plan = plan_state_resharding(tensors, P3, StateOptions(bucket_bytes=10))
+    plan.check()
+    execute(plan)
+    assert len(plan.oversized) == 4 and all(len(b) == 1 for b in plan.buckets)
+    assert "larger than a bucket" in plan.to_text()
+
+
+def test_identical_layouts_are_local_copies_and_stage_nothing():
+    s = Sharding(P3.mesh([0, 1]), P("host", "gpu"))
+    plan = plan_state_resharding({"w": StateTensor((8, 9), "float32", s, s)}, P3)
+    plan.check()
+    assert all(t.is_local_copy for t in plan.plans["w"].transfers)
+    assert plan.network_bytes == 0 and not plan.peak_staging_bytes
+    assert plan.bound_seconds == 0
+
+
+def test_check_catches_a_broken_state_plan():
+    plan = plan_state_resharding(_tp_state(1), P3, StateOptions(bucket_bytes=4096))
+    flat = [k for b in plan.buckets for k in b]
+    swapped = dict(plan.__dict__)
+    swapped["buckets"] = ((flat[1], flat[0], *flat[2:]),) if flat[0][0] == flat[1][0] else (
+        tuple(flat[1:]),)
+    with pytest.raises(PlanError):
+        StateReshardPlan(**swapped).check()
+    merged = dict(plan.__dict__, buckets=(tuple(flat),))
+    with pytest.raises(PlanError, match="bucket_bytes"):
+        StateReshardPlan(**merged).check()
+
+
+def test_input_errors_name_the_argument():
+    good = _tp_state(1)
+    with pytest.raises(TypeError, match="tensors"):
+        plan_state_resharding([("w", good["l0.o"])], P3)
+    with pytest.raises(ValueError, match="tensors: names"):
+        plan_state_resharding({"": good["l0.o"]}, P3)
+    with pytest.raises(TypeError, match=r"tensors\['w'\]"):
+        plan_state_resharding({"w": (4, 4)}, P3)
+    with pytest.raises(TypeError, match="cluster"):
+        plan_state_resharding(good, "p3")
+    with pytest.raises(TypeError, match="options"):
+        plan_state_resharding(good, P3, {"bucket_bytes": 1})
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        StateOptions(bucket_bytes=0)
+    with pytest.raises(ClusterError, match=r"tensors\['w'\]\.dst"):
+        plan_state_resharding({"w": StateTensor((4,), "float32", Sharding(_mesh([[0]]), P()),
+                                                Sharding(_mesh([[99]]), P()))}, P3)
+    s = Sharding(P3.mesh([0]), P(None, ("host", "gpu")))
+    with pytest.raises(ShardingError, match="src"):
+        StateTensor((8,), "float32", s, s)  # a 1-d tensor, a spec of two dims
+    with pytest.raises(TypeError, match="dtype"):
+        StateTensor((8,), None, s, s)
+    with pytest.raises(TypeError, match="dst"):
+        StateTensor((8, 8), "float32", s, "s")
+    # PlanOptions are taken too, with the default buckets.
+    plan = plan_state_resharding(good, P3, PlanOptions(balance="size"))
+    assert plan.bucket_bytes == StateOptions().bucket_bytes
+
+
+def test_empty_state_and_json_errors():
+    plan = plan_state_resharding({}, P3)
+    plan.check()
+    assert plan.estimate_seconds == plan.bound_seconds == 0 and not plan.buckets
+    with pytest.raises(ValueError, match="state plan JSON"):
+        StateReshardPlan.from_json('{"tensors": {}}')
