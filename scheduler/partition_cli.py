@@ -39,7 +39,7 @@ from .partition import Layer, partition
 from .sharding import ShardingSpec
 
 # Layers in all, repeats counted: the list is made before the search sizes its tables
-# (scheduler.partition_search.search_bytes, refused past MAX_SEARCH_BYTES: layers² × stage
+# (scheduler.partition.search.search_bytes, refused past MAX_SEARCH_BYTES: layers² × stage
 # shapes); 4096 layers of one TP degree on one host fit them.
 MAX_LAYERS = 4096
 
