@@ -364,7 +364,7 @@ def test_balanced_chunks_have_the_least_largest_chunk(costs, data):
 
 
 def test_the_plan_json_is_a_simulate_case_and_reads_back_to_the_same_step_graph():
-    from scheduler.sim_cli import case_from_json
+    from scheduler.cli.simulate import case_from_json
 
     plan = partition(_gpt_like(6), Cluster.preset("p3.8xlarge", 2), 4)
     text = plan.to_json()
