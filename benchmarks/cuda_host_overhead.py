@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-us", type=float, action="append", default=[],
                     help="also the CUDA kind with this look-before-sleeping budget (µs)")
     args = ap.parse_args(argv)
-    from scheduler.cli_common import line_buffered_stdout, machine_line
+    from scheduler.cli.common import line_buffered_stdout, machine_line
 
     line_buffered_stdout()
     use_stand_in(args.latency_ms * 1e-3)

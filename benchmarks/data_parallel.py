@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import overlap
     from scheduler import Cluster
-    from scheduler.cli_common import line_buffered_stdout, machine_line
+    from scheduler.cli.common import line_buffered_stdout, machine_line
 
     line_buffered_stdout()
     if args.device == "cpu":

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the fault pipeline the tests use
 from fault_pipeline import CLUSTER, KINDS, FaultyMLP, every_fault  # noqa: E402
 
 import overlap  # noqa: E402
-from scheduler.cli_common import line_buffered_stdout, machine_line  # noqa: E402
+from scheduler.cli.common import line_buffered_stdout, machine_line  # noqa: E402
 
 
 def one_process(timeout: float) -> list[dict]:

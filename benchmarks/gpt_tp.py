@@ -44,7 +44,7 @@ from scheduler import (  # noqa: E402
     plan_resharding,
     simulate,
 )
-from scheduler.cli_common import line_buffered_stdout, machine_line  # noqa: E402
+from scheduler.cli.common import line_buffered_stdout, machine_line  # noqa: E402
 from scheduler.cost import CostModel  # noqa: E402
 
 # ---- 1. the example on this machine -------------------------------------------------------

@@ -379,8 +379,8 @@ def profiler_vs_events(cp) -> dict[str, Any]:
 
     if importlib.util.find_spec("torch") is None:
         return {"skipped": "PyTorch is not installed here (the GPU machine has it)"}
-    from scheduler.capture import device_figures, step_figures, timeline_work
-    from scheduler.kineto import kineto_work
+    from scheduler.traces.capture import device_figures, step_figures, timeline_work
+    from scheduler.traces.kineto import kineto_work
 
     run, _ = pipeline_runner(cp)
     _, tl, prof = run("1f1b", SIZES["cols"], profile=True,

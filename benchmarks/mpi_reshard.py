@@ -67,7 +67,7 @@ from thread_profile import role, thread_cpu
 from overlap import Runtime
 from overlap.world import Placement, detect_world
 from scheduler import Cluster, DeviceMesh, PlanOptions, Sharding, ShardingSpec, plan_resharding
-from scheduler.cli_common import line_buffered_stdout, machine_line
+from scheduler.cli.common import line_buffered_stdout, machine_line
 
 TARGET_BYTES = 64 << 20
 REPS = 7

@@ -36,7 +36,7 @@ from mpi_reshard import as_mpi_job, barrier, rank0_print, ring_plan, runtime, se
 
 from overlap.world import Placement, detect_world
 from scheduler import Cluster
-from scheduler.cli_common import line_buffered_stdout, machine_line
+from scheduler.cli.common import line_buffered_stdout, machine_line
 
 REPS = 7
 CALLS = 300

@@ -63,7 +63,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from thread_profile import role, thread_cpu
 from vs_torch_pipelining import STAGES, _mpiexec, make_batches, make_stages
 
-from scheduler.cli_common import line_buffered_stdout, machine_line
+from scheduler.cli.common import line_buffered_stdout, machine_line
 
 MICROBATCHES, BATCH = 8, 256
 # How the bytes between ranks move (one job each): variant -> OVERLAP_HOST_LINKS.

@@ -54,7 +54,7 @@ from scheduler import (
     partition,
     simulate,
 )
-from scheduler.cli_common import machine_line
+from scheduler.cli.common import machine_line
 
 V100_FLOPS = 125e12 * 0.30  # fp16 tensor-core peak, 30 % end to end (as schedule_sim.py)
 H100_FLOPS = 989e12 * 0.40  # bf16 dense peak, 40 %

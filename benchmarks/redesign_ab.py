@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[round {r + 1} of {args.rounds} done]", file=sys.stderr, flush=True)
     import platform
 
-    from scheduler.cli_common import machine_line
+    from scheduler.cli.common import machine_line
 
     print(f"== runtime before and after, in turns: {args.rounds} rounds ==")
     print(f"{machine_line()}; {platform.platform()}")

@@ -21,7 +21,7 @@ from suite_report import AUTO, CaseResult, format_ratio_summary, format_table, r
 from suites import paper_suite, random_suite, scale_case
 
 from scheduler import PlanOptions, estimate, lower_bound, paper_model_time, plan_resharding
-from scheduler.cli_common import line_buffered_stdout, machine_line
+from scheduler.cli.common import line_buffered_stdout, machine_line
 
 
 def scale_row() -> str:

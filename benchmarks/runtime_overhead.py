@@ -52,7 +52,7 @@ from scheduler import (
     plan_resharding,
     simulate,
 )
-from scheduler.cli_common import line_buffered_stdout, machine_line
+from scheduler.cli.common import line_buffered_stdout, machine_line
 
 
 async def raw_ops(n: int, streams: int) -> float:

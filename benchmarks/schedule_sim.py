@@ -44,7 +44,7 @@ from scheduler import (
     plan_resharding,
     simulate,
 )
-from scheduler.cli_common import line_buffered_stdout, machine_line
+from scheduler.cli.common import line_buffered_stdout, machine_line
 
 # V100: 125 TFLOP/s fp16 tensor-core peak; we assume 30 % of it end to end.
 GPU_FLOPS = 125e12 * 0.30

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler import PlanOptions, estimate, plan_resharding
-from scheduler.cli_common import Case
+from scheduler.cli.common import Case
 from scheduler.cost import lower_bound_for, paper_model_time
 
 # The columns: (label, strategy, balance).

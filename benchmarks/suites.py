@@ -1,6 +1,6 @@
 """Benchmark cases: the paper's microbenchmark suite and a seeded random suite.
 
-A case is :class:`scheduler.cli_common.Case` (shape, dtype, two shardings, a cluster: what
+A case is :class:`scheduler.cli.common.Case` (shape, dtype, two shardings, a cluster: what
 ``overlap plan --case FILE`` reads too); the benchmarks and the tests share these lists.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from scheduler import Cluster, Sharding, ShardingSpec
-from scheduler.cli_common import Case
+from scheduler.cli.common import Case
 
 
 def paper_suite() -> list[Case]:

@@ -44,7 +44,7 @@ from scheduler import (  # noqa: E402
     lower,
     make_schedule,
 )
-from scheduler.cli_common import line_buffered_stdout, machine_line  # noqa: E402
+from scheduler.cli.common import line_buffered_stdout, machine_line  # noqa: E402
 
 MICROBATCHES = 8
 

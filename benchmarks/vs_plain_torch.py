@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from scheduler.cli_common import line_buffered_stdout, machine_line
+    from scheduler.cli.common import line_buffered_stdout, machine_line
 
     line_buffered_stdout()
     if args.device == "cpu":

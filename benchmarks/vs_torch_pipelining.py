@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from scheduler import Cluster
-from scheduler.cli_common import line_buffered_stdout, machine_line
+from scheduler.cli.common import line_buffered_stdout, machine_line
 
 STAGES = 4
 CORES = os.cpu_count() or 1

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import overlap
 from overlap.torch import TorchPipeline, replicate
 from scheduler import Cluster, DeviceMesh
-from scheduler.cli_common import positive_float, positive_int
+from scheduler.cli.common import positive_float, positive_int
 
 
 def rotate(x: torch.Tensor, position_ids: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

@@ -40,7 +40,7 @@ from gpt_pipeline import TOLERANCE, Block, add_model_flags, closeness, lm_loss, 
 import overlap
 from overlap.torch import ColwiseParallel, Replicate, RowwiseParallel, auto_partition
 from scheduler import Cluster
-from scheduler.cli_common import positive_int
+from scheduler.cli.common import positive_int
 
 
 class Embed(nn.Module):

@@ -54,7 +54,7 @@ from overlap.torch import (
 )
 from overlap.world import max_over_ranks
 from scheduler import Cluster, DeviceMesh, make_schedule
-from scheduler.cli_common import output_dir, positive_float, positive_int
+from scheduler.cli.common import output_dir, positive_float, positive_int
 
 # (rtol, atol) as in torch.testing.assert_close: |a - b| <= atol + rtol * |b| per element.
 # float32: atol covers parameters that start at zero (biases, LayerNorm shifts), which after

@@ -41,7 +41,7 @@ import overlap
 from overlap.torch import TorchPipeline, build_stage
 from overlap.world import max_over_ranks
 from scheduler import Cluster, DeviceMesh
-from scheduler.cli_common import output_dir, positive_float, positive_int
+from scheduler.cli.common import output_dir, positive_float, positive_int
 
 TOL = 1e-5
 

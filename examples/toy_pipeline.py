@@ -42,7 +42,7 @@ from toy import ToyMLP, reference_step
 from overlap import Runtime
 from overlap.world import detect_world
 from scheduler import Cluster, estimate, plan_resharding
-from scheduler.cli_common import output_dir, positive_float, positive_int
+from scheduler.cli.common import output_dir, positive_float, positive_int
 
 SCHEDULES = ("1f1b", "eager-1f1b")
 RTOL = 1e-9  # of the reference's largest magnitude (float64 sums in another order)

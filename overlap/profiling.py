@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
-from scheduler.capture import PROFILE_STEPS_ENV as ENV
-from scheduler.capture import steps_window
+from scheduler.traces import PROFILE_STEPS_ENV as ENV
+from scheduler.traces import steps_window
 
 
 def profile_window(steps: range | str | None) -> range | None:

@@ -48,6 +48,7 @@ from scheduler import (
     lower,
     make_schedule,
     reshard_graph,
+    validate,
 )
 from scheduler.auto import check_caps
 from scheduler.errors import PlanError, check_seconds
@@ -60,7 +61,6 @@ from scheduler.lowering import (
 )
 from scheduler.regions import Region, region_shape
 from scheduler.timeline import span_meta
-from scheduler.validate import validate
 
 from .backends import Backend, Trace, make_backend
 from .call import Call, CallGate, refuse_reentry, settle_leftovers

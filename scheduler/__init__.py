@@ -1,9 +1,13 @@
-"""scheduler — the pure planner/compiler of ``overlap``: no GPU, no asyncio, no I/O.
+"""scheduler — the planner/compiler of ``overlap``: no GPU, no asyncio.
 
 Cluster, meshes and shardings; the cross-mesh resharding planner; the cost model and the
 physical lower bound; pipeline schedules, their lowering to the step graph (typed ops on
 device streams with explicit dependencies), the validator, the event kernel, the simulator
-and timelines. See docs/architecture.md (the user guide: docs/index.md).
+and timelines; automatic partitioning (``scheduler/partition/``). None of these reads or
+writes a file; the I/O is in ``scheduler/cli/`` (the command line) and ``scheduler/traces/``
+(the trace readers and reports), and at the edges the caller names: a timeline's trace file
+and plot, ``Cluster.detect()``'s environment. See docs/architecture.md (the user guide:
+docs/index.md).
 """
 
 from __future__ import annotations

@@ -355,8 +355,8 @@ class Timeline:
 
     def plot(self, path: str | Path) -> Path:
         """A picture of the step (``.png``, ``.svg`` or ``.pdf``; needs matplotlib: the
-        ``viz`` extra): see :mod:`scheduler.trace_plot`."""
-        from .trace_plot import plot_rows, timeline_rows
+        ``viz`` extra): see :mod:`scheduler.traces.plot`."""
+        from .traces.plot import plot_rows, timeline_rows
 
         return plot_rows(timeline_rows(self), path, self.headline())
 

@@ -1,4 +1,4 @@
-"""The command line: ``overlap plan`` / ``python -m scheduler plan`` (scheduler/cli.py)."""
+"""The command line: ``overlap plan`` / ``python -m scheduler plan`` (scheduler/cli/__init__.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import overlap.cli
 import scheduler.cli
 from scheduler import Cluster, DeviceMesh, P, PlanOptions, ReshardPlan, Sharding, plan_resharding
-from scheduler.cli_common import (
+from scheduler.cli.common import (
     add_plan_options,
     case_from_json,
     parse_mesh,
@@ -385,9 +385,10 @@ def test_simulate_refuses_fewer_hosts_than_stages(capsys):
     assert "--hosts: 2 hosts for 4 stages" in err
 
 
-@pytest.mark.parametrize("make", [lambda: scheduler.cli._build_parser(),
-                                  lambda: __import__("scheduler.sim_cli").sim_cli._parser()],
-                         ids=["plan", "simulate"])
+@pytest.mark.parametrize("make", [
+    lambda: scheduler.cli._build_parser(),
+    lambda: __import__("scheduler.cli.simulate").cli.simulate._parser()],
+    ids=["plan", "simulate"])
 def test_every_option_has_a_help_text_and_help_shows_defaults(make):
     p = make()
     for action in p._actions:
@@ -400,7 +401,7 @@ def test_line_buffered_stdout_prints_each_line_as_written(monkeypatch, tmp_path)
     """The benchmarks call it first: piped into a file, each row appears as it finishes."""
     import io
 
-    from scheduler.cli_common import line_buffered_stdout
+    from scheduler.cli.common import line_buffered_stdout
 
     with open(tmp_path / "out.txt", "w") as piped:
         assert not piped.line_buffering

@@ -172,7 +172,7 @@ def _partition_case(hosts: int, repeat: int) -> dict:
 ])
 def test_partition_cases_past_what_the_search_can_hold_are_refused(tmp_path, hosts, repeat,
                                                                    match):
-    from scheduler.partition_search import MAX_SEARCH_BYTES
+    from scheduler.partition.search import MAX_SEARCH_BYTES
 
     path = tmp_path / "case.json"
     path.write_text(json.dumps(_partition_case(hosts, repeat)))
@@ -183,9 +183,9 @@ def test_partition_cases_past_what_the_search_can_hold_are_refused(tmp_path, hos
 def test_the_search_size_estimate_grows_as_its_tables(tmp_path):
     """search_bytes: the layers² part quadruples with twice the layers; the boundary part
     grows with the devices × stage shapes²."""
+    from scheduler.cli.partition import case_from_json
     from scheduler.partition import _problem
-    from scheduler.partition_cli import case_from_json
-    from scheduler.partition_search import search_bytes
+    from scheduler.partition.search import search_bytes
 
     def sizes(hosts: int, repeat: int) -> tuple[int, int]:
         case = case_from_json(_partition_case(hosts, repeat))

@@ -9,7 +9,7 @@ import json
 import pytest
 
 import overlap.cli
-from scheduler.gpu_time import gpu_class
+from scheduler.traces.gpu_time import gpu_class
 
 US = 1000  # Kineto times are microseconds: 1000 µs = 1 ms
 

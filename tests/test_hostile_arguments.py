@@ -222,7 +222,7 @@ def test_a_partition_too_big_to_search_is_refused_at_once():
     import time
 
     from scheduler import Layer, PartitionError, partition
-    from scheduler.partition_search import MAX_DEVICES
+    from scheduler.partition.search import MAX_DEVICES
 
     layer = Layer({1: 1e-3}, {1: 2e-3}, (8, 8), "float32", 1024, 1024)
     start = time.perf_counter()

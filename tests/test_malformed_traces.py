@@ -103,7 +103,7 @@ def test_a_view_over_an_endless_query_is_refused_not_read(tmp_path):
 
 
 def test_a_table_past_the_row_bound_is_named(tmp_path, monkeypatch):
-    from scheduler import nsys
+    from scheduler.traces import nsys
 
     path = tmp_path / "cap.sqlite"
     capture(path, strings=[(1, "gemm")], runtime=[(0, 1, 7, 1)],
@@ -114,7 +114,7 @@ def test_a_table_past_the_row_bound_is_named(tmp_path, monkeypatch):
 
 
 def test_a_json_trace_over_the_byte_limit_is_refused_before_it_is_read(tmp_path):
-    from scheduler.capture import MAX_TRACE_BYTES
+    from scheduler.traces.capture import MAX_TRACE_BYTES
 
     path = tmp_path / "big.json"
     with open(path, "wb") as f:  # (sparse: no disk used, nothing that could be parsed)

@@ -7,9 +7,9 @@ import sqlite3
 
 import pytest
 
-from scheduler.capture import device_figures, step_figures, unattributed_figures
-from scheduler.gpu_time import gpu_times
-from scheduler.nsys import read_sqlite
+from scheduler.traces.capture import device_figures, step_figures, unattributed_figures
+from scheduler.traces.gpu_time import gpu_times
+from scheduler.traces.nsys import read_sqlite
 
 MS = 1_000_000  # the export's times are nanoseconds
 
@@ -286,7 +286,7 @@ def test_a_pytorch_profiler_trace_is_attributed_like_an_nsight_capture(tmp_path,
     import json
 
     import overlap.cli
-    from scheduler.kineto import read_kineto
+    from scheduler.traces.kineto import read_kineto
 
     def x(cat, name, ts, dur, pid=1, tid=10, **args):
         return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts,
@@ -341,7 +341,7 @@ def test_trace_plot_draws_any_source(tmp_path, capsys):
 
 
 def test_pytorch_step_ranges_runtime_ones_first_else_profiler_steps(tmp_path):
-    from scheduler.kineto import read_kineto
+    from scheduler.traces.kineto import read_kineto
 
     def ann(name, ts, dur, tid=1):
         return {"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": tid,

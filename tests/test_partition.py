@@ -34,9 +34,9 @@ from scheduler import (
     simulate,
 )
 from scheduler.graph import reduce_lines
-from scheduler.partition_chunks import balanced_edges
-from scheduler.partition_model import Problem
-from scheduler.partition_search import search
+from scheduler.partition.chunks import balanced_edges
+from scheduler.partition.model import Problem
+from scheduler.partition.search import search
 from scheduler.sharding import Sharding, ShardingSpec
 
 SHAPES = ((64, 32), (1024, 256), (8192, 512), (6, 10))
@@ -260,7 +260,7 @@ def test_the_plan_is_no_slower_in_simulation_than_the_exhaustive_estimate_optimu
     plan = partition(layers, cluster, m)
     _, chain = Exhaustive(layers, cluster, m, None).best()
     # The estimate's optimum, simulated under every schedule partition may pick: none faster.
-    from scheduler.partition_rank import Ranking, realize
+    from scheduler.partition.rank import Ranking, realize
 
     ranking = Ranking(Problem(tuple(layers), cluster, m), PlanOptions(), 10**9)
     best = realize(ranking.problem, chain)
@@ -364,7 +364,7 @@ def test_balanced_chunks_have_the_least_largest_chunk(costs, data):
 
 
 def test_the_plan_json_is_a_simulate_case_and_reads_back_to_the_same_step_graph():
-    from scheduler.sim_cli import case_from_json
+    from scheduler.cli.simulate import case_from_json
 
     plan = partition(_gpt_like(6), Cluster.preset("p3.8xlarge", 2), 4)
     text = plan.to_json()
@@ -385,7 +385,7 @@ def test_the_plan_json_is_a_simulate_case_and_reads_back_to_the_same_step_graph(
 @given(st.lists(st.floats(1e-4, 1e-2), min_size=1, max_size=6), st.integers(1, 12), st.data())
 def test_the_estimate_is_the_simulators_gpipe_time_when_transfers_are_free(forward, m, data):
     from scheduler import lower, make_schedule
-    from scheduler.partition_rank import realize
+    from scheduler.partition.rank import realize
 
     # Links so fast, and no latency: what the transfers cost is below rounding.
     free = Cluster(1, 8, nic_gbps=1e12, nvlink_gbps=1e12, nic_latency_us=0.0,

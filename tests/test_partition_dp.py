@@ -20,8 +20,8 @@ from scheduler import (
     partition,
     simulate,
 )
+from scheduler.cli.partition import partition_main
 from scheduler.graph import reduce_lines
-from scheduler.partition_cli import partition_main
 from scheduler.validate import validate
 
 CLUSTER = Cluster.preset("p3.8xlarge", num_hosts=2)  # 8 V100s, 4 per host
@@ -154,7 +154,7 @@ def test_data_parallel_must_be_a_bool():
 
 
 def test_simulate_case_of_a_dp_plan_includes_its_reductions():
-    from scheduler.sim_cli import case_from_json, run_rows
+    from scheduler.cli.simulate import case_from_json, run_rows
 
     layers = [Layer({1: 0.01, 2: 0.01}, {1: 0.02, 2: 0.02}, (8, 64), "float32", 64 << 20,
                     1 << 10) for _ in range(4)]

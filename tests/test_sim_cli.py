@@ -8,7 +8,7 @@ import re
 import pytest
 
 from overlap.cli import main as overlap_main
-from scheduler.sim_cli import EVERY_SCHEDULE, case_from_json
+from scheduler.cli.simulate import EVERY_SCHEDULE, case_from_json
 
 FLAGS = ["--stages", "3", "--microbatches", "4", "--shape", "64,32", "--src-spec=-,gpu",
          "--dst-spec=gpu,-", "--fwd-ms", "5", "--bwd-ms", "10"]
@@ -170,9 +170,10 @@ def test_a_case_whose_ranks_share_meshes_runs_the_two_stage_per_rank_schedules(t
     assert "--schedules: interleaved-1f1b: stages[2]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("make", [lambda: __import__("scheduler.sim_cli").sim_cli._parser(),
-                                  lambda: __import__("scheduler.cli").cli._build_parser()],
-                         ids=["simulate", "plan"])
+@pytest.mark.parametrize("make", [
+    lambda: __import__("scheduler.cli.simulate").cli.simulate._parser(),
+    lambda: __import__("scheduler.cli").cli._build_parser()],
+    ids=["simulate", "plan"])
 def test_help_states_each_default_once_and_never_none(make):
     text = make().format_help()
     blocks = re.split(r"\n(?=  -)", text[text.index("options:"):])[1:]  # one per option

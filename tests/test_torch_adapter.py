@@ -656,7 +656,7 @@ def test_the_pytorch_profiler_sees_every_op_and_step_as_a_record_function_range(
     import threading
 
     from overlap.torch import profiler
-    from scheduler.kineto import kineto_work
+    from scheduler.traces.kineto import kineto_work
 
     pipe, _ = _pipe()
     x, y = _batch(6)

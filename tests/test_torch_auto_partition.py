@@ -18,7 +18,7 @@ from overlap.torch import (  # noqa: E402
     measure_layers,
 )
 from scheduler import Cluster, Layer, P  # noqa: E402
-from scheduler.partition_model import all_reduce_seconds  # noqa: E402
+from scheduler.partition.model import all_reduce_seconds  # noqa: E402
 
 MEGATRON = {"0": ColwiseParallel(), "2": RowwiseParallel()}  # Linear, ReLU, Linear
 

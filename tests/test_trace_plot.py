@@ -12,8 +12,8 @@ from test_nsys import US, kineto
 
 import overlap.cli
 from scheduler import Timeline
-from scheduler.trace_plot import capture_rows, figure, timeline_rows, traces_rows
-from scheduler.trace_report import read_trace
+from scheduler.traces.plot import capture_rows, figure, timeline_rows, traces_rows
+from scheduler.traces.report import read_trace
 
 pytest.importorskip("matplotlib", reason="the viz extra is not installed")
 

@@ -15,9 +15,9 @@ from test_nsys import DOMAINS, MS, OURS, capture
 
 import overlap.cli
 from scheduler import Timeline
-from scheduler.capture import GpuWork, device_figures, unattributed_figures
 from scheduler.exposure import DEFINITION, figures_of, waited_by_name
-from scheduler.nsys import read_sqlite
+from scheduler.traces.capture import GpuWork, device_figures, unattributed_figures
+from scheduler.traces.nsys import read_sqlite
 
 
 def _simulated(tmp_path, *extra: str) -> Timeline:
@@ -228,8 +228,8 @@ def _rank_trace(path, device: int, rank: object = None):
 
 
 def test_traces_are_ordered_by_the_rank_each_names(tmp_path, capsys):
-    from scheduler.trace_plot import traces_rows
-    from scheduler.trace_report import in_rank_order, read_trace
+    from scheduler.traces.plot import traces_rows
+    from scheduler.traces.report import in_rank_order, read_trace
 
     files = [_rank_trace(tmp_path / "a.json", 3, rank=3),
              _rank_trace(tmp_path / "b.json", 1, rank=1)]
@@ -299,7 +299,7 @@ def test_a_cpu_only_pytorch_profiler_trace_is_read_from_the_runtimes_ranges(tmp_
         assert f["compute_ms"] > 0 and f["comm_ms"] > 0
         assert f["stages"] == [tl.stage_of[int(d)]]
     # Every op of the step is read as one op: as many computes per device as the runtime ran.
-    from scheduler.trace_report import read_trace
+    from scheduler.traces.report import read_trace
 
     work = read_trace(path).capture.work
     for d in tl.devices:

@@ -57,7 +57,7 @@ from scheduler import (
     ShardingSpec,
     partition,
 )
-from scheduler.partition_model import all_reduce_seconds
+from scheduler.partition import all_reduce_seconds
 
 from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .pipeline import LossFn, TorchPipeline, replicate

@@ -26,7 +26,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli_common import (
+from ..cluster import Cluster
+from ..partition import Layer, partition
+from ..sharding import ShardingSpec
+from .common import (
     add_plan_options,
     interpret_case,
     parser,
@@ -34,12 +37,9 @@ from .cli_common import (
     read_json_file,
     write_output,
 )
-from .cluster import Cluster
-from .partition import Layer, partition
-from .sharding import ShardingSpec
 
 # Layers in all, repeats counted: the list is made before the search sizes its tables
-# (scheduler.partition_search.search_bytes, refused past MAX_SEARCH_BYTES: layers² × stage
+# (scheduler.partition.search.search_bytes, refused past MAX_SEARCH_BYTES: layers² × stage
 # shapes); 4096 layers of one TP degree on one host fit them.
 MAX_LAYERS = 4096
 

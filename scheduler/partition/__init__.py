@@ -12,10 +12,10 @@ schedule.
     graph = plan.lower()                   # what simulate and the runtime take
 
 Three steps (docs/partition.md): a dynamic program over layers × devices × submesh sizes
-(:mod:`scheduler.partition_search`) finds the candidates of least estimate E
-(:mod:`scheduler.partition_model`: 1F1B's closed form with every boundary's resharding
+(:mod:`scheduler.partition.search`) finds the candidates of least estimate E
+(:mod:`scheduler.partition.model`: 1F1B's closed form with every boundary's resharding
 costed by the cost model); the best few are lowered and simulated under every fixed schedule
-that fits memory and the fastest also under ``auto`` (:mod:`scheduler.partition_rank`); the
+that fits memory and the fastest also under ``auto`` (:mod:`scheduler.partition.rank`); the
 fastest simulated pipeline is the plan. Deterministic: every budget counts work, never time.
 """
 
@@ -26,16 +26,23 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cluster import Cluster
-from .errors import ShardingError, check_positive_int
-from .partition_chunks import rank_memory
-from .partition_model import Layer, PartitionError, Problem, submesh_shape, submesh_sizes
-from .partition_plan import PartitionPlan, StagePlan
-from .partition_rank import Trial, rank
-from .partition_search import MAX_DEVICES, MAX_SEARCH_BYTES, Found, search, search_bytes
-from .plan import fmt_bytes
-from .planner import PlanOptions
-from .schedules import check_size
+from ..cluster import Cluster
+from ..errors import ShardingError, check_positive_int
+from ..plan import fmt_bytes
+from ..planner import PlanOptions
+from ..schedules import check_size
+from .chunks import rank_memory
+from .model import (
+    Layer,
+    PartitionError,
+    Problem,
+    all_reduce_seconds,
+    submesh_shape,
+    submesh_sizes,
+)
+from .plan import PartitionPlan, StagePlan
+from .rank import Trial, rank
+from .search import MAX_DEVICES, MAX_SEARCH_BYTES, Found, search, search_bytes
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,7 @@ def _problem(layers: object, cluster: object, m: object, memory: object,
 
 def check_search_size(problem: Problem) -> None:
     """PartitionError naming what to shrink when the search's tables would take more than
-    :data:`~scheduler.partition_search.MAX_SEARCH_BYTES` (:func:`search_bytes`): ``layers``
+    :data:`~scheduler.partition.search.MAX_SEARCH_BYTES` (:func:`search_bytes`): ``layers``
     when the layers² part is the larger, else ``cluster`` (its devices and stage shapes)."""
     square, boundary = search_bytes(problem)
     if square + boundary <= MAX_SEARCH_BYTES:
@@ -249,4 +256,4 @@ def describe(stages: Sequence[tuple[int, int, int, int, int]]) -> str:
 
 
 __all__ = ["Layer", "PartitionError", "PartitionPlan", "SearchBudget", "StagePlan",
-           "describe", "partition"]
+           "all_reduce_seconds", "describe", "partition"]

@@ -1,6 +1,6 @@
 """GPU work from any profiler, attributed to the runtime's ranges, and the figures that say
 how much communication was hidden — the same for Nsight Systems exports
-(:mod:`scheduler.nsys`), PyTorch profiler traces (:mod:`scheduler.kineto`) and our own
+(:mod:`scheduler.traces.nsys`), PyTorch profiler traces (:mod:`scheduler.traces.kineto`) and our own
 timelines.
 
 **Attribution**: a piece of GPU work belongs to the innermost range of the runtime (the
@@ -9,7 +9,7 @@ launched it, that encloses its launch call. The range messages name the device (
 device 5``) and the op: a compute op starts with its kind (``F s1 mb3 ...``), communication
 names a resharding (``reshard ...``, ``grad ...``). Work inside no range is **unattributed**:
 reported per GPU apart from every device (several of the runtime's devices may share one GPU;
-none is guessed), of the class the work itself has (:func:`scheduler.gpu_time.gpu_class`, as
+none is guessed), of the class the work itself has (:func:`scheduler.traces.gpu_time.gpu_class`, as
 Holistic Trace Analysis classes it: compute, comm — an NCCL kernel —, memory — memcpy,
 memset —, other — a synchronization); only its compute and comm enter the figures. A
 synchronization is never attributed: it is a wait, not work an op launched. A trace without
@@ -33,9 +33,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .exposure import Figures, figures_of, waited_by_name
+from ..exposure import Figures, figures_of, waited_by_name
+from ..intervals import check_interval, length, minus, union
 from .gpu_time import gpu_class
-from .intervals import check_interval, length, minus, union
 
 _DEVICE = re.compile(r"\bon device (\d+)\b")
 _COMPUTE = re.compile(r"^[FBIW] s\d+")
@@ -66,7 +66,7 @@ class GpuWork:
     device that ran it (-1: none, work of the CPU backend). ``category`` is what the report
     counts it as: compute or comm for attributed work (its range says which), its ``kind``
     for unattributed work; ``kind`` is the class of the work itself
-    (:func:`~scheduler.gpu_time.gpu_class`: compute, comm, memory, other; "" for work no
+    (:func:`~scheduler.traces.gpu_time.gpu_class`: compute, comm, memory, other; "" for work no
     GPU ran)."""
 
     device: int | None
@@ -137,7 +137,7 @@ def innermost(ranges: list[tuple[int, int, str]], t: int) -> str | None:
 def classify(label: str | None, name: str, gpu: int, start: float, end: float,
              what: str = "an event", activity: str = "kernel") -> GpuWork:
     """The work ``name`` that GPU ``gpu`` ran from ``start`` to ``end``, recorded as
-    ``activity`` (see :data:`~scheduler.gpu_time.ACTIVITIES`), launched inside the runtime's
+    ``activity`` (see :data:`~scheduler.traces.gpu_time.ACTIVITIES`), launched inside the runtime's
     range ``label`` (None: inside none — unattributed)."""
     start, end = check_interval(start, end, what)
     kind = gpu_class(name, activity)
@@ -178,7 +178,7 @@ def device_figures(work: Iterable[GpuWork]) -> dict[int, Figures]:
 def unattributed_figures(work: Iterable[GpuWork]) -> dict[int, Figures]:
     """Per GPU with unattributed compute or communication, their figures (no waits: no op
     is known there); its memory and other work is in no figure (see
-    :func:`~scheduler.gpu_time.gpu_times` for all of a GPU's time)."""
+    :func:`~scheduler.traces.gpu_time.gpu_times` for all of a GPU's time)."""
     by_gpu: dict[int, list[GpuWork]] = {}
     for w in work:
         if w.device is None and w.category in ("compute", "comm"):

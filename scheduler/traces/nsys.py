@@ -1,6 +1,6 @@
-"""Reading an Nsight Systems SQLite export into a :class:`~scheduler.capture.Capture`: its GPU
-work attributed to the runtime's NVTX ranges, and its training steps (see
-:mod:`scheduler.capture` for what attribution and steps mean).
+"""Reading an Nsight Systems SQLite export into a :class:`~scheduler.traces.capture.Capture`:
+its GPU work attributed to the runtime's NVTX ranges, and its training steps (see
+:mod:`scheduler.traces.capture` for what attribution and steps mean).
 
 Tables, per the "SQLite Export Schema Reference" of Nsight Systems (read by column name; a
 table missing from a capture — they are created lazily — is read as empty):
@@ -15,7 +15,7 @@ table missing from a capture — they are created lazily — is read as empty):
 - ``CUPTI_ACTIVITY_KIND_KERNEL`` / ``_MEMCPY`` / ``_MEMSET``: GPU work — ``start``, ``end``,
   ``deviceId``, ``correlationId`` (joining it to its launch call); kernels name themselves by
   ``shortName`` or ``demangledName`` (ids into ``StringIds``) and are classed by that name,
-  memcpy and memset rows are memory work (:mod:`scheduler.gpu_time`). Synchronization rows
+  memcpy and memset rows are memory work (:mod:`scheduler.traces.gpu_time`). Synchronization rows
   (``CUPTI_ACTIVITY_KIND_SYNCHRONIZATION``) are not read.
 
 Times are nanoseconds in the export, on one clock for host and GPU.
@@ -27,12 +27,12 @@ import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..intervals import check_id, check_interval
 from .capture import STEP, Capture, classify, innermost, step_windows
-from .intervals import check_id, check_interval
 
 NVTX_PUSH_POP, NVTX_START_END, NVTX_DOMAIN_CREATE = 59, 60, 75
 DOMAIN = "overlap"
-# GPU work's tables -> what they record (scheduler.gpu_time.ACTIVITIES: a memcpy or memset
+# GPU work's tables -> what they record (scheduler.traces.gpu_time.ACTIVITIES: a memcpy or memset
 # is memory work whatever its name; a kernel is classed by its name).
 _GPU_TABLES = {"CUPTI_ACTIVITY_KIND_KERNEL": "kernel", "CUPTI_ACTIVITY_KIND_MEMCPY": "memcpy",
                "CUPTI_ACTIVITY_KIND_MEMSET": "memset"}

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from .balance import BALANCES
-from .cluster import Cluster
-from .mesh import DeviceMesh
-from .planner import STRATEGIES, PlanOptions
-from .sharding import Sharding, ShardingSpec
+from ..balance import BALANCES
+from ..cluster import Cluster
+from ..mesh import DeviceMesh
+from ..planner import STRATEGIES, PlanOptions
+from ..sharding import Sharding, ShardingSpec
 
 
 @dataclass(frozen=True)

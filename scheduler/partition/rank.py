@@ -17,17 +17,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .auto import auto_schedule
-from .graph import DataParallel
-from .lowering import Boundary, lower
-from .mesh import DeviceMesh
-from .partition_chunks import Chunked, chunked
-from .partition_model import DP_AXIS, Problem, Stage, grad_bytes, stage_mesh, with_dp
-from .planner import PlanCache, PlanOptions
-from .schedules import SCHEDULES, Schedule, make_schedule
-from .sharding import Sharding
-from .simulator import simulate
-from .timeline import Timeline
+from ..auto import auto_schedule
+from ..graph import DataParallel
+from ..lowering import Boundary, lower
+from ..mesh import DeviceMesh
+from ..planner import PlanCache, PlanOptions
+from ..schedules import SCHEDULES, Schedule, make_schedule
+from ..sharding import Sharding
+from ..simulator import simulate
+from ..timeline import Timeline
+from .chunks import Chunked, chunked
+from .model import DP_AXIS, Problem, Stage, grad_bytes, stage_mesh, with_dp
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def rank(problem: Problem, finalists: tuple[tuple[float, tuple[Stage, ...]], ...
          options: PlanOptions, budget: int) -> list[Trial]:
     """Every trial made, fastest first (ties: the earlier): the best finalist's fixed
     schedules, the two-chunks-per-rank family's best members (:mod:`scheduler.
-    partition_chunks`), the other finalists' fixed schedules while the budget lasts — keeping
+    partition.chunks`), the other finalists' fixed schedules while the budget lasts — keeping
     what ``auto`` costs on the first, when the budget holds it — then ``auto`` on the
     fastest single-chunk pipeline."""
     ranking = Ranking(problem, options, budget)

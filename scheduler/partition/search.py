@@ -1,6 +1,6 @@
 """The search behind :func:`scheduler.partition`: a dynamic program over layers × devices ×
 stage shapes (a submesh size and its DP degree), in the spirit of Alpa's inter-operator
-pass, minimising the estimate E of :mod:`scheduler.partition_model`.
+pass, minimising the estimate E of :mod:`scheduler.partition.model`.
 
 E = S + (m − 1)·P is a sum S of per-stage and per-boundary terms plus their maximum P. As
 Alpa does, the program fixes a threshold ``t`` on every term and minimises the sum alone:
@@ -32,7 +32,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .partition_model import Problem, Stage, dp_allowed, placed
+from .model import Problem, Stage, dp_allowed, placed
 
 INF = math.inf
 BOUND_SLACK = 1e-9

@@ -48,13 +48,13 @@ from dataclasses import KW_ONLY, dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .cluster import Cluster
-from .cost import CostModel, estimate
-from .dtypes import check_dtype
-from .errors import check_positive_int
-from .mesh import DeviceMesh
-from .planner import PlanOptions, check_nbytes, plan_resharding
-from .sharding import Sharding, ShardingSpec, check_shape
+from ..cluster import Cluster
+from ..cost import CostModel, estimate
+from ..dtypes import check_dtype
+from ..errors import check_positive_int
+from ..mesh import DeviceMesh
+from ..planner import PlanOptions, check_nbytes, plan_resharding
+from ..sharding import Sharding, ShardingSpec, check_shape
 
 TP_AXIS = "tp"  # the mesh axis of a stage's submesh whose devices split its layers
 DP_AXIS = "dp"  # the mesh axis whose devices split the batch (a stage of DP degree > 1)
@@ -220,7 +220,7 @@ class Layer:
 def all_reduce_seconds(nbytes: int, degree: int, cluster: Cluster) -> float:
     """A ring all-reduce of ``nbytes`` over the cluster's first ``degree`` devices: twice the
     cost model's lower bound of an all-gather of them (0 for one device)."""
-    from .cost import lower_bound_for
+    from ..cost import lower_bound_for
 
     if degree == 1 or nbytes == 0:
         return 0.0

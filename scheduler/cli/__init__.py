@@ -24,7 +24,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .cli_common import (
+from ..cluster import Cluster
+from ..cost import lower_bound_for, paper_model_time, plan_report, ratio_text
+from ..plan import transfers_text
+from ..planner import plan_resharding
+from ..sharding import Sharding
+from .common import (
     Case,
     add_plan_options,
     case_from_json,
@@ -37,11 +42,6 @@ from .cli_common import (
     read_json_file,
     write_output,
 )
-from .cluster import Cluster
-from .cost import lower_bound_for, paper_model_time, plan_report, ratio_text
-from .plan import transfers_text
-from .planner import plan_resharding
-from .sharding import Sharding
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -149,19 +149,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler") -
     if argv[0] == "plan":
         return plan_main(argv[1:])
     if argv[0] == "simulate":
-        from .sim_cli import simulate_main
+        from .simulate import simulate_main
 
         return simulate_main(argv[1:])
     if argv[0] == "partition":
-        from .partition_cli import partition_main
+        from .partition import partition_main
 
         return partition_main(argv[1:])
     if argv[0] == "trace":
-        from .trace_cli import trace_main
+        from .trace import trace_main
 
         return trace_main(argv[1:])
     if argv[0] == "profile":
-        from .profile_cli import profile_main
+        from .profile import profile_main
 
         return profile_main(argv[1:])
     print(f"{prog}: unknown command {argv[0]!r}; known: {', '.join(COMMANDS)}", file=sys.stderr)

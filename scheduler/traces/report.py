@@ -5,7 +5,7 @@ with one definition of exposed communication (:mod:`scheduler.exposure`).
 Several files are the ranks of one job (:func:`in_rank_order`): each device must be in one
 file only (each process traces its own devices); the report is one per-device table with a
 rank column, the unattributed work of each rank's GPUs, each GPU's time as Holistic Trace
-Analysis breaks it down (:mod:`scheduler.gpu_time`), and a per-rank breakdown (each file's
+Analysis breaks it down (:mod:`scheduler.traces.gpu_time`), and a per-rank breakdown (each file's
 steps, iteration time and bubble: ranks' clocks are not compared).
 """
 
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..exposure import Figures, device_table, parse_name
+from ..timeline import Timeline
 from .capture import (
     Capture,
     check_trace_bytes,
@@ -25,9 +27,7 @@ from .capture import (
     timeline_work,
     unattributed_figures,
 )
-from .exposure import Figures, device_table, parse_name
 from .gpu_time import GpuTime, gpu_times
-from .timeline import Timeline
 
 SOURCES = {"overlap": "a trace of overlap's runtime or simulator",
            "nsys": "an Nsight Systems capture", "kineto": "a PyTorch profiler trace"}
@@ -50,7 +50,7 @@ class Trace:
 class FileReport:
     """One file's figures: per device (and the stages it ran), per GPU its unattributed
     work, its steps (``steps``, ``iteration_ms``, ``bubble_pct``; None without step
-    ranges), per GPU all its time (:class:`~scheduler.gpu_time.GpuTime`), and its rank."""
+    ranges), per GPU all its time (:class:`~scheduler.traces.gpu_time.GpuTime`), and its rank."""
 
     path: Path
     source: str
@@ -156,7 +156,7 @@ def merged_steps(reports: Sequence[FileReport]) -> dict[str, float] | None:
 
 def report_json(reports: Sequence[FileReport]) -> dict[str, Any]:
     """The JSON of ``overlap trace report --json`` (see the command's help)."""
-    from .exposure import DEFINITION
+    from ..exposure import DEFINITION
 
     out: dict[str, Any] = {"definition": DEFINITION, "devices": {}, "unattributed": [],
                            "gpus": []}

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..exposure import parse_name, waits_by_name
 from .capture import GpuWork
-from .exposure import parse_name, waits_by_name
 
 FORMATS = (".png", ".svg", ".pdf")
 COLORS = {"F": "tab:blue", "B": "tab:green", "I": "tab:olive", "W": "tab:cyan",
@@ -151,7 +151,7 @@ def shifted(rows: Sequence[Row], t0: float, prefix: str) -> list[Row]:
 
 
 def traces_rows(traces: Sequence[Any], ranks: Sequence[int] | None = None) -> list[Row]:
-    """The rows of every trace read (:class:`scheduler.trace_report.Trace`), one under the
+    """The rows of every trace read (:class:`scheduler.traces.report.Trace`), one under the
     other: one as is, several prefixed ``r<rank>`` (``ranks``, default 0, 1, ... in the
     order given). Our own traces keep their times (each from its own start); profilers'
     captures share one clock, from its earliest work."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .partition_model import Problem, Stage
-from .schedules import MAX_STAGE_MICROBATCHES, Schedule, make_schedule
+from ..schedules import MAX_STAGE_MICROBATCHES, Schedule, make_schedule
+from .model import Problem, Stage
 
 MULTI_CHUNK = ("interleaved-1f1b", "zbv")
 

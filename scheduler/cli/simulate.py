@@ -38,8 +38,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .auto import auto_schedule
-from .cli_common import (
+from ..auto import auto_schedule
+from ..cluster import Cluster
+from ..graph import DataParallel
+from ..lowering import Boundary, _check_meshes, lower
+from ..mesh import DeviceMesh
+from ..planner import PlanCache, PlanOptions
+from ..schedules import (
+    ALL_SCHEDULES,
+    MAX_STAGE_MICROBATCHES,
+    SCHEDULES,
+    Schedule,
+    make_schedule,
+)
+from ..sharding import Sharding, ShardingSpec
+from ..simulator import simulate
+from ..timeline import Timeline
+from .common import (
     add_plan_options,
     interpret_case,
     joined_specs,
@@ -48,21 +63,6 @@ from .cli_common import (
     plan_options,
     read_json_file,
 )
-from .cluster import Cluster
-from .graph import DataParallel
-from .lowering import Boundary, _check_meshes, lower
-from .mesh import DeviceMesh
-from .planner import PlanCache, PlanOptions
-from .schedules import (
-    ALL_SCHEDULES,
-    MAX_STAGE_MICROBATCHES,
-    SCHEDULES,
-    Schedule,
-    make_schedule,
-)
-from .sharding import Sharding, ShardingSpec
-from .simulator import simulate
-from .timeline import Timeline
 
 EVERY_SCHEDULE = (*ALL_SCHEDULES, "auto")
 HALF_STAGE_SCHEDULES = ("interleaved-1f1b", "zbv")  # two stages per rank

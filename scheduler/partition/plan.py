@@ -11,17 +11,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cluster import Cluster
-from .errors import load_json
-from .graph import DataParallel, StepGraph
-from .lowering import Boundary, lower
-from .mesh import DeviceMesh
-from .plan import fmt_bytes
-from .planner import PlanOptions
-from .schedules import Schedule
-from .sharding import Sharding, ShardingSpec
-from .simulator import simulate
-from .timeline import Timeline
+from ..cluster import Cluster
+from ..errors import load_json
+from ..graph import DataParallel, StepGraph
+from ..lowering import Boundary, lower
+from ..mesh import DeviceMesh
+from ..plan import fmt_bytes
+from ..planner import PlanOptions
+from ..schedules import Schedule
+from ..sharding import Sharding, ShardingSpec
+from ..simulator import simulate
+from ..timeline import Timeline
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Reading a PyTorch profiler (Kineto) Chrome trace into a :class:`~scheduler.capture.Capture`,
-as :mod:`scheduler.nsys` reads an Nsight Systems export.
+"""Reading a PyTorch profiler (Kineto) Chrome trace into a
+:class:`~scheduler.traces.capture.Capture`, as :mod:`scheduler.traces.nsys` reads an Nsight
+Systems export.
 
 GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events, and ``cuda_sync`` events on a
 stream: ``args.stream`` >= 0; a context's or an event's synchronization has none, and is the
@@ -8,7 +9,7 @@ same ``args.correlation``) and attributed to the innermost ``user_annotation`` r
 (``torch.profiler.record_function``) on the launching thread whose message is one of the
 runtime's ranges (``F s1 mb3 on device 5``, ``reshard ...``); work inside none is
 unattributed (reported per CUDA device, ``args.device``), as is every synchronization (a
-wait, not an op's work). Each is classed as :mod:`scheduler.gpu_time` says (memcpy and
+wait, not an op's work). Each is classed as :mod:`scheduler.traces.gpu_time` says (memcpy and
 memset: memory; a synchronization: other; a kernel by its name).
 A trace without GPU work — the CPU backend's — is read from those ranges themselves: each is
 its op's work on its device. Steps: ``user_annotation`` ranges ``step N``
@@ -26,10 +27,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..intervals import MAX_ID, check_id, scaled_interval
 from .capture import STEP, Capture, check_trace_bytes, classify, innermost, range_work, step_windows
-from .intervals import MAX_ID, check_id, scaled_interval
 
-# Kineto's category of GPU work -> what it recorded (scheduler.gpu_time.ACTIVITIES).
+# Kineto's category of GPU work -> what it recorded (scheduler.traces.gpu_time.ACTIVITIES).
 ACTIVITY = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset",
             "cuda_sync": "sync"}
 GPU_CATEGORIES = tuple(ACTIVITY)

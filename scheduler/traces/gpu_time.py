@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .intervals import Interval, length, union
+from ..intervals import Interval, length, union
 
 CLASSES = ("compute", "comm", "memory", "other")
 # What a source recorded a piece of GPU work as, before its name is read.

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli_common import OneLineErrors
-from .exposure import DEFINITION
+from ..exposure import DEFINITION
+from .common import OneLineErrors
 
 HELP = f"""\
 report: one table, per device: compute, communication (comm), exposed communication,
@@ -66,7 +66,7 @@ def trace_main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_arguments(args)
-        from .trace_report import check_ranks, file_report, in_rank_order, read_trace
+        from ..traces.report import check_ranks, file_report, in_rank_order, read_trace
 
         ranked = in_rank_order([read_trace(f) for f in args.files])
         if args.action == "plot":
@@ -92,7 +92,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
                              f"file: {f} is not a regular file")
     if args.action == "report":
         return
-    from .trace_plot import check_output, pyplot
+    from ..traces.plot import check_output, pyplot
 
     check_output(args.output)
     pyplot("overlap trace plot")  # (ImportError without the viz extra, before any work)
@@ -103,13 +103,13 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _render(reports: Sequence[Any], as_json: bool) -> str:
-    from .trace_report import report_json, report_text
+    from ..traces.report import report_json, report_text
 
     return json.dumps(report_json(reports), indent=1) if as_json else report_text(reports)
 
 
 def _plot(ranked: Sequence[tuple[int, Any]], output: Path) -> Path:
-    from .trace_plot import plot_rows, traces_rows
+    from ..traces.plot import plot_rows, traces_rows
 
     traces = [t for _, t in ranked]
     title = ", ".join(str(t.path) for t in traces)

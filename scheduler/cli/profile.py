@@ -21,10 +21,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .capture import PROFILE_STEPS_ENV, steps_window
-from .cli_common import output_dir, parser
-from .nsys import read_sqlite
-from .trace_report import Trace, file_report, report_json, report_text
+from ..traces.capture import PROFILE_STEPS_ENV, steps_window
+from ..traces.nsys import read_sqlite
+from ..traces.report import Trace, file_report, report_json, report_text
+from .common import output_dir, parser
 
 INSTALL = ("Nsight Systems' `nsys` is not on PATH: install it (https://developer.nvidia.com/"
            "nsight-systems, or the `nsight-systems-cli` package of NVIDIA's CUDA apt/yum "
