@@ -343,6 +343,21 @@ def state_lower_bound(tensors: Mapping[str, StateTensor], cluster: Cluster) -> f
         (unit_tasks(t.shape, t.dtype, t.src, t.dst, cluster) for t in tensors.values()), cluster)
 
 
+def _peak_staging(buckets: Sequence[Sequence[Transfer]]) -> dict[int, int]:
+    """Per device, the most bytes one bucket stages there (a local copy stages none: it
+    copies shard to shard)."""
+    peak: dict[int, int] = {}
+    for bucket in buckets:
+        staged: dict[int, int] = {}
+        for t in bucket:
+            if not t.is_local_copy:
+                for d in t.devices:
+                    staged[d] = staged.get(d, 0) + t.nbytes
+        for d, v in staged.items():
+            peak[d] = max(peak.get(d, 0), v)
+    return peak
+
+
 def plan_state_resharding(
     tensors: Mapping[str, StateTensor],
     cluster: Cluster,
@@ -407,16 +422,7 @@ def plan_state_resharding(
         for k, (name, t) in enumerate(state.items())
     }
     buckets = tuple(tuple((names[entries[g][0]], local_index[g]) for g in b) for b in buckets_g)
-    peak: dict[int, int] = {}
-    for b in buckets_g:
-        staged: dict[int, int] = {}
-        for g in b:
-            t = entries[g][1]
-            if not t.is_local_copy:
-                for d in t.devices:
-                    staged[d] = staged.get(d, 0) + t.nbytes
-        for d, v in staged.items():
-            peak[d] = max(peak.get(d, 0), v)
+    peak = _peak_staging([[entries[g][1] for g in b] for b in buckets_g])
     model = CostModel(cluster)
     draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
     schedule = [t for _, t in draft.schedule()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -35,15 +36,18 @@ def test_example_exits_nonzero_when_the_check_fails(example, tmp_path, monkeypat
     real = example.TorchPipeline
 
     class Off(real):
-        def _backward(self, s):
-            inner = super()._backward(s)
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
 
-            def backward(ctx, dy):
-                dx = inner(ctx, dy)
-                for p in self.modules[s][0].parameters():
-                    p.grad.add_(1e-3)
-                return dx
-            return backward
+            def off(s, inner):
+                def backward(ctx, dy):
+                    dx = inner(ctx, dy)
+                    for p in self.modules[s][0].parameters():
+                        p.grad.add_(1e-3)
+                    return dx
+                return backward
+            self.stages = tuple(dataclasses.replace(st, backward=off(s, st.backward))
+                                for s, st in enumerate(self.stages))
 
     monkeypatch.setattr(example, "TorchPipeline", Off)
     assert example.main([*SMALL, "--trace-dir", str(tmp_path)]) == 1
