@@ -22,7 +22,6 @@ model from the same weights.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -31,15 +30,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-def gpt_module() -> Any:
-    spec = importlib.util.spec_from_file_location("gpt_pipeline",
-                                                  ROOT / "examples" / "gpt_pipeline.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from vs_plain_torch import gpt_module  # noqa: E402  (the GPT example, loaded as a module)
 
 
 def pipeline(gpt: Any, args: argparse.Namespace, stages: int, dp: bool, rt: Any) -> Any:

@@ -71,6 +71,7 @@ from scheduler.graph import (
     dp_stream,
     input_channel,
     output_channel,
+    reduce_line,
     reduce_lines,
 )
 from scheduler.lowering import (
@@ -556,12 +557,10 @@ class _Lazy(Mapping):
 
 def axis_line(mesh: DeviceMesh, device: int, axis: str) -> tuple[int, ...]:
     """The devices of ``mesh`` that differ from ``device`` only along ``axis``, in the order of
-    their index along it (``device`` included): the group of an axis collective."""
-    ax = mesh.axis_index(axis)
-    coords = mesh.coords()  # (in index order: along the axis too)
-    here = coords[device]
-    return tuple(d for d, c in coords.items()
-                 if all(c[i] == here[i] for i in range(len(c)) if i != ax))
+    their index along it (``device`` included): the group of an axis collective — the same
+    line a data-parallel stage's gradient reduction runs over
+    (:func:`scheduler.graph.reduce_line`)."""
+    return reduce_line(mesh, device, axis)
 
 
 def mesh_groups(mesh: DeviceMesh) -> list[tuple[int, ...]]:
