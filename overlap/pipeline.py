@@ -89,7 +89,7 @@ from .reshard import transfer_op
 from .scope import CancelScope, sleep
 
 if TYPE_CHECKING:
-    from .backends import Backend, Event, Route
+    from .backends import Backend, Event, OpReport, Route
 
 Forward = Callable[["StageContext", np.ndarray], Any]
 Backward = Callable[["StageContext", "np.ndarray | None"], "np.ndarray | None"]
@@ -272,20 +272,22 @@ def launch_step(
     *,
     routes: Mapping[tuple[int, int], Route],
     scope: CancelScope,
+    report: OpReport | None = None,
     compute_time: Callable[[int, str], float] | None = None,
     state: StepState | None = None,
 ) -> list[Event]:
     """Launch this process's part of one step of ``graph`` for ``scope``, into ``state``
     (buffers and losses; a new one by default); returns the end events. ``routes``: the
-    graph's transfer parts, resolved (``reshard.resolve``); ``compute_time(stage, kind)``:
-    seconds each compute must take at least (compute emulation: the stream stays busy, as a
-    GPU kernel of that length would keep it)."""
+    graph's transfer parts, resolved (``reshard.resolve``); ``report``: the call's
+    (:func:`overlap.launch.launch`); ``compute_time(stage, kind)``: seconds each compute
+    must take at least (compute emulation: the stream stays busy, as a GPU kernel of that
+    length would keep it)."""
     state = StepState() if state is None else state
     binder = _Binder(backend, state, stages,
                      per_microbatch(boundaries, len(microbatches)), microbatches,
                      input_sharding, compute_time, graph.buffer_users, routes, scope,
                      graph.channel_sets)
-    return launch(backend, graph, binder, scope)
+    return launch(backend, graph, binder, scope, report)
 
 
 class _Binder:

@@ -151,7 +151,7 @@ def test_a_bad_capture_window_in_the_environment_is_named(monkeypatch):
     with pytest.raises(ValueError, match="environment variable OVERLAP_PROFILE_STEPS"):
         Runtime(CLUSTER)
     with Runtime(CLUSTER, profile_steps="2") as rt:  # the argument wins over the environment
-        assert rt._profile_window == range(2, 3)
+        assert rt.profile_steps == range(2, 3)
 
 
 def test_a_capture_window_on_the_cpu_backend_still_opens_step_ranges(ranges):
