@@ -104,10 +104,11 @@ class Runtime:
             # makes many runtimes printed little else). The guard names a killed rank itself.
             log.debug("%s", self.backend.dist.describe())
         # Dropped without close(): end the threads anyway, and say so (as files and event
-        # loops do). The callback holds the parts, never the runtime — nor does anything a
-        # stream thread holds.
-        self._finalizer = weakref.finalize(self, collected, parts, f"{self.backend.name} "
-                                           f"backend, {cluster.num_devices} devices")
+        # loops do). The callback holds the scope, the backend and the loop, never the
+        # runtime — nor does anything a stream thread holds.
+        self._finalizer = weakref.finalize(self, collected, parts.scope, parts.backend,
+                                           parts.sync, f"{self.backend.name} backend, "
+                                           f"{cluster.num_devices} devices")
 
     # ---- resharding ----------------------------------------------------------------------
 
@@ -260,7 +261,7 @@ class Runtime:
                 self._parts.measure.profiler.switch(False)
             if self.backend.dist is not None:
                 self.backend.dist.leave(error, handled)
-            shut_down(self._parts)
+            shut_down(self._parts.scope, self.backend, self._parts.sync)
 
     async def aclose(self) -> None:
         """:meth:`close`, off the event loop."""

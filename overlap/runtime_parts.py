@@ -126,20 +126,21 @@ def _link_time(cluster: Cluster, emulate: bool | str
     return None
 
 
-def shut_down(parts: RuntimeParts) -> None:
+def shut_down(scope: CancelScope, backend: Backend, sync: SyncLoop) -> None:
     """Cancel whatever still runs, end the backend's threads and the sync calls' loop."""
-    parts.scope.cancel(CollectiveAborted("the runtime closed"))
-    parts.backend.close()
-    parts.sync.close()
+    scope.cancel(CollectiveAborted("the runtime closed"))
+    backend.close()
+    sync.close()
 
 
-def collected(parts: RuntimeParts, what: str) -> None:
+def collected(scope: CancelScope, backend: Backend, sync: SyncLoop, what: str) -> None:
     """A runtime dropped without ``close()``: its threads are ended anyway, with a warning
-    (as files and event loops do)."""
+    (as files and event loops do). It takes these three parts alone — not the calls, whose
+    kept error (a lost stream), raised again, holds the runtime's frames."""
     warnings.warn(f"unclosed overlap.Runtime ({what}): its threads are ended now; call "
                   "close(), or use `with overlap.Runtime(...) as rt:`", ResourceWarning,
                   stacklevel=2)
-    shut_down(parts)
+    shut_down(scope, backend, sync)
 
 
 def check_bound(timeout: Any) -> None:
