@@ -3,11 +3,12 @@ refused or admitted, launched, watched, finished — and on a failure, settled, 
 cause named. :meth:`Calls.run` is the one entry: the runtime calls it once per call.
 
 - **Refused** from inside one of the runtime's stream threads (a stage function: it would wait
-  for the streams it runs on), and when the runtime is closed, lost a stream, or — across
-  processes — failed (:meth:`Calls.check_open`).
+  for the streams it runs on).
 - **Admitted** one at a time per runtime, from whichever thread or event loop, in the order
-  the callers came (:class:`~overlap.call_gate.CallGate`). Then what an interrupted call left
-  running is settled (a stream stuck past its bound is abandoned, and the call refused).
+  the callers came (:class:`~overlap.call_gate.CallGate`); once admitted, refused when the
+  runtime is closed, lost a stream, or — across processes — failed
+  (:meth:`Calls.check_open`). Then what an interrupted call left running is settled (a
+  stream stuck past its bound is abandoned, and the call refused).
 - **Agreed** across processes: the call is announced to its members
   (:mod:`.backends.distributed`: its agreement row goes out; a member known to have left
   fails the call at once), and the communicators it needs across processes are made.
