@@ -15,8 +15,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import overlap  # noqa: E402
-from scheduler import (  # noqa: E402
+import overlap
+from scheduler import (
     Cluster,
     DeviceMesh,
     P,
@@ -25,7 +25,7 @@ from scheduler import (  # noqa: E402
     StateTensor,
     plan_state_resharding,
 )
-from scheduler.dtypes import check_dtype  # noqa: E402
+from scheduler.dtypes import check_dtype
 
 CLUSTER = Cluster.preset("p3.8xlarge", 2)  # 8 devices: 2 hosts x 4 GPUs
 
