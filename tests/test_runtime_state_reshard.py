@@ -295,3 +295,30 @@ def test_four_processes_each_give_their_own_shards_and_receive_exact_ones(launch
     ranks = sorted(int(m.group(1)) for m in re.finditer(r"STATE OK (\d) (\d+)", done.stdout))
     assert ranks == [0, 1, 2, 3], done.stdout[-3000:]
     assert all(int(n) > 0 for n in re.findall(r"STATE OK \d (\d+)", done.stdout))
+
+
+# ---- the CUDA backend's host logic, on the numpy stand-in for CuPy ----------------------------
+
+
+def test_a_state_through_the_cuda_backend_on_a_stand_in_gpu(monkeypatch):
+    import sys
+
+    import fake_cupy
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake_cupy.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", fake_cupy.nccl)
+    fake_cupy.launches.clear()
+    tensors, plan = _state(bucket=32)
+    full = full_tensors(tensors)
+    shards = {n: {d: fake_cupy.asarray(a) for d, a in by.items()}
+              for n, by in source_shards(tensors, full).items()}
+    with Runtime(P3, backend="cuda", timeout=SETTLE_S) as rt:
+        assert rt.backend.name == "cuda"
+        out = rt.reshard_state_sync(plan, shards)
+        with pytest.raises(TypeError,
+                           match=r"shards\['w'\]\[0\]: expected a numpy or \w*cupy array"):
+            rt.reshard_state_sync(plan, {**shards, "w": {**shards["w"], 0: [0.0]}})
+    assert_state_delivered({n: {d: fake_cupy.asnumpy(a) for d, a in by.items()}
+                            for n, by in out.items()}, tensors, full)
+    assert any(x.startswith("wait") for x in fake_cupy.launches)  # device-side waits used
