@@ -41,6 +41,7 @@ from scheduler import (
     Schedule,
     Sharding,
     Span,
+    StateReshardPlan,
     StepGraph,
     Timeline,
     TransferOp,
@@ -80,6 +81,7 @@ from .reshard import (
     shards_match,
 )
 from .scope import CancelScope
+from .state_reshard import reshard_state
 from .stats import StepHookHandle, StepHooks, StepStats, step_stats
 from .world import Placement, World, detect_world
 
@@ -482,6 +484,25 @@ class Runtime:
                      trace: bool = False) -> dict[int, np.ndarray]:
         """:meth:`reshard` for synchronous callers (not from inside a running event loop)."""
         return self.run_sync(self.reshard(plan, shards, out=out, trace=trace), "reshard_sync")
+
+    async def reshard_state(self, plan: StateReshardPlan,
+                            shards: Mapping[str, Mapping[int, np.ndarray]], *,
+                            out: Mapping[str, Mapping[int, np.ndarray]] | None = None,
+                            trace: bool = False) -> dict[str, dict[int, np.ndarray]]:
+        """Move every tensor of a whole-state plan (:func:`scheduler.plan_state_resharding`)
+        in one call: ``shards[name][d]`` as :meth:`reshard` takes ``shards`` (this process's
+        source devices only); returns name -> destination device -> its region (this
+        process's devices), into the arrays of ``out[name]`` where given
+        (:mod:`overlap.state_reshard`)."""
+        return await reshard_state(self, plan, shards, out=out, trace=trace)
+
+    def reshard_state_sync(self, plan: StateReshardPlan,
+                           shards: Mapping[str, Mapping[int, np.ndarray]], *,
+                           out: Mapping[str, Mapping[int, np.ndarray]] | None = None,
+                           trace: bool = False) -> dict[str, dict[int, np.ndarray]]:
+        """:meth:`reshard_state` for synchronous callers."""
+        return self.run_sync(self.reshard_state(plan, shards, out=out, trace=trace),
+                             "reshard_state_sync")
 
     def run_sync(self, coro: Coroutine[Any, Any, T], what: str = "run_sync") -> T:
         """Run ``coro`` (a call of this runtime's async API, or code awaiting one) on the event
