@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import sys
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
@@ -24,13 +23,16 @@ from typing import IO, Any, TypeVar
 
 import numpy as np
 
-from scheduler import Cluster, PlanOptions, ReshardPlan, Schedule, Sharding, StepGraph, Timeline
+from scheduler import Cluster, PlanOptions, ReshardPlan, Schedule, Sharding, StateReshardPlan
+from scheduler.graph import StepGraph
 from scheduler.lowering import Boundaries
+from scheduler.timeline import Timeline
 
 from .call_gate import refuse_reentry
 from .pipeline import Stage
 from .reshard_call import reshard
-from .runtime_parts import collected, make_parts, shut_down
+from .runtime_parts import close_parts, collected, make_parts
+from .state_reshard import reshard_state
 from .stats import StepHookHandle, StepStats
 from .step_call import train_step
 from .step_graph_cache import (  # (public here too, where they were first)
@@ -44,7 +46,6 @@ from .sync_loop import run
 from .world import Placement, World
 
 T = TypeVar("T")
-log = logging.getLogger("overlap")
 
 
 class Runtime:
@@ -99,10 +100,6 @@ class Runtime:
         self.plans = parts.graphs.plans  # each boundary planned once per options
         self.local_devices: tuple[int, ...] = tuple(
             d for d in range(cluster.num_devices) if self.backend.is_local(d))
-        if self.world.distributed:
-            # At DEBUG: every runtime of every rank would otherwise print it (a script that
-            # makes many runtimes printed little else). The guard names a killed rank itself.
-            log.debug("%s", self.backend.dist.describe())
         # Dropped without close(): end the threads anyway, and say so (as files and event
         # loops do). The callback holds the scope, the backend and the loop, never the
         # runtime — nor does anything a stream thread holds.
@@ -132,6 +129,25 @@ class Runtime:
                      trace: bool = False) -> dict[int, np.ndarray]:
         """:meth:`reshard` for synchronous callers (not from inside a running event loop)."""
         return self.run_sync(self.reshard(plan, shards, out=out, trace=trace), "reshard_sync")
+
+    async def reshard_state(self, plan: StateReshardPlan,
+                            shards: Mapping[str, Mapping[int, np.ndarray]], *,
+                            out: Mapping[str, Mapping[int, np.ndarray]] | None = None,
+                            trace: bool = False) -> dict[str, dict[int, np.ndarray]]:
+        """Move every tensor of a whole-state plan (:func:`scheduler.plan_state_resharding`)
+        in one call: ``shards[name][d]`` as :meth:`reshard` takes ``shards`` (this process's
+        source devices only); returns name -> destination device -> its region (this
+        process's devices), into the arrays of ``out[name]`` where given
+        (:mod:`overlap.state_reshard`)."""
+        return await reshard_state(self._parts, plan, shards, out=out, trace=trace)
+
+    def reshard_state_sync(self, plan: StateReshardPlan,
+                           shards: Mapping[str, Mapping[int, np.ndarray]], *,
+                           out: Mapping[str, Mapping[int, np.ndarray]] | None = None,
+                           trace: bool = False) -> dict[str, dict[int, np.ndarray]]:
+        """:meth:`reshard_state` for synchronous callers."""
+        return self.run_sync(self.reshard_state(plan, shards, out=out, trace=trace),
+                             "reshard_state_sync")
 
     def run_sync(self, coro: Coroutine[Any, Any, T], what: str = "run_sync") -> T:
         """Run ``coro`` (a call of this runtime's async API, or code awaiting one) on the event
@@ -252,16 +268,10 @@ class Runtime:
         self._close(handled=sys.exc_info()[1] is None)
 
     def _close(self, error: BaseException | None = None, handled: bool = False) -> None:
-        """``error``: the exception leaving a ``with`` block (a multi-process job then tells
-        the other ranks this one failed, not that it left)."""
+        """Once (see ``close_parts``: ``error`` is the exception leaving a ``with`` block)."""
         if not self._parts.calls.closed:
-            self._parts.calls.closed = True
             self._finalizer.detach()
-            with contextlib.suppress(Exception):  # a window left open ends with the runtime
-                self._parts.measure.profiler.switch(False)
-            if self.backend.dist is not None:
-                self.backend.dist.leave(error, handled)
-            shut_down(self._parts.scope, self.backend, self._parts.sync)
+            close_parts(self._parts, error, handled)
 
     async def aclose(self) -> None:
         """:meth:`close`, off the event loop."""

@@ -11,7 +11,9 @@ dropped without ``close()`` is collected, and :func:`collected` ends its threads
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,8 @@ from .scope import CancelScope
 from .step_graph_cache import StepGraphCache
 from .sync_loop import SyncLoop
 from .world import Placement, World, detect_world
+
+log = logging.getLogger("overlap")
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,10 @@ def make_parts(cluster: Cluster, backend: str, *, emulate_links: bool | str,
     scope = CancelScope("the runtime")
     if made.dist is not None:
         made.dist.scope = scope
+    if world.distributed:
+        # At DEBUG: every runtime of every rank would otherwise print it (a script that
+        # makes many runtimes printed little else). The guard names a killed rank itself.
+        log.debug("%s", made.dist.describe())
     measure = Measurements(made, Profiler(made, window))
     graphs = StepGraphCache(cluster, made, distributed=world.distributed,
                             compute_time=compute_time, measured=measure.compute_means)
@@ -126,6 +134,19 @@ def _link_time(cluster: Cluster, emulate: bool | str
     return None
 
 
+def close_parts(parts: RuntimeParts, error: BaseException | None, handled: bool) -> None:
+    """Close the runtime: no call runs again, a profiler window left open ends, across
+    processes the peers are told (``error``: the exception leaving a ``with`` block — the
+    others then hear this rank failed, not that it left; ``handled``: the job may go on),
+    and every thread ends."""
+    parts.calls.closed = True
+    with contextlib.suppress(Exception):  # a window left open ends with the runtime
+        parts.measure.profiler.switch(False)
+    if parts.backend.dist is not None:
+        parts.backend.dist.leave(error, handled)
+    shut_down(parts.scope, parts.backend, parts.sync)
+
+
 def shut_down(scope: CancelScope, backend: Backend, sync: SyncLoop) -> None:
     """Cancel whatever still runs, end the backend's threads and the sync calls' loop."""
     scope.cancel(CollectiveAborted("the runtime closed"))
@@ -149,4 +170,4 @@ def check_bound(timeout: Any) -> None:
         check_seconds("timeout", timeout)
 
 
-__all__ = ["RuntimeParts", "check_bound", "collected", "make_parts", "shut_down"]
+__all__ = ["RuntimeParts", "check_bound", "close_parts", "collected", "make_parts", "shut_down"]

@@ -51,6 +51,7 @@ from .state_reshard import (
     StateReshardPlan,
     StateTensor,
     plan_state_resharding,
+    state_graph,
     state_lower_bound,
 )
 from .timeline import Span, Timeline
@@ -122,6 +123,7 @@ __all__ = [
     "plan_state_resharding",
     "reshard_graph",
     "simulate",
+    "state_graph",
     "state_lower_bound",
     "validate",
 ]

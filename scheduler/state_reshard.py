@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -37,6 +38,7 @@ from .cluster import Cluster
 from .cost import CostModel, lower_bound_of_tasks, ratio_text
 from .dtypes import check_dtype
 from .errors import ClusterError, PlanError, ShardingError, load_json
+from .graph import COMPUTE, Dep, Op, StepGraph, TransferOp, lane_stream, lanes_of
 from .plan import ReshardPlan, Transfer, fmt_bytes
 from .planner import PlanOptions, _decompose, check_nbytes
 from .regions import is_empty, split_region, volume
@@ -158,6 +160,12 @@ class StateReshardPlan:
 
     def _transfer(self, key: Key) -> Transfer:
         return self.plans[key[0]].transfers[key[1]]
+
+    @property
+    def launch_order(self) -> tuple[Key, ...]:
+        """Every transfer of the state, bucket by bucket: op ``g`` of :func:`state_graph`
+        runs ``launch_order[g]``."""
+        return tuple(k for b in self.buckets for k in b)
 
     def bucket_nbytes(self, k: int) -> int:
         """Bytes of the staged transfers of bucket ``k``."""
@@ -436,6 +444,55 @@ def plan_state_resharding(
     )
 
 
+def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
+    """The step graph of a whole-state resharding: one :class:`~scheduler.graph.TransferOp`
+    per transfer, in :attr:`StateReshardPlan.launch_order` (op ``g``'s ``index`` is ``g``;
+    its tensor and transfer are ``launch_order[g]``), each on its lane's stream.
+
+    Waits: each transfer's ``after`` within its tensor (as :func:`~scheduler.reshard_graph`
+    makes them: on the sender, for what it forwards or for its NIC's order), and the
+    **bucket barrier** — on each device, a transfer of bucket ``b`` waits, on that device,
+    for the device's last transfer of each of its other streams in the device's previous
+    bucket (its own stream's is before it anyway: FIFO). A device thus stages one bucket
+    at a time (:attr:`StateReshardPlan.peak_staging_bytes`), while devices done with a
+    bucket go on to the next without waiting for the others: bucket ``k + 1`` moves between
+    some devices while bucket ``k`` still lands on others. Every wait names an earlier op,
+    so the graph cannot deadlock."""
+    if not isinstance(plan, StateReshardPlan):
+        raise TypeError(f"plan: expected a StateReshardPlan, got {type(plan).__name__}")
+    if not isinstance(stream, str) or not stream or stream == COMPUTE \
+            or re.fullmatch(r".*\.\d+", stream):
+        raise ValueError(f"stream: expected a comm stream name other than {COMPUTE!r}, not "
+                         f"ending like a lane's (<name>.<lane>), got {stream!r}")
+    order = plan.launch_order
+    position = {key: g for g, key in enumerate(order)}
+    current: dict[int, tuple[int, dict[str, int]]] = {}  # device -> (bucket, stream -> last)
+    barrier: dict[int, dict[str, int]] = {}  # device -> stream -> last op, previous bucket
+    ops: list[Op] = []
+    for b, bucket in enumerate(plan.buckets):
+        for name, i in bucket:
+            g = len(ops)
+            t = plan.plans[name].transfers[i]
+            s = lane_stream(stream, t)
+            waits: dict[Dep, None] = {}
+            for j in t.after:
+                earlier = plan.plans[name].transfers[j]
+                src = t.sender if t.sender in earlier.devices else earlier.sender
+                waits[Dep(position[(name, j)], src, t.sender)] = None
+            for d in t.devices:
+                entry = current.get(d)
+                if entry is None or entry[0] < b:
+                    if entry is not None:
+                        barrier[d] = entry[1]
+                    entry = current[d] = (b, {})
+                for other, last in barrier.get(d, {}).items():
+                    if other != s:
+                        waits[Dep(last, d, d)] = None
+                entry[1][s] = g
+            ops.append(Op(g, TransferOp(None, 0, g, t), s, t.devices, tuple(waits)))
+    return StepGraph(tuple(ops), lanes_of(ops))
+
+
 def _cut(entries: Sequence[tuple[int, Transfer]], cap: int) -> list[tuple[int, Transfer]]:
     """Every staged transfer larger than ``cap`` bytes cut into parts along its longest dim
     (same sender, receivers and lane); ``after`` renumbered, naming every part of a cut one."""
@@ -481,5 +538,6 @@ __all__ = [
     "StateReshardPlan",
     "StateTensor",
     "plan_state_resharding",
+    "state_graph",
     "state_lower_bound",
 ]

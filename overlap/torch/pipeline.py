@@ -52,6 +52,7 @@ from .parallel import Replicate, TensorParallel, parallelize, spec_of
 from .report import BoundaryReport, report_boundary
 from .stage_functions import StageFunctions, StepInputs, loss_of
 from .stages import META, LocalStage, StageFn, build_stages, check_seed
+from .state_reshard import TensorLayout, pipeline_shards, pipeline_state_layout
 from .tensors import as_array, numpy_dtype
 from .threads import check_threads, default_threads
 
@@ -365,6 +366,14 @@ class TorchPipeline:
         if tp is not None:
             return tp.state_dict()
         return {k: v.detach().clone() for k, v in self.modules[stage][0].state_dict().items()}
+
+    def state_layout(self) -> dict[str, TensorLayout]:
+        """The training layout of :meth:`state_dict`'s tensors (see ``state_reshard``)."""
+        return pipeline_state_layout(self)
+
+    def local_shards(self) -> dict[str, dict[int, torch.Tensor]]:
+        """This process's devices' state tensors, by name and device (no copies)."""
+        return pipeline_shards(self)
 
     def layouts(self, stage: int) -> tuple[Any, Any]:
         """Stage ``stage``'s (input, output) layouts over its mesh axis: ``Replicate()`` or

@@ -96,6 +96,17 @@ def as_array(t: torch.Tensor, xp: Any) -> Any:
     return t.numpy() if cpu else xp.from_dlpack(t)
 
 
+def array_to_torch(x: Any, xp: Any) -> torch.Tensor:
+    """An array of ``xp`` (numpy, or cupy on the CUDA backend) as a tensor sharing its
+    memory (the inverse of :func:`as_array`; bfloat16 and float8 as their torch types)."""
+    cpu = xp is np
+    twin = _TORCH_OF.get(x.dtype.name) if x.dtype.name in NARROW_FLOATS else None
+    if twin is not None:
+        bits = x.view(f"u{x.dtype.itemsize}" if x.dtype.itemsize == 1 else "i2")
+        return (torch.from_numpy(bits) if cpu else torch.from_dlpack(bits)).view(twin)
+    return torch.from_numpy(x) if cpu else torch.from_dlpack(x)
+
+
 def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
     """The runtime's dtype for a torch dtype: numpy's, or ml_dtypes' for bfloat16 and the
     float8 types; None where there is none."""
