@@ -127,6 +127,20 @@ def module_device_dtype(m: nn.Module, name: str) -> tuple[torch.device | None,
             next(iter(dtypes)) if dtypes else None)
 
 
+def device_dtypes(modules: Sequence[Sequence[nn.Module]]
+                  ) -> list[list[tuple[torch.device | None, torch.dtype | None]]]:
+    """:func:`module_device_dtype` of every module of every stage (``modules[s][k]``)."""
+    return [[module_device_dtype(m, f"modules[{s}][{k}]") for k, m in enumerate(reps)]
+            for s, reps in enumerate(modules)]
+
+
+def check_loss_fn(loss_fn: Any) -> Any:
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn: expected a callable (output, target) -> scalar loss "
+                        f"tensor, got {type(loss_fn).__name__}")
+    return loss_fn
+
+
 def check_count(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")

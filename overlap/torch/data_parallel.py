@@ -33,8 +33,9 @@ do with the axis of a stage mesh no tensor-parallel plan splits:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -157,6 +158,24 @@ class BatchSplit:
         return GradSync(axis, nbytes, reduce)
 
 
+def carried_grads(split: BatchSplit, local_stages: Iterable[Any]
+                  ) -> dict[int, dict[nn.Parameter, torch.Tensor]]:
+    """What the parameters of this process's devices of data-parallel stages
+    (``local_stages``: :class:`~overlap.torch.LocalStage`) hold in ``.grad`` before a step
+    (copies; none where every gradient is None, as after ``zero_grad``): the reduction sums
+    only the step's part."""
+    out: dict[int, dict[nn.Parameter, torch.Tensor]] = {}
+    for st in local_stages:
+        if split.degree(st.index) == 1:
+            continue
+        for d, m in zip(st.devices, st.modules):
+            held = {p: p.grad.detach().clone() for p in m.parameters()
+                    if p.requires_grad and p.grad is not None}
+            if held:
+                out[d] = held
+    return out
+
+
 def _by_dtype(module: nn.Module) -> Iterator[list[nn.Parameter]]:
     """The module's trainable parameters, grouped by dtype in their order (one bucket each:
     the same buckets, in the same order, on every replica)."""
@@ -189,4 +208,4 @@ def _sum(params: list[nn.Parameter], ctx: StageContext, axis: str,
             p.grad.copy_(g)
 
 
-__all__ = ["BatchSplit"]
+__all__ = ["BatchSplit", "carried_grads"]
