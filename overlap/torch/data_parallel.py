@@ -135,20 +135,26 @@ class BatchSplit:
 
     # ---- after the backward ---------------------------------------------------------------
 
+    def grad_bytes(self, s: int, modules: Mapping[int, nn.Module]) -> int:
+        """What stage ``s``'s reduction moves per device: its trainable parameters' bytes
+        (0 where it splits no batch)."""
+        if self.degree(s) == 1:
+            return 0
+        first = next(iter(modules.values()))
+        return sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad)
+
     def grad_sync(self, s: int, modules: Mapping[int, nn.Module], enter: Enter,
-                  carried: Callable[[int], Mapping[nn.Parameter, torch.Tensor]]
-                  ) -> GradSync | None:
+                  carried: Callable[[int], Mapping[nn.Parameter, torch.Tensor]],
+                  nbytes: int) -> GradSync | None:
         """Stage ``s``'s gradient reduction (None where it splits no batch). ``carried(d)``:
         what device ``d``'s parameters held in ``.grad`` before the step (the same on every
         replica): kept as it is, only the step's own part is summed — gradients add up over
-        steps, as without data parallelism."""
+        steps, as without data parallelism. ``nbytes``: :meth:`grad_bytes`, counted once."""
         k = self.degree(s)
         if k == 1:
             return None
         axis = self.axis
         assert axis is not None
-        first = next(iter(modules.values()))
-        nbytes = sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad)
 
         def reduce(ctx: StageContext) -> None:
             with enter(ctx), torch.no_grad():

@@ -18,11 +18,9 @@ import torch
 from scheduler import DeviceMesh
 
 from ..runtime import Runtime
-from .checks import module_device_dtype
+from .checks import DeviceDtype, module_device_dtype
 from .parallel import TensorParallel
 from .stages import META
-
-DeviceDtype = tuple[torch.device | None, torch.dtype | None]
 
 
 def check_runtime(rt: Any) -> None:

@@ -29,15 +29,13 @@ from scheduler.lowering import Boundaries, BoundaryGroup
 from ..errors import OverlapRuntimeError, StageTimeout
 from ..runtime import Runtime
 from .bounded import call_within
-from .checks import module_device_dtype
+from .checks import DeviceDtype, module_device_dtype
 from .compiled import CompileBounds
 from .crossing import Crossing
 from .layouts import StageLayouts
 from .stage_functions import LossFn, loss_of
 from .stages import META
 from .tensors import numpy_dtype
-
-DeviceDtype = tuple[torch.device | None, torch.dtype | None]
 
 
 class ShapeProbe:

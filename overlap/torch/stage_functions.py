@@ -91,6 +91,9 @@ class StageFunctions:
         self._torch_streams: dict[tuple[int, int], Any] = {}
         # Each device's module's parameters and their gradient accumulators (split_backward).
         self._weights: dict[int, Weights] = {}
+        # What each data-parallel stage's reduction moves, counted once (as the step graph
+        # has it): a step's stages are made per step, their parameters not recounted.
+        self._grad_bytes = [data_parallel.grad_bytes(s, m) for s, m in enumerate(self._by_device)]
 
     def stages(self, kind: str, step: StepInputs | None = None) -> tuple[Stage, ...]:
         """The runtime's stages for one step's ``step`` values (default: no targets, no
@@ -100,12 +103,14 @@ class StageFunctions:
         step = StepInputs() if step is None else step
         out = []
         for s, mesh in enumerate(self.meshes):
-            sync = self.data_parallel.grad_sync(s, self._by_device[s],
-                                                functools.partial(self._reduce_in, step),
-                                                lambda d: step.carried.get(d, {}))
             if kind == "eval":
                 out.append(Stage(mesh, self._forward(s, step, train=False), _no_backward))
-            elif kind == "split":
+                continue
+            sync = self.data_parallel.grad_sync(s, self._by_device[s],
+                                                functools.partial(self._reduce_in, step),
+                                                lambda d: step.carried.get(d, {}),
+                                                self._grad_bytes[s])
+            if kind == "split":
                 out.append(Stage(mesh, self._forward(s, step), self._backward_input(s, step),
                                  self._backward_weight(s, step), sync))
             else:
