@@ -857,7 +857,7 @@ def test_a_bad_secret_file_is_refused_on_every_rank_naming_it(engine, monkeypatc
         secret.chmod(mode)
     monkeypatch.setenv("OVERLAP_LINK_SECRET_FILE", str(secret))
     out = _connect_each(2, engine, _ThreadBoot(2))
-    for r, error in enumerate(out):
+    for error in out:
         assert isinstance(error, ValueError), out
         assert f"rank 0: OVERLAP_LINK_SECRET_FILE={secret}: " in str(error)
         assert why in str(error)
