@@ -17,8 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler import DeviceMesh, Span, StepGraph, Timeline, TransferOp
-from scheduler.timeline import span_meta
+from scheduler import DeviceMesh, Span, StepGraph, Timeline, TransferOp, span_meta
 
 from .errors import OverlapRuntimeError
 from .nvtx import range_end, range_start

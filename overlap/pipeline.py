@@ -55,34 +55,30 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from scheduler import (
+    Boundaries,
+    BoundaryGroup,
     Channel,
+    ChannelSets,
     Compute,
     DataParallel,
     DeviceMesh,
     GradReduce,
+    MicrobatchBoundaries,
     Op,
     Sharding,
     StepGraph,
-)
-from scheduler.dtypes import is_floating
-from scheduler.graph import (
-    ChannelSets,
     buffers_used,
+    channels,
     dp_stream,
+    elements,
     input_channel,
+    is_floating,
     output_channel,
+    per_microbatch,
     reduce_line,
     reduce_lines,
+    region_shape,
 )
-from scheduler.lowering import (
-    Boundaries,
-    BoundaryGroup,
-    MicrobatchBoundaries,
-    channels,
-    elements,
-    per_microbatch,
-)
-from scheduler.regions import region_shape
 
 from .launch import launch
 from .reshard import transfer_op

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler import Op, ReshardPlan, StepGraph, Transfer
-from scheduler.regions import Region, contains, region_shape
+from scheduler import Op, Region, ReshardPlan, StepGraph, Transfer, contains, region_shape
 
 from .backends.routes import Route
 from .launch import launch

@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler import ReshardPlan
-from scheduler.regions import region_shape
+from scheduler import ReshardPlan, region_shape
 
 from .backends import OpReport
 from .reshard import (

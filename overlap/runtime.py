@@ -23,10 +23,17 @@ from typing import IO, Any, TypeVar
 
 import numpy as np
 
-from scheduler import Cluster, PlanOptions, ReshardPlan, Schedule, Sharding, StateReshardPlan
-from scheduler.graph import StepGraph
-from scheduler.lowering import Boundaries
-from scheduler.timeline import Timeline
+from scheduler import (
+    Boundaries,
+    Cluster,
+    PlanOptions,
+    ReshardPlan,
+    Schedule,
+    Sharding,
+    StateReshardPlan,
+    StepGraph,
+    Timeline,
+)
 
 from .call_gate import refuse_reentry
 from .pipeline import Stage

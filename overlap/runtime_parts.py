@@ -21,8 +21,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from scheduler import Cluster, CostModel
-from scheduler.errors import check_seconds
+from scheduler import Cluster, CostModel, check_seconds
 
 from .backends import Backend, make_backend
 from .call import Calls

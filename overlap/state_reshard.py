@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler import Op, StateReshardPlan, StepGraph, state_graph
-from scheduler.regions import Region, region_shape
+from scheduler import Op, Region, StateReshardPlan, StepGraph, region_shape, state_graph
 
 from .backends import OpReport
 from .backends.routes import Route

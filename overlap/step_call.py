@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler import PlanOptions, Schedule, Sharding, StepGraph
-from scheduler.lowering import Boundaries
+from scheduler import Boundaries, PlanOptions, Schedule, Sharding, StepGraph
 
 from .backends import OpReport
 from .pipeline import Stage, StepState, check_pipeline, launch_step, step_channels

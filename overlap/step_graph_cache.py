@@ -21,31 +21,30 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from scheduler import (
+    Boundaries,
     Channel,
     Cluster,
     DataParallel,
     DeviceMesh,
     PlanCache,
+    PlanError,
     PlanOptions,
+    Region,
     ReshardPlan,
     Schedule,
     StepGraph,
     auto_schedule,
+    boundaries_key,
+    channels,
+    check_caps,
     lower,
     make_schedule,
+    per_microbatch,
+    plan_mismatch,
+    region_shape,
     reshard_graph,
     validate,
 )
-from scheduler.auto import check_caps
-from scheduler.errors import PlanError
-from scheduler.lowering import (
-    Boundaries,
-    boundaries_key,
-    channels,
-    per_microbatch,
-    plan_mismatch,
-)
-from scheduler.regions import Region, region_shape
 
 from .pipeline import Stage, check_split
 from .reshard import resolve

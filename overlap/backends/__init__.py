@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from scheduler.errors import check_seconds
+from scheduler import check_seconds
 
 from ..world import Placement, World
 from .backend import SETTLE_GRACE_S, Backend, Remote

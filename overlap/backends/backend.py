@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from scheduler.errors import check_seconds
+from scheduler import check_seconds
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope, Waiter

@@ -40,8 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scheduler import DeviceMesh, P, ShardingSpec
-from scheduler.graph import reduce_line
+from scheduler import DeviceMesh, P, ShardingSpec, reduce_line
 
 from ..pipeline import GradSync, StageContext
 from .tensors import from_torch, to_torch

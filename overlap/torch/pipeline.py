@@ -26,15 +26,15 @@ import torch
 from torch import nn
 
 from scheduler import (
+    Boundaries,
     Boundary,
     Cluster,
     DeviceMesh,
     PlanOptions,
     Schedule,
     Sharding,
+    check_seconds,
 )
-from scheduler.errors import check_seconds
-from scheduler.lowering import Boundaries
 
 from ..runtime import Runtime
 from .checkpoint import LoadResult, full_stage_state, load, pipeline_state, writers

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scheduler import Boundary, MicrobatchBoundaries, Sharding
-from scheduler.lowering import Boundaries, BoundaryGroup
+from scheduler import Boundaries, Boundary, BoundaryGroup, MicrobatchBoundaries, Sharding
 
 from ..errors import OverlapRuntimeError, StageTimeout
 from ..runtime import Runtime

@@ -16,8 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from scheduler import Schedule
-from scheduler.lowering import Boundaries
+from scheduler import Boundaries, Schedule
 
 from ..runtime import Runtime, resolve_schedule
 from .compiled import CompileBounds, shapes_of

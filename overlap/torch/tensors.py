@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scheduler.dtypes import NARROW_FLOATS
+from scheduler import NARROW_FLOATS
 
 from ..pipeline import StageContext
 
