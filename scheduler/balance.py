@@ -551,7 +551,7 @@ def _host_groups(
     return out, origin
 
 
-_AUTO_CANDIDATES = 7  # per variant, at most (see _auto_builders)
+_AUTO_CANDIDATES = 7  # per variant, at most (see auto_builders)
 
 
 def _auto(
@@ -582,7 +582,7 @@ def _auto(
     # Built lazily (a variant's ports and split are work too), so counted from the most
     # candidates a variant yields.
     candidates = ((label, name, build, len(vsends)) for label, vsends, origin in variants
-                  for name, build in _auto_builders(vsends, origin, cluster, ready, seed))
+                  for name, build in auto_builders(vsends, origin, cluster, ready, seed))
     most = _AUTO_CANDIDATES * len(variants)
     # The budget is shared: costing a candidate draws its 5 replays of k pieces (5 (k^2 // 64
     # + k) units) from what is left, and building it gets an even part of the rest.
@@ -634,8 +634,8 @@ def _auto_variants(sends: Sequence[Send], cluster: Cluster
     return variants
 
 
-def _auto_builders(vsends: list[Send], origin: list[int], cluster: Cluster,
-                   ready: dict[int, float], seed: int):
+def auto_builders(vsends: list[Send], origin: list[int], cluster: Cluster,
+                  ready: dict[int, float], seed: int):
     """(name, build(budget) -> pieces): each candidate builds within the budget given."""
     ports = _Ports(vsends, cluster, ready)
 
