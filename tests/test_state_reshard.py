@@ -311,3 +311,19 @@ def test_buckets_cap_each_device_not_the_whole_bucket():
     assert len(plan.buckets) == 1 and not plan.oversized
     assert plan.bucket_nbytes(0) == 2 * 64 * 64 * 4
     assert max(plan.peak_staging_bytes.values()) == 64 * 64 * 4
+
+
+def test_real_model_shapes_count_their_parameters():
+    # The benchmark's models, by their published sizes: DeepSeek-V3 671 B without its
+    # multi-token-prediction layer, Llama-3-70B 70.6 B.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from state_models import deepseek_v3_shapes, llama3_70b_shapes
+
+    def count(shapes):
+        return sum(int(np.prod(s)) for s, _ in shapes.values())
+
+    assert round(count(deepseek_v3_shapes()) / 1e9) == 671
+    assert round(count(llama3_70b_shapes()) / 1e9, 1) == 70.6
