@@ -11,8 +11,8 @@ trainer's layout to the inference engine's) together, with the planner's own sta
    sends, after the union of their local work: a NIC that one tensor loads is avoided by the
    next, and the launch order interleaves the tensors;
 3. the result split back per tensor (each tensor's own :class:`~scheduler.plan.ReshardPlan`,
-   checkable alone), and the launch order cut into *buckets* of at most
-   :attr:`StateOptions.bucket_bytes` bytes of staged transfers.
+   checkable alone), and the launch order cut into *buckets* in which no device stages
+   more than :attr:`StateOptions.bucket_bytes` bytes.
 
 Buckets bound memory: a device stages (sends from, or receives into, a buffer) only the
 transfers of one bucket at a time — its transfers of a bucket start once its transfers of its
@@ -93,8 +93,8 @@ class StateTensor:
 @dataclass(frozen=True)
 class StateOptions(PlanOptions):
     """The planner's :class:`~scheduler.planner.PlanOptions` plus ``bucket_bytes``: the most
-    bytes of staged (non-local) transfers one bucket holds, so the most extra memory a device
-    needs at a time (256 MiB by default)."""
+    bytes of staged (non-local) transfers one device takes part in within one bucket, so the
+    most extra memory a device needs at a time (256 MiB by default)."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
@@ -171,6 +171,17 @@ class StateReshardPlan:
         """Bytes of the staged transfers of bucket ``k``."""
         return sum(_staged(self._transfer(key)) for key in self.buckets[k])
 
+    def bucket_device_nbytes(self, k: int) -> dict[int, int]:
+        """Device -> the bytes it stages in bucket ``k`` (each at most ``bucket_bytes``
+        unless the bucket is one transfer)."""
+        staged: dict[int, int] = {}
+        for key in self.buckets[k]:
+            t = self._transfer(key)
+            if not t.is_local_copy:
+                for d in t.devices:
+                    staged[d] = staged.get(d, 0) + t.nbytes
+        return staged
+
     # ---- running ---------------------------------------------------------------------------
 
     def schedule(self) -> list[tuple[Key, Transfer]]:
@@ -205,8 +216,8 @@ class StateReshardPlan:
         """Raise :class:`PlanError` unless every tensor's plan delivers each element of its
         destination exactly once (:meth:`ReshardPlan.check`), the plans are those of the
         tensors, the buckets launch every transfer once, each tensor's in its plan's order,
-        and no bucket holds more than ``bucket_bytes`` staged bytes unless it is one
-        transfer (listed in :attr:`oversized`)."""
+        and in no bucket a device stages more than ``bucket_bytes`` bytes unless the bucket
+        is one transfer (listed in :attr:`oversized`)."""
         if set(self.plans) != set(self.tensors):
             raise PlanError(f"plans for {sorted(self.plans)} but tensors {sorted(self.tensors)}")
         for name, plan in self.plans.items():
@@ -224,10 +235,13 @@ class StateReshardPlan:
                     raise PlanError(f"bucket {b}: ({name!r}, {i}) out of order (expected "
                                     f"transfer {nxt.get(name)} of {name!r} next)")
                 nxt[name] = i + 1
-            size = self.bucket_nbytes(b)
-            if size > self.bucket_bytes and len(bucket) != 1:
-                raise PlanError(f"bucket {b}: {size} staged bytes in {len(bucket)} transfers, "
-                                f"more than bucket_bytes={self.bucket_bytes}")
+            if len(bucket) == 1:
+                continue
+            for d, size in self.bucket_device_nbytes(b).items():
+                if size > self.bucket_bytes:
+                    raise PlanError(f"bucket {b}: device {d} stages {size} bytes in "
+                                    f"{len(bucket)} transfers, more than "
+                                    f"bucket_bytes={self.bucket_bytes}")
         for name, plan in self.plans.items():
             if nxt[name] != len(plan.transfers):
                 raise PlanError(f"tensor {name!r}: transfers {nxt[name]}.. are in no bucket")
@@ -242,7 +256,7 @@ class StateReshardPlan:
         lines = [
             f"StateReshardPlan: {len(self.tensors)} tensors, {fmt_bytes(total)}, "
             f"{self.num_transfers} transfers in {len(self.buckets)} buckets of at most "
-            f"{fmt_bytes(self.bucket_bytes)}",
+            f"{fmt_bytes(self.bucket_bytes)} per device",
             f"  bytes delivered {fmt_bytes(self.nbytes)}, over the network "
             f"{fmt_bytes(self.network_bytes)}",
             f"  peak staging {fmt_bytes(peak)} per device (on "
@@ -395,7 +409,7 @@ def plan_state_resharding(
         before += p.before
         entries += [(k, t) for t in p.before]
     ordered, stats = balance_sends(sends, cluster, options.balance, seed=options.seed,
-                                   budget=options.budget, before=before)
+                                   budget=options.budget, before=before, groups=owner_of_send)
     offset = len(entries)
     brought: dict[int, list[int]] = {}  # global send index -> the entries that carry it
     for j, (idx, region, sender, receivers, after, lane) in enumerate(ordered):
@@ -515,18 +529,25 @@ def _cut(entries: Sequence[tuple[int, Transfer]], cap: int) -> list[tuple[int, T
 
 
 def _buckets(transfers: Sequence[Transfer], cap: int) -> list[list[int]]:
-    """The launch order cut into consecutive buckets of at most ``cap`` staged bytes (a
-    transfer larger than that alone in its own)."""
+    """The launch order cut into consecutive buckets in which no device stages more than
+    ``cap`` bytes (a transfer larger than that alone in its own). The cap is per device —
+    what bounds a device's extra memory — so a bucket of a state spread over many devices
+    holds many devices' ``cap``: fewer buckets, fewer barriers."""
     out: list[list[int]] = []
     current: list[int] = []
-    size = 0
+    staged: dict[int, int] = {}
     for g, t in enumerate(transfers):
         b = _staged(t)
-        if current and size + b > cap:
+        if current and b and any(staged.get(d, 0) + b > cap for d in t.devices):
             out.append(current)
-            current, size = [], 0
+            current, staged = [], {}
+        if b > cap:  # oversized: alone
+            out.append([g])
+            continue
         current.append(g)
-        size += b
+        if b:
+            for d in t.devices:
+                staged[d] = staged.get(d, 0) + b
     if current:
         out.append(current)
     return out
