@@ -581,15 +581,16 @@ def _auto(
     of k pieces spends ``k * k // 64 + k`` work units (the fluid run is about quadratic).
     The ``budget`` is divided: each candidate gets an even part of what is left, to build it
     (search nodes, shuffles, list-schedule tie rules) and to cost it; when even the first
-    cannot be costed it is returned uncosted. When the sends are too many for even one
-    costing (``5 (k * k // 64 + k)`` over the budget: a whole state of thousands of tensors),
-    no candidate is built: :func:`_linear` returns a plan made in linear time. Every
+    cannot be costed it is returned uncosted. When the sends of a whole state (``groups``
+    given) are too many for even one costing (``5 (k * k // 64 + k)`` over the budget), no
+    candidate is built: :func:`_linear` returns a plan made in linear time. Every
     candidate is costed after the ``before`` local work, as the plan will run.
     """
     k = len(sends)
-    if 5 * (k * k // 64 + k) > budget:
-        # Not even one candidate could be costed: the cheapest sound plan, built in time
-        # linear in the sends (a list schedule of this many pieces alone is quadratic).
+    if groups is not None and 5 * (k * k // 64 + k) > budget:
+        # A whole state whose sends are too many for even one candidate to be costed: the
+        # cheapest sound plan, built in time linear in the sends (a list schedule of this
+        # many pieces alone is quadratic). One tensor's plan keeps its candidates.
         return _linear(sends, cluster, ready, groups)
     itemsize = [s.nbytes // max(1, volume(s.region)) for s in sends]
     variants = _auto_variants(sends, cluster)
