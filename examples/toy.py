@@ -62,7 +62,7 @@ class ToyMLP:
         model.full_weights = full
         for s, mesh in enumerate(meshes):
             for d in mesh.device_ids:
-                model.weights[(s, d)] = model._shard(s, d, full[s]).copy()
+                model.weights[(s, d)] = model.shard(s, d, full[s]).copy()
         return model
 
     def _half(self, s: int, d: int) -> slice:
@@ -70,7 +70,8 @@ class ToyMLP:
         h = self.hidden // 2
         return slice(j * h, (j + 1) * h)
 
-    def _shard(self, s: int, d: int, w: np.ndarray) -> np.ndarray:
+    def shard(self, s: int, d: int, w: np.ndarray) -> np.ndarray:
+        """Device ``d``'s part of stage ``s``'s weight ``w`` (its tensor-parallel split)."""
         if s == 1:
             return w[:, self._half(s, d)]  # column-parallel
         if s == 3:
@@ -152,8 +153,8 @@ class ToyMLP:
         for (s, d), w in self.weights.items():
             if devices is not None and d not in devices:
                 continue
-            for mine, ref in ((w, self._shard(s, d, ref_weights[s])),
-                              (self.grads[(s, d)], self._shard(s, d, ref_grads[s]))):
+            for mine, ref in ((w, self.shard(s, d, ref_weights[s])),
+                              (self.grads[(s, d)], self.shard(s, d, ref_grads[s]))):
                 diff = float(np.max(np.abs(mine - ref)))
                 bound = atol + rtol * float(np.max(np.abs(ref)))
                 if diff > bound:

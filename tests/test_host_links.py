@@ -513,7 +513,7 @@ def test_a_listened_channel_hands_every_frame_to_its_handler_in_order(pair):
     done = threading.Event()
 
     def handler(peer: int, tag: int, data: bytes) -> None:
-        got.append((peer, tag, data, threading.current_thread() is b.engine._thread))
+        got.append((peer, tag, data, b.engine.on_thread()))
         if data == b"boom":
             raise ValueError("the handler's own failure")
         if len(got) == 4:
@@ -538,29 +538,29 @@ def test_a_unix_link_peer_of_another_user_is_refused(monkeypatch):
     from overlap.backends import host_links
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    host_links._check_same_user(a)  # the same user: fine
+    host_links.check_same_user(a)  # the same user: fine
     uid = host_links.os.getuid()
     monkeypatch.setattr(host_links.os, "getuid", lambda: uid + 1)
     with pytest.raises(OSError, match=r"a link peer runs as uid \d+, this rank as \d+"):
-        host_links._check_same_user(b)
+        host_links.check_same_user(b)
     a.close()
 
 
 def test_setup_values_travel_as_json_never_pickled():
-    from overlap.backends.bootstrap import MAX_VALUE_BYTES, _decode, _encode
+    from overlap.backends.bootstrap import MAX_VALUE_BYTES, decode_values, encode_value
 
-    row = _encode(["vm", [1, 2]])
+    row = encode_value(["vm", [1, 2]])
     rows = np.zeros((2, row.size), np.uint8)
     rows[0] = rows[1] = row
-    assert _decode(rows, np.array([row.size, row.size])) == [["vm", [1, 2]]] * 2
+    assert decode_values(rows, np.array([row.size, row.size])) == [["vm", [1, 2]]] * 2
     with pytest.raises(ValueError, match=r"rank 1 sent a setup value of -1 bytes"):
-        _decode(rows, np.array([row.size, -1]))
+        decode_values(rows, np.array([row.size, -1]))
     with pytest.raises(ValueError, match=r"a setup value of \d+ bytes \(at most"):
-        _encode("x" * (MAX_VALUE_BYTES + 1))
+        encode_value("x" * (MAX_VALUE_BYTES + 1))
     import pickle
 
     with pytest.raises(ValueError):  # a pickle is not JSON: refused, never loaded
-        _decode(np.frombuffer(pickle.dumps(("vm",)), np.uint8)[None, :],
+        decode_values(np.frombuffer(pickle.dumps(("vm",)), np.uint8)[None, :],
                 np.array([len(pickle.dumps(("vm",)))]))
 
 
@@ -626,7 +626,7 @@ def test_a_connection_without_the_jobs_secret_is_refused_and_setup_goes_on(engin
 
     # An intruder of this very user connects to rank 1's socket just before rank 0 does:
     # refused, logged; rank 0 still links.
-    real_dial = host_links._dial
+    real_dial = host_links.dial
     intruders: list[threading.Thread] = []
 
     def dial(address, timeout):
@@ -644,7 +644,7 @@ def test_a_connection_without_the_jobs_secret_is_refused_and_setup_goes_on(engin
         intruders[-1].start()
         return real_dial(address, timeout)
 
-    monkeypatch.setattr(host_links, "_dial", dial)
+    monkeypatch.setattr(host_links, "dial", dial)
     with caplog.at_level(logging.WARNING, logger="overlap"):
         (links, failures) = _link_ranks(2, engine)
     assert all(isinstance(x, HostLinks) for x in links), failures
@@ -675,7 +675,7 @@ def test_the_setup_sockets_are_out_of_other_users_reach(engine, monkeypatch, tmp
 
     monkeypatch.setattr(host_links.tempfile, "mkdtemp", spy)
     seen: list[int] = []
-    real_accept = host_links._accept
+    real_accept = host_links.accept_peers
 
     def look(listener, *a):
         path = listener.getsockname()
@@ -696,7 +696,7 @@ def test_the_setup_sockets_are_out_of_other_users_reach(engine, monkeypatch, tmp
             seen.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
         return real_accept(listener, *a)
 
-    monkeypatch.setattr(host_links, "_accept", look)
+    monkeypatch.setattr(host_links, "accept_peers", look)
     (links, failures) = _link_ranks(2, engine)
     assert all(isinstance(x, HostLinks) for x in links), failures
     assert seen[0] == 0o700
@@ -726,8 +726,8 @@ def test_a_connection_that_never_answers_is_dropped_and_setup_goes_on(engine, ca
                                                                       monkeypatch):
     from overlap.backends import host_links
 
-    monkeypatch.setattr(host_links, "_HANDSHAKE_S", 0.3)
-    real_dial = host_links._dial
+    monkeypatch.setattr(host_links, "HANDSHAKE_S", 0.3)
+    real_dial = host_links.dial
     silent: list[socket.socket] = []
 
     def dial(address, timeout):
@@ -736,7 +736,7 @@ def test_a_connection_that_never_answers_is_dropped_and_setup_goes_on(engine, ca
         silent.append(bad)
         return real_dial(address, timeout)
 
-    monkeypatch.setattr(host_links, "_dial", dial)
+    monkeypatch.setattr(host_links, "dial", dial)
     with caplog.at_level(logging.WARNING, logger="overlap"):
         (links, failures) = _link_ranks(2, engine)
     assert all(isinstance(x, HostLinks) for x in links), failures
@@ -753,8 +753,8 @@ def test_a_peer_that_drips_its_hello_is_dropped_within_the_handshake_bound(engin
 
     from overlap.backends import host_links
 
-    monkeypatch.setattr(host_links, "_HANDSHAKE_S", 0.4)
-    real_dial = host_links._dial
+    monkeypatch.setattr(host_links, "HANDSHAKE_S", 0.4)
+    real_dial = host_links.dial
     drips: list[threading.Thread] = []
 
     def dial(address, timeout):
@@ -771,7 +771,7 @@ def test_a_peer_that_drips_its_hello_is_dropped_within_the_handshake_bound(engin
         drips[-1].start()
         return real_dial(address, timeout)
 
-    monkeypatch.setattr(host_links, "_dial", dial)
+    monkeypatch.setattr(host_links, "dial", dial)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="overlap"):
         (links, failures) = _link_ranks(2, engine)

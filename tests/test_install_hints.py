@@ -43,11 +43,12 @@ def test_missing_torch_distributed_under_torchrun_names_the_torch_extra(monkeypa
 
 
 def test_missing_cupy_names_the_cuda_extra(monkeypatch):
-    from overlap.backends.cuda import _cupy
+    from overlap import Runtime
+    from scheduler import Cluster
 
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(OverlapRuntimeError) as err:
-        _cupy()
+        Runtime(Cluster.local(2), backend="cuda")
     assert _extra(str(err.value)) == "cuda12"
 
 

@@ -112,7 +112,7 @@ def test_the_reference_check_is_relative_to_the_values():
     model = ToyMLP.build(Cluster.preset("p3.8xlarge", 4), hidden=4, batch=2)
     ref = [w * 1e6 for w in model.full_weights]  # large values: last bits are large too
     for key in model.weights:
-        model.weights[key] = model._shard(key[0], key[1], ref[key[0]]).copy()
+        model.weights[key] = model.shard(key[0], key[1], ref[key[0]]).copy()
         model.grads[key] = np.zeros_like(model.weights[key])
     zeros = [np.zeros_like(w) for w in ref]
     model.weights[(0, 0)][0, 0] += 1e-4  # 1e-10 of the values, 1e-4 absolute

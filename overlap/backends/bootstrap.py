@@ -38,14 +38,18 @@ class Bootstrap(Protocol):
 MAX_VALUE_BYTES = 1 << 16  # a setup value is a host name, an address, a token
 
 
-def _encode(value: Any) -> np.ndarray:
+def encode_value(value: Any) -> np.ndarray:
+    """A setup value as bytes (JSON: plain data, never a pickle), at most
+    :data:`MAX_VALUE_BYTES`."""
     data = json.dumps(value).encode()
     if len(data) > MAX_VALUE_BYTES:
         raise ValueError(f"a setup value of {len(data)} bytes (at most {MAX_VALUE_BYTES})")
     return np.frombuffer(data, np.uint8)
 
 
-def _decode(rows: np.ndarray, lengths: np.ndarray) -> list[Any]:
+def decode_values(rows: np.ndarray, lengths: np.ndarray) -> list[Any]:
+    """The values of :func:`encode_value` rows (each row's first ``lengths[r]`` bytes);
+    ValueError on anything that is not one."""
     out = []
     for r, n in enumerate(lengths):
         if not 0 <= n <= MAX_VALUE_BYTES:
@@ -62,14 +66,14 @@ class MpiBootstrap:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def allgather(self, value: Any) -> list[Any]:
-        mine = _encode(value)
+        mine = encode_value(value)
         lengths = np.zeros(self.size, np.int64)
         self.comm.Allgather(np.array([mine.size], np.int64), lengths)
         rows = np.zeros((self.size, max(int(lengths.max()), 1)), np.uint8)
         padded = np.zeros(rows.shape[1], np.uint8)
         padded[:mine.size] = mine
         self.comm.Allgather(padded, rows)
-        return _decode(rows, lengths)
+        return decode_values(rows, lengths)
 
     def bcast(self, value: Any, root: int = 0) -> Any:
         return self.allgather(value if self.rank == root else None)[root]
@@ -117,7 +121,7 @@ class TorchBootstrap:
     def allgather(self, value: Any) -> list[Any]:
         import torch
 
-        mine = _encode(value)
+        mine = encode_value(value)
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         self.dist.all_gather(lengths, torch.tensor([mine.size], dtype=torch.int64),
                             group=self.group)
@@ -126,7 +130,7 @@ class TorchBootstrap:
         padded[:mine.size] = torch.from_numpy(mine.copy())
         rows = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.size)]
         self.dist.all_gather(rows, padded, group=self.group)
-        return _decode(np.stack([t.numpy() for t in rows]),
+        return decode_values(np.stack([t.numpy() for t in rows]),
                        np.array([int(t) for t in lengths], np.int64))
 
     def bcast(self, value: Any, root: int = 0) -> Any:

@@ -163,7 +163,7 @@ class HostLinks:
         peers of its own user (``SO_PEERCRED``), and every peer proves it holds the job's
         secret by an HMAC of both ranks and a fresh nonce — the secret never crosses a link,
         and a dialer waits for no answer (no rank's setup waits on another's). A connection
-        that fails any of this (another user, a port scanner, silence past ``_HANDSHAKE_S``)
+        that fails any of this (another user, a port scanner, silence past ``HANDSHAKE_S``)
         is closed and logged, and the setup goes on waiting for the real peers."""
         rank, size = boot.rank, boot.size
         hosts = boot.allgather(boot.host())
@@ -180,16 +180,16 @@ class HostLinks:
         try:
             if ok:
                 for r in (r for r in (*mates, *remote) if r > rank):  # lower ranks connect
-                    s = _dial(addresses[r][0] if r in mates else tuple(addresses[r][1]),
+                    s = dial(addresses[r][0] if r in mates else tuple(addresses[r][1]),
                               timeout)
                     peers[r] = s
-                    _check_same_user(s)
+                    check_same_user(s)
                     _prove(s, secret, rank, r)
                 for listener, group in ((here.unix, mates), (here.tcp, remote)):
                     want = {r for r in group if r < rank}  # higher ranks accept
                     if want:
                         assert listener is not None
-                        _accept(listener, want, secret, peers, timeout, rank)
+                        accept_peers(listener, want, secret, peers, timeout, rank)
         except OSError as exc:
             why = f"linking: {type(exc).__name__}: {exc}"
         finally:
@@ -533,7 +533,7 @@ class LinksComm:
 _CHALLENGE_BYTES = 32
 # How long one connection may take to answer the challenge (a rank answers at once: it
 # connected to do so); one that does not is dropped and the wait for the real peers goes on.
-_HANDSHAKE_S = 5.0
+HANDSHAKE_S = 5.0
 
 
 SECRET_FILE_ENV = "OVERLAP_LINK_SECRET_FILE"
@@ -603,11 +603,11 @@ def _prove(s: socket.socket, secret: bytes, rank: int, listener: int) -> None:
     s.sendall(struct.pack("<i", rank) + nonce + _proof(secret, rank, listener, nonce))
 
 
-def _accept(listener: socket.socket, want: set[int], secret: bytes,
-            peers: dict[int, socket.socket], timeout: float, rank: int) -> None:
+def accept_peers(listener: socket.socket, want: set[int], secret: bytes,
+                 peers: dict[int, socket.socket], timeout: float, rank: int) -> None:
     """(The listening side.) Accept until every rank of ``want`` joined, within ``timeout``:
     a connection that is not one of them (another user, a wrong proof — one made for
-    another listener too —, a rank already linked, nothing said within ``_HANDSHAKE_S``) is
+    another listener too —, a rank already linked, nothing said within ``HANDSHAKE_S``) is
     closed and logged, and the wait goes on."""
     deadline = time.monotonic() + timeout
     while want:
@@ -617,9 +617,9 @@ def _accept(listener: socket.socket, want: set[int], secret: bytes,
         listener.settimeout(left)
         s, _addr = listener.accept()
         try:
-            _check_same_user(s)
+            check_same_user(s)
             hello = _read_exactly(s, 4 + _CHALLENGE_BYTES + 32,
-                                  min(time.monotonic() + _HANDSHAKE_S, deadline))
+                                  min(time.monotonic() + HANDSHAKE_S, deadline))
             who = struct.unpack("<i", hello[:4])[0]
             nonce, mac = hello[4:4 + _CHALLENGE_BYTES], hello[4 + _CHALLENGE_BYTES:]
             if not hmac.compare_digest(mac, _proof(secret, who, rank, nonce)):
@@ -688,7 +688,7 @@ def _private_dir() -> str:
     return tempfile.mkdtemp(prefix="overlap-links-", dir=base)
 
 
-def _check_same_user(s: socket.socket) -> None:
+def check_same_user(s: socket.socket) -> None:
     """A Unix-socket peer must run as this process's user (``SO_PEERCRED``): another user's
     process on the host cannot pose as a rank. (Every peer also proves the job's secret.)"""
     if s.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
@@ -700,7 +700,9 @@ def _check_same_user(s: socket.socket) -> None:
         raise OSError(f"a link peer runs as uid {uid}, this rank as {os.getuid()}")
 
 
-def _dial(address: Any, timeout: float) -> socket.socket:
+def dial(address: Any, timeout: float) -> socket.socket:
+    """A stream socket connected to a peer's listening ``address`` (a Unix socket path, or
+    a (host, port) pair), within ``timeout``."""
     family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     s.settimeout(timeout)
