@@ -204,6 +204,20 @@ def _collected(scope: CancelScope, backend: Backend, sync: _SyncLoop, what: str)
     _shut_down(scope, backend, sync)
 
 
+def _blocks(cluster: Cluster, world: World) -> Placement:
+    """The default placement, its error naming a caller's process group as the world (its
+    size is the caller's choice, not a launcher's flag)."""
+    try:
+        return Placement.blocks(cluster.num_devices, world.size)
+    except ValueError as exc:
+        if world.source != "process_group":
+            raise
+        raise ValueError(f"{exc} (this world is the torch.distributed default process group "
+                         f"the caller initialized: world_size={world.size}, rank "
+                         f"{world.rank}; make the group with a divisor of the cluster's "
+                         f"{cluster.num_devices} devices)") from None
+
+
 def _link_time(cluster: Cluster, emulate: bool | str
                ) -> Callable[[int, Sequence[int], int], float] | None:
     """Link emulation: each transfer lasts at least the cost model's time for it alone
@@ -363,7 +377,7 @@ class Runtime:
                 raise ValueError("emulate_links: link emulation plays a cluster inside one "
                                  "process; it is not available in a multi-process job")
             # (the backend checks that it covers the cluster, before any work)
-            placement = placement or Placement.blocks(cluster.num_devices, world.size)
+            placement = placement or _blocks(cluster, world)
         elif placement is not None and set(placement.owners) != {0}:
             raise ValueError("placement: a one-process world owns every device")
         self.world = world
