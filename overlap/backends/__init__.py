@@ -82,9 +82,10 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
     torchrun = world.source in TORCH_SOURCES  # (torchrun, or the caller's process group)
     if torchrun:
         if not links_on:
-            raise ValueError(f"host_links: a job joined through torch.distributed "
-                             f"({world.source}) moves every byte over links (it has no "
-                             f"MPI); {HOST_LINKS_ENV}=0 / host_links=False need an MPI "
+            how = ("started by torchrun" if world.source == "torchrun" else
+                   "in a torch.distributed process group the caller made")
+            raise ValueError(f"host_links: a job {how} moves every byte over links (it has "
+                             f"no MPI); {HOST_LINKS_ENV}=0 / host_links=False need an MPI "
                              "launcher")
         comm: Any = None
         boot: Bootstrap = TorchBootstrap(world.rank, world.size, timeout.seconds)
