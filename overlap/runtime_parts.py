@@ -114,10 +114,24 @@ def _world_and_placement(cluster: Cluster, world: World | None, placement: Place
             raise ValueError("emulate_links: link emulation plays a cluster inside one "
                              "process; it is not available in a multi-process job")
         # (the backend checks that it covers the cluster, before any work)
-        placement = placement or Placement.blocks(cluster.num_devices, world.size)
+        placement = placement or _blocks(cluster, world)
     elif placement is not None and set(placement.owners) != {0}:
         raise ValueError("placement: a one-process world owns every device")
     return world, placement
+
+
+def _blocks(cluster: Cluster, world: World) -> Placement:
+    """The default placement, its error naming a caller's process group as the world (its
+    size is the caller's choice, not a launcher's flag)."""
+    try:
+        return Placement.blocks(cluster.num_devices, world.size)
+    except ValueError as exc:
+        if world.source != "process_group":
+            raise
+        raise ValueError(f"{exc} (this world is the torch.distributed default process group "
+                         f"the caller initialized: world_size={world.size}, rank "
+                         f"{world.rank}; make the group with a divisor of the cluster's "
+                         f"{cluster.num_devices} devices)") from None
 
 
 def _link_time(cluster: Cluster, emulate: bool | str

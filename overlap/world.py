@@ -13,7 +13,17 @@ processes under an MPI launcher — ``mpiexec -n N``, ``mpirun``, Slurm's ``srun
    ``WORLD_SIZE``, ``LOCAL_RANK`` (``LOCAL_WORLD_SIZE``). The processes join through
    ``torch.distributed``'s rendezvous (``MASTER_ADDR``/``MASTER_PORT``) and talk over links
    (:mod:`overlap.backends.host_links`): no MPI is needed.
-3. Otherwise a world of one process.
+3. **A process group the caller made** (no launcher variable, ``torch`` already imported and
+   ``torch.distributed.is_initialized()``): processes started another way — Ray actors, a
+   job scheduler's workers, ``multiprocessing`` — that called
+   ``dist.init_process_group(backend, init_method="tcp://host:port", rank=r, world_size=n)``
+   themselves. Rank and size are the default group's; the local rank and size come from the
+   host names, gathered over that group (so detecting such a world is a collective: every
+   process of the group calls it). The ranks link over TCP as under torchrun, listening on
+   the address that routes to the group's store (see
+   :func:`overlap.backends.bootstrap.reachable_address`). ``torch`` is never imported to
+   detect a world: a script that made no group gets none of this.
+4. Otherwise a world of one process.
 
 ``OVERLAP_WORLD=single`` forces a one-process world (e.g. a helper script started by an MPI
 job that must not join it).
@@ -28,18 +38,23 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 MPI_LAUNCHER_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+SOURCES = ("single", "mpi", "torchrun", "process_group")
+# The sources whose processes join through torch.distributed and link over TCP (no MPI).
+TORCH_SOURCES = ("torchrun", "process_group")
 
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job. ``source``: "single", "mpi" or "torchrun" (the
-    torchrun-style variables)."""
+    """This process's place in the job. ``source``: "single", "mpi", "torchrun" (the
+    torchrun-style variables) or "process_group" (a ``torch.distributed`` default group the
+    caller initialized)."""
 
     rank: int = 0
     size: int = 1
@@ -58,9 +73,8 @@ class World:
         if self.local_size < 1 or not 0 <= self.local_rank < self.local_size:
             raise ValueError(f"local_rank/local_size: need 0 <= local_rank < local_size, got "
                              f"{self.local_rank} of {self.local_size}")
-        if self.source not in ("single", "mpi", "torchrun"):
-            raise ValueError(f"source: expected 'single', 'mpi' or 'torchrun', got "
-                             f"{self.source!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"source: expected one of {SOURCES}, got {self.source!r}")
 
     @property
     def distributed(self) -> bool:
@@ -120,7 +134,27 @@ def detect_world(env: Mapping[str, str] | None = None) -> World:
         local_size = (_env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env
                       else max(local_rank + 1, 1))
         return World(rank, size, local_rank, local_size, "torchrun")
-    return World()
+    group = process_group_world()
+    return World() if group is None else group
+
+
+def process_group_world() -> World | None:
+    """The world of a ``torch.distributed`` default process group this process already
+    initialized (None when ``torch.distributed`` was never imported, or has no group): its
+    rank and size, and the local rank and size among the ranks whose host name is this
+    one's, gathered over the group (a collective: every rank of the group calls it)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    from .backends.bootstrap import TorchBootstrap
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size == 1:
+        return World(source="process_group")
+    boot = TorchBootstrap(rank, size, timeout=0.0)  # (the group's own timeout bounds it)
+    hosts = boot.allgather(boot.host())
+    mates = [r for r in range(size) if hosts[r] == hosts[rank]]
+    return World(rank, size, mates.index(rank), len(mates), "process_group")
 
 
 def _mpi() -> Any:
@@ -204,7 +238,7 @@ class Placement:
 def max_over_ranks(value: float, world: World) -> float:
     """The largest ``value`` of every process of the job (collective: every process calls
     it, from its main thread, once its runtime is made), over the launcher's own channel —
-    MPI's world, or ``torch.distributed`` under torchrun. For a job's verdict: every process
+    MPI's world, or ``torch.distributed`` under torchrun or in a caller's process group. For a job's verdict: every process
     passes or fails together."""
     if not world.distributed:
         return value

@@ -41,7 +41,23 @@ def test_a_refit_that_misses_the_engine_fails_loudly(example, monkeypatch, capsy
     from overlap.torch import reshard_state_dict
 
     monkeypatch.setattr(example, "reshard_state_dict",  # (new tensors, not the engine's)
-                        lambda rt, plan, shards, out: reshard_state_dict(rt, plan, shards))
+                        lambda rt, plan, shards, out=None: reshard_state_dict(rt, plan, shards))
     assert example.main([*SMALL, "--engine", "tp4"]) == 1
     out = capsys.readouterr().out
     assert "refit: FAILED" in out and "trained weights: 0" not in out
+
+
+@pytest.mark.parametrize("launcher, engine", [("torchrun", "tp4"), ("mpiexec", "colocated")])
+def test_the_refit_runs_under_a_launcher_each_process_with_its_own_shards(launcher, engine):
+    """Four processes, one host of the cluster each: every process checks its own engine
+    shards against the trained weights (gathered through the runtime), the engine's owner its
+    tokens and logits; the job's verdict is the same everywhere."""
+    from launchers import ROOT, launch
+
+    done = launch(launcher, 4, ROOT / "examples" / "refit.py", *SMALL, "--engine", engine,
+                  timeout=150.0)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [line for line in done.stdout.splitlines() if line.strip().startswith("step ")]
+    assert len(steps) == 2 and all(line.endswith("trained weights: 0") for line in steps)
+    assert "4 process(es)" in done.stdout and "refit: OK" in done.stdout
+    assert done.stdout.count("generated ") == 1  # (by the process of the engine's outputs)

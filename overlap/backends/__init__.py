@@ -63,7 +63,7 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
 def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
             timeout: Bound, host_links: bool | None, grace: float,
             poll: Backoff | None) -> Backend:
-    from ..world import mpi_world_comm
+    from ..world import TORCH_SOURCES, mpi_world_comm
     from .bootstrap import Bootstrap, MpiBootstrap, TorchBootstrap
     from .distributed import HOST_LINKS_ENV, Distributed, host_links_wanted
     from .engine import Engine
@@ -79,12 +79,14 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
             f"placement: backend 'cuda' across processes runs one device per process (one "
             f"process per GPU); rank {world.rank} owns {len(placement.devices_of(world.rank))} "
             "devices — launch as many processes as the cluster has devices")
-    torchrun = world.source == "torchrun"
+    torchrun = world.source in TORCH_SOURCES  # (torchrun, or the caller's process group)
     if torchrun:
         if not links_on:
-            raise ValueError(f"host_links: a job started by torchrun moves every byte over "
-                             f"links (it has no MPI); {HOST_LINKS_ENV}=0 / host_links=False "
-                             "need an MPI launcher")
+            how = ("started by torchrun" if world.source == "torchrun" else
+                   "in a torch.distributed process group the caller made")
+            raise ValueError(f"host_links: a job {how} moves every byte over links (it has "
+                             f"no MPI); {HOST_LINKS_ENV}=0 / host_links=False need an MPI "
+                             "launcher")
         comm: Any = None
         boot: Bootstrap = TorchBootstrap(world.rank, world.size, timeout.seconds)
     else:
@@ -102,7 +104,7 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
                                   failures=failures) if links_on else None
         if torchrun and links is None:
             raise RuntimeError(f"rank {world.rank}: could not link every pair of ranks of "
-                               "this torchrun job (TCP between nodes, Unix sockets within "
+                               f"this {world.source} job (TCP between nodes, Unix sockets within "
                                f"one): {'; '.join(failures) or 'no reason given'}")
         dist = Distributed(world, placement, engine, comm, links, timeout=timeout,
                            grace=grace)

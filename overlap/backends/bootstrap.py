@@ -6,9 +6,9 @@ The values travel as JSON bytes (a length round, then the padded bytes), never p
 a peer sends is parsed as data, not run.
 
 - :class:`MpiBootstrap` — ``mpiexec`` / ``srun``: over ``MPI.COMM_WORLD``.
-- :class:`TorchBootstrap` — ``torchrun``: over a gloo group of ``torch.distributed``,
-  whose rendezvous (``MASTER_ADDR``/``MASTER_PORT``, or torchrun's agent store) joins the
-  processes. Its host is torchrun's node (``GROUP_RANK``, one agent per node): containers on
+- :class:`TorchBootstrap` — ``torchrun``, or a process group the caller initialized: over a
+  gloo group of ``torch.distributed``, whose rendezvous (``MASTER_ADDR``/``MASTER_PORT``,
+  torchrun's agent store, or the caller's ``init_method``) joins the processes. Its host is torchrun's node (``GROUP_RANK``, one agent per node): containers on
   different nodes may share a host name, and the ranks of one agent always share a host.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from typing import Any, Protocol
 
 import numpy as np
@@ -146,19 +147,42 @@ class TorchBootstrap:
 
 def reachable_address() -> str:
     """An address of this host its peers can reach: the one this host would use to reach
-    the rendezvous host (``MASTER_ADDR``), else the host name's."""
-    master = os.environ.get("MASTER_ADDR")
-    if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, 9))  # (no packet is sent: it only picks the route)
-                return str(s.getsockname()[0])
-        except OSError:
-            pass
+    the rendezvous host — ``MASTER_ADDR`` (torchrun, ``init_method="env://"``), else the host
+    of the default process group's TCP store (a group the caller made with
+    ``init_method="tcp://host:port"``, as Ray's actors do: no variable names it) — else the
+    host name's. (The host name's address is often a loopback alias such as Debian's
+    127.0.1.1, which no other host reaches; the route to the store is one every rank of the
+    group already uses.)"""
+    for target in (os.environ.get("MASTER_ADDR"), _store_host()):
+        if target:
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((target, 9))  # (no packet is sent: it only picks the route)
+                    return str(s.getsockname()[0])
+            except OSError:
+                pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _store_host() -> str | None:
+    """The host of the default process group's TCP store, when ``torch.distributed`` is
+    imported and initialized with one (None otherwise: a file store, no group). torch
+    exposes the store only through ``distributed_c10d._get_default_store``; a torch without
+    it gives None and the host name's address is used."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    while hasattr(store, "underlying_store"):  # (PrefixStore wraps the real one)
+        store = store.underlying_store
+    host = getattr(store, "host", None)
+    return host if isinstance(host, str) and host else None
 
 
 __all__ = ["Bootstrap", "MpiBootstrap", "TorchBootstrap", "reachable_address"]
