@@ -238,8 +238,8 @@ class Placement:
 def max_over_ranks(value: float, world: World) -> float:
     """The largest ``value`` of every process of the job (collective: every process calls
     it, from its main thread, once its runtime is made), over the launcher's own channel —
-    MPI's world, or ``torch.distributed`` under torchrun or in a caller's process group. For a job's verdict: every process
-    passes or fails together."""
+    MPI's world, or ``torch.distributed`` under torchrun or in a caller's process group. For
+    a job's verdict: every process passes or fails together."""
     if not world.distributed:
         return value
     if world.source == "mpi":

@@ -8,8 +8,9 @@ a peer sends is parsed as data, not run.
 - :class:`MpiBootstrap` — ``mpiexec`` / ``srun``: over ``MPI.COMM_WORLD``.
 - :class:`TorchBootstrap` — ``torchrun``, or a process group the caller initialized: over a
   gloo group of ``torch.distributed``, whose rendezvous (``MASTER_ADDR``/``MASTER_PORT``,
-  torchrun's agent store, or the caller's ``init_method``) joins the processes. Its host is torchrun's node (``GROUP_RANK``, one agent per node): containers on
-  different nodes may share a host name, and the ranks of one agent always share a host.
+  torchrun's agent store, or the caller's ``init_method``) joins the processes. Its host is
+  torchrun's node (``GROUP_RANK``, one agent per node): containers on different nodes may
+  share a host name, and the ranks of one agent always share a host.
 """
 
 from __future__ import annotations
