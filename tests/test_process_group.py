@@ -18,7 +18,7 @@ from launchers import ROOT, clean_env
 pytest.importorskip("torch.distributed", reason="torch is not installed: pip install "
                                                 "torch==2.13.0 (the 'torch' extra)")
 
-from test_torchrun import toy_single  # noqa: E402
+from test_torchrun import toy_single
 
 JOB = ROOT / "tests" / "mpi_jobs" / "process_group.py"
 JOB_BOUND_S = 120.0  # startup of 4 interpreters (with torch) on 2 cores
@@ -78,7 +78,7 @@ def test_ranks_on_several_hosts_get_local_ranks_from_host_names_and_link_over_tc
 
 def test_a_group_whose_size_does_not_divide_the_cluster_is_named_on_every_rank(tmp_path):
     done = start_group(3, tmp_path)
-    for r, d in enumerate(done):
+    for d in done:
         assert d.returncode != 0
         assert "16 devices do not split evenly over 3 processes" in d.stderr, d.stderr[-2000:]
         assert "default process group the caller initialized: world_size=3" in d.stderr

@@ -27,10 +27,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import job  # noqa: E402
+import job
 
-from overlap import Runtime  # noqa: E402
-from scheduler import Cluster  # noqa: E402
+from overlap import Runtime
+from scheduler import Cluster
 
 
 def main() -> int:
