@@ -203,6 +203,19 @@ def test_cuda_backend_across_processes_on_a_stand_in_gpu(tmp_path):
     assert all(i["rounds"] and i["sent"] > 0 and i["received"] > 0 for i in links)
 
 
+def test_stage_collectives_across_processes_in_bfloat16_equal_one_process(tmp_path):
+    """A stage whose devices are on two processes all-gathers and all-reduces float64 and
+    bfloat16 arrays (a torch bf16 tensor-parallel stage's): the bytes cross as bytes (MPI
+    reads numpy arrays through DLPack, which has no bfloat16)."""
+    with Runtime(CLUSTER4) as rt:
+        single = toy_job.small_pipeline(rt, narrow=True)
+    done, _ = mpiexec(4, "collectives", str(tmp_path))
+    assert done.returncode == 0, verdicts(done.stderr)
+    ranks = outputs(tmp_path, 4)
+    assert any(k.startswith("pipe/grad/bf16-") for r in ranks for k in r)
+    assert_same_as_single(ranks, single, replicated=("pipe/losses",))
+
+
 SHAPE_A = (6, 5)
 SRC_A = Sharding(DeviceMesh([[0, 1]], ("h", "g")), ShardingSpec(None, "g"))
 DST_A = Sharding(DeviceMesh([[0, 1], [2, 3]], ("h", "g")), ShardingSpec("h"))

@@ -405,8 +405,11 @@ class WireTransport(Bounded):
         others = [r for r in by_rank if r != self.rank]
         inbox = {r: np.empty((len(by_rank[r]), *shape), dtype) for r in others}
         wire: Any = self.mpi if self.mpi is not None else self.links
-        recvs = {r: wire.irecv(channel, r, tag, inbox[r]) for r in others}
-        sends = [wire.isend(channel, r, tag, packed) for r in others]
+        # (As bytes: MPI reads a numpy array through DLPack, which has no narrow floats.)
+        recvs = {r: wire.irecv(channel, r, tag, inbox[r].reshape(-1).view(np.uint8))
+                 for r in others}
+        sends = [wire.isend(channel, r, tag, packed.reshape(-1).view(np.uint8))
+                 for r in others]
         try:
             for r, c in recvs.items():
                 self._wait(c, scope, what, r, f"rank {r} never sent its part")

@@ -201,6 +201,8 @@ def main() -> int:
     if mode == "reshard":
         cases = json.loads(Path(sys.argv[3]).read_text())
         cluster = Cluster(cases["hosts"], cases["gpus"], nic_gbps=cases["nic_gbps"])
+    if mode == "collectives":  # (test_mpi's CLUSTER4: one device per process of 4)
+        cluster = Cluster(2, 2, nic_gbps=100.0)
     timeout = 2.0 if mode in ("stuck", "silent", "slow") else 30.0
     backend = "cpu"
     if mode == "reshard" and sys.argv[4:] == ["cuda"]:
@@ -317,6 +319,8 @@ def main() -> int:
             if backend == "cuda":
                 saved.update(small_pipeline(rt))
             save_links(rt, out_dir)
+        elif mode == "collectives":  # stage collectives across processes, bf16 too
+            saved.update(small_pipeline(rt, narrow=True))
         elif mode == "abandon":
             saved.update(abandoned_round(rt))
         else:
@@ -439,9 +443,12 @@ class HostMpiLinks:
         self.comms = {}
 
 
-def small_pipeline(rt: Runtime) -> dict[str, np.ndarray]:
+def small_pipeline(rt: Runtime, narrow: bool = False) -> dict[str, np.ndarray]:
     """2 stages on a 2 × 2 cluster: device 0 → devices (2, 3), which all-reduce a gradient
-    and all-gather their outputs across processes. Losses and gradients are saved."""
+    and all-gather their outputs across processes. Losses and gradients are saved; with
+    ``narrow``, also a bfloat16 all-gather and all-reduce of each (a torch bf16 stage's)."""
+    import ml_dtypes
+
     from overlap import Stage
     from scheduler import Boundary, DeviceMesh, P, Sharding
 
@@ -455,6 +462,9 @@ def small_pipeline(rt: Runtime) -> dict[str, np.ndarray]:
             ctx.saved["x"], ctx.saved["y"] = np.asarray(x), y
             if s == 1:
                 both = np.asarray(ctx.all_gather(y))  # every device's (equal) output
+                if narrow:
+                    half = np.asarray(ctx.all_gather(y.astype(ml_dtypes.bfloat16)))
+                    grads[("bf16-gather", ctx.device)] = half.astype(np.float64)
                 return 0.5 * float(np.sum(both * both)) / len(both)
             return y
         return f
@@ -466,6 +476,9 @@ def small_pipeline(rt: Runtime) -> dict[str, np.ndarray]:
             g = x.T @ dz
             if s == 1:
                 g = np.asarray(ctx.all_reduce(g)) / 2  # data-parallel style average
+                if narrow:
+                    half = np.asarray(ctx.all_reduce(g.astype(ml_dtypes.bfloat16)))
+                    grads[("bf16-reduce", ctx.device)] = half.astype(np.float64)
             grads[(s, ctx.device)] = grads.get((s, ctx.device), 0) + g
             return dz @ w[s].T
         return b
