@@ -86,7 +86,8 @@ from scheduler.regions import region_shape
 
 from .launch import launch
 from .reshard import transfer_op
-from .scope import CancelScope, sleep
+from .scope import CancelScope
+from .waits import sleep
 
 if TYPE_CHECKING:
     from .backends import Backend, Event, Route

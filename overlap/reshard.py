@@ -26,7 +26,7 @@ from scheduler.regions import Region, contains, region_shape
 
 from .backends.routes import Route
 from .launch import launch
-from .scope import sleep
+from .waits import sleep
 
 if TYPE_CHECKING:
     from .backends import Backend, Event
