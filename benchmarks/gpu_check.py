@@ -26,7 +26,7 @@ What it does (each part logs to ``$OUT/gpu_check.log`` when ``OUT`` is set):
    ``CudaDevices.device_wait``, what a call's wait for its lanes' ends runs) vs polling
    ``Event.done`` with backoff (what it did before) vs a host callback
    (``Stream.launch_host_func`` waking the loop), µs per awaited event, on the loop the
-   runtime's ``*_sync`` calls run on here (``overlap.runtime._new_loop``);
+   runtime's ``*_sync`` calls run on here (``overlap.sync_loop.new_loop``);
 5. a 4-stage pipeline on one GPU (4 virtual stages), compute made of one-thread kernels that
    run for a set time (so the four stages run side by side like four GPUs instead of
    competing for one's SMs), F = 16 × a microbatch's transfer (one memory carries all the
@@ -208,7 +208,7 @@ def completion_latency(cp) -> dict[str, Any]:
     Also names the loop they ran on (``loop``)."""
     from overlap.backends import Event
     from overlap.backends.cuda import CudaDevices
-    from overlap.runtime import _new_loop  # the loop the runtime's *_sync calls run on here
+    from overlap.sync_loop import new_loop  # the loop the runtime's *_sync calls run on here
 
     spin = spinner(cp)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -261,7 +261,7 @@ def completion_latency(cp) -> dict[str, Any]:
     result: dict[str, Any] = {}
     try:
         for name, fn in (("waiter", waiter), ("poll", poll), ("callback", callback)):
-            loop = _new_loop()
+            loop = new_loop()
             result["loop"] = type(loop).__name__
             try:
                 result[name] = loop.run_until_complete(many(fn)) * 1e6

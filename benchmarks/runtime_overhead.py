@@ -34,8 +34,7 @@ import numpy as np
 import uvloop
 from toy import ToyMLP
 
-from overlap import Runtime, Stage, pipeline
-from overlap import runtime as pipeline_runtime
+from overlap import Runtime, Stage, pipeline, step_call
 from overlap.backends import make_backend
 from overlap.scope import CancelScope
 from scheduler import (
@@ -91,7 +90,7 @@ async def noop_steps(steps: int) -> tuple[float, float, int]:
         finally:
             launch.append(time.perf_counter() - t0)
 
-    pipeline_runtime.launch_step = timed_launch
+    step_call.launch_step = timed_launch
     try:
         async with Runtime(cluster) as rt:
             await rt.train_step(stages, model.boundaries(), mbs,
@@ -105,7 +104,7 @@ async def noop_steps(steps: int) -> tuple[float, float, int]:
                 times.append(time.perf_counter() - t0)
             ops = len(rt.timeline().spans)
     finally:
-        pipeline_runtime.launch_step = real_launch
+        step_call.launch_step = real_launch
     return statistics.median(launch) / ops, statistics.median(times) / ops, ops
 
 

@@ -1,51 +1,63 @@
-"""One runtime call as a scope (structured concurrency, as trio's nursery): admit, launch,
-watch, finish — and on exit, recover and name one root cause.
+"""One runtime call, end to end, as a scope (structured concurrency, as trio's nursery):
+refused or admitted, launched, watched, finished — and on a failure, settled, with one root
+cause named. :meth:`Calls.run` is the one entry: the runtime calls it once per call.
 
-- **Admit.** One call at a time per runtime, from whichever thread or event loop
-  (:class:`CallGate`: callers queue, in order); a call from inside a stage function (a
-  stream thread of the runtime) is refused. Then what an interrupted call left running is
-  settled; in a multi-process job the call is announced to its members
+- **Refused** from inside one of the runtime's stream threads (a stage function: it would wait
+  for the streams it runs on).
+- **Admitted** one at a time per runtime, from whichever thread or event loop, in the order
+  the callers came (:class:`~overlap.call_gate.CallGate`); once admitted, refused when the
+  runtime is closed, lost a stream, or — across processes — failed
+  (:meth:`Calls.check_open`). Then what an interrupted call left running is settled (a
+  stream stuck past its bound is abandoned, and the call refused).
+- **Agreed** across processes: the call is announced to its members
   (:mod:`.backends.distributed`: its agreement row goes out; a member known to have left
   fails the call at once), and the communicators it needs across processes are made.
-- **Launch.** The call's step graph is enqueued on the streams, every item under the call's
-  :class:`~overlap.scope.CancelScope` — a child of the runtime's.
-- **Watch.** The call waits for its lanes' end events all at once (woken once, by the last
+- **Launched.** The call's step graph is enqueued on the streams, every item under the
+  call's :class:`~overlap.scope.CancelScope` — a child of the runtime's — and every op with
+  the call's :class:`~overlap.backends.streams.OpReport` (its trace, and the error that
+  names an op that returned past the timeout: the scope only cancels).
+- **Watched.** The call waits for its lanes' end events all at once (woken once, by the last
   of them or by the scope's cancellation), and every tick looks at what each stream runs: a
   compute op past the timeout (user code, which nothing can interrupt) is hung and becomes
   :class:`~overlap.errors.StageTimeout` naming it. A compute op that returns past the
   timeout (it held the interpreter lock, so nothing could look) fails the call the same
-  way, from its own stream. Waits bound themselves: a
-  collective's rendezvous and a wait on the wire raise past the timeout, naming who never
-  came.
-- **Finish.** Across processes, the agreement's verdict; and, for a call whose result every
-  member returns (a training step's losses), the end-of-call round: such a call returns only
-  once every member's part of it ended well. A resharding has no such round: it returns
-  once its agreement is settled and this rank's part ended, and a peer's failure after that
-  reaches this rank's next call.
-- **Exit.** On a failure the scope is cancelled — every wait of the call wakes at once —
+  way, from its own stream. Waits bound themselves: a collective's rendezvous and a wait on
+  the wire raise past the timeout, naming who never came.
+- **Finished.** Across processes, the agreement's verdict; and, for a call whose result
+  every member returns (a training step's losses), the end-of-call round: such a call
+  returns only once every member's part of it ended well. A resharding has no such round:
+  it returns once its agreement is settled and this rank's part ended, and a peer's failure
+  after that reaches this rank's next call.
+- **Settled** on a failure: the scope is cancelled — every wait of the call wakes at once —
   and the streams are settled: each gets through the call's remaining work (skipped), an op
-  still running gets until its time bound, and a stream stuck past it is abandoned
-  (:class:`~overlap.errors.DeviceThreadLost` from then on). Then :func:`root_cause` picks the
-  one failure that explains the others, which is raised (and, across processes, announced).
-  An interrupted call (Ctrl-C, a cancelled task) returns within the grace and leaves the
-  settling it could not finish to the next call.
+  still running gets until its time bound, and a stream stuck past it is **abandoned**
+  (:class:`~overlap.errors.DeviceThreadLost` from then on). Then
+  :func:`~overlap.call_errors.root_cause` picks the one failure that explains the others,
+  which is raised (and, across processes, announced). An interrupted call (Ctrl-C, a
+  cancelled task) returns within the grace and leaves the settling it could not finish to
+  the next call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler import Compute, StepGraph
+from scheduler import StepGraph
 
-from .backends import SETTLE_GRACE_S, Busy
-from .backends.streams import current_stream
+from .backends import SETTLE_GRACE_S, Busy, OpReport
+from .call_errors import (
+    consequence,
+    describe,
+    hang_error,
+    overdue,
+    overran_error,
+    root_cause,
+)
+from .call_gate import CallGate, refuse_reentry
 from .errors import (
-    CallMismatch,
     CollectiveAborted,
     CollectiveTimeout,
     DeviceThreadLost,
@@ -63,165 +75,96 @@ if TYPE_CHECKING:
 
 TICK_S = 0.1  # how often a waiting call looks for hung ops (at most; less for small timeouts)
 
-
-# ---- one call at a time --------------------------------------------------------------------
-
-
-class CallGate:
-    """Admits one call at a time, from whichever thread or event loop, in the order they
-    came. Two calls never share the runtime's streams, rendezvous or call counter: a second
-    event loop's call waits its turn (it is never mixed with the first)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held = False
-        self._queue: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
-
-    async def __aenter__(self) -> None:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if not self._held:
-                self._held = True
-                return
-            fut: asyncio.Future[None] = loop.create_future()
-            entry = (loop, fut)
-            self._queue.append(entry)
-        try:
-            await fut
-        except BaseException:
-            with self._lock:
-                if entry in self._queue:  # not granted: leave the queue
-                    self._queue.remove(entry)
-                    raise
-            if fut.done() and not fut.cancelled():
-                self._release()  # granted as this caller left: pass it on
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        with self._lock:
-            while self._queue:
-                loop, fut = self._queue.popleft()
-                try:
-                    loop.call_soon_threadsafe(self._grant, fut)
-                    return
-                except RuntimeError:  # its loop closed: that caller is gone
-                    continue
-            self._held = False
-
-    def _grant(self, fut: asyncio.Future[None]) -> None:
-        if fut.cancelled():
-            self._release()  # (its caller left meanwhile: the next one)
-        else:
-            fut.set_result(None)
+# ``launch(scope, report) -> end events``: enqueues the call's work (see Call.run).
+Launch = Callable[[CancelScope, OpReport], "list[Event]"]
+# What a call prepares across processes (``Backend.prepare``'s arguments).
+Channels = tuple[dict[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
 
 
-def refuse_reentry(what: str, backend: Backend) -> None:
-    """A runtime call from one of this runtime's stream threads — from inside a stage
-    function — would wait for the very streams it runs on: refused, naming where."""
-    stream = current_stream()
-    if stream is not None and stream.backend is backend:
-        raise OverlapRuntimeError(
-            f"{what}: called from inside this runtime's work (device {stream.device}'s "
-            f"{stream.name!r} stream: a stage function?); a runtime call cannot run inside "
-            "another — make it after the call returns")
+# ---- a runtime's calls ----------------------------------------------------------------------
 
 
-# ---- hung ops -------------------------------------------------------------------------------
+class Calls:
+    """A runtime's calls: each one run by :meth:`run` from its gate to its end (see module
+    doc), and what one call leaves the next — streams still to settle, a stream lost."""
+
+    def __init__(self, backend: Backend, scope: CancelScope,
+                 dump: HangDump | None = None) -> None:
+        self.backend = backend
+        self.scope = scope  # the runtime's: the parent of every call's
+        self.dump = dump  # tracebacks from a C timer if a watch misses a look
+        self.closed = False  # (set by the runtime's close)
+        self.lost: DeviceThreadLost | None = None  # a stream abandoned: no call runs again
+        self._gate = CallGate()
+        # An interrupted call left work for the next call to settle: (its graph,), else None.
+        self._leftover: tuple[StepGraph | None] | None = None
+
+    def check_open(self) -> None:
+        """Raise unless a call may run: the runtime is open, has lost no stream and — across
+        processes — has not failed."""
+        if self.closed:
+            raise OverlapRuntimeError("runtime is closed")
+        if self.lost is not None:
+            raise self.lost
+        dist = self.backend.dist
+        broken = dist.broken if dist is not None else None
+        if broken is not None:
+            if isinstance(broken, RankFailed):
+                raise broken
+            raise OverlapRuntimeError(f"this process's runtime failed earlier ({broken}); a "
+                                      "multi-process job cannot continue after a failure")
+
+    async def run(self, what: str, graph: StepGraph | None, launch: Launch, *,
+                  channels: Channels | None = None, subject: str = "", digest: bytes = b"",
+                  members: tuple[int, ...] | None = None,
+                  payload: Callable[[], bytes] | None = None, trace: Trace | None = None,
+                  timeout: float | None = None) -> dict[int, bytes] | None:
+        """Run one call (see module doc and :meth:`Call.run`, which has the arguments' words),
+        recording its ops into ``trace`` if given, bounded by ``timeout`` instead of the
+        runtime's when given (every wait of the backend reads its one ``Bound``). Returns the
+        end-of-call table across processes (None in one process)."""
+        backend = self.backend
+        refuse_reentry(what, backend)
+        async with self._gate:
+            self.check_open()
+            await self._settle_leftover()
+            call = Call(backend, self.scope, what, graph, backend.dist, trace=trace,
+                        dump=self.dump)
+            bound = backend.bound
+            usual = bound.seconds
+            if timeout is not None:
+                bound.seconds = timeout
+            try:
+                return await call.run(launch, channels=channels, digest=digest,
+                                      members=members, payload=payload, subject=subject)
+            finally:
+                bound.seconds = usual
+                self._leftover = (graph,) if call.unsettled else None
+                if call.lost is not None:
+                    self.lost = call.lost
+                # Nothing the streams still hold (an abandoned op's scope) may keep this
+                # call's exceptions — and through their tracebacks the runtime — alive.
+                call.scope.forget_failures()
+
+    async def _settle_leftover(self) -> None:
+        """What an interrupted call left on the streams, settled before this call; a stream
+        stuck past its bound is abandoned (named from the interrupted call's graph), and this
+        call refused."""
+        if self._leftover is None:
+            return
+        (graph,), self._leftover = self._leftover, None
+        stuck = await settle_leftovers(self.backend)
+        if stuck:
+            _, self.lost = abandon(self.backend, stuck, graph)
+            self.check_open()
 
 
-def describe(busy: Busy, graph: StepGraph | None) -> tuple[str, int | None, int | None,
-                                                           str | None]:
-    """(what the op is, its stage, microbatch, phase) from the step graph when it is known."""
-    body = graph.ops[busy.op].body if graph is not None and busy.op is not None else None
-    if isinstance(body, Compute):
-        phase = {"F": "forward", "B": "backward", "I": "input gradient",
-                 "W": "weight gradient"}.get(body.kind, body.kind)
-        return (f"stage {body.stage} {phase} of microbatch {body.microbatch} on device "
-                f"{busy.device}", body.stage, body.microbatch, body.kind)
-    if body is not None:
-        return f"{body} on device {busy.device}", None, getattr(body, "microbatch", None), None
-    return busy.label, None, None, None
-
-
-def hang_error(stuck: Sequence[Busy], graph: StepGraph | None, timeout: float, *,
-               abandoned: bool = True) -> StageTimeout:
-    """The error naming ``stuck`` ops, the longest-running first (the likeliest culprit: the
-    others may be waiting inside it, e.g. in a stage collective); ``abandoned``: their threads
-    were given up (else: named while they still ran, before the streams settled)."""
-    ordered = sorted(stuck, key=lambda b: b.since)
-    first = ordered[0]
-    what, stage, mb, phase = describe(first, graph)
-    now = time.perf_counter()
-    seconds = now - first.since
-    others = [f"{describe(b, graph)[0]} ({now - b.since:.1f} s)" for b in ordered[1:]]
-    text = (f"{what} {'never finished' if abandoned else 'is past the timeout'}: it has run "
-            f"{seconds:.1f} s on device {first.device}'s {first.stream!r} stream (timeout "
-            f"{timeout:g} s)")
-    if others:
-        text += "; also still running: " + ", ".join(others)
-    if abandoned:
-        text += (". Its thread is abandoned and this runtime refuses further work: close it "
-                 "and make a fresh Runtime")
-    return StageTimeout(text, op=what, device=first.device, stream=first.stream, stage=stage,
-                        microbatch=mb, phase=phase, seconds=seconds)
-
-
-def overran_error(busy: Busy, seconds: float, graph: StepGraph | None,
-                  timeout: float) -> StageTimeout:
-    """The error naming a compute op that returned, but only after ``seconds`` past the
-    ``timeout`` (one that held the interpreter lock, so that nothing could name it while it
-    ran). Its thread is not lost: the runtime works on."""
-    what, stage, mb, phase = describe(busy, graph)
-    return StageTimeout(
-        f"{what} ran {seconds:.1f} s on device {busy.device}'s {busy.stream!r} stream, past "
-        f"the timeout ({timeout:g} s); it returned, but too late, so the step failed. "
-        "Nothing could name it while it ran: it held Python's interpreter lock (a C "
-        "extension that does not release it?) — see 'Failure behaviour' in the docs",
-        op=what, device=busy.device, stream=busy.stream, stage=stage, microbatch=mb,
-        phase=phase, seconds=seconds)
-
-
-def overdue(backend: Backend, scope: CancelScope) -> list[Busy]:
-    """The scope's compute ops that have run longer than the timeout now. (Only compute ops:
-    user code nothing else bounds. Waits and transfers bound themselves.)"""
-    now = time.perf_counter()
-    return [b for b in backend.busy() if b.scope is scope and not b.waiting
-            and b.category == "compute" and now >= b.since + backend.timeout]
-
-
-# ---- the root cause -------------------------------------------------------------------------
-
-
-def root_cause(exc: BaseException, failures: Sequence[BaseException]) -> BaseException:
-    """The failure that explains the others: processes that made different calls (which
-    makes work fail everywhere, in whatever order); else the first failure that is not a
-    consequence of another (an abort, a timeout waiting for a peer, a peer that failed);
-    else a peer's failure; else the first timeout; else ``exc`` itself."""
-    every = (exc, *failures)
-    for f in every:
-        if isinstance(f, CallMismatch):
-            return f
-    for f in failures:
-        if not isinstance(f, (CollectiveAborted, CollectiveTimeout, RankFailed)):
-            return f
-    for f in every:
-        if isinstance(f, RankFailed):
-            return f
-    return next((f for f in failures if isinstance(f, CollectiveTimeout)), exc)
-
-
-def _consequence(exc: BaseException) -> bool:
-    return isinstance(exc, (CollectiveAborted, CollectiveTimeout, RankFailed))
-
-
-# ---- the call -------------------------------------------------------------------------------
+# ---- one call -------------------------------------------------------------------------------
 
 
 class Call:
-    """One call's scope (see module doc). Made by the runtime inside its gate, run once."""
+    """One call's scope (see module doc). Made by :meth:`Calls.run` inside its gate, run
+    once."""
 
     def __init__(self, backend: Backend, parent: CancelScope, what: str,
                  graph: StepGraph | None, dist: Distributed | None, *,
@@ -231,26 +174,28 @@ class Call:
         self.graph = graph
         self.dist = dist
         self.scope = CancelScope(what, parent)
-        self.scope.trace = trace
-        self.scope.overran = lambda busy, seconds: overran_error(busy, seconds, graph,
-                                                                 backend.timeout)
+        # What the streams report of the call's ops: their spans, an op past its bound.
+        self.report = OpReport(trace, lambda busy, seconds: overran_error(
+            busy, seconds, graph, backend.timeout))
         self.lost: DeviceThreadLost | None = None  # set when a stream had to be abandoned
         self.named: StageTimeout | None = None  # ops the watch found past the timeout
         self.dump = dump  # tracebacks from a C timer if the watch misses a look
         self.unsettled = False  # an interruption left streams busy: the next call settles
 
-    async def run(self, launch: Callable[[CancelScope], list[Event]], *,
-                  channels: tuple[dict[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
-                  | None = None, digest: bytes = b"", members: tuple[int, ...] | None = None,
+    async def run(self, launch: Launch, *, channels: Channels | None = None,
+                  digest: bytes = b"", members: tuple[int, ...] | None = None,
                   payload: Callable[[], bytes] | None = None, subject: str = ""
                   ) -> dict[int, bytes] | None:
-        """Admit, launch, watch and finish the call. Raises the root cause of a failure.
-        ``digest``: what the call's agreement compares (a hash of ``subject``: its plan, its
-        step graph). With ``payload`` (a call whose result every member returns: a training
-        step's losses), across processes the call ends with the end-of-call round and
-        returns every member's ``payload()`` (this rank's, once its part ended); without,
-        it returns once its agreement is settled and this rank's part ended (a peer's
-        failure after that reaches this rank's next call). None in one process."""
+        """Agree, launch, watch and finish the call. Raises the root cause of a failure.
+        ``launch(scope, report)`` enqueues the call's work and returns its lanes' end
+        events; ``channels``: what it prepares across processes. ``digest``: what the
+        call's agreement compares (a hash of ``subject``: its plan, its step graph); among
+        ``members`` (default: every rank). With ``payload`` (a call whose result every member
+        returns: a training step's losses), across processes the call ends with the
+        end-of-call round and returns every member's ``payload()`` (this rank's, once its
+        part ended); without, it returns once its agreement is settled and this rank's part
+        ended (a peer's failure after that reaches this rank's next call). None in one
+        process."""
         backend, scope, dist = self.backend, self.scope, self.dist
         rounds: CallRounds | None = None
         try:
@@ -261,7 +206,7 @@ class Call:
                 await backend.prepare(*channels)
             if self.dump is not None:  # (an op may freeze the process before the watch runs)
                 self.dump.arm(backend.timeout)
-            ends = launch(scope)
+            ends = launch(scope, self.report)
             await self._watch(ends)
             backend.release_to_caller(ends)
             if rounds is None:
@@ -379,11 +324,11 @@ class Call:
                                         lambda b: backend.stop_bound(b, start))
         if stuck:
             hang = self._abandon(stuck)
-            if _consequence(root) or root is self.named:
+            if consequence(root) or root is self.named:
                 root = hang  # an op here that never finished explains what waited for it
         else:
             backend.forget()
-            if _consequence(root) or root is self.named:
+            if consequence(root) or root is self.named:
                 root = self._settled_root(root)
         if dist is not None:
             dist.failed(self.what, root)
@@ -397,7 +342,7 @@ class Call:
         the watch saw it just before it returned), a stage's error raised meanwhile."""
         scope = self.scope
         for f in (*scope.failures, *(scope.parent.failures if scope.parent else ())):
-            if f is not self.named and not _consequence(f):
+            if f is not self.named and not consequence(f):
                 return f
         return root
 
@@ -454,17 +399,25 @@ class Call:
             ranks=answers.absent)
 
     def _abandon(self, stuck: list[Busy]) -> StageTimeout:
-        backend = self.backend
-        err = hang_error(stuck, self.graph, backend.timeout)
-        names = tuple((b.device, b.stream, describe(b, self.graph)[0]) for b in stuck)
-        backend.abandon(stuck, f"device {stuck[0].device} stream {stuck[0].stream!r}: its "
-                               f"thread is stuck in {names[0][2]}")
-        self.lost = DeviceThreadLost(
-            "this runtime lost the thread of "
-            + "; ".join(f"device {d}'s {s!r} stream (stuck in {op})" for d, s, op in names)
-            + f": it ran past the timeout ({backend.timeout:g} s) and was abandoned. Close "
-            "this runtime and make a fresh Runtime", stuck=names)
-        return err
+        hang, self.lost = abandon(self.backend, stuck, self.graph)
+        return hang
+
+
+def abandon(backend: Backend, stuck: list[Busy], graph: StepGraph | None
+            ) -> tuple[StageTimeout, DeviceThreadLost]:
+    """Give up the threads of ``stuck`` streams (each runs nothing more); returns the error
+    naming their ops (from ``graph``, the call they ran for) and the one the runtime raises
+    from then on."""
+    err = hang_error(stuck, graph, backend.timeout)
+    names = tuple((b.device, b.stream, describe(b, graph)[0]) for b in stuck)
+    backend.abandon(stuck, f"device {stuck[0].device} stream {stuck[0].stream!r}: its "
+                           f"thread is stuck in {names[0][2]}")
+    lost = DeviceThreadLost(
+        "this runtime lost the thread of "
+        + "; ".join(f"device {d}'s {s!r} stream (stuck in {op})" for d, s, op in names)
+        + f": it ran past the timeout ({backend.timeout:g} s) and was abandoned. Close "
+        "this runtime and make a fresh Runtime", stuck=names)
+    return err, lost
 
 
 async def settle_leftovers(backend: Backend) -> list[Busy]:
@@ -478,5 +431,6 @@ async def settle_leftovers(backend: Backend) -> list[Busy]:
     return stuck
 
 
-__all__ = ["Call", "CallGate", "describe", "hang_error", "overdue",
-           "overran_error", "refuse_reentry", "root_cause", "settle_leftovers"]
+__all__ = ["Call", "CallGate", "Calls", "Channels", "Launch", "abandon", "describe",
+           "hang_error", "overdue", "overran_error", "refuse_reentry", "root_cause",
+           "settle_leftovers"]

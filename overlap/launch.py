@@ -21,16 +21,18 @@ from typing import TYPE_CHECKING, Any
 from scheduler import COMPUTE, Op, StepGraph
 
 if TYPE_CHECKING:
-    from .backends import Backend, Event
+    from .backends import Backend, Event, OpReport
     from .scope import CancelScope
 
 Bind = Callable[[Op, int], Callable[[], Any]]  # (op, device) -> that device's part of it
 
 
-def launch(backend: Backend, graph: StepGraph, bind: Bind, scope: CancelScope) -> list[Event]:
+def launch(backend: Backend, graph: StepGraph, bind: Bind, scope: CancelScope,
+           report: OpReport | None = None) -> list[Event]:
     """Enqueue this process's lanes of ``graph`` for ``scope`` (see module doc); returns each
     lane's end event. ``bind(op, device)`` makes the callable that runs ``op``'s part on
-    ``device``."""
+    ``device``; ``report``: what the streams report of each op to the call (its trace, an
+    op that overran)."""
     events: dict[tuple[int, int], Event] = {}
 
     def event(op: int, device: int) -> Event:
@@ -58,7 +60,7 @@ def launch(backend: Backend, graph: StepGraph, bind: Bind, scope: CancelScope) -
                 if dep.dst == d and backend.is_local(dep.src):
                     stream.wait_event(event(dep.op, dep.src), scope=scope)
             stream.launch(f"{labels[i]} on device {d}", bind(op, d), category=category, op=i,
-                          scope=scope)
+                          scope=scope, report=report)
             if (i, d) in recorded:
                 stream.record(event=event(i, d), scope=scope)
         ends.append(stream.record(f"{lane} end", scope=scope))

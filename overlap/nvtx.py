@@ -26,7 +26,10 @@ DOMAIN = "overlap"
 COLORS = {"compute": "blue", "comm": "orange", "wait": "grey", "step": "green"}
 
 
-def _load() -> tuple[Callable[..., Any], Callable[[Any], None]]:
+def nvtx_functions() -> tuple[Callable[..., Any], Callable[[Any], None]]:
+    """The (start(message, category) -> handle, end(handle)) pair of the ``nvtx`` package in
+    the runtime's domain and colours — no-ops without the package or with ``NVTX_DISABLE``
+    set (read when called: the module reads it once, at import)."""
     if os.environ.get("NVTX_DISABLE"):
         return (lambda *a, **k: None), (lambda r: None)
     try:
@@ -41,7 +44,7 @@ def _load() -> tuple[Callable[..., Any], Callable[[Any], None]]:
     return start, nvtx.end_range
 
 
-_start, _end = _load()
+_start, _end = nvtx_functions()
 
 
 # Extra receivers of every range: (start(message, category) -> handle, end(handle)).
@@ -56,6 +59,13 @@ def add_sink(start: Callable[[str, str], Any], end: Callable[[Any], None]) -> No
     """Open every later range in another profiler as well (once per pair)."""
     if (start, end) not in _sinks:
         _sinks.append((start, end))
+
+
+def remove_sink(start: Callable[[str, str], Any], end: Callable[[Any], None]) -> None:
+    """Stop opening ranges in a sink :func:`add_sink` registered (ranges it opened still
+    close in it); nothing when it is not registered."""
+    if (start, end) in _sinks:
+        _sinks.remove((start, end))
 
 
 def range_start(message: str, category: str) -> Any:

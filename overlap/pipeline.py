@@ -55,34 +55,30 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from scheduler import (
+    Boundaries,
+    BoundaryGroup,
     Channel,
+    ChannelSets,
     Compute,
     DataParallel,
     DeviceMesh,
     GradReduce,
+    MicrobatchBoundaries,
     Op,
     Sharding,
     StepGraph,
-)
-from scheduler.dtypes import is_floating
-from scheduler.graph import (
-    ChannelSets,
     buffers_used,
+    channels,
     dp_stream,
+    elements,
     input_channel,
+    is_floating,
     output_channel,
+    per_microbatch,
     reduce_line,
     reduce_lines,
+    region_shape,
 )
-from scheduler.lowering import (
-    Boundaries,
-    BoundaryGroup,
-    MicrobatchBoundaries,
-    channels,
-    elements,
-    per_microbatch,
-)
-from scheduler.regions import region_shape
 
 from .launch import launch
 from .reshard import transfer_op
@@ -90,7 +86,7 @@ from .scope import CancelScope
 from .waits import sleep
 
 if TYPE_CHECKING:
-    from .backends import Backend, Event, Route
+    from .backends import Backend, Event, OpReport, Route
 
 Forward = Callable[["StageContext", np.ndarray], Any]
 Backward = Callable[["StageContext", "np.ndarray | None"], "np.ndarray | None"]
@@ -273,20 +269,22 @@ def launch_step(
     *,
     routes: Mapping[tuple[int, int], Route],
     scope: CancelScope,
+    report: OpReport | None = None,
     compute_time: Callable[[int, str], float] | None = None,
     state: StepState | None = None,
 ) -> list[Event]:
     """Launch this process's part of one step of ``graph`` for ``scope``, into ``state``
     (buffers and losses; a new one by default); returns the end events. ``routes``: the
-    graph's transfer parts, resolved (``reshard.resolve``); ``compute_time(stage, kind)``:
-    seconds each compute must take at least (compute emulation: the stream stays busy, as a
-    GPU kernel of that length would keep it)."""
+    graph's transfer parts, resolved (``reshard.resolve``); ``report``: the call's
+    (:func:`overlap.launch.launch`); ``compute_time(stage, kind)``: seconds each compute
+    must take at least (compute emulation: the stream stays busy, as a GPU kernel of that
+    length would keep it)."""
     state = StepState() if state is None else state
     binder = _Binder(backend, state, stages,
                      per_microbatch(boundaries, len(microbatches)), microbatches,
                      input_sharding, compute_time, graph.buffer_users, routes, scope,
                      graph.channel_sets)
-    return launch(backend, graph, binder, scope)
+    return launch(backend, graph, binder, scope, report)
 
 
 class _Binder:

@@ -21,15 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler import Op, ReshardPlan, StepGraph, Transfer
-from scheduler.regions import Region, contains, region_shape
+from scheduler import Op, Region, ReshardPlan, StepGraph, Transfer, contains, region_shape
 
 from .backends.routes import Route
 from .launch import launch
 from .waits import sleep
 
 if TYPE_CHECKING:
-    from .backends import Backend, Event
+    from .backends import Backend, Event, OpReport
     from .scope import CancelScope
 
 
@@ -191,6 +190,7 @@ def launch_reshard(
     regions: tuple[Mapping[int, Region], Mapping[int, Region]],
     *,
     scope: CancelScope,
+    report: OpReport | None = None,
     tag_base: int = 0,
 ) -> list[Event]:
     """Launch this process's part of every transfer of ``plan`` (non-blocking), for
@@ -201,7 +201,7 @@ def launch_reshard(
     ``regions``: the plan's source and destination regions. ``outs[d]`` is device d's
     destination buffer (its destination region's shape), written as transfers land.
     Transfer ``i`` is named ``tag_base + i`` across processes (every process passes the
-    same base)."""
+    same base). ``report``: the call's (:func:`overlap.launch.launch`)."""
     src, dst = regions
     dtype = np.dtype(plan.dtype)
 
@@ -209,7 +209,7 @@ def launch_reshard(
         return transfer_op(backend, routes[(op.id, device)], op.body.transfer,  # type: ignore[union-attr]
                            src, dst, shards, outs, dtype, tag_base + op.id, scope)
 
-    return launch(backend, graph, bind, scope)
+    return launch(backend, graph, bind, scope, report)
 
 
 def resolve(backend: Backend, graph: StepGraph, desc: Callable[[Op], str]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from .errors import CollectiveAborted
 
@@ -27,7 +26,7 @@ class CancelScope:
     """One call's (or the runtime's) cancellation and failures (see module doc)."""
 
     __slots__ = ("__weakref__", "_callbacks", "_children", "_error", "_lock", "_next",
-                 "failures", "overran", "parent", "trace", "what")
+                 "failures", "parent", "what")
 
     def __init__(self, what: str, parent: CancelScope | None = None) -> None:
         self.what = what
@@ -38,11 +37,6 @@ class CancelScope:
         self._next = 0
         self._children: list[CancelScope] = []
         self.failures: list[BaseException] = []  # in the order they were recorded
-        # The call's trace, when one is recorded (see overlap.backends.streams.Trace).
-        self.trace: Any = None
-        # ``(busy, seconds) -> error``: what a stream fails the call with when one of its
-        # compute ops returns only after the timeout (set by the call; see Stream._do).
-        self.overran: Callable[[Any, float], BaseException] | None = None
         if parent is not None:
             parent._adopt(self)
 

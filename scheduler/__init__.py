@@ -8,18 +8,26 @@ writes a file; the I/O is in ``scheduler/cli/`` (the command line) and ``schedul
 (the trace readers and reports), and at the edges the caller names: a timeline's trace file
 and plot, ``Cluster.detect()``'s environment. See docs/architecture.md (the user guide:
 docs/index.md).
+
+The face also exports what the runtime (``overlap``) builds on — a step graph's channels and
+streams, the lowering's boundaries, regions, the narrow dtypes, the timeline's span metadata
+and the argument checks it shares — so that ``overlap`` imports no module of ``scheduler``
+past this one (its subpackages ``partition``, ``traces`` and ``cli`` have faces of their
+own).
 """
 
 from __future__ import annotations
 
-from .auto import AutoChoice, auto_schedule
+from .auto import AutoChoice, auto_schedule, check_caps
 from .balance import BALANCES
 from .cluster import Cluster
 from .cost import CostModel, estimate, lower_bound_for, paper_model_time, plan_report
-from .errors import ClusterError, PlanError, ShardingError
+from .dtypes import NARROW_FLOATS, is_floating
+from .errors import ClusterError, PlanError, ShardingError, check_seconds
 from .graph import (
     COMPUTE,
     Channel,
+    ChannelSets,
     Compute,
     DataParallel,
     Dep,
@@ -28,14 +36,31 @@ from .graph import (
     Op,
     StepGraph,
     TransferOp,
+    buffers_used,
+    dp_stream,
+    input_channel,
+    output_channel,
+    reduce_line,
+    reduce_lines,
     reshard_graph,
 )
-from .lowering import Boundary, MicrobatchBoundaries, lower
+from .lowering import (
+    Boundaries,
+    Boundary,
+    BoundaryGroup,
+    MicrobatchBoundaries,
+    boundaries_key,
+    channels,
+    elements,
+    lower,
+    per_microbatch,
+    plan_mismatch,
+)
 from .mesh import DeviceMesh
 from .partition import Layer, PartitionError, PartitionPlan, SearchBudget, StagePlan, partition
 from .plan import ReshardPlan, Transfer
 from .planner import STRATEGIES, PlanCache, PlanOptions, plan_resharding
-from .regions import Region
+from .regions import Region, contains, region_shape
 from .schedules import (
     ALL_SCHEDULES,
     SCHEDULES,
@@ -51,9 +76,10 @@ from .state_reshard import (
     StateReshardPlan,
     StateTensor,
     plan_state_resharding,
+    state_graph,
     state_lower_bound,
 )
-from .timeline import Span, Timeline
+from .timeline import Span, Timeline, span_meta
 from .validate import ProgramError, validate
 
 
@@ -66,12 +92,16 @@ __all__ = [
     "ALL_SCHEDULES",
     "BALANCES",
     "COMPUTE",
+    "NARROW_FLOATS",
     "SCHEDULES",
     "STRATEGIES",
     "Action",
     "AutoChoice",
+    "Boundaries",
     "Boundary",
+    "BoundaryGroup",
     "Channel",
+    "ChannelSets",
     "Cluster",
     "ClusterError",
     "Compute",
@@ -110,18 +140,36 @@ __all__ = [
     "Transfer",
     "TransferOp",
     "auto_schedule",
+    "boundaries_key",
+    "buffers_used",
+    "channels",
+    "check_caps",
+    "check_seconds",
     "compute_only_time",
+    "contains",
+    "dp_stream",
+    "elements",
     "estimate",
+    "input_channel",
+    "is_floating",
     "lower",
     "lower_bound",
     "make_schedule",
+    "output_channel",
     "paper_model_time",
     "partition",
+    "per_microbatch",
+    "plan_mismatch",
     "plan_report",
     "plan_resharding",
     "plan_state_resharding",
+    "reduce_line",
+    "reduce_lines",
+    "region_shape",
     "reshard_graph",
     "simulate",
+    "span_meta",
+    "state_graph",
     "state_lower_bound",
     "validate",
 ]

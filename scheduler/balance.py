@@ -85,15 +85,21 @@ def balance_sends(
     seed: int,
     budget: int,
     before: Sequence[Transfer] = (),
+    groups: Sequence[int] | None = None,
 ) -> tuple[Pieces, dict[str, Any]]:
-    """Senders, pieces and launch order for ``sends``, launched after the ``before`` work."""
+    """Senders, pieces and launch order for ``sends``, launched after the ``before`` work.
+    ``groups[i]``: which tensor send ``i`` belongs to, when several are planned at once
+    (``auto`` over budget then runs each tensor's sends on one lane)."""
     if not sends:
         return [], {}
     if mode == "auto":
+        group_of = {id(s): g for s, g in zip(sends, groups)} if groups is not None else {}
+
         def plan_one(part: list[Send], local: list[Transfer], share: int
                      ) -> tuple[Pieces, dict[str, Any]]:
             return _auto(part, cluster, seed=seed, budget=share, before=local,
-                         ready=_ready_times(local, cluster))
+                         ready=_ready_times(local, cluster),
+                         groups=[group_of.get(id(s), 0) for s in part])
 
         # Host groups that share nothing are planned apart, identical ones once.
         return (plan_by_class(sends, before, cluster, budget, plan_one)
@@ -551,7 +557,7 @@ def _host_groups(
     return out, origin
 
 
-_AUTO_CANDIDATES = 7  # per variant, at most (see _auto_builders)
+_AUTO_CANDIDATES = 7  # per variant, at most (see auto_builders)
 
 
 def _auto(
@@ -562,6 +568,7 @@ def _auto(
     budget: int,
     before: Sequence[Transfer],
     ready: dict[int, float],
+    groups: Sequence[int] | None = None,
 ) -> tuple[Pieces, dict[str, Any]]:
     """Build candidates and keep the one whose worse time under the cost model and the paper's
     sequential model is least (then the cost model's time, then the fewest pieces).
@@ -574,15 +581,22 @@ def _auto(
     of k pieces spends ``k * k // 64 + k`` work units (the fluid run is about quadratic).
     The ``budget`` is divided: each candidate gets an even part of what is left, to build it
     (search nodes, shuffles, list-schedule tie rules) and to cost it; when even the first
-    cannot be costed it is returned uncosted. Every candidate is costed after the ``before``
-    local work, as the plan will run.
+    cannot be costed it is returned uncosted. When the sends are too many for even one
+    costing (``5 (k * k // 64 + k)`` over the budget: a whole state of thousands of tensors),
+    no candidate is built: :func:`_linear` returns a plan made in linear time. Every
+    candidate is costed after the ``before`` local work, as the plan will run.
     """
+    k = len(sends)
+    if 5 * (k * k // 64 + k) > budget:
+        # Not even one candidate could be costed: the cheapest sound plan, built in time
+        # linear in the sends (a list schedule of this many pieces alone is quadratic).
+        return _linear(sends, cluster, ready, groups)
     itemsize = [s.nbytes // max(1, volume(s.region)) for s in sends]
     variants = _auto_variants(sends, cluster)
     # Built lazily (a variant's ports and split are work too), so counted from the most
     # candidates a variant yields.
     candidates = ((label, name, build, len(vsends)) for label, vsends, origin in variants
-                  for name, build in _auto_builders(vsends, origin, cluster, ready, seed))
+                  for name, build in auto_builders(vsends, origin, cluster, ready, seed))
     most = _AUTO_CANDIDATES * len(variants)
     # The budget is shared: costing a candidate draws its 5 replays of k pieces (5 (k^2 // 64
     # + k) units) from what is left, and building it gets an even part of the rest.
@@ -620,6 +634,43 @@ def _auto(
     return best[2], {"auto_choice": best[1], "auto_estimates": estimates}
 
 
+def _linear(sends: Sequence[Send], cluster: Cluster, ready: dict[int, float],
+            groups: Sequence[int] | None = None) -> tuple[Pieces, dict[str, Any]]:
+    """``auto`` over budget: every send whole from the holder whose NIC has sent least
+    (largest first: ``size``), in the sends' order, on as many lanes as a device has
+    pieces (at most :data:`MAX_LANES`) so that each one's latency and pipeline fill overlap
+    another's bytes. Time and memory linear in the sends.
+
+    Lanes go by *group* (``groups[i]``, a tensor of a whole state; by default every send
+    its own): all of a group's pieces on the one lane whose busiest device of the group has
+    the fewest bytes on it. Spreading the equal pieces of one tensor over the lanes instead
+    starts them together, makes them share the ports evenly and end together — so every
+    lane pays its next latency at the same moment and none hides another's (a dense 70 B
+    refit: 1.22 × the bound against 1.02 × by tensor)."""
+    ports = _Ports(sends, cluster, ready)
+    pieces: Pieces = [(i, piece, dev, sends[i].receivers, (), 0)
+                      for i, piece, dev in _by_size(sends, ports)]
+    lanes = _lanes_for(pieces)
+    group = list(range(len(sends))) if groups is None else list(groups)
+    members: dict[int, list[int]] = {}
+    for k, (i, *_rest) in enumerate(pieces):
+        members.setdefault(group[i], []).append(k)
+    used: dict[tuple[int, int], int] = defaultdict(int)  # (device, lane) -> bytes
+    lane_of: dict[int, int] = {}
+    for g, ks in members.items():
+        devices = {d for k in ks for d in (pieces[k][2], *pieces[k][3])}
+        lane = min(range(lanes), key=lambda n: (max(used[(d, n)] for d in devices), n))
+        lane_of[g] = lane
+        for k in ks:
+            i, piece, dev, receivers = pieces[k][:4]
+            nbytes = volume(piece) * sends[i].nbytes // max(1, volume(sends[i].region))
+            for d in (dev, *receivers):
+                used[(d, lane)] += nbytes
+    out = [(i, piece, dev, receivers, (), lane_of[group[i]])
+           for i, piece, dev, receivers, _, _ in pieces]
+    return out, {"auto_choice": f"size+lanes{lanes} by tensor (uncosted: over budget)"}
+
+
 def _auto_variants(sends: Sequence[Send], cluster: Cluster
                    ) -> list[tuple[str, list[Send], list[int]]]:
     """(label, sends, origin): chains over all receiving hosts and, when a send reaches
@@ -634,8 +685,8 @@ def _auto_variants(sends: Sequence[Send], cluster: Cluster
     return variants
 
 
-def _auto_builders(vsends: list[Send], origin: list[int], cluster: Cluster,
-                   ready: dict[int, float], seed: int):
+def auto_builders(vsends: list[Send], origin: list[int], cluster: Cluster,
+                  ready: dict[int, float], seed: int):
     """(name, build(budget) -> pieces): each candidate builds within the budget given."""
     ports = _Ports(vsends, cluster, ready)
 

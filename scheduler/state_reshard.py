@@ -11,8 +11,8 @@ trainer's layout to the inference engine's) together, with the planner's own sta
    sends, after the union of their local work: a NIC that one tensor loads is avoided by the
    next, and the launch order interleaves the tensors;
 3. the result split back per tensor (each tensor's own :class:`~scheduler.plan.ReshardPlan`,
-   checkable alone), and the launch order cut into *buckets* of at most
-   :attr:`StateOptions.bucket_bytes` bytes of staged transfers.
+   checkable alone), and the launch order cut into *buckets* in which no device stages
+   more than :attr:`StateOptions.bucket_bytes` bytes.
 
 Buckets bound memory: a device stages (sends from, or receives into, a buffer) only the
 transfers of one bucket at a time — its transfers of a bucket start once its transfers of its
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -37,6 +38,7 @@ from .cluster import Cluster
 from .cost import CostModel, lower_bound_of_tasks, ratio_text
 from .dtypes import check_dtype
 from .errors import ClusterError, PlanError, ShardingError, load_json
+from .graph import COMPUTE, Dep, Op, StepGraph, TransferOp, lane_stream, lanes_of
 from .plan import ReshardPlan, Transfer, fmt_bytes
 from .planner import PlanOptions, _decompose, check_nbytes
 from .regions import is_empty, split_region, volume
@@ -91,8 +93,8 @@ class StateTensor:
 @dataclass(frozen=True)
 class StateOptions(PlanOptions):
     """The planner's :class:`~scheduler.planner.PlanOptions` plus ``bucket_bytes``: the most
-    bytes of staged (non-local) transfers one bucket holds, so the most extra memory a device
-    needs at a time (256 MiB by default)."""
+    bytes of staged (non-local) transfers one device takes part in within one bucket, so the
+    most extra memory a device needs at a time (256 MiB by default)."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
@@ -159,9 +161,26 @@ class StateReshardPlan:
     def _transfer(self, key: Key) -> Transfer:
         return self.plans[key[0]].transfers[key[1]]
 
+    @property
+    def launch_order(self) -> tuple[Key, ...]:
+        """Every transfer of the state, bucket by bucket: op ``g`` of :func:`state_graph`
+        runs ``launch_order[g]``."""
+        return tuple(k for b in self.buckets for k in b)
+
     def bucket_nbytes(self, k: int) -> int:
         """Bytes of the staged transfers of bucket ``k``."""
         return sum(_staged(self._transfer(key)) for key in self.buckets[k])
+
+    def bucket_device_nbytes(self, k: int) -> dict[int, int]:
+        """Device -> the bytes it stages in bucket ``k`` (each at most ``bucket_bytes``
+        unless the bucket is one transfer)."""
+        staged: dict[int, int] = {}
+        for key in self.buckets[k]:
+            t = self._transfer(key)
+            if not t.is_local_copy:
+                for d in t.devices:
+                    staged[d] = staged.get(d, 0) + t.nbytes
+        return staged
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -197,8 +216,8 @@ class StateReshardPlan:
         """Raise :class:`PlanError` unless every tensor's plan delivers each element of its
         destination exactly once (:meth:`ReshardPlan.check`), the plans are those of the
         tensors, the buckets launch every transfer once, each tensor's in its plan's order,
-        and no bucket holds more than ``bucket_bytes`` staged bytes unless it is one
-        transfer (listed in :attr:`oversized`)."""
+        and in no bucket a device stages more than ``bucket_bytes`` bytes unless the bucket
+        is one transfer (listed in :attr:`oversized`)."""
         if set(self.plans) != set(self.tensors):
             raise PlanError(f"plans for {sorted(self.plans)} but tensors {sorted(self.tensors)}")
         for name, plan in self.plans.items():
@@ -216,10 +235,13 @@ class StateReshardPlan:
                     raise PlanError(f"bucket {b}: ({name!r}, {i}) out of order (expected "
                                     f"transfer {nxt.get(name)} of {name!r} next)")
                 nxt[name] = i + 1
-            size = self.bucket_nbytes(b)
-            if size > self.bucket_bytes and len(bucket) != 1:
-                raise PlanError(f"bucket {b}: {size} staged bytes in {len(bucket)} transfers, "
-                                f"more than bucket_bytes={self.bucket_bytes}")
+            if len(bucket) == 1:
+                continue
+            for d, size in self.bucket_device_nbytes(b).items():
+                if size > self.bucket_bytes:
+                    raise PlanError(f"bucket {b}: device {d} stages {size} bytes in "
+                                    f"{len(bucket)} transfers, more than "
+                                    f"bucket_bytes={self.bucket_bytes}")
         for name, plan in self.plans.items():
             if nxt[name] != len(plan.transfers):
                 raise PlanError(f"tensor {name!r}: transfers {nxt[name]}.. are in no bucket")
@@ -234,7 +256,7 @@ class StateReshardPlan:
         lines = [
             f"StateReshardPlan: {len(self.tensors)} tensors, {fmt_bytes(total)}, "
             f"{self.num_transfers} transfers in {len(self.buckets)} buckets of at most "
-            f"{fmt_bytes(self.bucket_bytes)}",
+            f"{fmt_bytes(self.bucket_bytes)} per device",
             f"  bytes delivered {fmt_bytes(self.nbytes)}, over the network "
             f"{fmt_bytes(self.network_bytes)}",
             f"  peak staging {fmt_bytes(peak)} per device (on "
@@ -387,7 +409,7 @@ def plan_state_resharding(
         before += p.before
         entries += [(k, t) for t in p.before]
     ordered, stats = balance_sends(sends, cluster, options.balance, seed=options.seed,
-                                   budget=options.budget, before=before)
+                                   budget=options.budget, before=before, groups=owner_of_send)
     offset = len(entries)
     brought: dict[int, list[int]] = {}  # global send index -> the entries that carry it
     for j, (idx, region, sender, receivers, after, lane) in enumerate(ordered):
@@ -436,6 +458,55 @@ def plan_state_resharding(
     )
 
 
+def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
+    """The step graph of a whole-state resharding: one :class:`~scheduler.graph.TransferOp`
+    per transfer, in :attr:`StateReshardPlan.launch_order` (op ``g``'s ``index`` is ``g``;
+    its tensor and transfer are ``launch_order[g]``), each on its lane's stream.
+
+    Waits: each transfer's ``after`` within its tensor (as :func:`~scheduler.reshard_graph`
+    makes them: on the sender, for what it forwards or for its NIC's order), and the
+    **bucket barrier** — on each device, a transfer of bucket ``b`` waits, on that device,
+    for the device's last transfer of each of its other streams in the device's previous
+    bucket (its own stream's is before it anyway: FIFO). A device thus stages one bucket
+    at a time (:attr:`StateReshardPlan.peak_staging_bytes`), while devices done with a
+    bucket go on to the next without waiting for the others: bucket ``k + 1`` moves between
+    some devices while bucket ``k`` still lands on others. Every wait names an earlier op,
+    so the graph cannot deadlock."""
+    if not isinstance(plan, StateReshardPlan):
+        raise TypeError(f"plan: expected a StateReshardPlan, got {type(plan).__name__}")
+    if not isinstance(stream, str) or not stream or stream == COMPUTE \
+            or re.fullmatch(r".*\.\d+", stream):
+        raise ValueError(f"stream: expected a comm stream name other than {COMPUTE!r}, not "
+                         f"ending like a lane's (<name>.<lane>), got {stream!r}")
+    order = plan.launch_order
+    position = {key: g for g, key in enumerate(order)}
+    current: dict[int, tuple[int, dict[str, int]]] = {}  # device -> (bucket, stream -> last)
+    barrier: dict[int, dict[str, int]] = {}  # device -> stream -> last op, previous bucket
+    ops: list[Op] = []
+    for b, bucket in enumerate(plan.buckets):
+        for name, i in bucket:
+            g = len(ops)
+            t = plan.plans[name].transfers[i]
+            s = lane_stream(stream, t)
+            waits: dict[Dep, None] = {}
+            for j in t.after:
+                earlier = plan.plans[name].transfers[j]
+                src = t.sender if t.sender in earlier.devices else earlier.sender
+                waits[Dep(position[(name, j)], src, t.sender)] = None
+            for d in t.devices:
+                entry = current.get(d)
+                if entry is None or entry[0] < b:
+                    if entry is not None:
+                        barrier[d] = entry[1]
+                    entry = current[d] = (b, {})
+                for other, last in barrier.get(d, {}).items():
+                    if other != s:
+                        waits[Dep(last, d, d)] = None
+                entry[1][s] = g
+            ops.append(Op(g, TransferOp(None, 0, g, t), s, t.devices, tuple(waits)))
+    return StepGraph(tuple(ops), lanes_of(ops))
+
+
 def _cut(entries: Sequence[tuple[int, Transfer]], cap: int) -> list[tuple[int, Transfer]]:
     """Every staged transfer larger than ``cap`` bytes cut into parts along its longest dim
     (same sender, receivers and lane); ``after`` renumbered, naming every part of a cut one."""
@@ -458,18 +529,25 @@ def _cut(entries: Sequence[tuple[int, Transfer]], cap: int) -> list[tuple[int, T
 
 
 def _buckets(transfers: Sequence[Transfer], cap: int) -> list[list[int]]:
-    """The launch order cut into consecutive buckets of at most ``cap`` staged bytes (a
-    transfer larger than that alone in its own)."""
+    """The launch order cut into consecutive buckets in which no device stages more than
+    ``cap`` bytes (a transfer larger than that alone in its own). The cap is per device —
+    what bounds a device's extra memory — so a bucket of a state spread over many devices
+    holds many devices' ``cap``: fewer buckets, fewer barriers."""
     out: list[list[int]] = []
     current: list[int] = []
-    size = 0
+    staged: dict[int, int] = {}
     for g, t in enumerate(transfers):
         b = _staged(t)
-        if current and size + b > cap:
+        if current and b and any(staged.get(d, 0) + b > cap for d in t.devices):
             out.append(current)
-            current, size = [], 0
+            current, staged = [], {}
+        if b > cap:  # oversized: alone
+            out.append([g])
+            continue
         current.append(g)
-        size += b
+        if b:
+            for d in t.devices:
+                staged[d] = staged.get(d, 0) + b
     if current:
         out.append(current)
     return out
@@ -481,5 +559,6 @@ __all__ = [
     "StateReshardPlan",
     "StateTensor",
     "plan_state_resharding",
+    "state_graph",
     "state_lower_bound",
 ]

@@ -52,8 +52,8 @@ def _dim_tiles(regions: dict[int, Region], dim: int) -> list[tuple[int, int]]:
     return sorted({r[dim] for r in regions.values()})
 
 
-def _overlaps(s_tiles: list[tuple[int, int]], d_tiles: list[tuple[int, int]]
-              ) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
+def dimension_overlaps(s_tiles: list[tuple[int, int]], d_tiles: list[tuple[int, int]]
+                       ) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
     """Each overlap of a source tile and a destination tile of one dimension, with both,
     ordered by source tile then start. Tiles of a dimension are sorted; each side's tiles are
     disjoint, so a sweep finds them in time linear in the tiles and overlaps (a double loop
@@ -101,7 +101,7 @@ def unit_tasks(
     for d in range(len(shape)):
         s_tiles = [t for t in _dim_tiles(src_regions, d) if t[1] > t[0]]
         d_tiles = [t for t in _dim_tiles(dst_regions, d) if t[1] > t[0]]
-        per_dim.append(_overlaps(s_tiles, d_tiles))
+        per_dim.append(dimension_overlaps(s_tiles, d_tiles))
     out = []
     for combo in itertools.product(*per_dim):
         region = tuple(c[0] for c in combo)

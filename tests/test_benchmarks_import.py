@@ -23,4 +23,5 @@ def test_benchmark_script_imports(path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts add their folders
     spec.loader.exec_module(module)  # __name__ is not "__main__": nothing runs
     assert callable(getattr(module, "main", None)) or path.stem in ("suites", "suite_report",
-                                                                      "thread_profile")
+                                                                      "thread_profile",
+                                                                      "state_models")

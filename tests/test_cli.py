@@ -386,8 +386,8 @@ def test_simulate_refuses_fewer_hosts_than_stages(capsys):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: scheduler.cli._build_parser(),
-    lambda: __import__("scheduler.cli.simulate").cli.simulate._parser()],
+    lambda: scheduler.cli.build_parser(),
+    lambda: __import__("scheduler.cli.simulate").cli.simulate.build_parser()],
     ids=["plan", "simulate"])
 def test_every_option_has_a_help_text_and_help_shows_defaults(make):
     p = make()

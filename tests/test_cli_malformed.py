@@ -184,12 +184,11 @@ def test_the_search_size_estimate_grows_as_its_tables(tmp_path):
     """search_bytes: the layers² part quadruples with twice the layers; the boundary part
     grows with the devices × stage shapes²."""
     from scheduler.cli.partition import case_from_json
-    from scheduler.partition import _problem
-    from scheduler.partition.search import search_bytes
+    from scheduler.partition import make_problem, search_bytes
 
     def sizes(hosts: int, repeat: int) -> tuple[int, int]:
         case = case_from_json(_partition_case(hosts, repeat))
-        return search_bytes(_problem(case["layers"], case["cluster"], case["microbatches"],
+        return search_bytes(make_problem(case["layers"], case["cluster"], case["microbatches"],
                                      case["memory"], None))
 
     (sq1, b1), (sq2, _), (_, b4) = sizes(2, 998), sizes(2, 1998), sizes(4, 998)

@@ -21,7 +21,7 @@ from scheduler import (
     plan_resharding,
 )
 from scheduler.components import interleave
-from scheduler.tasks import _overlaps
+from scheduler.tasks import dimension_overlaps
 
 GPU_SPECS = (None, "gpu")
 
@@ -104,7 +104,7 @@ def test_dimension_overlaps_match_the_double_loop(n, a, b, data):
     s_tiles, d_tiles = tiles(a), tiles(b)
     want = [((max(s[0], t[0]), min(s[1], t[1])), s, t) for s in s_tiles for t in d_tiles
             if max(s[0], t[0]) < min(s[1], t[1])]
-    assert _overlaps(s_tiles, d_tiles) == want
+    assert dimension_overlaps(s_tiles, d_tiles) == want
 
 
 def test_interleaving_keeps_each_wait_on_the_same_piece():

@@ -290,11 +290,11 @@ def test_close_returns_within_its_bound_while_a_stage_hangs():
 def test_control_messages_are_json_of_fixed_fields_never_pickles():
     import pickle
 
-    from overlap.backends import distributed as dist
+    from overlap.backends.control_messages import ControlTag, parse_control
 
     ok = {"rank": 1, "during": "train_step", "error": "boom", "calls": 3}
-    assert dist._parse(dist._FAILED, json.dumps(ok).encode()) == ok
-    assert dist._parse(dist._LEFT, b'{"rank": 2, "calls": 0, "how": "exited"}') == {
+    assert parse_control(ControlTag.FAILED, json.dumps(ok).encode()) == ok
+    assert parse_control(ControlTag.LEFT, b'{"rank": 2, "calls": 0, "how": "exited"}') == {
         "rank": 2, "calls": 0, "how": "exited"}
 
     class Boom:
@@ -308,8 +308,8 @@ def test_control_messages_are_json_of_fixed_fields_never_pickles():
         b'{"rank": 1, "during": "' + b"x" * (1 << 17) + b'", "error": "", "calls": 0}',
     ]
     for data in refused:
-        assert dist._parse(dist._FAILED, data) is None, data[:60]
-    assert dist._parse(99, json.dumps(ok).encode()) is None  # unknown kind
+        assert parse_control(ControlTag.FAILED, data) is None, data[:60]
+    assert parse_control(99, json.dumps(ok).encode()) is None  # unknown kind
 
 
 # ---- the call scope ends the concurrency defects an adversarial run found -------------------

@@ -795,3 +795,69 @@ def test_a_long_temporary_directory_still_links(engine, monkeypatch, tmp_path):
     assert all(isinstance(x, HostLinks) for x in links), failures
     for x in links:
         x.close()
+
+
+# ---- a secret that never travels: OVERLAP_LINK_SECRET_FILE ---------------------------------
+
+
+def _connect_each(size: int, engine: Engine, boot: _ThreadBoot) -> list[object]:
+    """``HostLinks.connect`` on ``size`` threads: each rank's links, or the error it raised."""
+    out: list[object] = [None] * size
+
+    def run(r: int) -> None:
+        try:
+            out[r] = HostLinks.connect(boot.of(r), engine)
+        except ValueError as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND_S)
+    return out
+
+
+class _NoSecretBoot(_ThreadBoot):
+    """Ranks whose bootstrap refuses to carry anything by ``bcast`` (the only way a secret
+    could travel)."""
+
+    def of(self, rank: int) -> object:
+        rank_boot = super().of(rank)
+
+        def bcast(value: object, root: int = 0) -> object:
+            raise AssertionError("the secret travelled through the bootstrap")
+        rank_boot.bcast = bcast
+        return rank_boot
+
+
+def test_a_secret_file_links_every_rank_without_sending_the_secret(engine, monkeypatch,
+                                                                   tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("c2" * 32)
+    secret.chmod(0o600)
+    monkeypatch.setenv("OVERLAP_LINK_SECRET_FILE", str(secret))
+    links = _connect_each(3, engine, _NoSecretBoot(3))
+    assert all(isinstance(x, HostLinks) for x in links), links
+    assert [x.peers for x in links] == [(1, 2), (0, 2), (0, 1)]
+    for x in links:
+        x.close()
+
+
+@pytest.mark.parametrize("mode, text, why", [
+    (0o644, "c2" * 32, "readable by no one else (chmod 600; it is -rw-r--r--"),
+    (0o600, "short", "5 bytes; a secret is at least 16"),
+    (None, "", "cannot open it"),
+])
+def test_a_bad_secret_file_is_refused_on_every_rank_naming_it(engine, monkeypatch, tmp_path,
+                                                              mode, text, why):
+    secret = tmp_path / "secret"
+    if mode is not None:
+        secret.write_text(text)
+        secret.chmod(mode)
+    monkeypatch.setenv("OVERLAP_LINK_SECRET_FILE", str(secret))
+    out = _connect_each(2, engine, _ThreadBoot(2))
+    for error in out:
+        assert isinstance(error, ValueError), out
+        assert f"rank 0: OVERLAP_LINK_SECRET_FILE={secret}: " in str(error)
+        assert why in str(error)

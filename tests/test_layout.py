@@ -68,6 +68,27 @@ def test_scheduler_never_imports_overlap():
     assert {m: t for m, t in bad.items() if t} == {}
 
 
+def test_overlap_imports_scheduler_through_its_faces_only():
+    """``overlap`` uses ``scheduler`` through the package's face (``scheduler/__init__.py``)
+    and its subpackages' faces (``partition``, ``traces``, ``cli``), never a module past
+    them: what the runtime builds on is exported, and a module inside may move."""
+    faces = {name for name, path in MODULES.items()
+             if name.startswith("scheduler") and path.name == "__init__.py"}
+    assert {"scheduler", "scheduler.partition", "scheduler.traces"} <= faces
+    past = {}
+    for name, path in MODULES.items():
+        if not name.startswith("overlap"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            # (The module an import names: ``from scheduler import validate`` is the face's
+            # ``validate``, not the module ``scheduler.validate``.)
+            named = [node.module] if isinstance(node, ast.ImportFrom) and not node.level \
+                else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            past[name] = past.get(name, []) + [m for m in named if m and m.split(".")[0]
+                                               == "scheduler" and m not in faces]
+    assert {m: t for m, t in past.items() if t} == {}
+
+
 def test_no_import_cycles():
     """Depth-first search over the import graph; a back edge is a cycle, named in full."""
     state: dict[str, int] = {}

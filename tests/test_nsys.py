@@ -409,7 +409,7 @@ def test_overlap_profile_runs_the_script_under_nsys_with_a_capture_window(tmp_pa
     script.write_text("import overlap\nfrom scheduler import Cluster\n"
                       "rt = overlap.Runtime(Cluster.preset('p3.8xlarge', 1))\n"
                       f"open({str(tmp_path / 'window.txt')!r}, 'w')"
-                      ".write(repr(rt._profile_window))\nrt.close()\n")
+                      ".write(repr(rt.profile_steps))\nrt.close()\n")
     out = tmp_path / "prof"
     assert overlap.cli.main(["profile", "--steps", "3:5", "-o", str(out), "--json", "--",
                              sys.executable, str(script)]) == 0

@@ -461,16 +461,16 @@ def test_bad_arguments_rejected_before_any_work(what, exc, match):
 def test_lowering_runs_off_the_event_loop_and_plans_are_reused(monkeypatch):
     import threading
 
-    import overlap.runtime as runtime_module
+    import overlap.step_graph_cache as cache_module
 
     threads: list[threading.Thread] = []
-    real_lower = runtime_module.lower
+    real_lower = cache_module.lower
 
     def recording_lower(*args, **kwargs):
         threads.append(threading.current_thread())
         return real_lower(*args, **kwargs)
 
-    monkeypatch.setattr(runtime_module, "lower", recording_lower)
+    monkeypatch.setattr(cache_module, "lower", recording_lower)
     toy = ToyMLP()
 
     async def steps(rt: Runtime) -> threading.Thread:
@@ -583,18 +583,19 @@ def test_a_transfer_span_starts_when_its_last_participant_arrived():
 def test_a_schedule_by_name_is_made_once_per_size(monkeypatch):
     # Making and checking a schedule is ~0.06 s at 64 stages × 256 microbatches: a step by
     # name must not pay it every call.
-    import overlap.runtime as runtime_module
+    import overlap.step_graph_cache as cache_module
+    from overlap.runtime import resolve_schedule
 
     made = []
-    real = runtime_module.make_schedule
-    monkeypatch.setattr(runtime_module, "make_schedule",
+    real = cache_module.make_schedule
+    monkeypatch.setattr(cache_module, "make_schedule",
                         lambda *a, **k: made.append(a) or real(*a, **k))
-    runtime_module._named_schedule.cache_clear()
     toy = ToyMLP()
     with Runtime(CLUSTER, timeout=TIMEOUT) as rt:
+        # Sizes no other test makes (the schedules are kept for the whole process).
         for _ in range(3):
-            _step(rt, toy, toy.microbatches(3), schedule="1f1b")
-        _step(rt, toy, toy.microbatches(4), schedule="1f1b")
-    assert made == [("1f1b", 4, 3), ("1f1b", 4, 4)]
+            _step(rt, toy, toy.microbatches(11), schedule="1f1b")
+        _step(rt, toy, toy.microbatches(13), schedule="1f1b")
+    assert made == [("1f1b", 4, 11), ("1f1b", 4, 13)]
     with pytest.raises(ValueError, match="unknown schedule"):
-        runtime_module.resolve_schedule("nope", 4, 3)
+        resolve_schedule("nope", 4, 3)

@@ -77,7 +77,7 @@ def test_auto_divides_its_budget_among_its_candidates(budget, monkeypatch):
     of the variant's k sends: 3 (k^2 // 64 + k) units), adds up to at most the budget — no
     candidate gets the whole budget."""
     spent: list[tuple[int, int]] = []  # (build budget, costing units) per candidate built
-    real = balance_module._auto_builders
+    real = balance_module.auto_builders
 
     def recording(vsends, *args):
         k = len(vsends)
@@ -87,7 +87,7 @@ def test_auto_divides_its_budget_among_its_candidates(budget, monkeypatch):
                 return _build(b)
             yield name, wrapped
 
-    monkeypatch.setattr(balance_module, "_auto_builders", recording)
+    monkeypatch.setattr(balance_module, "auto_builders", recording)
     src = Sharding(CLUSTER.mesh([0, 1]), P("host", "gpu"))
     dst = Sharding(CLUSTER.mesh([2, 3]), P("gpu", "host"))
     plan = plan_resharding((64, 64), "int32", src, dst, CLUSTER, PlanOptions(budget=budget))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def _step(rt, model, mbs, schedule="1f1b"):
 
 
 @pytest.fixture
-def ranges(monkeypatch) -> tuple[list[tuple[str, str]], list[int]]:
+def ranges() -> Iterator[tuple[list[tuple[str, str]], list[int]]]:
     """The NVTX ranges opened (message, category) and the handles closed, recorded."""
     opened: list[tuple[str, str]] = []
     closed: list[int] = []
@@ -37,9 +38,9 @@ def ranges(monkeypatch) -> tuple[list[tuple[str, str]], list[int]]:
         opened.append((message, category))
         return len(opened)
 
-    monkeypatch.setattr(nvtx_mod, "_start", start)
-    monkeypatch.setattr(nvtx_mod, "_end", closed.append)
-    return opened, closed
+    nvtx_mod.add_sink(start, closed.append)
+    yield opened, closed
+    nvtx_mod.remove_sink(start, closed.append)
 
 
 def test_every_op_is_one_closed_nvtx_range(toy, ranges):
@@ -63,7 +64,7 @@ def test_every_op_is_one_closed_nvtx_range(toy, ranges):
 
 def test_nvtx_disable_makes_ranges_no_ops(monkeypatch):
     monkeypatch.setenv("NVTX_DISABLE", "1")
-    start, end = nvtx_mod._load()
+    start, end = nvtx_mod.nvtx_functions()
     assert start("x", "compute") is None
     end(None)
 
@@ -118,7 +119,7 @@ def test_each_training_step_is_one_nvtx_range_and_categories_have_colours(ranges
     seen = {}
     monkeypatch.setattr(nvtx_module, "start_range", lambda **kw: seen.update(kw))
     monkeypatch.delenv("NVTX_DISABLE", raising=False)
-    real_start, _ = ours._load()
+    real_start, _ = ours.nvtx_functions()
     real_start("F s0 mb0 on device 0", "compute")
     assert seen["domain"] == "overlap" and seen["color"] == ours.COLORS["compute"]
 
@@ -151,7 +152,7 @@ def test_a_bad_capture_window_in_the_environment_is_named(monkeypatch):
     with pytest.raises(ValueError, match="environment variable OVERLAP_PROFILE_STEPS"):
         Runtime(CLUSTER)
     with Runtime(CLUSTER, profile_steps="2") as rt:  # the argument wins over the environment
-        assert rt._profile_window == range(2, 3)
+        assert rt.profile_steps == range(2, 3)
 
 
 def test_a_capture_window_on_the_cpu_backend_still_opens_step_ranges(ranges):

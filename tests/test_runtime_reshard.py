@@ -457,16 +457,16 @@ def test_sync_calls_share_one_loop_that_close_shuts():
     rt = Runtime(CLUSTER, timeout=SETTLE_S)
     try:
         rt.reshard_sync(plan, cut_shards(glob, SRC))
-        loop = rt._sync._loop
+        loop = rt.sync_loop
         out = rt.reshard_sync(plan, cut_shards(glob, SRC))
-        assert rt._sync._loop is loop and not loop.is_closed()
+        assert rt.sync_loop is loop and not loop.is_closed()
         assert_delivered(out, glob, DST, "second call")
     finally:
         rt.close()
-    assert loop.is_closed() and rt._sync._loop is None
+    assert loop.is_closed() and rt.sync_loop is None
     with pytest.raises(OverlapRuntimeError, match="runtime is closed"):
         rt.reshard_sync(plan, cut_shards(glob, SRC))
-    assert rt._sync._loop is None  # no loop made for a refused call
+    assert rt.sync_loop is None  # no loop made for a refused call
 
 
 def test_the_sync_loop_is_uvloops_except_on_the_main_thread():
@@ -484,7 +484,7 @@ def test_the_sync_loop_is_uvloops_except_on_the_main_thread():
     def call(where: str) -> None:
         with Runtime(CLUSTER, timeout=SETTLE_S) as rt:
             out = rt.reshard_sync(plan, cut_shards(glob, SRC))
-            loops[where] = type(rt._sync.loop)
+            loops[where] = type(rt.sync_loop)
             assert_delivered(out, glob, DST, where)
 
     call("main thread")

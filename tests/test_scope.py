@@ -11,7 +11,7 @@ import time
 import pytest
 
 from overlap.backends import make_backend
-from overlap.call import Call, CallGate, root_cause
+from overlap.call import CallGate, Calls, root_cause
 from overlap.errors import (
     CallMismatch,
     CollectiveAborted,
@@ -130,7 +130,7 @@ async def test_a_calls_wait_is_woken_once_not_once_per_event(fail):
     gates = [threading.Event() for _ in range(4)]
     never = backend.new_event("never recorded")
 
-    def launch(scope: CancelScope) -> list:
+    def launch(scope: CancelScope, report: object) -> list:
         events = []
         for d in range(4):
             s = backend.stream(d)
@@ -154,10 +154,10 @@ async def test_a_calls_wait_is_woken_once_not_once_per_event(fail):
             woken.append(threading.current_thread().name)
         return real(cb, *args, **kwargs)
 
-    call = Call(backend, CancelScope("runtime"), "test call", None, None)
+    calls = Calls(backend, CancelScope("runtime"))
     loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
     try:
-        waiting = asyncio.ensure_future(call.run(launch))
+        waiting = asyncio.ensure_future(calls.run("test call", None, launch))
         for _ in range(3):  # (asleep in its wait)
             await asyncio.sleep(0)
         if fail:

@@ -171,8 +171,8 @@ def test_a_case_whose_ranks_share_meshes_runs_the_two_stage_per_rank_schedules(t
 
 
 @pytest.mark.parametrize("make", [
-    lambda: __import__("scheduler.cli.simulate").cli.simulate._parser(),
-    lambda: __import__("scheduler.cli").cli._build_parser()],
+    lambda: __import__("scheduler.cli.simulate").cli.simulate.build_parser(),
+    lambda: __import__("scheduler.cli").cli.build_parser()],
     ids=["simulate", "plan"])
 def test_help_states_each_default_once_and_never_none(make):
     text = make().format_help()

@@ -74,11 +74,11 @@ def test_zb_h1_hides_the_gradient_transfer_under_the_weight_gradient_in_simulati
 
 
 def test_schedule_auto_on_the_runtime_chooses_once_and_trains_like_numpy(monkeypatch):
-    import overlap.runtime as runtime_module
+    import overlap.step_graph_cache as cache_module
 
     calls = []
-    real = runtime_module.auto_schedule
-    monkeypatch.setattr(runtime_module, "auto_schedule",
+    real = cache_module.auto_schedule
+    monkeypatch.setattr(cache_module, "auto_schedule",
                         lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
     model = ToyMLP.build(CLUSTER, hidden=8, batch=4)
     mbs = _mbs(4)

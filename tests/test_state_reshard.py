@@ -30,6 +30,7 @@ from scheduler.regions import contains
 
 P3 = Cluster.preset("p3.8xlarge", 4)  # 4 hosts x 4 GPUs, one NIC per host
 DGX = Cluster.preset("dgx-h100", 2)  # one NIC per GPU
+DGX3 = Cluster.preset("dgx-h100", 3)
 
 
 def _box(region):
@@ -128,7 +129,9 @@ def test_random_states_deliver_every_element_once(kind, strategy):
         assert plan.estimate_seconds >= plan.bound_seconds - 1e-12
         assert plan.bound_seconds == pytest.approx(state_lower_bound(tensors, cluster))
         for k, b in enumerate(plan.buckets):
-            assert plan.bucket_nbytes(k) <= bucket or len(b) == 1
+            staged = plan.bucket_device_nbytes(k)
+            assert max(staged.values(), default=0) <= bucket or len(b) == 1
+            assert sum(staged.values()) >= plan.bucket_nbytes(k)  # every device counted
         assert set(plan.oversized) <= {b[0] for b in plan.buckets if len(b) == 1}
         assert max(plan.peak_staging_bytes.values(), default=0) <= max(
             bucket, *(plan.bucket_nbytes(k) for k in range(len(plan.buckets))))
@@ -197,13 +200,14 @@ def test_buckets_bound_staging_and_cut_large_transfers():
     execute(plan)
     assert len(plan.buckets) > 1
     assert not plan.oversized  # every box could be cut below 4 KiB
-    assert all(plan.bucket_nbytes(k) <= cap for k in range(len(plan.buckets)))
+    assert all(max(plan.bucket_device_nbytes(k).values()) <= cap
+               for k in range(len(plan.buckets)))
     assert 0 < max(plan.peak_staging_bytes.values()) <= cap
     # Smaller buckets cost barriers, never correctness; one big bucket is no slower.
     big = plan_state_resharding(tensors, P3, StateOptions(budget=20_000))
     assert len(big.buckets) == 1
     assert big.estimate_seconds <= plan.estimate_seconds
-    assert "buckets of at most 4.00 KiB" in plan.to_text()
+    assert "buckets of at most 4.00 KiB per device" in plan.to_text()
 
 
 def test_a_row_larger_than_a_bucket_runs_alone_and_is_said():
@@ -275,3 +279,51 @@ def test_empty_state_and_json_errors():
     assert plan.estimate_seconds == plan.bound_seconds == 0 and not plan.buckets
     with pytest.raises(ValueError, match="state plan JSON"):
         StateReshardPlan.from_json('{"tensors": {}}')
+
+
+def test_a_state_too_large_to_cost_plans_in_linear_time_one_lane_per_tensor():
+    # A budget too small to cost one candidate: auto builds its linear plan, every tensor's
+    # transfers on one lane; the plan stays exact and no worse than spreading each tensor.
+    tensors = _tp_state(4)
+    plan = plan_state_resharding(tensors, DGX3, StateOptions(budget=1, bucket_bytes=1 << 30))
+    plan.check()
+    execute(plan)
+    assert "over budget" in plan.stats["auto_choice"]
+    for p in plan.plans.values():
+        sent = [t for t in p.transfers  # the balanced sends: across hosts
+                if any(DGX3.host_of(r) != DGX3.host_of(t.sender) for r in t.receivers)]
+        assert sent and len({t.lane for t in sent}) == 1
+    assert len({p.transfers[-1].lane for p in plan.plans.values()}) > 1
+    assert plan.bound_seconds <= plan.estimate_seconds
+
+
+def test_buckets_cap_each_device_not_the_whole_bucket():
+    # Two tensors on disjoint devices: each device stages one tensor's bytes, so a cap of
+    # one tensor's bytes per device holds both in one bucket.
+    tensors = {
+        "a": StateTensor((64, 64), "float32", Sharding(_mesh([[0]]), P()),
+                         Sharding(_mesh([[8]]), P())),
+        "b": StateTensor((64, 64), "float32", Sharding(_mesh([[1]]), P()),
+                         Sharding(_mesh([[9]]), P())),
+    }
+    plan = plan_state_resharding(tensors, DGX, StateOptions(bucket_bytes=64 * 64 * 4))
+    plan.check()
+    assert len(plan.buckets) == 1 and not plan.oversized
+    assert plan.bucket_nbytes(0) == 2 * 64 * 64 * 4
+    assert max(plan.peak_staging_bytes.values()) == 64 * 64 * 4
+
+
+def test_real_model_shapes_count_their_parameters():
+    # The benchmark's models, by their published sizes: DeepSeek-V3 671 B without its
+    # multi-token-prediction layer, Llama-3-70B 70.6 B.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from state_models import deepseek_v3_shapes, llama3_70b_shapes
+
+    def count(shapes):
+        return sum(int(np.prod(s)) for s, _ in shapes.values())
+
+    assert round(count(deepseek_v3_shapes()) / 1e9) == 671
+    assert round(count(llama3_70b_shapes()) / 1e9, 1) == 70.6

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from overlap.backends import SETTLE_GRACE_S, Backend, CpuDevices, Event, make_backend
+from overlap.backends import SETTLE_GRACE_S, Backend, CpuDevices, Event, OpReport, make_backend
 from overlap.backends.backend import RETURN_GRACE_S
 from overlap.errors import (
     CollectiveAborted,
@@ -621,20 +621,49 @@ async def test_link_emulation_holds_broadcast_for_link_time(make, scope):
 def test_an_op_with_an_id_is_traced_from_its_start_to_its_end(make):
     backend = make(1)
     call = CancelScope("call")
-    call.trace = backend.start_trace()
+    report = OpReport(trace=backend.start_trace())
     started, gate = threading.Event(), threading.Event()
     s = backend.stream(0, "comm")
-    s.launch("receive", blocked_op(started, gate), category="comm", op=11, scope=call)
-    s.launch("untraced", lambda: None, scope=call)  # (no op id: not in the trace)
+    s.launch("receive", blocked_op(started, gate), category="comm", op=11, scope=call,
+             report=report)
+    s.launch("untraced", lambda: None, scope=call, report=report)  # (no op id: not traced)
     assert started.wait(SETTLE_S)
     (busy,) = backend.busy()
     assert (busy.label, busy.op, busy.category, busy.waiting) == ("receive", 11, "comm", False)
     gate.set()
     settle(s.record(scope=call))
-    (rec,) = call.trace.records
+    (rec,) = report.trace.records
     assert (rec.op, rec.device, rec.stream) == (11, 0, "comm")
-    assert 0 <= backend.span_seconds(call.trace, rec.start) <= backend.span_seconds(
-        call.trace, rec.end)
+    assert 0 <= backend.span_seconds(report.trace, rec.start) <= backend.span_seconds(
+        report.trace, rec.end)
+
+
+@pytest.mark.parametrize("category", ["compute", "comm"])
+def test_a_compute_op_that_returns_past_the_timeout_fails_its_call_as_its_report_names_it(
+        make, category):
+    """A compute op that returned only after the timeout (nothing could name it while it
+    ran) fails its scope with the error its call's report makes; a comm op bounds its own
+    waits and is not judged so, nor is an op launched without a report."""
+    backend = make(1, timeout=0.05)
+    named = []
+
+    def overran(busy, seconds):
+        named.append((busy.label, seconds))
+        return KeyError(f"{busy.label} overran")
+
+    call, bare = CancelScope("call"), CancelScope("bare")
+    s = backend.stream(0)
+    s.launch("slow", lambda: time.sleep(0.1), category=category, scope=call,
+             report=OpReport(overran=overran))
+    s.launch("slow, no report", lambda: time.sleep(0.1), scope=bare)
+    settle(s.record(scope=bare))
+    if category == "comm":
+        assert named == [] and not call.cancelled
+    else:
+        [(label, seconds)] = named
+        assert label == "slow" and seconds >= 0.05
+        assert isinstance(call.error, KeyError) and call.failures == [call.error]
+    assert not bare.cancelled
 
 
 # ---- bad arguments --------------------------------------------------------------------------

@@ -41,8 +41,8 @@ def torchrun(n: int, *args: str, bound: float = JOB_BOUND_S
     return done, time.perf_counter() - start
 
 
-def torchrun_nodes(nodes: int, per_node: int, *args: str, script: Path = JOB
-                   ) -> list[subprocess.CompletedProcess[str]]:
+def torchrun_nodes(nodes: int, per_node: int, *args: str, script: Path = JOB,
+                   env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
     """``nodes`` torchrun agents (one per "node", all here) joined by a c10d rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,7 +51,7 @@ def torchrun_nodes(nodes: int, per_node: int, *args: str, script: Path = JOB
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
          "--nproc-per-node", str(per_node), "--node-rank", str(k), "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"overlap-test-{port}",
-         str(script), *args], env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+         str(script), *args], env=env or clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for k in range(nodes)]
     done = []
     for p in agents:
@@ -95,6 +95,32 @@ def test_two_torchrun_nodes_link_over_tcp_and_equal_one_process(tmp_path):
     links = links_of(tmp_path, 4)
     assert [i["tcp"] for i in links] == [[2, 3], [2, 3], [0, 1], [0, 1]]
     assert all(i["rounds"] and i["sent"] > 0 for i in links)
+
+
+def test_nodes_that_share_a_secret_file_link_with_it(tmp_path):
+    """``OVERLAP_LINK_SECRET_FILE`` on every rank: the TCP links between the nodes prove
+    the file's secret (it never travels through the rendezvous store) and the job runs."""
+    secret = tmp_path / "secret"
+    secret.write_text("a0" * 32)
+    secret.chmod(0o600)
+    env = clean_env() | {"OVERLAP_LINK_SECRET_FILE": str(secret)}
+    (tmp_path / "out").mkdir()
+    done = torchrun_nodes(2, 1, "toy", str(tmp_path / "out"), env=env)
+    for d in done:
+        assert d.returncode == 0, verdicts(d.stderr)
+    assert [i["tcp"] for i in links_of(tmp_path / "out", 2)] == [[1], [0]]
+
+
+def test_ranks_that_disagree_on_the_secret_file_all_refuse_at_setup(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("b1" * 32)
+    secret.chmod(0o600)
+    done = launch("torchrun", 2, ROOT / "tests" / "mpi_jobs" / "link_secret.py", str(secret),
+                  timeout=JOB_BOUND_S)
+    refusals = re.findall(r"REFUSED (.*)", done.stdout)
+    assert done.returncode != 0 and len(refusals) == 2, done.stdout + done.stderr[-2000:]
+    for text in refusals:
+        assert "OVERLAP_LINK_SECRET_FILE is set on some ranks and not on ranks [1]" in text
 
 
 # ---- failures end the whole job, naming the failed rank --------------------------------------

@@ -1126,7 +1126,12 @@ def test_a_malformed_control_message_is_logged_and_dropped(caplog):
 def test_control_messages_are_parsed_field_by_field():
     """(The parser's rules, message by message: exactly the fields of the kind, each of its
     type — a bool is not an int; nothing larger than a control message can be.)"""
-    from overlap.backends.distributed import _EXITING, _FAILED, _LEFT, _QUERY, _REPLY, _parse
+    from overlap.backends.control_messages import ControlTag, parse_control
+
+    _parse = parse_control
+    _FAILED, _EXITING, _QUERY, _REPLY, _LEFT = (ControlTag.FAILED, ControlTag.EXITING,
+                                                ControlTag.QUERY, ControlTag.REPLY,
+                                                ControlTag.LEFT)
 
     def enc(msg: Any) -> bytes:
         return json.dumps(msg).encode()

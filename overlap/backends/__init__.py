@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from scheduler.errors import check_seconds
+from scheduler import check_seconds
 
 from ..world import Placement, World
 from .backend import SETTLE_GRACE_S, Backend, Remote
@@ -28,7 +28,7 @@ from .bound import Bound
 from .cpu import CpuDevices
 from .engine import Backoff
 from .routes import Route
-from .streams import Busy, Event, Stream, Trace, TraceRecord
+from .streams import Busy, Event, OpReport, Stream, Trace, TraceRecord
 
 BACKENDS = ("cpu", "cuda")
 
@@ -124,5 +124,5 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
 
 
 __all__ = ["BACKENDS", "SETTLE_GRACE_S", "Backend", "Backoff", "Busy", "CpuDevices", "Event",
-           "Remote",
+           "OpReport", "Remote",
            "Route", "Stream", "Trace", "TraceRecord", "make_backend"]

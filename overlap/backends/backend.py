@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from scheduler.errors import check_seconds
+from scheduler import check_seconds
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope
@@ -246,7 +246,7 @@ class Backend(Bounded):
         return self.devices.physical(device)
 
     def start_trace(self) -> Trace:
-        """A trace for one call's ops (give it to the call's scope: ``scope.trace``)."""
+        """A trace for one call's ops (the call hands it to its streams: ``OpReport.trace``)."""
         return Trace(self.devices.start_trace(self))
 
     def span_seconds(self, trace: Trace, mark: Any) -> float:

@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -72,21 +71,13 @@ from ..scope import CancelScope
 from ..waits import OneShot, wait_on
 from ..world import Placement, World, describe
 from .bound import Bound, Bounded, bound_of
+from .control_messages import ControlTag, encode_control, parse_control
 from .engine import Completion, Engine
 from .host_links import HostLinks
 from .mpi import MpiReceive
 
-_FAILED, _EXITING, _QUERY, _REPLY, _LEFT = 1, 2, 3, 4, 5  # control message tags
-# What each control message carries: field -> type. Messages are JSON objects of exactly
-# these fields (plain data: nothing a peer sends is ever unpickled or executed).
-_FIELDS: dict[int, dict[str, type]] = {
-    _FAILED: {"rank": int, "during": str, "error": str, "calls": int},
-    _EXITING: {"rank": int},
-    _QUERY: {},
-    _REPLY: {"calls": int, "busy": bool},
-    _LEFT: {"rank": int, "calls": int, "how": str},
-}
-_MAX_MESSAGE = 1 << 16  # bytes: a control message is a few hundred
+_FAILED, _EXITING, _QUERY, _REPLY, _LEFT = (ControlTag.FAILED, ControlTag.EXITING,
+                                          ControlTag.QUERY, ControlTag.REPLY, ControlTag.LEFT)
 # Host-link channels of the runtime's own rounds (a data plane numbers its channels from 0).
 AGREE_CHANNEL, DONE_CHANNEL = 0xFFFF_FFFF, 0xFFFF_FFFD
 CONTROL_CHANNEL = 0xFFFF_FFFB  # control messages, in a job without MPI
@@ -372,7 +363,7 @@ class Distributed(Bounded):
 
     def _tell(self, dest: int, tag: int, msg: dict[str, Any]) -> Completion:
         """Post one control message (JSON bytes); kept alive until MPI is done with it."""
-        data = json.dumps(msg).encode()
+        data = encode_control(msg)
         if self.control_comm is None:
             assert self.links is not None
             try:
@@ -410,7 +401,7 @@ class Distributed(Bounded):
 
     def _take(self, source: int, tag: int, data: bytes) -> None:
         """(The engine's.) One control message from ``source``."""
-        msg = _parse(tag, data)
+        msg = parse_control(tag, data)
         if msg is None:
             log.warning("overlap: ignored a malformed control message (tag %d) from rank %d",
                         tag, source)
@@ -816,22 +807,6 @@ class CallRounds:
         self.agreement.cancel()
         if self._done is not None:
             self._done.cancel()
-
-
-def _parse(tag: int, data: bytes) -> dict[str, Any] | None:
-    """A control message, if ``data`` is one of the kind ``tag`` says (else None)."""
-    fields = _FIELDS.get(tag)
-    if fields is None or len(data) > _MAX_MESSAGE:
-        return None
-    try:
-        msg = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    if not isinstance(msg, dict) or set(msg) != set(fields):
-        return None
-    if not all(type(msg[k]) is t for k, t in fields.items()):
-        return None
-    return msg
 
 
 def _clean_exit(error: BaseException) -> bool:

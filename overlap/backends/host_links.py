@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -166,10 +167,7 @@ class HostLinks:
         is closed and logged, and the setup goes on waiting for the real peers."""
         rank, size = boot.rank, boot.size
         hosts = boot.allgather(boot.host())
-        # (The secret travels once, through the launcher's bootstrap — MPI, or torch's
-        # rendezvous store, which torchrun's ranks trust for everything else too.)
-        secret = bytes.fromhex(boot.bcast(secrets.token_hex(32) if rank == 0 else None,
-                                          root=0))
+        secret = _job_secret(boot)
         mates = [r for r in range(size) if r != rank and hosts[r] == hosts[rank]]
         remote = [r for r in range(size) if r != rank and hosts[r] != hosts[rank]] \
             if network else []
@@ -535,6 +533,59 @@ _CHALLENGE_BYTES = 32
 # How long one connection may take to answer the challenge (a rank answers at once: it
 # connected to do so); one that does not is dropped and the wait for the real peers goes on.
 _HANDSHAKE_S = 5.0
+
+
+SECRET_FILE_ENV = "OVERLAP_LINK_SECRET_FILE"
+_MIN_SECRET_BYTES = 16
+
+
+def _job_secret(boot: Bootstrap) -> bytes:
+    """The job's link secret: the contents of the file ``OVERLAP_LINK_SECRET_FILE`` names
+    when it is set (every rank reads its own copy: the secret never travels), else a fresh
+    one from rank 0 sent once through the launcher's bootstrap — MPI, or torch's rendezvous
+    store, which torchrun's ranks trust for everything else too, but which a TCP store
+    between nodes carries in the clear. Every rank must agree on which: a mix is refused."""
+    path = os.environ.get(SECRET_FILE_ENV)
+    given, why = None, None
+    if path:
+        try:
+            given = _read_secret(path)
+        except ValueError as exc:
+            why = str(exc)
+    # (Every rank learns every rank's verdict, so all raise together: none waits on another.)
+    verdicts = boot.allgather((bool(path), why))
+    bad = [f"rank {r}: {w}" for r, (_, w) in enumerate(verdicts) if w is not None]
+    if bad:
+        raise ValueError("; ".join(bad))
+    if len({has for has, _ in verdicts}) > 1:
+        unset = [r for r, (has, _) in enumerate(verdicts) if not has]
+        raise ValueError(f"{SECRET_FILE_ENV} is set on some ranks and not on ranks {unset}: "
+                         "set it on every rank of the job (or on none)")
+    if given is not None:
+        return given
+    return bytes.fromhex(boot.bcast(secrets.token_hex(32) if boot.rank == 0 else None, root=0))
+
+
+def _read_secret(path: str) -> bytes:
+    """The secret in ``path``: a regular file of this user that no one else may read or
+    write, at least 16 bytes (ValueError naming the variable and the file otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ValueError(f"{SECRET_FILE_ENV}={path}: cannot open it ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{SECRET_FILE_ENV}={path}: not a regular file")
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise ValueError(f"{SECRET_FILE_ENV}={path}: the file must belong to this user "
+                             f"and be readable by no one else (chmod 600; it is "
+                             f"{stat.filemode(info.st_mode)}, uid {info.st_uid})")
+        secret = f.read(1 << 16).strip()
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(f"{SECRET_FILE_ENV}={path}: {len(secret)} bytes; a secret is at least "
+                         f"{_MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32 > {path}`)")
+    return secret
 
 
 def _proof(secret: bytes, dialer: int, listener: int, nonce: bytes) -> bytes:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler.dtypes import NARROW_FLOATS
+from scheduler import NARROW_FLOATS
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
 from ..scope import CancelScope

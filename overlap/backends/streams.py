@@ -72,12 +72,24 @@ class TraceRecord(NamedTuple):
 
 
 class Trace:
-    """The ops of one call, as they ran (a call records one when asked: ``scope.trace``),
-    and the device kind's clock their marks are read against."""
+    """The ops of one call, as they ran (a call records one when asked: its
+    :class:`OpReport`'s ``trace``), and the device kind's clock their marks are read
+    against."""
 
     def __init__(self, clock: Any) -> None:
         self.clock = clock
         self.records: list[TraceRecord] = []
+
+
+@dataclass(frozen=True)
+class OpReport:
+    """What the call an op belongs to asks the stream that runs it to report (the call makes
+    one and launches its ops with it; the scope only cancels): each op's span, into
+    ``trace`` when the call records one, and a compute op that returned only past the
+    timeout, as the error ``overran(busy, seconds)`` names it, which fails the op's scope."""
+
+    trace: Trace | None = None
+    overran: Callable[[Busy, float], BaseException] | None = None
 
 
 class Event(OneShot):
@@ -208,12 +220,13 @@ class Stream:
     # ---- launching (any thread) ----------------------------------------------------------
 
     def launch(self, label: str, fn: Callable[[], Any], *, scope: CancelScope,
-               category: str = "compute", op: int | None = None) -> None:
+               category: str = "compute", op: int | None = None,
+               report: OpReport | None = None) -> None:
         """Run ``fn()`` on this stream after everything launched before it, for ``scope``.
 
         ``category`` ("compute" or "comm") labels the NVTX range; ``op`` (a step-graph op
-        id) puts the op in the scope's trace when one is recorded."""
-        self._put((_OP, label, fn, category, op, scope))
+        id) puts the op in ``report``'s trace when the call records one."""
+        self._put((_OP, label, fn, category, op, report, scope))
 
     def record(self, label: str = "", *, scope: CancelScope, event: Event | None = None
                ) -> Event:
@@ -325,8 +338,8 @@ class Stream:
             finally:
                 range_end(rng)
             return
-        _, label, fn, category, op, _ = item
-        trace = scope.trace if op is not None else None
+        _, label, fn, category, op, report, _ = item
+        trace = report.trace if op is not None and report is not None else None
         rng = range_start(label, category)
         self.data_span = None
         self.tracing = trace is not None
@@ -354,12 +367,12 @@ class Stream:
         except BaseException as exc:
             self._fail(scope, exc, label)
         else:
-            if category == "compute":
-                self._check_overran(scope)
+            if category == "compute" and report is not None:
+                self._check_overran(scope, report)
         finally:
             range_end(rng)
 
-    def _check_overran(self, scope: CancelScope) -> None:
+    def _check_overran(self, scope: CancelScope, report: OpReport) -> None:
         """A compute op that returned only after the timeout fails its call, named as the
         hang it was. The call's watch names an op still running past the timeout — but not
         one that held the interpreter lock all along (a C extension that does not release
@@ -367,11 +380,11 @@ class Stream:
         out meanwhile could be seen first and blamed. The clock read here is the one the op
         could not stop, so whichever thread runs first, this failure names the op."""
         busy = self.busy()  # (the op that just returned: it is current until _run clears it)
-        if busy is None or scope.overran is None or self.lost is not None:
+        if busy is None or report.overran is None or self.lost is not None:
             return  # (abandoned: its call named it already)
         seconds = time.perf_counter() - busy.since
         if seconds >= self.backend.timeout:
-            scope.fail(scope.overran(busy, seconds))
+            scope.fail(report.overran(busy, seconds))
 
     def _fail(self, scope: CancelScope, exc: BaseException, what: str) -> None:
         if self.lost is not None:
@@ -456,4 +469,4 @@ def _failure(scope: CancelScope) -> BaseException:
     return scope.aborted("the call's work")
 
 
-__all__ = ["Busy", "Event", "Stream", "Trace", "TraceRecord", "current_stream"]
+__all__ = ["Busy", "Event", "OpReport", "Stream", "Trace", "TraceRecord", "current_stream"]

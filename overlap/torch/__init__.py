@@ -51,12 +51,23 @@ from .profiling import profiler
 from .report import BoundaryReport
 from .split_backward import stage_backward_input, stage_backward_weight
 from .stages import LocalStage, build_stage
+from .state_reshard import (
+    TensorLayout,
+    pipeline_shards,
+    pipeline_state_layout,
+    plan_state_dict,
+    reshard_state_dict,
+    tensor_parallel_layout,
+    tensor_parallel_shards,
+)
 
 __all__ = ["AutoPartition", "BoundaryReport", "ColwiseParallel", "LoadResult", "LocalStage",
            "LossFn",
            "ParallelStyle",
            "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
-           "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TensorParallel",
+           "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TensorLayout",
+           "TensorParallel",
            "TorchPipeline", "auto_partition", "build_stage", "measure_layers", "parallelize",
-           "profiler", "read_checkpoint", "replicate", "stage_backward_input",
-           "stage_backward_weight"]
+           "pipeline_shards", "pipeline_state_layout", "plan_state_dict", "profiler",
+           "read_checkpoint", "replicate", "reshard_state_dict", "stage_backward_input",
+           "stage_backward_weight", "tensor_parallel_layout", "tensor_parallel_shards"]

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .checks import check_index
 from .gather import gather_split
 
 # (``pipe`` below is a TorchPipeline, which imports this module: typed as Any, no cycle.)
@@ -27,6 +28,39 @@ class LoadResult(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+def writers(pipe: TorchPipeline) -> tuple[Any, tuple[int, ...] | None, int]:
+    """(the runtime, device -> rank where processes split the stages, this rank): who
+    writes which stage (:func:`stage_state`)."""
+    rt = pipe._runtime
+    owners = None if pipe._local is None or rt is None else rt.backend.placement.owners
+    return rt, owners, 0 if rt is None else rt.world.rank
+
+
+def pipeline_state(pipe: TorchPipeline) -> dict[str, torch.Tensor]:
+    """The ``"<stage>.<name>"`` state of the stages this process writes (see module doc)."""
+    out: dict[str, torch.Tensor] = {}
+    rt, owners, rank = writers(pipe)
+    for s in range(len(pipe.meshes)):
+        part = stage_state(pipe, s, rt, owners, rank)
+        out.update({f"{s}.{k}": v for k, v in (part or {}).items()})
+    return out
+
+
+def full_stage_state(pipe: TorchPipeline, stage: int) -> dict[str, torch.Tensor]:
+    """Stage ``stage``'s state under its full module's names, every device of it local."""
+    check_index(stage, len(pipe.meshes), "stage")
+    if pipe._local is not None:
+        away = [d for d in pipe.meshes[stage].device_ids if d not in pipe._local]
+        if away:
+            raise ValueError(f"stage: stage {stage}'s devices {away} are driven by other "
+                             "processes, whose parameters this one does not have; call it "
+                             "where all of the stage's devices are local")
+    tp = pipe.tp[stage]
+    if tp is not None:
+        return tp.state_dict()
+    return {k: v.detach().clone() for k, v in pipe.modules[stage][0].state_dict().items()}
 
 
 def stage_state(pipe: TorchPipeline, s: int, rt: Any, owners: tuple[int, ...] | None,
@@ -126,4 +160,5 @@ def load(pipe: TorchPipeline, state: Any, strict: bool, here: set[int] | None) -
     return LoadResult(missing, unexpected)
 
 
-__all__ = ["LoadResult", "load", "stage_keys", "stage_state"]
+__all__ = ["LoadResult", "full_stage_state", "load", "pipeline_state", "stage_keys",
+           "stage_state", "writers"]

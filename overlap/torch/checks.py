@@ -10,6 +10,9 @@ from torch import nn
 
 from scheduler import DeviceMesh
 
+# Where a module's tensors live and the dtype of its floating parameters (None: it has none).
+DeviceDtype = tuple[torch.device | None, torch.dtype | None]
+
 
 def check_meshes(meshes: Any) -> tuple[DeviceMesh, ...]:
     if isinstance(meshes, DeviceMesh) or not isinstance(meshes, Sequence) or not meshes:
@@ -112,8 +115,7 @@ def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.cpu(), y.cpu())
 
 
-def module_device_dtype(m: nn.Module, name: str) -> tuple[torch.device | None,
-                                                         torch.dtype | None]:
+def module_device_dtype(m: nn.Module, name: str) -> DeviceDtype:
     """The one device of a module's tensors and the one dtype of its floating parameters."""
     devices = {t.device for t in (*m.parameters(), *m.buffers())}
     if len(devices) > 1:
@@ -125,6 +127,19 @@ def module_device_dtype(m: nn.Module, name: str) -> tuple[torch.device | None,
                          f"; the boundaries carry one dtype")
     return (next(iter(devices)) if devices else None,
             next(iter(dtypes)) if dtypes else None)
+
+
+def device_dtypes(modules: Sequence[Sequence[nn.Module]]) -> list[list[DeviceDtype]]:
+    """:func:`module_device_dtype` of every module of every stage (``modules[s][k]``)."""
+    return [[module_device_dtype(m, f"modules[{s}][{k}]") for k, m in enumerate(reps)]
+            for s, reps in enumerate(modules)]
+
+
+def check_loss_fn(loss_fn: Any) -> Any:
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn: expected a callable (output, target) -> scalar loss "
+                        f"tensor, got {type(loss_fn).__name__}")
+    return loss_fn
 
 
 def check_count(value: Any, name: str) -> int:

@@ -33,14 +33,14 @@ do with the axis of a stage mesh no tensor-parallel plan splits:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from scheduler import DeviceMesh, P, ShardingSpec
-from scheduler.graph import reduce_line
+from scheduler import DeviceMesh, P, ShardingSpec, reduce_line
 
 from ..pipeline import GradSync, StageContext
 from .tensors import from_torch, to_torch
@@ -134,20 +134,26 @@ class BatchSplit:
 
     # ---- after the backward ---------------------------------------------------------------
 
+    def grad_bytes(self, s: int, modules: Mapping[int, nn.Module]) -> int:
+        """What stage ``s``'s reduction moves per device: its trainable parameters' bytes
+        (0 where it splits no batch)."""
+        if self.degree(s) == 1:
+            return 0
+        first = next(iter(modules.values()))
+        return sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad)
+
     def grad_sync(self, s: int, modules: Mapping[int, nn.Module], enter: Enter,
-                  carried: Callable[[int], Mapping[nn.Parameter, torch.Tensor]]
-                  ) -> GradSync | None:
+                  carried: Callable[[int], Mapping[nn.Parameter, torch.Tensor]],
+                  nbytes: int) -> GradSync | None:
         """Stage ``s``'s gradient reduction (None where it splits no batch). ``carried(d)``:
         what device ``d``'s parameters held in ``.grad`` before the step (the same on every
         replica): kept as it is, only the step's own part is summed — gradients add up over
-        steps, as without data parallelism."""
+        steps, as without data parallelism. ``nbytes``: :meth:`grad_bytes`, counted once."""
         k = self.degree(s)
         if k == 1:
             return None
         axis = self.axis
         assert axis is not None
-        first = next(iter(modules.values()))
-        nbytes = sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad)
 
         def reduce(ctx: StageContext) -> None:
             with enter(ctx), torch.no_grad():
@@ -155,6 +161,24 @@ class BatchSplit:
                 for params in _by_dtype(modules[ctx.device]):
                     _sum(params, ctx, axis, before)
         return GradSync(axis, nbytes, reduce)
+
+
+def carried_grads(split: BatchSplit, local_stages: Iterable[Any]
+                  ) -> dict[int, dict[nn.Parameter, torch.Tensor]]:
+    """What the parameters of this process's devices of data-parallel stages
+    (``local_stages``: :class:`~overlap.torch.LocalStage`) hold in ``.grad`` before a step
+    (copies; none where every gradient is None, as after ``zero_grad``): the reduction sums
+    only the step's part."""
+    out: dict[int, dict[nn.Parameter, torch.Tensor]] = {}
+    for st in local_stages:
+        if split.degree(st.index) == 1:
+            continue
+        for d, m in zip(st.devices, st.modules):
+            held = {p: p.grad.detach().clone() for p in m.parameters()
+                    if p.requires_grad and p.grad is not None}
+            if held:
+                out[d] = held
+    return out
 
 
 def _by_dtype(module: nn.Module) -> Iterator[list[nn.Parameter]]:
@@ -189,4 +213,4 @@ def _sum(params: list[nn.Parameter], ctx: StageContext, axis: str,
             p.grad.copy_(g)
 
 
-__all__ = ["BatchSplit"]
+__all__ = ["BatchSplit", "carried_grads"]

@@ -449,6 +449,30 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Parallel
                 axis: str | None = None) -> TensorParallel:
     """One shard of ``module`` per device of ``mesh``, split over ``axis`` by ``plan`` (see
     the module doc); every check is made before any shard is built."""
+    axis, split, heads, ordered = plan_split(module, mesh, plan, axis)
+    n = mesh.axis_sizes[axis]
+    in_layout, out_layout = _stage_layouts(plan, ordered)
+    modules, comms = [], []
+    for d in mesh.device_ids:
+        comm = AxisComm(d, axis, axis_line(mesh, d, axis))
+        shard = _shard(module, split, comm)
+        shard_subs = dict(shard.named_modules())
+        for k in ordered:
+            plan[k].install(shard_subs[k], comm, k)
+        for owner, attr in heads:  # (torchtitan sets these by hand)
+            setattr(shard_subs[owner], attr, getattr(shard_subs[owner], attr) // n)
+        modules.append(shard)
+        comms.append(comm)
+    return TensorParallel(module, mesh, axis, tuple(modules), tuple(comms), in_layout,
+                          out_layout, split)
+
+
+def plan_split(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, ParallelStyle],
+               axis: str | None = None
+               ) -> tuple[str, dict[str, int], list[tuple[str, str]], list[str]]:
+    """Every check :func:`parallelize` makes, and what it found: the axis, which parameter
+    of ``module`` is split along which dimension (full names), the head counts to divide
+    and the planned submodules in forward order — nothing built."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(mesh, DeviceMesh):
@@ -483,20 +507,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Parallel
     ordered = [k for k in subs if k in plan]  # (forward order, as registered)
     split = {f"{k}.{p}" if k else p: dim for k in ordered
              for p, dim in plan[k].shards(subs[k], n).items()}
-    in_layout, out_layout = _stage_layouts(plan, ordered)
-    modules, comms = [], []
-    for d in mesh.device_ids:
-        comm = AxisComm(d, axis, axis_line(mesh, d, axis))
-        shard = _shard(module, split, comm)
-        shard_subs = dict(shard.named_modules())
-        for k in ordered:
-            plan[k].install(shard_subs[k], comm, k)
-        for owner, attr in heads:  # (torchtitan sets these by hand)
-            setattr(shard_subs[owner], attr, getattr(shard_subs[owner], attr) // n)
-        modules.append(shard)
-        comms.append(comm)
-    return TensorParallel(module, mesh, axis, tuple(modules), tuple(comms), in_layout,
-                          out_layout, split)
+    return axis, split, heads, ordered
 
 
 _ROOT_STYLES = (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from scheduler import (
     Boundary,
@@ -13,6 +15,8 @@ from scheduler import (
     lower_bound,
     plan_resharding,
 )
+
+from ..runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,26 @@ def report_boundary(index: int, b: Boundary, cluster: Cluster,
     return tuple(rows)
 
 
+def cluster_of(cluster: Any) -> Cluster:
+    """``cluster``: a :class:`scheduler.Cluster`, or a runtime's."""
+    if isinstance(cluster, Runtime):
+        cluster = cluster.cluster
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster: expected a scheduler.Cluster or an overlap.Runtime, got "
+                        f"{type(cluster).__name__}")
+    return cluster
+
+
+def report_boundaries(boundaries: Iterable[Boundary], cluster: Cluster,
+                      options: PlanOptions | None = None) -> tuple[BoundaryReport, ...]:
+    """Every boundary's two directions (:func:`report_boundary`), in order."""
+    return tuple(row for i, b in enumerate(boundaries)
+                 for row in report_boundary(i, b, cluster, options))
+
+
 def _fmt(sharding: Sharding) -> str:
     mesh = sharding.mesh
     return f"{sharding.spec!r} on {mesh.shape} {list(mesh.device_ids)}"
 
 
-__all__ = ["BoundaryReport", "report_boundary"]
+__all__ = ["BoundaryReport", "cluster_of", "report_boundaries", "report_boundary"]

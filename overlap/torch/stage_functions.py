@@ -10,13 +10,16 @@ gradient reduction (:mod:`overlap.torch.data_parallel`) are here too.
 
 What a step's functions read besides their arguments — its targets, loss scale, outputs
 collected, intra-op threads, the gradients held before it — is one immutable
-:class:`StepInputs`, set by the pipeline for each step (one step at a time) and never
-changed while it runs.
+:class:`StepInputs`, a value bound into the stage functions made for that step
+(:meth:`StageFunctions.stages`): each step runs its own ``Stage`` objects, so nothing of a
+step is left on the pipeline for the stream threads to read, and nothing needs resetting
+after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,22 +91,31 @@ class StageFunctions:
         self._torch_streams: dict[tuple[int, int], Any] = {}
         # Each device's module's parameters and their gradient accumulators (split_backward).
         self._weights: dict[int, Weights] = {}
-        self.step = StepInputs()
+        # What each data-parallel stage's reduction moves, counted once (as the step graph
+        # has it): a step's stages are made per step, their parameters not recounted.
+        self._grad_bytes = [data_parallel.grad_bytes(s, m) for s, m in enumerate(self._by_device)]
 
-    def stages(self, kind: str) -> tuple[Stage, ...]:
-        """The runtime's stages: ``"train"`` (the fused backward), ``"split"`` (``I`` and
-        ``W``), ``"eval"`` (forward only: no graph recorded, nothing kept)."""
+    def stages(self, kind: str, step: StepInputs | None = None) -> tuple[Stage, ...]:
+        """The runtime's stages for one step's ``step`` values (default: no targets, no
+        loss scale, no outputs collected, one thread): ``"train"`` (the fused backward),
+        ``"split"`` (``I`` and ``W``), ``"eval"`` (forward only: no graph recorded, nothing
+        kept)."""
+        step = StepInputs() if step is None else step
         out = []
         for s, mesh in enumerate(self.meshes):
-            sync = self.data_parallel.grad_sync(s, self._by_device[s], self._reduce_in,
-                                                lambda d: self.step.carried.get(d, {}))
             if kind == "eval":
-                out.append(Stage(mesh, self._forward(s, train=False), _no_backward))
-            elif kind == "split":
-                out.append(Stage(mesh, self._forward(s), self._backward_input(s),
-                                 self._backward_weight(s), sync))
+                out.append(Stage(mesh, self._forward(s, step, train=False), _no_backward))
+                continue
+            sync = self.data_parallel.grad_sync(s, self._by_device[s],
+                                                functools.partial(self._reduce_in, step),
+                                                lambda d: step.carried.get(d, {}),
+                                                self._grad_bytes[s])
+            if kind == "split":
+                out.append(Stage(mesh, self._forward(s, step), self._backward_input(s, step),
+                                 self._backward_weight(s, step), sync))
             else:
-                out.append(Stage(mesh, self._forward(s), self._backward(s), data_parallel=sync))
+                out.append(Stage(mesh, self._forward(s, step), self._backward(s, step),
+                                 data_parallel=sync))
         return tuple(out)
 
     @contextlib.contextmanager
@@ -120,21 +132,22 @@ class StageFunctions:
             comm.ctx = None
 
     @contextlib.contextmanager
-    def _reduce_in(self, ctx: StageContext) -> Iterator[None]:
+    def _reduce_in(self, step: StepInputs, ctx: StageContext) -> Iterator[None]:
         """Where a data-parallel stage's gradient reduction runs its torch work: the op's
         stream and intra-op threads, as a stage function's."""
-        run_with(self.step.threads)
+        run_with(step.threads)
         with op_stream(ctx, self._torch_streams):
             yield
 
-    def _forward(self, s: int, train: bool = True) -> Callable[[StageContext, Any], Any]:
+    def _forward(self, s: int, step: StepInputs, train: bool = True
+                 ) -> Callable[[StageContext, Any], Any]:
         last = s == len(self.meshes) - 1
         modules = self._by_device[s]
         grad_mode = torch.enable_grad if train else torch.no_grad
         crossings = self._crossings  # (filled by the shape probe, before any step)
 
         def forward(ctx: StageContext, x: Any) -> Any:
-            run_with(self.step.threads)  # (intra-op threads are per thread too: module doc)
+            run_with(step.threads)  # (intra-op threads are per thread too: module doc)
             came = crossings.get(s - 1, _ONE)
             # (grad mode is per thread in torch)
             with op_stream(ctx, self._torch_streams), grad_mode(), self._entered(s, ctx):
@@ -154,15 +167,15 @@ class StageFunctions:
                     ctx.saved["x"] = xts
                 if last:
                     split = self.data_parallel
-                    loss = loss_of(self.loss_fn, y, None if self.step.targets is None
-                                      else split.part(s, ctx, self.step.targets[ctx.microbatch]))
-                    scale = split.loss_scale(s, self.step.loss_scale)
+                    loss = loss_of(self.loss_fn, y, None if step.targets is None
+                                   else split.part(s, ctx, step.targets[ctx.microbatch]))
+                    scale = split.loss_scale(s, step.loss_scale)
                     if train:
                         ctx.saved["out"] = [loss if scale is None else loss * scale]
-                    if self.step.outputs is not None:
+                    if step.outputs is not None:
                         whole = split.gathered(s, ctx, y.detach())  # (the batch's parts)
                         if ctx.device == ctx.mesh.device_ids[0]:
-                            self.step.outputs[ctx.microbatch] = whole  # (one device's: the
+                            step.outputs[ctx.microbatch] = whole  # (one device's: the
                             # last stage's output is replicated over the rest of its mesh)
                     # The microbatch's loss: the mean of its parts' (float() after the step:
                     # no device sync here).
@@ -191,9 +204,9 @@ class StageFunctions:
                     "the batch needs a leading dimension of 1 (it then stays whole on every "
                     "device)")
 
-    def _backward(self, s: int) -> Callable[[StageContext, Any], Any]:
+    def _backward(self, s: int, step: StepInputs) -> Callable[[StageContext, Any], Any]:
         def backward(ctx: StageContext, dy: Any) -> Any:
-            run_with(self.step.threads)
+            run_with(step.threads)
             xts, outs = ctx.saved.pop("x"), ctx.saved.pop("out")
             with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
                 ys, grads = self._pairs(s, ctx, outs, dy)
@@ -225,7 +238,8 @@ class StageFunctions:
                     if t.is_floating_point() else None for t in xts)
         return dxs if self._crossings.get(s - 1, _ONE).grouped else dxs[0]
 
-    def _backward_input(self, s: int) -> Callable[[StageContext, Any], Any]:
+    def _backward_input(self, s: int, step: StepInputs
+                        ) -> Callable[[StageContext, Any], Any]:
         """``I``: the input's gradient only, keeping for ``W`` the gradients that reach the
         parameterized layers (:mod:`overlap.torch.split_backward`; stage 0's input needs
         none: its ``I`` leaves everything to ``W``). A stage with several tensors in or out
@@ -234,7 +248,7 @@ class StageFunctions:
         modules = self._by_device[s]
 
         def backward_input(ctx: StageContext, dy: Any) -> Any:
-            run_with(self.step.threads)
+            run_with(step.threads)
             xts, outs = ctx.saved.pop("x"), ctx.saved.pop("out")
             with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
                 weights = Weights.of(modules[ctx.device].parameters(),
@@ -252,10 +266,10 @@ class StageFunctions:
                 return self._input_grads(s, ctx, xts)
         return backward_input
 
-    def _backward_weight(self, s: int) -> Callable[[StageContext], None]:
+    def _backward_weight(self, s: int, step: StepInputs) -> Callable[[StageContext], None]:
         """``W``: the parameters' gradients, added to their ``.grad``; frees the graph."""
         def backward_weight(ctx: StageContext) -> None:
-            run_with(self.step.threads)
+            run_with(step.threads)
             pending = ctx.saved.pop("weights")
             with op_stream(ctx, self._torch_streams), self._entered(s, ctx):
                 stage_backward_weight(pending)

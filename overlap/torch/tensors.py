@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scheduler.dtypes import NARROW_FLOATS
+from scheduler import NARROW_FLOATS
 
 from ..pipeline import StageContext
 
@@ -94,6 +94,17 @@ def as_array(t: torch.Tensor, xp: Any) -> Any:
         t = t.view(bits)
         return (t.numpy() if cpu else xp.from_dlpack(t)).view(dt)
     return t.numpy() if cpu else xp.from_dlpack(t)
+
+
+def array_to_torch(x: Any, xp: Any) -> torch.Tensor:
+    """An array of ``xp`` (numpy, or cupy on the CUDA backend) as a tensor sharing its
+    memory (the inverse of :func:`as_array`; bfloat16 and float8 as their torch types)."""
+    cpu = xp is np
+    twin = _TORCH_OF.get(x.dtype.name) if x.dtype.name in NARROW_FLOATS else None
+    if twin is not None:
+        bits = x.view(f"u{x.dtype.itemsize}" if x.dtype.itemsize == 1 else "i2")
+        return (torch.from_numpy(bits) if cpu else torch.from_dlpack(bits)).view(twin)
+    return torch.from_numpy(x) if cpu else torch.from_dlpack(x)
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:

@@ -44,7 +44,7 @@ from .common import (
 )
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = parser("overlap plan", "Plan a cross-mesh resharding and cost it.")
     p.add_argument("--case", type=Path, default=None,
                    help="a resharding case file: JSON with cluster, shape, dtype, src, dst "
@@ -94,7 +94,7 @@ def _sharding(mesh_text: str, spec_text: str, cluster: Cluster, rank: int, *,
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
     try:
         if args.json is not None and args.json.is_dir():
             raise ValueError(f"--json: {args.json} is a directory; name the file to write")

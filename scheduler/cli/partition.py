@@ -116,7 +116,7 @@ def case_from_json(data: dict[str, Any]) -> dict[str, Any]:
             "memory": None if memory is None else memory * (1 << 30)}
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = parser("overlap partition", "Choose a pipeline's stages, submeshes, TP degrees, "
                "layouts and schedule for a model (a case file), by simulation.")
     p.add_argument("--case", type=Path, required=True,
@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def partition_main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.json is not None and args.json.is_dir():
             raise ValueError(f"--json: {args.json} is a directory; name the file to write")

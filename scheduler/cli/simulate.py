@@ -363,7 +363,7 @@ def _schedules(text: str | None, case: PipelineCase) -> tuple[list[str], list[st
     return list(dict.fromkeys(names)), []
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = parser("overlap simulate",
                "Simulate every pipeline schedule (gpipe, 1f1b, eager-1f1b, zb-h1, "
                "interleaved-1f1b, zbv, auto) and signal for one pipeline.")
@@ -406,7 +406,7 @@ def _none_ran(skipped: Sequence[tuple[str, str]], argument: str) -> str:
 
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(joined_specs(sys.argv[1:] if argv is None else argv))
     try:
         if args.trace_dir is not None and args.trace_dir.exists() \
                 and not args.trace_dir.is_dir():

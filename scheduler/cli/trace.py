@@ -45,7 +45,7 @@ source, devices, steps, iteration_ms, bubble_pct}}].
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrors(
         prog="overlap trace", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Summarize or draw traces: ours (runtime or simulator, Chrome JSON),\n"
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def trace_main(argv: Sequence[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         _check_arguments(args)
         from ..traces.report import check_ranks, file_report, in_rank_order, read_trace

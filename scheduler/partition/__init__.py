@@ -91,7 +91,7 @@ def partition(layers: Sequence[Layer], cluster: Cluster, num_microbatches: int, 
     """
     if not isinstance(data_parallel, bool):
         raise TypeError(f"data_parallel: expected a bool, got {data_parallel!r}")
-    problem = _problem(layers, cluster, num_microbatches, memory_per_device, options,
+    problem = make_problem(layers, cluster, num_microbatches, memory_per_device, options,
                        data_parallel)
     check_search_size(problem)
     budget = budget if budget is not None else SearchBudget()
@@ -105,8 +105,10 @@ def partition(layers: Sequence[Layer], cluster: Cluster, num_microbatches: int, 
     return _plan(problem, trials, found, options)
 
 
-def _problem(layers: object, cluster: object, m: object, memory: object,
-             options: object, data_parallel: bool = True) -> Problem:
+def make_problem(layers: object, cluster: object, m: object, memory: object,
+                 options: object, data_parallel: bool = True) -> Problem:
+    """The checked :class:`~scheduler.partition.model.Problem` :func:`partition` searches
+    (its arguments' checks, in its order; what :func:`search_bytes` sizes)."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise TypeError(f"layers: expected a non-empty sequence of scheduler.Layer, got "
                         f"{type(layers).__name__}")
@@ -256,4 +258,4 @@ def describe(stages: Sequence[tuple[int, int, int, int, int]]) -> str:
 
 
 __all__ = ["Layer", "PartitionError", "PartitionPlan", "SearchBudget", "StagePlan",
-           "all_reduce_seconds", "describe", "partition"]
+           "all_reduce_seconds", "describe", "make_problem", "partition", "search_bytes"]

@@ -122,8 +122,8 @@ class Tables:
             ok = upper & (lacks[None, :] - lacks[:, None] == 0)
             stage[:, :, k] = np.where(ok, (cum[None, :] - cum[:, None]) / dp, INF)
             if dp > 1:
-                reduce[:, :, k] = np.vectorize(lambda b, n=size, d=dp: p.reduce_seconds(
-                    int(b), n, d), otypes=[float])(np.maximum(params[None, :] - params[:, None], 0))
+                reduce[:, :, k] = _reduce_table(p, np.maximum(params[None, :] - params[:, None],
+                                                              0), size, dp)
             if p.memory_per_device is None:
                 cap[:, :, k] = np.where(ok, big, -1)
                 continue
@@ -149,8 +149,13 @@ class Tables:
     def bucket(self, t: float) -> int:
         """B: the stages left are counted 1..B−1 and "B or more" (0: not counted — no stage
         allowed at t has a binding cap)."""
-        k = int(np.searchsorted(self._bind_cost, t, "right"))
-        return 0 if k == 0 else int(self._bind_cap[k - 1]) + 1
+        return int(self.buckets(np.array([t]))[0])
+
+    def buckets(self, ts: np.ndarray) -> np.ndarray:
+        """:meth:`bucket` of every threshold of ``ts`` at once."""
+        k = np.searchsorted(self._bind_cost, ts, "right")
+        caps = self._bind_cap[np.maximum(k - 1, 0)] + 1 if self._bind_cap.size else 0
+        return np.where(k == 0, 0, caps).astype(np.int64)
 
     def _boundary_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """bsum / bmax[i, d, q, k]: both directions' seconds summed / their larger, at the
@@ -203,33 +208,37 @@ class Tables:
                      if n // k in x.forward), default=INF) for x in self.problem.layers]
         return max(best), sum(best)
 
-    @cached_property
-    def _finite(self) -> np.ndarray:
-        """Per (i, k), how many stop layers give a finite stage (they come first)."""
-        out = np.zeros((self.L, self.S), np.int64)
-        for i in range(self.L):
-            out[i] = np.isfinite(self.stage[i, i + 1:]).sum(0)
-        return out
-
     def ends(self, t: float) -> np.ndarray:
         """ends[i, k]: the last stop layer j of a stage from i of size k with every term
-        <= t (its cost grows with j; i: none)."""
-        out = np.zeros((self.L, self.S), np.int64)
-        for i in range(self.L):
-            for k in range(self.S):
-                out[i, k] = i + np.searchsorted(self.stage[i, i + 1:i + 1 + self._finite[i, k],
-                                                           k], t, "right")
-        return out
+        <= t (its cost grows with j, and a row's finite entries come first; i: none)."""
+        return np.arange(self.L)[:, None] + (self.stage[:self.L] <= t).sum(axis=1)
+
+    @cached_property
+    def _finite_terms(self) -> np.ndarray:
+        """Every finite stage term, sorted (what the runs' widths count)."""
+        return np.sort(self.stage[np.isfinite(self.stage)], kind="stable")
 
     def cells(self, ts: np.ndarray) -> np.ndarray:
         """Cells a run at each threshold of ``ts`` evaluates (its work, known before)."""
-        widths = np.zeros(len(ts), np.int64)
-        for i in range(self.L):
-            for k in range(self.S):
-                row = self.stage[i, i + 1:i + 1 + self._finite[i, k], k]
-                widths += np.searchsorted(row, ts, "right")
-        counts = np.array([max(1, self.bucket(float(t)) + 1) for t in ts], np.int64)
+        # A run at t visits, per (i, k), the stop layers whose term is <= t: summed over
+        # every (i, k), that is how many finite terms are <= t — one count over all of them.
+        widths = np.searchsorted(self._finite_terms, ts, "right").astype(np.int64)
+        counts = np.maximum(1, self.buckets(ts) + 1)
         return (widths + self.L * (self.S + 1) * self.S) * (self.N + 1) * counts
+
+
+def _reduce_table(problem: Problem, params: np.ndarray, size: int, dp: int) -> np.ndarray:
+    """:meth:`Problem.reduce_seconds` of every entry of ``params`` (integer bytes), in
+    whole arrays: the same integer steps, so the same floats. Bytes past what float64 and
+    int64 hold exactly are priced one by one."""
+    tp = size // dp
+    if params.dtype.kind in "iu" and (params.size == 0 or int(params.max()) < 1 << 53):
+        grad = np.ceil(params / tp).astype(np.int64)  # (grad_bytes: float quotient, ceil)
+        if grad.size == 0 or int(grad.max()) < (1 << 62) // (2 * dp):
+            fixed, bw = problem.ring(size, dp)
+            return fixed + (2 * (dp - 1) * grad // dp) / bw
+    return np.vectorize(lambda b: problem.reduce_seconds(int(b), size, dp),
+                        otypes=[float])(params)
 
 
 def _most_kept(params: np.ndarray, acts: np.ndarray, memory: float, big: int) -> np.ndarray:

@@ -44,7 +44,7 @@ STEP = re.compile(r"^(?:step |ProfilerStep#)(\d+)$")
 # reads it (overlap.profiling).
 PROFILE_STEPS_ENV = "OVERLAP_PROFILE_STEPS"
 _WINDOW = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
-# A JSON trace is parsed whole: one of 64 MiB takes ~0.5 GB and a few minutes to report here
+# A JSON trace is parsed whole: one of 64 MiB takes ~0.5 GB and ~10 s of CPU to report here
 # (2 cores); a bigger one is refused before it is read.
 MAX_TRACE_BYTES = 64 << 20
 
