@@ -41,8 +41,6 @@ cause named. :meth:`Calls.run` is the one entry: the runtime calls it once per c
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -68,6 +66,7 @@ from .errors import (
     StageTimeout,
 )
 from .scope import CancelScope
+from .waits import OneShot, wait_on, when_all
 
 if TYPE_CHECKING:
     from .backends import Backend, Event, Trace
@@ -234,58 +233,23 @@ class Call:
         device got there (bounded)."""
         scope, backend = self.scope, self.backend
         tick = min(TICK_S, backend.timeout / 4)
-        if not all(ev.launched() for ev in ends):
-            loop = asyncio.get_running_loop()
-            box = [loop.create_future()]
-            left = [len(ends)]
-            lock = threading.Lock()
-            # Once a wake-up is on its way, or the watch is over, nothing more wakes the
-            # loop for it: [watching, a wake-up pending].
-            state = [True, False]
+        launched = OneShot()
+        when_all(ends, launched.finish)
+        if not launched.over:
+            def look() -> bool:  # (every tick)
+                self._name_hang()
+                if self.dump is not None:
+                    self.dump.arm(tick)
+                return True
 
-            def wake() -> None:
-                with lock:
-                    if not state[0] or state[1]:
-                        return
-                    state[1] = True
-                with contextlib.suppress(RuntimeError):  # (the loop closed: nobody waits)
-                    loop.call_soon_threadsafe(_resolve_box, box)
-
-            def one(_: Event) -> None:
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    wake()
-
-            for ev in ends:
-                ev.add_done_callback(one)
-            handle = scope.on_cancel(wake)
+            if self.dump is not None:
+                self.dump.arm(tick)
             try:
-                while left[0] > 0 and not scope.cancelled:
-                    # A timer, not asyncio.wait_for: on 3.11 that drops a cancel that comes
-                    # in the loop pass its wait ends (gh-86296) — Ctrl-C would go unseen.
-                    timer = loop.call_later(tick, _resolve_box, box)
-                    if self.dump is not None:
-                        self.dump.arm(tick)
-                    try:
-                        await box[0]
-                    finally:
-                        timer.cancel()
-                    with lock:
-                        box[0] = loop.create_future()
-                        # Done (all ends, or cancelled): no later end may wake the loop
-                        # again — a failure's siblings end right after it.
-                        if left[0] == 0 or scope.cancelled:
-                            state[0] = False
-                        else:
-                            state[1] = False
-                    if left[0] > 0:
-                        self._name_hang()
+                await wait_on(launched, scope, self.what, tick, look)
+            except CollectiveAborted:  # (cancelled: the failure is named below)
+                if self.named is None:  # (not by a hang a tick named just now)
+                    self._name_hang()
             finally:
-                with lock:
-                    state[0] = False
-                scope.remove(handle)
                 if self.dump is not None:  # (not while a failure settles: no look is due)
                     self.dump.disarm()
         # (Not the failures themselves: the root cause, chosen from them on the way out, is
@@ -454,11 +418,6 @@ def abandon(backend: Backend, stuck: list[Busy], graph: StepGraph | None
         + f": it ran past the timeout ({backend.timeout:g} s) and was abandoned. Close "
         "this runtime and make a fresh Runtime", stuck=names)
     return err, lost
-
-
-def _resolve_box(box: list[asyncio.Future[None]]) -> None:
-    if not box[0].done():
-        box[0].set_result(None)
 
 
 async def settle_leftovers(backend: Backend) -> list[Busy]:

@@ -82,7 +82,8 @@ from scheduler import (
 
 from .launch import launch
 from .reshard import transfer_op
-from .scope import CancelScope, sleep
+from .scope import CancelScope
+from .waits import sleep
 
 if TYPE_CHECKING:
     from .backends import Backend, Event, OpReport, Route

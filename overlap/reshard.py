@@ -25,7 +25,7 @@ from scheduler import Op, Region, ReshardPlan, StepGraph, Transfer, contains, re
 
 from .backends.routes import Route
 from .launch import launch
-from .scope import sleep
+from .waits import sleep
 
 if TYPE_CHECKING:
     from .backends import Backend, Event, OpReport

@@ -5,8 +5,9 @@ parent of its calls). Work launched for the call carries the scope. The first fa
 recorded in it (:meth:`CancelScope.fail`) cancels it, and cancelling wakes at once every
 thread blocked on its behalf — a stream waiting for another stream's event, a collective's
 rendezvous, a wait for a message on the wire — and every coroutine awaiting it. Nothing
-polls a flag: a wait blocks on a :class:`Waiter` that both the thing it waits for and the
-scope's cancellation can wake (trio's cancel scopes, on threads).
+polls a flag: every wait registers with the scope (:meth:`CancelScope.on_cancel`) through
+the one blocking wait and the one awaiting wait of :mod:`overlap.waits` (trio's cancel
+scopes, on threads).
 
 Scopes nest: cancelling a parent cancels its children (a peer's failure, which ends the
 whole multi-process job, cancels the runtime's scope and so the call in flight), while a
@@ -15,44 +16,10 @@ child's failure stays in the child (a failed call leaves a one-process runtime u
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 from collections.abc import Callable
-from typing import Any
 
 from .errors import CollectiveAborted
-from .polling import POLL_FIRST_S, poll_first
-
-
-class Waiter:
-    """A one-shot wake-up a thread blocks on (a C lock used as a binary semaphore: waking
-    from any thread, blocking with a timeout, no Python-level condition)."""
-
-    __slots__ = ("_lock",)
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-
-    def wake(self, *_: Any) -> None:
-        """Wake the blocked thread (or let its next :meth:`block` return at once). Any thread,
-        any number of times."""
-        with contextlib.suppress(RuntimeError):  # (woken already)
-            self._lock.release()
-
-    def block(self, timeout: float | None = None, poll: float = POLL_FIRST_S) -> bool:
-        """Until woken (True), or ``timeout`` seconds (False) — looking again for up to
-        ``poll`` seconds before it sleeps (:mod:`overlap.polling`)."""
-        lock = self._lock
-        if lock.acquire(blocking=False):
-            return True
-        budget = poll if timeout is None else min(poll, max(0.0, timeout))
-        if poll_first(lambda: lock.acquire(blocking=False), budget):
-            return True
-        if timeout is None:
-            return lock.acquire()
-        return lock.acquire(timeout=max(0.0, timeout - budget))
 
 
 class CancelScope:
@@ -169,35 +136,4 @@ def _reason(error: BaseException | None) -> str:
     return text if isinstance(error, CollectiveAborted) else f"{type(error).__name__}: {text}"
 
 
-def block_until(done: Callable[[], bool], arm: Callable[[Waiter], None], scope: CancelScope,
-                what: str, timeout: float | None = None) -> bool:
-    """Block the calling thread until ``done()`` (True), ``timeout`` seconds (False), or the
-    scope's cancellation (raises :class:`CollectiveAborted` naming ``what``). ``arm(waiter)``
-    has whatever ``done`` depends on call ``waiter.wake`` when it changes."""
-    if done():
-        return True
-    waiter = Waiter()
-    arm(waiter)
-    handle = scope.on_cancel(waiter.wake)
-    try:
-        if handle is None:
-            raise scope.aborted(what)
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        while not done():
-            if scope.cancelled:
-                raise scope.aborted(what)
-            left = None if deadline is None else deadline - time.perf_counter()
-            if left is not None and left <= 0:
-                return False
-            waiter.block(left)
-        return True
-    finally:
-        scope.remove(handle)
-
-
-def sleep(seconds: float, scope: CancelScope, what: str) -> None:
-    """Sleep ``seconds`` on this thread, or raise at once when ``scope`` is cancelled."""
-    block_until(lambda: False, lambda _: None, scope, what, seconds)
-
-
-__all__ = ["CancelScope", "Waiter", "block_until", "sleep"]
+__all__ = ["CancelScope"]

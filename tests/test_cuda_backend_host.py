@@ -27,6 +27,7 @@ from overlap.backends import Backend, Event, make_backend
 from overlap.backends.streams import current_stream
 from overlap.errors import CollectiveAborted, DeviceFault, DeviceTimeout
 from overlap.scope import CancelScope
+from overlap.waits import OneShot, wait_on
 from overlap.world import Placement
 from scheduler import (
     SCHEDULES,
@@ -773,10 +774,10 @@ def test_waits_stuck_on_endless_kernels_never_starve_later_ones():
         # spare thread took the job while every other one is stuck.
         later = fake_cupy.Event(block=True)
         later.record(fake_cupy.cuda.Stream())
-        loop = asyncio.get_running_loop()
-        answered = loop.create_future()
-        kind.waiters.watch(later, loop, answered)
-        assert await asyncio.wait_for(answered, 5.0) is None
+        answered = OneShot()
+        kind.waiters.watch(later, answered)
+        assert await wait_on(answered, None, "the waiter's answer", 5.0) is True
+        assert answered.error is None
 
     try:
         asyncio.run(main())
@@ -847,9 +848,9 @@ def test_a_step_waits_for_one_completion_whatever_its_lanes(monkeypatch):
     watched = []
     real_watch = CompletionWaiters.watch
 
-    def counting_watch(self, event, loop, future):
+    def counting_watch(self, event, *rest):
         watched.append(event)
-        real_watch(self, event, loop, future)
+        real_watch(self, event, *rest)
 
     monkeypatch.setattr(CompletionWaiters, "watch", counting_watch)
     cluster = Cluster(4, 1, nic_gbps=400.0)

@@ -19,7 +19,8 @@ from overlap.errors import (
     RankFailed,
     StreamError,
 )
-from overlap.scope import CancelScope, Waiter, block_until, sleep
+from overlap.scope import CancelScope
+from overlap.waits import OneShot, Waiter, block_on, sleep
 
 SETTLE_S = 5.0
 
@@ -91,14 +92,13 @@ def test_forgetting_failures_keeps_the_reason_not_the_exception_objects():
     assert scope.error.__traceback__ is None
 
 
-def test_block_until_returns_when_done_times_out_and_raises_when_cancelled():
-    flag = threading.Event()
+def test_the_blocking_wait_returns_when_done_times_out_and_raises_when_cancelled():
+    done = OneShot()
     scope = CancelScope("call")
-    armed: list[Waiter] = []
-    t = threading.Timer(0.05, lambda: (flag.set(), armed[0].wake()))
+    t = threading.Timer(0.05, done.finish)
     t.start()
-    assert block_until(flag.is_set, armed.append, scope, "the flag", SETTLE_S) is True
-    assert block_until(lambda: False, lambda w: None, scope, "never", 0.01) is False
+    assert block_on(done, scope, "the flag", SETTLE_S) is True
+    assert block_on(OneShot(), scope, "never", 0.01) is False
     threading.Timer(0.05, lambda: scope.cancel(CollectiveAborted("stop"))).start()
     start = time.perf_counter()
     with pytest.raises(CollectiveAborted, match="a nap: aborted"):

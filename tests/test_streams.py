@@ -272,9 +272,9 @@ def test_a_failing_callback_of_an_event_leaves_the_others_called(caplog):
     ev.add_done_callback(bad)
     ev.add_done_callback(lambda _: called.append("good"))
     with caplog.at_level("ERROR", logger="overlap"):
-        ev._complete()
+        ev.finish()
     assert called == ["bad", "good"] and ev.done()
-    assert "a callback of event 'lane end' failed" in caplog.text
+    assert "a callback of Event('lane end', done) failed" in caplog.text
 
 
 # ---- collectives ----------------------------------------------------------------------------

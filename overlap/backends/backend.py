@@ -15,7 +15,8 @@ import numpy as np
 from scheduler import check_seconds
 
 from ..errors import CollectiveAborted, OverlapRuntimeError
-from ..scope import CancelScope, Waiter
+from ..scope import CancelScope
+from ..waits import OneShot, block_on
 from ..world import Placement
 from .bound import Bound, Bounded
 from .collectives import Communicators
@@ -289,10 +290,11 @@ class Backend(Bounded):
                     wake_at = min(wake_at, bound)
             if len(stuck) == len(pending):
                 return stuck
-            waiter = Waiter()
+            one = OneShot()  # (the first of them to get there)
             for _, ev in pending:
-                ev.add_done_callback(waiter.wake)
-            waiter.block(max(1e-3, wake_at - now))
+                if not ev.add_callback(one.finish):
+                    one.finish()
+            block_on(one, None, "settling the streams", max(1e-3, wake_at - now))
 
     def stop_bound(self, b: Busy, start: float) -> float:
         """When a stream still busy with ``b`` after its work was cancelled at ``start``

@@ -22,21 +22,21 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
-from ..scope import CancelScope, sleep
+from ..scope import CancelScope
+from ..waits import OneShot, block_on, sleep
 from .bound import Bound, Bounded, bound_of
 
 
-class _Slot:
-    """One launch position of a communicator: who arrived, and the result."""
+class _Slot(OneShot):
+    """One launch position of a communicator: who arrived; finished, with the collective's
+    result or error, once the last to arrive has run it."""
 
-    __slots__ = ("arrived", "done", "error", "hold", "result", "running", "start")
+    __slots__ = ("arrived", "hold", "running", "start")
 
     def __init__(self) -> None:
+        super().__init__()
         self.arrived: dict[int, tuple[str, Any]] = {}
         self.running = False
-        self.done = False
-        self.error: BaseException | None = None
-        self.result: Any = None
         self.start = 0.0
         self.hold = 0.0  # seconds from ``start`` every participant stays (link emulation)
 
@@ -47,7 +47,7 @@ class Communicator(Bounded):
     def __init__(self, devices: tuple[int, ...], timeout: float | Bound) -> None:
         self.devices = devices
         self.bound = bound_of(timeout)
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # (launch positions and slots)
         self._next: dict[int, int] = dict.fromkeys(devices, 0)
         self._slots: dict[int, _Slot] = {}
         # The launch position whose ``combine`` is running (the same op has the same
@@ -60,7 +60,7 @@ class Communicator(Bounded):
         participant's contribution. ``combine`` moves the data and returns the seconds every
         participant must stay (link emulation; 0), or (seconds, result), whose result every
         participant gets back."""
-        with self._cv:
+        with self._lock:
             seq = self._next[device]
             self._next[device] = seq + 1
             slot = self._slots.get(seq)
@@ -84,6 +84,8 @@ class Communicator(Bounded):
 
     def _combine(self, seq: int, slot: _Slot, combine: Callable[[dict[int, Any]], Any]) -> None:
         descs = {d: a[0] for d, a in slot.arrived.items()}
+        error: BaseException | None = None
+        hold, result = 0.0, None
         try:
             if len(set(descs.values())) > 1:
                 raise CollectiveMismatch(
@@ -92,38 +94,28 @@ class Communicator(Bounded):
                     + "; ".join(f"device {d} launched {s}" for d, s in sorted(descs.items())))
             self.position = seq
             out = combine({d: a[1] for d, a in slot.arrived.items()})
-            slot.hold, slot.result = out if isinstance(out, tuple) else (out, None)
+            hold, result = out if isinstance(out, tuple) else (out, None)
         except BaseException as exc:
-            slot.error = exc
-        with self._cv:
-            slot.done = True
+            error = exc
+        slot.hold = hold
+        with self._lock:
             del self._slots[seq]
-            self._cv.notify_all()
+        slot.finish(error, result)  # (wakes the participants waiting for it)
 
     def _await(self, device: int, desc: str, slot: _Slot, scope: CancelScope) -> None:
-        def wake() -> None:
-            with self._cv:
-                self._cv.notify_all()
+        def overdue() -> bool:
+            with self._lock:
+                if slot.running:
+                    return True  # (every participant arrived: the combine's waits are bounded)
+                missing = tuple(d for d in self.devices if d not in slot.arrived)
+            raise CollectiveTimeout(
+                f"{desc}: device {device} waited {self.timeout:g} s; devices "
+                f"{list(missing)} of {list(self.devices)} never launched it "
+                "(inconsistent launch order, or a failed peer)",
+                op=desc, devices=self.devices, missing=missing)
 
-        handle = scope.on_cancel(wake)
-        started = time.perf_counter()
-        try:
-            with self._cv:
-                while not slot.done:
-                    if scope.cancelled:
-                        raise scope.aborted(f"{desc} on device {device}")
-                    left = started + self.timeout - time.perf_counter()
-                    if left <= 0 and not slot.running:
-                        missing = tuple(d for d in self.devices if d not in slot.arrived)
-                        raise CollectiveTimeout(
-                            f"{desc}: device {device} waited {self.timeout:g} s; devices "
-                            f"{list(missing)} of {list(self.devices)} never launched it "
-                            "(inconsistent launch order, or a failed peer)",
-                            op=desc, devices=self.devices, missing=missing)
-                    # (Once every participant arrived, the combine's own waits are bounded.)
-                    self._cv.wait(None if slot.running else left)
-        finally:
-            scope.remove(handle)
+        # (poll=0: a participant sleeps at once, as on the condition variable it once was.)
+        block_on(slot, scope, f"{desc} on device {device}", self.timeout, overdue, poll=0.0)
 
 
 class Communicators:

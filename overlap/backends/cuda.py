@@ -27,9 +27,7 @@ host thread moves on at once:
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import queue
 import sys
 import threading
@@ -38,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CollectiveAborted, DeviceFault, DeviceTimeout, OverlapRuntimeError
+from ..waits import OneShot, wait_on
 from .bound import Bound, Bounded, bound_of
 from .local import LocalTransport
 from .streams import InFlight
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
 
 WAITER_THREADS = 4  # several: one event that completes late does not delay the others'
 MAX_WAITER_THREADS = 64  # spares, started while every thread is busy (stuck kernels)
+_LOOK_S = 0.01  # how often an awaited device event is looked at besides its waiter's answer
 
 
 def _cupy() -> Any:
@@ -73,8 +73,9 @@ def gpu_count() -> int:
 
 
 class CompletionWaiters:
-    """``watch(event, loop, future)``: ``future`` gets None (or the exception
-    ``synchronize()`` raised: a device fault) once the GPU passed ``event``.
+    """``watch(event, done)``: ``done`` (a :class:`~overlap.waits.OneShot`) is finished —
+    failed with the exception ``synchronize()`` raised: a device fault — once the GPU passed
+    ``event``.
 
     Daemon threads of our own, not ``asyncio.to_thread``: a kernel that never ends keeps its
     waiter in ``synchronize()`` for good, and a stranded daemon can hang neither ``close()``
@@ -90,7 +91,7 @@ class CompletionWaiters:
         self._lock = threading.Lock()
         self._closed = False
 
-    def watch(self, event: Any, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+    def watch(self, event: Any, done: OneShot) -> None:
         with self._lock:  # started on first use
             if self._closed:  # (its backend closed: no waiter would ever answer)
                 raise CollectiveAborted(f"waiting for {event!r}: the backend is closed")
@@ -101,21 +102,20 @@ class CompletionWaiters:
                 threading.Thread(target=self._serve, name=f"overlap-cuda-waiter-{self._started}",
                                  daemon=True).start()
             self._idle -= 1  # (a thread takes this job; negative: jobs are queued)
-        self._jobs.put((event, loop, future))
+        self._jobs.put((event, done))
 
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            event, loop, future = job
+            event, done = job
             error: BaseException | None = None
             try:
                 event.synchronize()
             except BaseException as exc:  # a device fault: the awaiting coroutine raises it
                 error = exc
-            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: nobody waits
-                loop.call_soon_threadsafe(_settle, future, error)
+            done.finish(error)  # (one given up on: nobody waits, nothing wakes)
             with self._lock:
                 self._idle += 1
 
@@ -125,15 +125,6 @@ class CompletionWaiters:
             n, self._closed = self._started, True
         for _ in range(n):
             self._jobs.put(None)
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the waiter gave up (timeout, cancellation) and cancelled it
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
 
 
 class CudaDevices(Bounded):
@@ -241,29 +232,25 @@ class CudaDevices(Bounded):
         if ev is None or ev.done:
             return
         deadline = time.perf_counter() + self.timeout
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self.waiters.watch(ev, loop, done)
-        try:
-            while True:
-                left = deadline - time.perf_counter()
-                await asyncio.wait((done,), timeout=max(0.0, min(0.01, left)))
-                if not done.done() and ev.done:
-                    return
-                if done.done():
-                    if done.exception() is not None:  # CUDA's sticky error, from synchronize
-                        raise DeviceFault(f"the device failed before reaching {event.label}: "
-                                          f"{done.exception()}",
-                                          event=event.label) from done.exception()
-                    return
-                if time.perf_counter() >= deadline:
-                    raise DeviceTimeout(
-                        f"the device never reached {event.label}: its work was launched "
-                        f"{self.timeout:g} s ago (timeout) and has not completed — a kernel "
-                        "that never ends, or a device fault (after one, CUDA reports no event "
-                        "complete any more)", event=event.label)
-        finally:
-            done.cancel()  # given up: the waiter thread's late answer is dropped
+        passed = OneShot()
+        self.waiters.watch(ev, passed)
+
+        def look() -> bool:
+            if ev.done:
+                passed.finish()
+            elif time.perf_counter() >= deadline:
+                raise DeviceTimeout(
+                    f"the device never reached {event.label}: its work was launched "
+                    f"{self.timeout:g} s ago (timeout) and has not completed — a kernel "
+                    "that never ends, or a device fault (after one, CUDA reports no event "
+                    "complete any more)", event=event.label)
+            return True
+
+        # (Given up on, by the timeout or a cancel: the waiter thread's late answer is lost.)
+        await wait_on(passed, None, f"the device reaching {event.label}", _LOOK_S, look)
+        if passed.error is not None:  # CUDA's sticky error, from synchronize
+            raise DeviceFault(f"the device failed before reaching {event.label}: "
+                              f"{passed.error}", event=event.label) from passed.error
 
     # ---- collectives' data movement (the loopback) ----------------------------------------
 
@@ -383,7 +370,7 @@ class CudaDevices(Bounded):
             wrapped = backend.new_event("the caller's stream")
             wrapped.native = ev
             wrapped.device_wait = self.device_wait
-            wrapped._complete()  # recorded already: streams may wait for it at once
+            wrapped.finish()  # recorded already: streams may wait for it at once
             events.append(wrapped)
         return events
 
@@ -420,7 +407,7 @@ class CudaDevices(Bounded):
                                 + ")")
         end.native = ev
         end.device_wait = self.device_wait
-        end._complete()
+        end.finish()
         return [end, *rest]
 
     def current_stream(self) -> Any:

@@ -68,6 +68,7 @@ import numpy as np
 
 from ..errors import CallMismatch, CollectiveAborted, CollectiveTimeout, RankFailed
 from ..scope import CancelScope
+from ..waits import OneShot, wait_on
 from ..world import Placement, World, describe
 from .bound import Bound, Bounded, bound_of
 from .control_messages import ControlTag, encode_control, parse_control
@@ -494,8 +495,12 @@ class Distributed(Bounded):
         done = Completion(what)
         self.engine.watch_mpi(request, lambda st: _finished(done, st))
         scope = self._call_scope or CancelScope(what)
-        while not done.block(scope, what, self.timeout):
+
+        def overdue() -> bool:
             self.overdue(what, self.everyone, "", scope)
+            return True  # (every rank is at work: on)
+
+        done.block(scope, what, self.timeout, overdue)
         return comm
 
     def close(self) -> None:
@@ -556,31 +561,48 @@ class Answers:
                    tuple(r for r in asked if r not in working), tuple(late), tuple(mute))
 
 
-class Round:
-    """One round's sends and receives (see :meth:`Distributed.gather`), awaited as one."""
+class Round(OneShot):
+    """One round's sends and receives (see :meth:`Distributed.gather`), awaited as one: a
+    one-shot done once every part is (one wake-up of the loop, by the last), or failed by
+    the first part that fails other than taken back (a part taken back never completes the
+    round: its wait goes on, to the timeout's ask)."""
 
     def __init__(self, dist: Distributed, recvs: list[Completion], sends: list[Completion],
                  members: tuple[int, ...]) -> None:
+        super().__init__()
         self.dist = dist
         self.members = members
         self._recvs = recvs
         self._all = [*recvs, *sends]
-        self._lock = threading.Lock()
         self._landed_hooks: list[Any] | None = []
-        self._left = len(recvs)
-        for r in recvs:
-            if not r.add_callback(self._one_landed):
-                self._one_landed()
+        self._left_landing = len(recvs)
+        self._left = len(self._all)
+        for c in recvs:
+            if not c.add_callback(lambda c=c: self._one_over(c, True)):
+                self._one_over(c, True)
+        for c in sends:
+            if not c.add_callback(lambda c=c: self._one_over(c, False)):
+                self._one_over(c, False)
+        if not self._all:
+            self.finish()
 
-    def _one_landed(self) -> None:
+    def _one_over(self, part: Completion, landing: bool) -> None:
+        error = part.error
+        if error is not None and not isinstance(error, CollectiveAborted):
+            self.finish(error)  # (its wait raises it at once)
+        hooks = None
         with self._lock:
             self._left -= 1
-            if self._left > 0 or self._landed_hooks is None:
-                return
-            hooks, self._landed_hooks = self._landed_hooks, None
-        if all(r.done for r in self._recvs):  # (one failed by its link: no hook runs)
+            last = self._left == 0
+            if landing:
+                self._left_landing -= 1
+                if self._left_landing == 0:
+                    hooks, self._landed_hooks = self._landed_hooks, None
+        if hooks and all(r.done for r in self._recvs):  # (one failed by its link: no hook)
             for hook in hooks:
                 hook()
+        if last and all(c.done for c in self._all):
+            self.finish()
 
     def when_landed(self, fn: Any) -> None:
         """``fn()`` once every receive has landed, on the thread that lands the last one —
@@ -594,7 +616,15 @@ class Round:
 
     @property
     def over(self) -> bool:
-        return all(c.done for c in self._all)
+        """Done, or failed — done as soon as every part is, before the thread that did it
+        has run the round's callbacks (the landing hook may be comparing the rows now: a
+        waiter woken meanwhile by the mismatch's cancellation sees the round done)."""
+        return self._over or all(c.done for c in self._all)
+
+    @property
+    def done(self) -> bool:
+        """Every send and receive is done."""
+        return self.over and self._error is None
 
     def missing(self) -> list[int]:
         """The members whose rows have not landed (all others, for one MPI collective)."""
@@ -611,62 +641,39 @@ class Round:
 
     async def wait(self, scope: CancelScope, what: str, *, until_cancelled: bool = True,
                    deadline: float | None = None) -> bool:
-        """Await every send and receive: woken by the last to complete (or by the scope's
-        cancellation, which raises — unless ``until_cancelled`` is False); past the timeout,
-        the liveness rule (:meth:`Distributed.overdue`, asked off the loop). With a
-        ``deadline`` (perf_counter), False once it passed (the round goes on)."""
-        if self.over:
+        """Await every send and receive: woken once, by the last to complete (or by the
+        scope's cancellation, which raises — unless ``until_cancelled`` is False); past the
+        timeout, the liveness rule (:meth:`Distributed.overdue`, asked off the loop). With
+        a ``deadline`` (perf_counter), False once it passed (the round goes on)."""
+        if self.done:
             return True
-        loop = asyncio.get_running_loop()
-        box: list[asyncio.Future[None]] = [loop.create_future()]
-
-        def wake() -> None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_resolve, box)
-
-        for c in self._all:
-            c.add_callback(wake)
-        handle = scope.on_cancel(wake) if until_cancelled else None
         dist = self.dist
+        period = dist.timeout
+        if deadline is not None:
+            period = min(period, max(0.0, deadline - time.perf_counter()))
+
+        async def overdue() -> bool:
+            if deadline is not None and time.perf_counter() >= deadline:
+                return False
+            # (One MPI collective has no peer of its own: every other member. Never this
+            # rank: its devices are not what the wait misses.)
+            pending = [c.peer for c in self._all if not c.done and c.peer >= 0] or [
+                r for r in self.members if r != dist.rank]
+            await asyncio.to_thread(dist.overdue, what, pending, "", scope)
+            return True
+
         try:
-            started = time.perf_counter()
-            while not self.over:
-                if until_cancelled and scope.cancelled:
-                    raise scope.aborted(what)
-                failed = next((c.error for c in self._all if c.error is not None), None)
-                if failed is not None and not isinstance(failed, CollectiveAborted):
-                    raise failed
-                now = time.perf_counter()
-                if deadline is not None and now >= deadline:
-                    return False
-                left = started + dist.timeout - now
-                if left <= 0:
-                    # (One MPI collective has no peer of its own: every other member. Never
-                    # this rank: its devices are not what the wait misses.)
-                    pending = [c.peer for c in self._all if not c.done and c.peer >= 0] or [
-                        r for r in self.members if r != dist.rank]
-                    await asyncio.to_thread(dist.overdue, what, pending, "", scope)
-                    started = time.perf_counter()
-                    continue
-                if deadline is not None:
-                    left = min(left, deadline - now)
-                timer = loop.call_later(min(left, 1.0), _resolve, box)
-                try:
-                    await box[0]
-                finally:
-                    timer.cancel()
-                box[0] = loop.create_future()
+            if not await wait_on(self, scope if until_cancelled else None, what, period,
+                                    overdue):
+                return False
+            if until_cancelled and scope.cancelled and not self.done:
+                raise scope.aborted(what)
+            if self._error is not None:
+                raise self._error
             return True
         except BaseException:
             self.cancel()
             raise
-        finally:
-            scope.remove(handle)
-
-
-def _resolve(box: list[asyncio.Future[None]]) -> None:
-    if not box[0].done():
-        box[0].set_result(None)
 
 
 def _finished(done: Completion, status: Any) -> None:
@@ -766,7 +773,7 @@ class CallRounds:
             if answers.mute or (waited and answers.behind):
                 return None
         deadline = time.perf_counter() + self.dist.grace / 2
-        while not self.agreement.over and self._can_complete():
+        while not self.agreement.done and self._can_complete():
             if time.perf_counter() >= deadline:
                 return None
             try:
@@ -775,7 +782,7 @@ class CallRounds:
                                                        time.perf_counter() + LISTEN_TICK_S))
             except Exception:
                 return None
-        if self.agreement.over:
+        if self.agreement.done:
             self._settle()
         return self.mismatch
 

@@ -35,7 +35,8 @@ from typing import Any
 
 from ..errors import CollectiveAborted
 from ..polling import POLL_FIRST_S, poll_first
-from ..scope import CancelScope, Waiter
+from ..scope import CancelScope
+from ..waits import OneShot, block_on
 
 log = logging.getLogger("overlap")
 
@@ -61,83 +62,47 @@ class Backoff:
         return min(self.cap, self.start * 2.0 ** min(attempt - self.spin, 30))
 
 
-class Completion:
+class Completion(OneShot):
     """A nonblocking send or receive on the wire (a host link's or MPI's): pending until the
     thread that finishes it — the engine's, or the posting thread's when it finishes at
     once — completes it (``count``: the bytes a receive's message carried) or fails it."""
 
-    __slots__ = ("_callbacks", "_lock", "count", "done", "error", "keep", "peer", "what")
+    __slots__ = ("keep", "peer", "what")
 
     def __init__(self, what: str = "", peer: int = -1) -> None:
+        super().__init__()
         self.what = what
         self.keep: Any = None  # what must stay alive until it is over (a send's buffer)
         self.peer = peer
-        self.done = False
-        self.error: BaseException | None = None
-        self.count = -1
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:
-        state = "failed" if self.error else ("done" if self.done else "pending")
+        state = "failed" if self._error else ("done" if self.done else "pending")
         return f"Completion({self.what!r}, {state})"
 
     @property
-    def over(self) -> bool:
-        return self.done or self.error is not None
+    def done(self) -> bool:
+        return self._over and self._error is None
+
+    @property
+    def count(self) -> int:
+        """The bytes a completed receive's message carried (-1: not known, or pending)."""
+        return -1 if self._result is None else self._result
 
     def complete(self, count: int = -1) -> None:
-        self._finish(None, count)
+        self.finish(None, count)
 
     def fail(self, error: BaseException) -> None:
-        self._finish(error, -1)
+        self.finish(error)
 
-    def _finish(self, error: BaseException | None, count: int) -> None:
-        with self._lock:
-            if self.done or self.error is not None:
-                return
-            if error is None:
-                self.count = count
-                self.done = True
-            else:
-                self.error = error
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            try:
-                cb()
-            except Exception:  # (one waiter's bug must not leave the others unwoken)
-                log.exception("a callback of %r failed", self)
-
-    def add_callback(self, cb: Callable[[], None]) -> bool:
-        """``cb()`` once this completes or fails, on the thread that finishes it; False (and
-        no call) if it is over already — the caller looks again instead of waiting."""
-        with self._lock:
-            if self.done or self.error is not None:
-                return False
-            self._callbacks.append(cb)
-            return True
-
-    def block(self, scope: CancelScope, what: str, timeout: float | None) -> bool:
+    def block(self, scope: CancelScope, what: str, timeout: float | None,
+              overdue: Callable[[], bool] | None = None) -> bool:
         """Block this thread until it is done (True; raises what failed it), ``timeout``
-        seconds pass (False), or ``scope`` is cancelled (raises)."""
-        if not self.over:
-            waiter = Waiter()
-            if self.add_callback(waiter.wake):
-                handle = scope.on_cancel(waiter.wake)
-                try:
-                    deadline = None if timeout is None else time.perf_counter() + timeout
-                    while not self.over:
-                        if scope.cancelled:
-                            raise scope.aborted(what)
-                        left = None if deadline is None else deadline - time.perf_counter()
-                        if left is not None and left <= 0:
-                            return False
-                        waiter.block(left)
-                finally:
-                    scope.remove(handle)
-        if self.error is not None:
-            raise self.error
-        return True
+        seconds pass (False; with ``overdue``, as it says: :func:`overlap.waits.block_on`), or
+        ``scope`` is cancelled (raises)."""
+        over = block_on(self, scope, what, timeout, overdue)
+        if self._error is not None:
+            raise self._error
+        return over
 
 
 class Engine:

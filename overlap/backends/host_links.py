@@ -257,8 +257,7 @@ class HostLinks:
             else:
                 self._posted.setdefault(req.key, deque()).append(req)
                 return req
-        _deliver(req, memoryview(data))
-        req.complete(req.count)
+        req.complete(_deliver(req, memoryview(data)))
         return req
 
     def isend(self, channel: int, peer: int, tag: int, buf: Any) -> LinkRequest:
@@ -757,11 +756,12 @@ def _write(sock: socket.socket, parts: list[memoryview]) -> list[memoryview]:
     return parts
 
 
-def _deliver(req: LinkRequest, data: memoryview) -> None:
-    """Copy a message that did not land in place: as much as fits, its size as the count."""
+def _deliver(req: LinkRequest, data: memoryview) -> int:
+    """Copy a message that did not land in place: as much as fits; returns its size (the
+    receive's count)."""
     n = min(req.nbytes, data.nbytes)
     req.view[:n] = data[:n]
-    req.count = data.nbytes
+    return data.nbytes
 
 
 def _closed(conn: _Conn) -> CollectiveAborted:

@@ -20,8 +20,6 @@ device-side wait), and trace marks.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -33,7 +31,8 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import OverlapRuntimeError, StreamError
 from ..nvtx import range_end, range_start
 from ..polling import POLL_FIRST_S, poll_first
-from ..scope import CancelScope, Waiter
+from ..scope import CancelScope
+from ..waits import OneShot, block_on, wait_on
 
 log = logging.getLogger("overlap")
 
@@ -93,90 +92,48 @@ class OpReport:
     overran: Callable[[Busy, float], BaseException] | None = None
 
 
-class Event:
+class Event(OneShot):
     """A point in a stream's work. It is **launched** once the stream's thread got there
-    (and everything before it ran), and **done** once the device also got there: at once on
+    (and everything before it ran) — a one-shot finished by that thread, with the failure
+    if the work before it failed — and **done** once the device also got there: at once on
     the CPU; on a GPU when the device passes the CUDA event recorded there (``native``)."""
 
-    __slots__ = ("_callbacks", "_error", "_launched", "_lock", "device_wait", "label",
-                 "native")
+    __slots__ = ("device_wait", "label", "native")
 
     def __init__(self, label: str = "") -> None:
+        super().__init__()
         self.label = label
-        self._launched = False
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[Event], None]] = []
         self.native: Any = None  # the device's event (CUDA), recorded with the host's
         # ``async (event) -> None``: until the device passed ``native`` (bounded; the CUDA kind)
         self.device_wait: Callable[[Event], Any] | None = None
 
     def launched(self) -> bool:
-        return self._launched
+        return self._over
 
     def done(self) -> bool:
-        if not self._launched:
+        if not self._over:
             return False
         native = self.native
         return native is None or bool(native.done)
 
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def _complete(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            if self._launched:
-                return
-            self._error = error
-            self._launched = True
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            try:
-                cb(self)
-            except Exception:  # (one waiter's bug must not leave the others unwoken)
-                log.exception("a callback of event %r failed", self.label)
-
     def add_done_callback(self, cb: Callable[[Event], None]) -> None:
         """``cb(event)`` once the event is launched (or failed), on the thread that gets it
         there — or now, if it is."""
-        with self._lock:
-            if not self._launched:
-                self._callbacks.append(cb)
-                return
-        cb(self)
+        if not self.add_callback(lambda: cb(self)):
+            cb(self)
 
     def block(self, scope: CancelScope, what: str, poll: float = POLL_FIRST_S) -> None:
         """Block this thread until the event is launched; raise if it failed, or if
         ``scope`` is cancelled first (looking again for up to ``poll`` seconds before
         sleeping: :mod:`overlap.polling`)."""
-        if not self._launched:
-            waiter = Waiter()
-            self.add_done_callback(waiter.wake)
-            handle = scope.on_cancel(waiter.wake)
-            try:
-                while not self._launched:
-                    if scope.cancelled:
-                        raise scope.aborted(what)
-                    waiter.block(poll=poll)
-            finally:
-                scope.remove(handle)
+        block_on(self, scope, what, poll=poll)
         if self._error is not None:
             raise self._error
 
     async def wait(self) -> None:
         """Await the event from asyncio without blocking the loop; raises its error. On a GPU,
         until the device passed it (bounded by the backend's timeout)."""
-        if not self._launched:
-            loop = asyncio.get_running_loop()
-            fut: asyncio.Future[None] = loop.create_future()
-
-            def wake(_: Event) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-                    loop.call_soon_threadsafe(_resolve, fut)
-
-            self.add_done_callback(wake)
-            await fut
+        await wait_on(self, None, self.label)
         if self._error is not None:
             raise self._error
         if self.device_wait is not None and not self.done():
@@ -185,11 +142,6 @@ class Event:
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self.done() else "pending")
         return f"Event({self.label!r}, {state})"
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class DeviceWork(Protocol):
@@ -357,19 +309,19 @@ class Stream:
         if code == _RECORD:
             ev: Event = item[1]
             if scope.cancelled:
-                ev._complete(_failure(scope))
+                ev.finish(_failure(scope))
                 return
             try:
                 self.kind.record(self, ev)
             except BaseException as exc:
                 self._fail(scope, exc, f"record {ev.label}")
-                ev._complete(_failure(scope))
+                ev.finish(_failure(scope))
                 return
             self._inflight = [w for w in self._inflight if not w.over]
             if self._inflight:  # done once the device work before it is (as on a GPU)
                 ev.native = InFlight(list(self._inflight))
                 ev.device_wait = ev.native.wait
-            ev._complete()
+            ev.finish()
             return
         if scope.cancelled:
             return  # the call failed or was cancelled: the rest of its work is skipped
@@ -489,7 +441,7 @@ class Stream:
                 break
         for item in dropped:
             if item is not _STOP and item[0] == _RECORD:
-                item[1]._complete(OverlapRuntimeError(reason))
+                item[1].finish(OverlapRuntimeError(reason))
         self._queue.put(_STOP)
 
     def close(self) -> threading.Thread | None:

@@ -35,9 +35,8 @@ for; one idle, behind or mute is named in a :class:`~overlap.errors.CollectiveTi
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,7 +45,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from ..errors import CollectiveAborted, CollectiveMismatch, OverlapRuntimeError
-from ..scope import CancelScope, Waiter
+from ..scope import CancelScope
+from ..waits import OneShot, block_on, wait_on, when_all
 from .bound import Bounded
 from .collectives import Communicators, check_alike, reduce_in_order
 from .engine import Completion
@@ -346,8 +346,11 @@ class WireTransport(Bounded):
               who: str) -> None:
         """Until ``c`` is done: past the timeout, while the peer is at work (see module doc),
         on; else :class:`~overlap.errors.CollectiveTimeout` naming it."""
-        while not c.block(scope, what, self.timeout):
+        def overdue() -> bool:
             self.dist.overdue(what, () if peer is None else (peer,), who, scope)
+            return True  # (the peer is at work: on)
+
+        c.block(scope, what, self.timeout, overdue)
 
     # ---- stage collectives across ranks ---------------------------------------------------
 
@@ -441,44 +444,33 @@ class WireTransport(Bounded):
             self.mpi.close()
 
 
-class WireWork:
+class WireWork(OneShot):
     """A transfer part's messages in flight (:class:`~.streams.DeviceWork`): done once the
     engine completed every one of them (and a receive's sizes were right). It is bounded as
     every wait on the wire: past the timeout, the peer is asked how far it got
     (:meth:`Distributed.overdue <overlap.backends.distributed.Distributed.overdue>`). A
     failure — a message of the wrong size, a link that failed — fails the call's scope; the
-    scope's cancellation takes the receives back."""
+    scope's cancellation takes the receives back (and fails it: that is how a cancellation
+    reaches its waits)."""
 
     def __init__(self, transport: WireTransport, parts: list[Completion], what: str,
                  peer: int, who: str, scope: CancelScope, sizes: list[int] | None,
                  timing: Callable[[float | None], None] | None) -> None:
+        super().__init__()
         self.transport, self.parts, self.what = transport, parts, what
         self.peer, self.who, self.scope = peer, who, scope
         self._sizes, self._timing = sizes, timing
-        self._lock = threading.Lock()
-        self._left = len(parts)
-        self.done = False
-        self.error: BaseException | None = None
-        self._callbacks: list[Callable[[], None]] = []
         self._cancel = scope.on_cancel(self._take_back)
         if self._cancel is None:  # (cancelled already)
             self._take_back()
             return
-        for c in parts:
-            if not c.add_callback(self._one):
-                self._one()
-        if not parts:
-            self._finished(None)
+        when_all(parts, self._all_over)
 
     @property
-    def over(self) -> bool:
-        return self.done or self.error is not None
+    def done(self) -> bool:
+        return self._over and self._error is None
 
-    def _one(self) -> None:
-        with self._lock:
-            self._left -= 1
-            if self._left:
-                return
+    def _all_over(self) -> None:
         error = next((c.error for c in self.parts if c.error is not None), None)
         if error is None and self._sizes is not None:
             for c, want in zip(self.parts, self._sizes):
@@ -487,24 +479,14 @@ class WireWork:
                         f"{self.what}: rank {self.transport.rank} received {c.count} bytes "
                         f"from rank {self.peer} where {want} were expected (different plans?)")
                     break
-        self._finished(error)
+        self.finish(error)
 
-    def _finished(self, error: BaseException | None) -> None:
-        with self._lock:
-            if self.over:
-                return
-            if error is None:
-                self.done = True
-            else:
-                self.error = error
-            callbacks, self._callbacks = self._callbacks, []
+    def _on_finish(self, error: BaseException | None) -> None:
         self.scope.remove(self._cancel)
         if error is not None and not isinstance(error, CollectiveAborted):
             self.scope.fail(error)
         if error is None and self._timing is not None:
             self._timing(time.perf_counter() if self._sizes is not None else None)
-        for cb in callbacks:
-            cb()
 
     def _take_back(self) -> None:
         self._give_up(self.scope.aborted(self.what))
@@ -515,72 +497,33 @@ class WireWork:
         for c in self.parts:
             if not c.over and hasattr(c, "Cancel"):
                 c.Cancel()
-        self._finished(error)
+        self.finish(error)
 
-    def _overdue(self, scope: CancelScope) -> None:
+    def _overdue(self, scope: CancelScope) -> bool:
         """Past the timeout: on, while the peer is at work; else give up, naming it."""
         try:
             self.transport.dist.overdue(self.what, (self.peer,), self.who, scope)
         except BaseException as exc:
             self._give_up(exc)
             raise
-
-    def add_callback(self, cb: Callable[[], None]) -> bool:
-        """``cb()`` once it is over (done or failed); False, and no call, if it is."""
-        with self._lock:
-            if not self.over:
-                self._callbacks.append(cb)
-                return True
-        return False
+        return True
 
     def block(self, scope: CancelScope, what: str) -> None:
         """Block this thread until it is done (raising what failed it, or at the scope's
         cancellation): past the timeout, the liveness rule."""
-        while not self.over:
-            waiter = Waiter()
-            if not self.add_callback(waiter.wake):
-                break
-            handle = scope.on_cancel(waiter.wake)
-            try:
-                if handle is None:
-                    raise scope.aborted(what)
-                woken = waiter.block(self.transport.timeout)
-                if self.over:
-                    break  # (its own failure first: it may be what cancelled the scope)
-                if scope.cancelled:
-                    raise scope.aborted(what)
-                if not woken:
-                    self._overdue(scope)
-            finally:
-                scope.remove(handle)
-        if self.error is not None:
-            raise self.error
+        block_on(self, scope, what, self.transport.timeout, lambda: self._overdue(scope))
+        if self._error is not None:
+            raise self._error
 
     async def wait(self, _: Any = None) -> None:
-        """Await it on the event loop (raising what failed it): past the timeout, the
-        liveness rule, asked off the loop."""
-        import asyncio
+        """Await it on the event loop (raising what failed it; a cancellation fails it):
+        past the timeout, the liveness rule, asked off the loop."""
+        await wait_on(self, None, self.what, self.transport.timeout, self._ask)
+        if self._error is not None:
+            raise self._error
 
-        loop = asyncio.get_running_loop()
-        while not self.over:
-            fut: asyncio.Future[None] = loop.create_future()
-
-            def wake(f: asyncio.Future[None] = fut) -> None:
-                with contextlib.suppress(RuntimeError):  # (the loop closed: nobody waits)
-                    loop.call_soon_threadsafe(_settle, f)
-
-            if not self.add_callback(wake):
-                break
-            done, _ = await asyncio.wait({fut}, timeout=self.transport.timeout)
-            if not done and not self.over:
-                await asyncio.to_thread(self._overdue, self.scope)
-        if self.error is not None:
-            raise self.error
-
-
-def _settle(fut: Any) -> None:
-    if not fut.done():
-        fut.set_result(None)
+    async def _ask(self) -> bool:
+        return await asyncio.to_thread(self._overdue, self.scope)
 
 
 __all__ = ["GROUP_TAG_BITS", "LINK_MAX_PIECE_BYTES", "Hop", "HopTiming", "WireTransport",
