@@ -14,8 +14,8 @@ Work is handed to it from any thread: a posting thread makes its MPI call itself
 initialised ``MPI_THREAD_MULTIPLE``) and gives the engine the request; a socket write that
 did not fit is finished by the engine as the socket takes it. The engine sleeps in
 ``select`` (its timeout has microsecond resolution: epoll's has a millisecond's) until a
-socket is ready, a wake-up comes through its self-pipe, a timer is due, or it is time to
-test MPI again.
+socket is ready, a wake-up comes through its socket pair (``socketpair``), a timer is due, or
+it is time to test MPI again.
 """
 
 from __future__ import annotations
