@@ -207,7 +207,7 @@ def completion_latency(cp) -> dict[str, Any]:
     before, under uvloop's 1 ms timers) and a host callback (``Stream.launch_host_func``).
     Also names the loop they ran on (``loop``)."""
     from overlap.backends import Event
-    from overlap.backends.cuda import CudaDevices
+    from overlap.backends.devices.cuda import CudaDevices
     from overlap.sync_loop import new_loop  # the loop the runtime's *_sync calls run on here
 
     spin = spinner(cp)
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("gpu_check: CuPy is not installed here; run it on the GPU machine")
         return 2
-    from overlap.backends.cuda import gpu_count
+    from overlap.backends.devices.cuda import gpu_count
 
     if gpu_count() < 1:
         print("gpu_check: no CUDA device visible")

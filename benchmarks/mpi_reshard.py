@@ -37,7 +37,7 @@
 Dropped with the runtime's redesign: **Progress** (``--progress``), the same cases over MPI
 with the stream threads polling MPI requests four ways (spinning, a fixed 50 µs sleep, 64
 tests before backing off, the default exponential backoff). Stream threads no longer poll:
-the process's one progress engine (``overlap-engine-r<rank>``, ``overlap/backends/engine.py``)
+the process's one progress engine (``overlap-engine-r<rank>``, ``overlap/backends/job/engine.py``)
 tests every pending MPI request, with its ``Backoff`` (default 20 → 200 µs), and wakes the
 stream thread blocked on it. ``Engine(name, poll)`` takes a ``Backoff``, but a runtime's
 engine is made inside ``make_backend`` with the default, and neither ``Runtime`` nor

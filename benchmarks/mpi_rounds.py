@@ -6,7 +6,7 @@ links.
 A multi-process call gathers its members' rows over host links, in two rounds (the
 agreement at admission: each member's digest and call number; the end of the call): every
 member sends its row to every other member (one hop, m (m - 1) messages a round;
-``overlap/backends/distributed.py``). This script times calls of several shapes.
+``overlap/backends/job/distributed.py``). This script times calls of several shapes.
 
 Each sample: every rank makes the calls between two barriers that sleep (a rank outside a
 call goes through its calls at once and sleeps); wall per call, the slowest rank's; medians

@@ -165,7 +165,7 @@ def worker(cfg: dict, out: str) -> None:
     from torch import nn
 
     import overlap
-    from overlap.backends.engine import Backoff
+    from overlap.backends.job.engine import Backoff
     from overlap.torch import TorchPipeline
     from scheduler import Cluster
 

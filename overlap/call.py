@@ -10,11 +10,11 @@ cause named. :meth:`Calls.run` is the one entry: the runtime calls it once per c
   (:meth:`Calls.check_open`). Then what an interrupted call left running is settled (a
   stream stuck past its bound is abandoned, and the call refused).
 - **Agreed** across processes: the call is announced to its members
-  (:mod:`.backends.distributed`: its agreement row goes out; a member known to have left
+  (:mod:`.backends.job.distributed`: its agreement row goes out; a member known to have left
   fails the call at once), and the communicators it needs across processes are made.
 - **Launched.** The call's step graph is enqueued on the streams, every item under the
   call's :class:`~overlap.scope.CancelScope` — a child of the runtime's — and every op with
-  the call's :class:`~overlap.backends.streams.OpReport` (its trace, and the error that
+  the call's :class:`~overlap.backends.devices.streams.OpReport` (its trace, and the error that
   names an op that returned past the timeout: the scope only cancels).
 - **Watched.** The call waits for its lanes' end events all at once (woken once, by the last
   of them or by the scope's cancellation), and every tick looks at what each stream runs: a
@@ -70,7 +70,7 @@ from .waits import OneShot, wait_on, when_all
 
 if TYPE_CHECKING:
     from .backends import Backend, Event, Trace
-    from .backends.distributed import CallRounds, Distributed
+    from .backends.job.distributed import CallRounds, Distributed
     from .hang_dump import HangDump
 
 TICK_S = 0.1  # how often a waiting call looks for hung ops (at most; less for small timeouts)
@@ -388,7 +388,7 @@ class Call:
 
     def _silent_peers(self, timeout: CollectiveTimeout, answers: Any) -> CollectiveTimeout:
         """``timeout``, among this process's devices, explained by the peers that are not at
-        work in the call (``answers``: :class:`~overlap.backends.distributed.Answers`)."""
+        work in the call (``answers``: :class:`~overlap.backends.job.distributed.Answers`)."""
         dist = self.dist
         assert dist is not None
         return CollectiveTimeout(

@@ -12,7 +12,7 @@ processes under an MPI launcher — ``mpiexec -n N``, ``mpirun``, Slurm's ``srun
 2. **torchrun** (its variables, when no MPI launcher variable is set): ``RANK``,
    ``WORLD_SIZE``, ``LOCAL_RANK`` (``LOCAL_WORLD_SIZE``). The processes join through
    ``torch.distributed``'s rendezvous (``MASTER_ADDR``/``MASTER_PORT``) and talk over links
-   (:mod:`overlap.backends.host_links`): no MPI is needed.
+   (:mod:`overlap.backends.job.host_links`): no MPI is needed.
 3. **A process group the caller made** (no launcher variable, ``torch`` already imported and
    ``torch.distributed.is_initialized()``): processes started another way — Ray actors, a
    job scheduler's workers, ``multiprocessing`` — that called
@@ -21,7 +21,7 @@ processes under an MPI launcher — ``mpiexec -n N``, ``mpirun``, Slurm's ``srun
    host names, gathered over that group (so detecting such a world is a collective: every
    process of the group calls it). The ranks link over TCP as under torchrun, listening on
    the address that routes to the group's store (see
-   :func:`overlap.backends.bootstrap.reachable_address`). ``torch`` is never imported to
+   :func:`overlap.backends.job.bootstrap.reachable_address`). ``torch`` is never imported to
    detect a world: a script that made no group gets none of this.
 4. Otherwise a world of one process.
 
@@ -146,7 +146,7 @@ def process_group_world() -> World | None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
-    from .backends.bootstrap import TorchBootstrap
+    from .backends.job.bootstrap import TorchBootstrap
 
     rank, size = dist.get_rank(), dist.get_world_size()
     if size == 1:

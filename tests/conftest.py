@@ -110,8 +110,8 @@ def pair():
     test."""
     import socket
 
-    from overlap.backends.engine import Engine
-    from overlap.backends.host_links import HostLinks
+    from overlap.backends.job.engine import Engine
+    from overlap.backends.job.host_links import HostLinks
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     engines = Engine("overlap-engine-r0"), Engine("overlap-engine-r1")

@@ -15,7 +15,7 @@ import pytest
 from toy import ToyMLP, reference_step
 
 from overlap import OverlapRuntimeError, Runtime, StreamError
-from overlap.backends.cuda import gpu_count
+from overlap.backends.devices.cuda import gpu_count
 from scheduler import (
     BALANCES,
     SCHEDULES,

@@ -24,7 +24,7 @@ from toy import ToyMLP, reference_step
 
 from overlap import Runtime, StreamError
 from overlap.backends import Backend, Event, make_backend
-from overlap.backends.streams import current_stream
+from overlap.backends.devices.streams import current_stream
 from overlap.errors import CollectiveAborted, DeviceFault, DeviceTimeout
 from overlap.scope import CancelScope
 from overlap.waits import OneShot, wait_on
@@ -95,7 +95,7 @@ def test_reshard_through_the_cuda_backend(strategy):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_toy_pipeline_through_the_cuda_backend(schedule, monkeypatch):
-    from overlap.backends import cuda
+    from overlap.backends.devices import cuda
 
     device_waits = []
     real_waited = cuda.CudaDevices.waited
@@ -392,7 +392,7 @@ def test_nccl_calls_of_one_device_are_never_issued_from_two_threads_at_once(monk
 
 def test_nccl_links_of_a_process_issue_one_call_at_a_time():
     # Across processes a rank drives one GPU; its channel and compute threads share it.
-    from overlap.backends.nccl import NcclLinks
+    from overlap.backends.job.nccl import NcclLinks
 
     links = NcclLinks(None, 0, timeout=5.0)
     # Two communicators (a channel's, a stage group's), this rank's GPU in each (opened as
@@ -426,7 +426,7 @@ def test_nccl_links_of_a_process_issue_one_call_at_a_time():
 def test_nccl_links_aborted_by_a_cancelled_call_fail_later_calls_as_aborted():
     # A cancelled call aborts the links' communicators; a part of it still issuing fails as
     # a consequence (CollectiveAborted), never as a KeyError the call would name as its cause.
-    from overlap.backends.nccl import NcclLinks
+    from overlap.backends.job.nccl import NcclLinks
 
     links = NcclLinks(None, 0, timeout=5.0)
     links.open("fwd0", [0])
@@ -510,7 +510,7 @@ def test_one_gpu_receives_into_strided_views_and_dependency_events_are_untimed(m
     plan = plan_resharding((4, 6), "float32", src, dst, cluster,
                            PlanOptions(strategy="send_recv", balance="none"))
     received = []
-    from overlap.backends.cuda import CudaLocal
+    from overlap.backends.devices.cuda import CudaLocal
 
     real_broadcast = CudaLocal.broadcast
 
@@ -582,7 +582,7 @@ def test_a_trace_touches_only_the_gpus_this_process_drives(monkeypatch):
     finally:
         backend.close()
     # A rank of a multi-process job drives its own devices' GPUs only (here device 1: GPU 1).
-    from overlap.backends.cuda import CudaDevices
+    from overlap.backends.devices.cuda import CudaDevices
 
     made.clear()
     backend = Backend(CudaDevices(), 2, placement=Placement((0, 1)), rank=1)
@@ -599,7 +599,7 @@ def test_a_trace_touches_only_the_gpus_this_process_drives(monkeypatch):
 @pytest.mark.parametrize("api", [13, 14])
 def test_a_bootstrapped_communicator_gets_the_id_type_its_cupy_takes(monkeypatch, api):
     # One rank (no peers): the id goes through the wire form and back into the constructor.
-    from overlap.backends.nccl_bootstrap import bootstrap_nccl
+    from overlap.backends.job.nccl_bootstrap import bootstrap_nccl
 
     monkeypatch.setattr(fake_cupy, "NCCL_API", api)
     comm = bootstrap_nccl(None, [0], 0, fake_cupy.nccl, timeout=1.0)
@@ -723,7 +723,7 @@ def test_a_loopback_across_two_gpus_times_its_copy_on_the_gpu_that_ran_it(monkey
     mesh = DeviceMesh([[0, 1, 2]], ("host", "gpu"))
     src, dst = Sharding(DeviceMesh([[0]], ("host", "gpu")), P()), Sharding(mesh, P())
     plan = plan_resharding((4,), "float32", src, dst, cluster)
-    from overlap.backends.cuda import CudaDevices
+    from overlap.backends.devices.cuda import CudaDevices
 
     seen = []
     real = CudaDevices.joined
@@ -746,7 +746,7 @@ def test_a_loopback_across_two_gpus_times_its_copy_on_the_gpu_that_ran_it(monkey
 def test_waits_stuck_on_endless_kernels_never_starve_later_ones():
     # Waiter threads stuck in synchronize() (kernels that never end) once left later waits
     # queued behind them, failing with DeviceTimeout on events that had completed.
-    from overlap.backends.cuda import WAITER_THREADS, CudaDevices
+    from overlap.backends.devices.cuda import WAITER_THREADS, CudaDevices
 
     gate = threading.Event()
 
@@ -841,7 +841,7 @@ def test_a_step_waits_for_one_completion_whatever_its_lanes(monkeypatch):
     # step's ops are: the call joins them on the GPU and sleeps on ONE event (one waiter
     # job, one wake-up of the loop), not one per lane.
     from overlap import Stage
-    from overlap.backends.cuda import CompletionWaiters
+    from overlap.backends.devices.cuda import CompletionWaiters
     from scheduler import Boundary
 
     monkeypatch.setattr(fake_cupy, "EVENT_LATENCY_S", 0.05)

@@ -43,7 +43,7 @@ def test_roles_become_optional_autorefs_showing_what_sphinx_shows():
     def resolve(target):
         seen.append(target)
         return {"train_step": "overlap.runtime.Runtime.train_step",
-                ".wire": "overlap.backends.wire"}.get(target, target)
+                ".wire": "overlap.backends.job.wire"}.get(target, target)
 
     out = ext.rewrite(
         "A :class:`~overlap.errors.CollectiveTimeout`, :meth:`train_step`, :mod:`.wire`, "
@@ -54,7 +54,7 @@ def test_roles_become_optional_autorefs_showing_what_sphinx_shows():
         "<code>CollectiveTimeout</code></autoref>, "
         '<autoref identifier="overlap.runtime.Runtime.train_step" optional>'
         "<code>train_step</code></autoref>, "
-        '<autoref identifier="overlap.backends.wire" optional><code>wire</code></autoref>, '
+        '<autoref identifier="overlap.backends.job.wire" optional><code>wire</code></autoref>, '
         '<autoref identifier="overlap.backends.Backend.route" optional>'
         "<code>Backend.route</code></autoref>, <code>NotLinked</code>, "
         '<autoref identifier="scheduler.PlanKey" optional><code>scheduler.PlanKey</code>'

@@ -1,4 +1,4 @@
-"""The progress engine (``overlap/backends/engine.py``): one thread per process that runs
+"""The progress engine (``overlap/backends/job/engine.py``): one thread per process that runs
 what it is handed, watches descriptors and MPI requests, and runs timers — and a bug in any
 one callback is logged without stopping it. Its :class:`Completion` and :class:`Backoff`.
 Every wait here is bounded; the only times asserted are lower bounds the engine enforces."""
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from overlap.backends.engine import Backoff, Completion, Engine
+from overlap.backends.job.engine import Backoff, Completion, Engine
 from overlap.errors import CollectiveAborted
 from overlap.scope import CancelScope
 

@@ -290,7 +290,7 @@ def test_close_returns_within_its_bound_while_a_stage_hangs():
 def test_control_messages_are_json_of_fixed_fields_never_pickles():
     import pickle
 
-    from overlap.backends.control_messages import ControlTag, parse_control
+    from overlap.backends.job.control_messages import ControlTag, parse_control
 
     ok = {"rank": 1, "during": "train_step", "error": "boom", "calls": 3}
     assert parse_control(ControlTag.FAILED, json.dumps(ok).encode()) == ok

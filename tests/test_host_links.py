@@ -1,5 +1,5 @@
-"""Host links (``overlap/backends/host_links.py``) in one process: ``HostLinks`` joined by
-socket pairs play ranks, each read by a progress engine (``overlap/backends/engine.py``).
+"""Host links (``overlap/backends/job/host_links.py``) in one process: ``HostLinks`` joined by
+socket pairs play ranks, each read by a progress engine (``overlap/backends/job/engine.py``).
 MPI's point-to-point semantics — matching by channel, source and tag, in order; messages that
 come before their receive; counts; cancel — and the completions: a request's callback runs
 once when it completes, from the thread that completed it (the engine's, or the posting
@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from overlap.backends.engine import Engine
-from overlap.backends.host_links import HEADER, HostLinks, LinkRequest
+from overlap.backends.job.engine import Engine
+from overlap.backends.job.host_links import HEADER, HostLinks, LinkRequest
 from overlap.errors import CollectiveAborted, OverlapRuntimeError
 from overlap.scope import CancelScope
 
@@ -535,7 +535,7 @@ def test_a_listened_channel_hands_every_frame_to_its_handler_in_order(pair):
 
 
 def test_a_unix_link_peer_of_another_user_is_refused(monkeypatch):
-    from overlap.backends import host_links
+    from overlap.backends.job import host_links
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     host_links.check_same_user(a)  # the same user: fine
@@ -547,7 +547,7 @@ def test_a_unix_link_peer_of_another_user_is_refused(monkeypatch):
 
 
 def test_setup_values_travel_as_json_never_pickled():
-    from overlap.backends.bootstrap import MAX_VALUE_BYTES, decode_values, encode_value
+    from overlap.backends.job.bootstrap import MAX_VALUE_BYTES, decode_values, encode_value
 
     row = encode_value(["vm", [1, 2]])
     rows = np.zeros((2, row.size), np.uint8)
@@ -622,7 +622,7 @@ def _link_ranks(size: int, engine: Engine, during=None, **kwargs) -> list[object
 
 def test_a_connection_without_the_jobs_secret_is_refused_and_setup_goes_on(engine, caplog,
                                                                           monkeypatch):
-    from overlap.backends import host_links
+    from overlap.backends.job import host_links
 
     # An intruder of this very user connects to rank 1's socket just before rank 0 does:
     # refused, logged; rank 0 still links.
@@ -664,7 +664,7 @@ def test_the_setup_sockets_are_out_of_other_users_reach(engine, monkeypatch, tmp
     import stat
     import tempfile
 
-    from overlap.backends import host_links
+    from overlap.backends.job import host_links
 
     made: list[str] = []
     real = tempfile.mkdtemp
@@ -708,7 +708,7 @@ def test_the_setup_sockets_are_out_of_other_users_reach(engine, monkeypatch, tmp
 
 
 def test_a_failed_setup_says_the_socket_error(engine, monkeypatch):
-    from overlap.backends import host_links
+    from overlap.backends.job import host_links
 
     def refuse(*a, **k):
         raise PermissionError(13, "Permission denied", "/tmp")
@@ -724,7 +724,7 @@ def test_a_failed_setup_says_the_socket_error(engine, monkeypatch):
 
 def test_a_connection_that_never_answers_is_dropped_and_setup_goes_on(engine, caplog,
                                                                       monkeypatch):
-    from overlap.backends import host_links
+    from overlap.backends.job import host_links
 
     monkeypatch.setattr(host_links, "HANDSHAKE_S", 0.3)
     real_dial = host_links.dial
@@ -751,7 +751,7 @@ def test_a_peer_that_drips_its_hello_is_dropped_within_the_handshake_bound(engin
                                                                           monkeypatch):
     import time
 
-    from overlap.backends import host_links
+    from overlap.backends.job import host_links
 
     monkeypatch.setattr(host_links, "HANDSHAKE_S", 0.4)
     real_dial = host_links.dial
@@ -786,7 +786,7 @@ def test_a_peer_that_drips_its_hello_is_dropped_within_the_handshake_bound(engin
 
 
 def test_a_long_temporary_directory_still_links(engine, monkeypatch, tmp_path):
-    from overlap.backends import host_links
+    from overlap.backends.job import host_links
 
     deep = tmp_path / ("d" * 100)
     deep.mkdir()

@@ -397,14 +397,14 @@ def test_nccl_ids_travel_over_mpi_to_every_member_only(tmp_path):
                                  tuple(int(b) - 128 for b in bytes(range(0, 256, 2)))],
                          ids=["cupy14-bytes", "cupy13-tuple", "cupy13-mixed"])
 def test_an_nccl_id_arrives_as_the_type_it_left(uid):
-    from overlap.backends.nccl_bootstrap import from_wire, to_wire
+    from overlap.backends.job.nccl_bootstrap import from_wire, to_wire
 
     back = from_wire(to_wire(uid).copy())
     assert type(back) is type(uid) and back == uid
 
 
 def test_nccl_bootstrap_refuses_a_rank_outside_its_members():
-    from overlap.backends.nccl_bootstrap import bootstrap_nccl
+    from overlap.backends.job.nccl_bootstrap import bootstrap_nccl
 
     with pytest.raises(ValueError, match=r"members: rank 5 is not one of \[0, 1\]"):
         bootstrap_nccl(None, [0, 1], 5, None)

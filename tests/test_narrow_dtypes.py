@@ -97,7 +97,7 @@ def test_a_plan_json_with_a_bad_dtype_is_named():
 def test_nccl_types_for_reductions_and_bytes_for_transfers():
     cupy_nccl = pytest.importorskip("cupy.cuda.nccl", reason="the cuda13 extra (real CuPy) is "
                                                            "not installed")
-    from overlap.backends.nccl import nccl_bytes, nccl_dtype
+    from overlap.backends.devices.nccl_groups import nccl_bytes, nccl_dtype
 
     assert nccl_dtype(NARROW_FLOATS["bfloat16"]) == cupy_nccl.NCCL_BFLOAT16
     assert nccl_dtype(np.float16) == cupy_nccl.NCCL_FLOAT16

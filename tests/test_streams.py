@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from overlap.backends import SETTLE_GRACE_S, Backend, CpuDevices, Event, OpReport, make_backend
-from overlap.backends.backend import RETURN_GRACE_S
+from overlap.backends.devices.backend import RETURN_GRACE_S
 from overlap.errors import (
     CollectiveAborted,
     CollectiveMismatch,

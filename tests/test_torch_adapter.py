@@ -623,7 +623,7 @@ def test_boundary_probe_draws_nothing_from_the_rng():
 
 
 def _cuda_ready() -> bool:
-    from overlap.backends.cuda import gpu_count
+    from overlap.backends.devices.cuda import gpu_count
 
     return bool(torch.cuda.is_available()) and gpu_count() > 0
 

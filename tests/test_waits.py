@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from overlap.backends.distributed import Round
-from overlap.backends.engine import Completion
+from overlap.backends.job.distributed import Round
+from overlap.backends.job.engine import Completion
 from overlap.errors import CollectiveAborted, CollectiveTimeout
 from overlap.scope import CancelScope
 from overlap.waits import OneShot, block_on, wait_on, when_all

@@ -1,4 +1,4 @@
-"""Collectives across ranks over wires (``overlap/backends/wire.py``) in one process: each
+"""Collectives across ranks over wires (``overlap/backends/job/wire.py``) in one process: each
 rank a ``WireTransport`` over ``HostLinks`` (joined by socket pairs, read by that rank's
 progress engine), run on threads of its own. The backend and the control plane are small
 stand-ins (the backend's placement, rank and timeout; ``Distributed``'s ``overdue`` and
@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from overlap.backends import wire
-from overlap.backends.bound import Bound
-from overlap.backends.engine import Engine
-from overlap.backends.host_links import HostLinks
-from overlap.backends.routes import Route
-from overlap.backends.wire import HopTiming, WireTransport, piece_bytes
+from overlap.backends.devices.bound import Bound
+from overlap.backends.devices.routes import Route
+from overlap.backends.job import wire
+from overlap.backends.job.engine import Engine
+from overlap.backends.job.host_links import HostLinks
+from overlap.backends.job.wire import HopTiming, WireTransport, piece_bytes
 from overlap.errors import (
     CollectiveAborted,
     CollectiveMismatch,

@@ -1,5 +1,5 @@
 """The process world and device placement (what the launcher says, and the errors for what
-cannot run), and the control plane of a multi-process job (:mod:`overlap.backends.distributed`).
+cannot run), and the control plane of a multi-process job (:mod:`overlap.backends.job.distributed`).
 
 The control plane's ranks are played in this process: each rank's ``Distributed`` on a
 progress engine of its own, joined by host links (socket pairs, one per pair of ranks on a
@@ -31,7 +31,7 @@ import pytest
 
 from overlap import Runtime
 from overlap.backends import make_backend
-from overlap.backends.engine import Backoff, Completion, Engine
+from overlap.backends.job.engine import Backoff, Completion, Engine
 from overlap.errors import CallMismatch, CollectiveAborted, CollectiveTimeout, RankFailed
 from overlap.pipeline import mesh_groups
 from overlap.scope import CancelScope
@@ -206,14 +206,14 @@ def test_a_bad_exit_grace_is_named_before_mpi_starts(grace):
 
 @pytest.mark.parametrize("chunk", [0, -3, True, 2.5, "4096"])
 def test_a_bad_piece_size_is_named(chunk):
-    from overlap.backends.wire import WireTransport
+    from overlap.backends.job.wire import WireTransport
 
     with pytest.raises(ValueError, match=r"chunk_bytes: expected an int >= 1 or None"):
         WireTransport(None, None, None, None, chunk_bytes=chunk)  # (checked before use)
 
 
 def test_host_links_are_on_unless_turned_off(monkeypatch):
-    from overlap.backends.distributed import HOST_LINKS_ENV, host_links_wanted
+    from overlap.backends.job.distributed import HOST_LINKS_ENV, host_links_wanted
 
     monkeypatch.delenv(HOST_LINKS_ENV, raising=False)
     assert host_links_wanted(None) and not host_links_wanted(False)
@@ -231,7 +231,7 @@ def test_a_rank_prints_its_traceback_in_one_write(monkeypatch):
     several ranks' pieces interleave mid-line. The exit guard writes it whole."""
     import traceback
 
-    from overlap.backends.distributed import print_whole
+    from overlap.backends.job.distributed import print_whole
 
     class Recorder:
         def __init__(self) -> None:
@@ -495,8 +495,8 @@ def ranks(n: int, *, present: Sequence[int] | None = None, hosts: str | None = N
     host of each rank ("aabb": ranks 0, 1 on one host, 2, 3 on another; default: one host
     for all) — host links join the present ranks of a host."""
     pytest.importorskip("mpi4py", reason="the mpi extra is not installed")
-    from overlap.backends.distributed import Distributed
-    from overlap.backends.host_links import HostLinks
+    from overlap.backends.job.distributed import Distributed
+    from overlap.backends.job.host_links import HostLinks
 
     present = list(range(n) if present is None else present)
     hosts = hosts or "a" * n
@@ -950,7 +950,7 @@ def test_a_failed_call_takes_back_its_rounds_and_a_late_row_completes_no_later_r
     later, is taken by none of them — it waits unmatched. Rows are matched by the call number
     (their tag): that stray row never completes a round of call 2, which agrees and ends
     with rank 1's call-2 rows."""
-    from overlap.backends.distributed import AGREE_CHANNEL, DONE_CHANNEL
+    from overlap.backends.job.distributed import AGREE_CHANNEL, DONE_CHANNEL
 
     n, hosts = (2, "aa") if path == "links" else (3, "abc")
     with ranks(n, hosts=hosts, present=[0, 1]) as job:
@@ -996,7 +996,7 @@ def test_a_cancel_that_comes_as_a_round_completes_is_not_lost(last):
     round's wait: the wait raises CancelledError — it does not return as if the call went on
     (asyncio.wait_for on 3.11 dropped such a cancel) — and takes back the receives still
     pending."""
-    from overlap.backends.distributed import Round
+    from overlap.backends.job.distributed import Round
 
     class Receive(Completion):
         """A receive that can be taken back (as a link's or MPI's)."""
@@ -1126,7 +1126,7 @@ def test_a_malformed_control_message_is_logged_and_dropped(caplog):
 def test_control_messages_are_parsed_field_by_field():
     """(The parser's rules, message by message: exactly the fields of the kind, each of its
     type — a bool is not an int; nothing larger than a control message can be.)"""
-    from overlap.backends.control_messages import ControlTag, parse_control
+    from overlap.backends.job.control_messages import ControlTag, parse_control
 
     _parse = parse_control
     _FAILED, _EXITING, _QUERY, _REPLY, _LEFT = (ControlTag.FAILED, ControlTag.EXITING,

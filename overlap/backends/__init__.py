@@ -23,12 +23,12 @@ from typing import Any
 from scheduler import check_seconds
 
 from ..world import Placement, World
-from .backend import SETTLE_GRACE_S, Backend, Remote
-from .bound import Bound
-from .cpu import CpuDevices
-from .engine import Backoff
-from .routes import Route
-from .streams import Busy, Event, OpReport, Stream, Trace, TraceRecord
+from .devices.backend import SETTLE_GRACE_S, Backend, Remote
+from .devices.bound import Bound
+from .devices.cpu import CpuDevices
+from .devices.routes import Route
+from .devices.streams import Busy, Event, OpReport, Stream, Trace, TraceRecord
+from .job.engine import Backoff
 
 BACKENDS = ("cpu", "cuda")
 
@@ -49,7 +49,7 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
         raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
     bound = Bound(check_seconds("timeout", timeout))  # (one, shared by every part that waits)
     if name == "cuda":
-        from .cuda import CudaDevices
+        from .devices.cuda import CudaDevices
 
         devices: Any = CudaDevices(timeout=bound)
     else:
@@ -64,10 +64,10 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
             timeout: Bound, host_links: bool | None, grace: float,
             poll: Backoff | None) -> Backend:
     from ..world import TORCH_SOURCES, mpi_world_comm
-    from .bootstrap import Bootstrap, MpiBootstrap, TorchBootstrap
-    from .distributed import HOST_LINKS_ENV, Distributed, host_links_wanted
-    from .engine import Engine
-    from .host_links import HostLinks
+    from .job.bootstrap import Bootstrap, MpiBootstrap, TorchBootstrap
+    from .job.distributed import HOST_LINKS_ENV, Distributed, host_links_wanted
+    from .job.engine import Engine
+    from .job.host_links import HostLinks
 
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
         raise ValueError(f"grace: expected seconds >= 0, got {grace!r}")
@@ -110,12 +110,12 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
                            grace=grace)
         backend.dist = dist
         if cuda:
-            from .nccl import NcclTransport
+            from .job.nccl import NcclTransport
 
             backend.remote = NcclTransport(backend, dist, world)
         else:
-            from .mpi import MpiWire
-            from .wire import WireTransport
+            from .job.mpi import MpiWire
+            from .job.wire import WireTransport
 
             backend.remote = WireTransport(backend, dist, None if comm is None else
                                            MpiWire(comm, engine), links)

@@ -395,7 +395,7 @@ def use_fake_gpu() -> None:
 
     sys.modules["cupy"] = fake_cupy
     fake_cupy.DEVICES = 4  # one GPU per rank on this "node"
-    from overlap.backends.nccl import NcclTransport
+    from overlap.backends.job.nccl import NcclTransport
 
     NcclTransport.links_class = HostMpiLinks
 
@@ -523,7 +523,7 @@ class FakeNccl14(FakeNccl):
 
 
 def nccl_bootstrap_check(rt: Runtime) -> dict[str, np.ndarray]:
-    from overlap.backends.nccl_bootstrap import bootstrap_nccl
+    from overlap.backends.job.nccl_bootstrap import bootstrap_nccl
 
     rank = rt.world.rank
     comm = rt.backend.dist.bootstrap_comm()  # (MPI's, or the links' under torchrun)

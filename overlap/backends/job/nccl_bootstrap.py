@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveTimeout
+from ...errors import CollectiveTimeout
 from .engine import Backoff
 
 ID_TAG = 0x4E43  # "NC": the tag of unique-id messages on the bootstrap communicator

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..errors import CollectiveAborted, OverlapRuntimeError
+from ...errors import CollectiveAborted, OverlapRuntimeError
 from .engine import Completion, Engine
 
 
@@ -36,7 +36,7 @@ class MpiReceive(Completion):
 
     def Wait(self, timeout: float = 1.0) -> None:
         """(After ``Cancel``.) Until MPI is done with the buffer (bounded)."""
-        from ..scope import CancelScope
+        from ...scope import CancelScope
 
         with contextlib.suppress(Exception):
             self.block(CancelScope("taking a receive back"), self.what, timeout)

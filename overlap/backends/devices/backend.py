@@ -14,10 +14,10 @@ import numpy as np
 
 from scheduler import check_seconds
 
-from ..errors import CollectiveAborted, OverlapRuntimeError
-from ..scope import CancelScope
-from ..waits import OneShot, block_on
-from ..world import Placement
+from ...errors import CollectiveAborted, OverlapRuntimeError
+from ...scope import CancelScope
+from ...waits import OneShot, block_on
+from ...world import Placement
 from .bound import Bound, Bounded
 from .collectives import Communicators
 from .routes import Route

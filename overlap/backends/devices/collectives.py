@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..errors import CollectiveMismatch, CollectiveTimeout
-from ..scope import CancelScope
-from ..waits import OneShot, block_on, sleep
+from ...errors import CollectiveMismatch, CollectiveTimeout
+from ...scope import CancelScope
+from ...waits import OneShot, block_on, sleep
 from .bound import Bound, Bounded, bound_of
 
 

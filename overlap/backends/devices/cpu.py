@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..polling import POLL_FIRST_S
+from ...polling import POLL_FIRST_S
 from .local import LocalTransport
 
 if TYPE_CHECKING:
-    from ..scope import CancelScope
+    from ...scope import CancelScope
     from .backend import Backend
     from .streams import Event, Stream
 

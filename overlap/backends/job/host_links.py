@@ -40,8 +40,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CollectiveAborted, OverlapRuntimeError
-from ..scope import CancelScope
+from ...errors import CollectiveAborted, OverlapRuntimeError
+from ...scope import CancelScope
 from .bootstrap import Bootstrap, reachable_address
 from .engine import Completion, Engine
 

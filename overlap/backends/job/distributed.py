@@ -66,11 +66,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CallMismatch, CollectiveAborted, CollectiveTimeout, RankFailed
-from ..scope import CancelScope
-from ..waits import OneShot, wait_on
-from ..world import Placement, World, describe
-from .bound import Bound, Bounded, bound_of
+from ...errors import CallMismatch, CollectiveAborted, CollectiveTimeout, RankFailed
+from ...scope import CancelScope
+from ...waits import OneShot, wait_on
+from ...world import Placement, World, describe
+from ..devices.bound import Bound, Bounded, bound_of
 from .control_messages import ControlTag, encode_control, parse_control
 from .engine import Completion, Engine
 from .host_links import HostLinks
@@ -204,7 +204,7 @@ class Distributed(Bounded):
         """A call begins (every rank makes every call): count it, fail it at once if a
         member it needs left, post its agreement row. None where this rank has no one to
         check with — it holds none of the call's devices, or all of them."""
-        from ..guard import report  # (imported here: ``python -m overlap.guard`` runs it)
+        from ...guard import report  # (imported here: ``python -m overlap.guard`` runs it)
 
         self.calls += 1
         self.busy = True

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CollectiveAborted
-from ..polling import POLL_FIRST_S, poll_first
-from ..scope import CancelScope
-from ..waits import OneShot, block_on
+from ...errors import CollectiveAborted
+from ...polling import POLL_FIRST_S, poll_first
+from ...scope import CancelScope
+from ...waits import OneShot, block_on
 
 log = logging.getLogger("overlap")
 

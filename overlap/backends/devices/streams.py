@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from ..errors import OverlapRuntimeError, StreamError
-from ..nvtx import range_end, range_start
-from ..polling import POLL_FIRST_S, poll_first
-from ..scope import CancelScope
-from ..waits import OneShot, block_on, wait_on
+from ...errors import OverlapRuntimeError, StreamError
+from ...nvtx import range_end, range_start
+from ...polling import POLL_FIRST_S, poll_first
+from ...scope import CancelScope
+from ...waits import OneShot, block_on, wait_on
 
 log = logging.getLogger("overlap")
 

@@ -35,14 +35,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CollectiveAborted, DeviceFault, DeviceTimeout, OverlapRuntimeError
-from ..waits import OneShot, wait_on
+from ...errors import CollectiveAborted, DeviceFault, DeviceTimeout, OverlapRuntimeError
+from ...waits import OneShot, wait_on
 from .bound import Bound, Bounded, bound_of
 from .local import LocalTransport
 from .streams import InFlight
 
 if TYPE_CHECKING:
-    from ..scope import CancelScope
+    from ...scope import CancelScope
     from .backend import Backend
     from .streams import Event, Stream
 
@@ -166,7 +166,7 @@ class CudaDevices(Bounded):
         return self.pinned if self.pinned is not None else device % self.num_gpus
 
     def transport(self, backend: Backend) -> CudaLocal:
-        from .nccl import NcclGroups
+        from .nccl_groups import NcclGroups
 
         self.nccl = NcclGroups(self)
         return CudaLocal(backend, self.nccl)

@@ -44,16 +44,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..errors import CollectiveAborted, CollectiveMismatch, OverlapRuntimeError
-from ..scope import CancelScope
-from ..waits import OneShot, block_on, wait_on, when_all
-from .bound import Bounded
-from .collectives import Communicators, check_alike, reduce_in_order
+from ...errors import CollectiveAborted, CollectiveMismatch, OverlapRuntimeError
+from ...scope import CancelScope
+from ...waits import OneShot, block_on, wait_on, when_all
+from ..devices.bound import Bounded
+from ..devices.collectives import Communicators, check_alike, reduce_in_order
+from ..devices.routes import Route
 from .engine import Completion
-from .routes import Route
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from ..devices.backend import Backend
     from .distributed import Distributed
     from .host_links import HostLinks
     from .mpi import MpiWire

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..scope import CancelScope
+from ...scope import CancelScope
 from .collectives import check_alike, check_broadcast, reduce_in_order
 
 if TYPE_CHECKING:
