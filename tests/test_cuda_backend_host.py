@@ -23,7 +23,7 @@ import pytest
 from toy import ToyMLP, reference_step
 
 from overlap import Runtime, StreamError
-from overlap.backends import Backend, Event, make_backend
+from overlap.backends import Backend, DeviceKind, Event, make_backend
 from overlap.backends.devices.streams import current_stream
 from overlap.errors import CollectiveAborted, DeviceFault, DeviceTimeout
 from overlap.scope import CancelScope
@@ -585,7 +585,9 @@ def test_a_trace_touches_only_the_gpus_this_process_drives(monkeypatch):
     from overlap.backends.devices.cuda import CudaDevices
 
     made.clear()
-    backend = Backend(CudaDevices(), 2, placement=Placement((0, 1)), rank=1)
+    kind = CudaDevices()
+    assert isinstance(kind, DeviceKind)  # (every member the backend and its streams use)
+    backend = Backend(kind, 2, placement=Placement((0, 1)), rank=1)
     try:
         trace = backend.start_trace()
         assert set(trace.clock) == {1} and {e.device_id for e in made} == {1}

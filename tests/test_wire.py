@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from overlap.backends import Transport
 from overlap.backends.devices.bound import Bound
 from overlap.backends.devices.routes import Route
 from overlap.backends.job import wire
@@ -185,6 +186,11 @@ def ok(results: list[Any]) -> None:
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         raise errors[0]
+
+
+def test_the_wire_transport_is_a_transport(make_ranks):
+    ranks = make_ranks(2)
+    assert all(isinstance(w, Transport) for w in ranks.wires)
 
 
 def test_a_piece_sent_by_the_root_lands_in_the_last_ranks_buffer(make_ranks):

@@ -1,34 +1,45 @@
-"""Backends: a device kind and transports, composed.
+"""Backends: the process's devices and the multi-process job, composed.
 
-- **Device kinds** — ``cpu`` (virtual devices in this process: :mod:`.cpu`) and ``cuda`` (CuPy
-  streams, events and memory: :mod:`.cuda`, imported only when asked for). A kind says how a
-  stream's ops run, what a record and a wait enqueue, how bytes are copied and how trace
-  marks are read; :mod:`.streams` holds the streams and events themselves, the same for both.
-- **Transports** — how a collective's bytes move. Among this process's devices: the
-  in-process rendezvous (:mod:`.local`, with the kind's copies; NCCL between distinct GPUs on
-  CUDA, :mod:`.nccl`). Across processes: point-to-point wires progressed by the process's one
-  engine (:mod:`.engine`; :mod:`.wire` over host links, :mod:`.host_links`, and MPI,
-  :mod:`.mpi`) for the CPU kind, NCCL for CUDA. The control plane of a multi-process job
-  (a call's rounds, failure notices, exit) is :mod:`.distributed`.
+Two packages, one built on the other:
 
-:class:`~.backend.Backend` is what the runtime launches on; :func:`make_backend` composes
-it.
+- **The process's devices** (:mod:`.devices`) — a device kind (:class:`DeviceKind`: ``cpu``,
+  virtual devices in this process, :mod:`.devices.cpu`; ``cuda``, CuPy streams, events and
+  memory, :mod:`.devices.cuda`, imported only when asked for) says how a stream's ops run,
+  what a record and a wait enqueue, how bytes are copied and how trace marks are read;
+  :mod:`.devices.streams` holds the streams and events themselves, the same for both; the
+  in-process rendezvous (:mod:`.devices.local`, with the kind's copies; NCCL between distinct
+  GPUs on CUDA, :mod:`.devices.nccl_groups`) moves collectives among this process's devices.
+  :class:`Backend` composes a kind with its transports. It never imports the job package.
+- **The multi-process job** (:mod:`.job`) — what joins the devices to the other processes:
+  a :class:`Transport` across processes (point-to-point wires progressed by the process's
+  one engine — :mod:`.job.engine`; :mod:`.job.wire` over host links, :mod:`.job.host_links`,
+  and MPI, :mod:`.job.mpi` — for the CPU kind, NCCL for CUDA, :mod:`.job.nccl`), the control
+  plane (a call's rounds, failure notices: :mod:`.job.distributed`) and the guards of the
+  process's exit (:mod:`.job.exit_guard`).
+
+:func:`make_backend` composes them: every part is given to the :class:`Backend` when it is
+made. The runtime reaches either package through the names exported here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler import check_seconds
 
 from ..world import Placement, World
-from .devices.backend import SETTLE_GRACE_S, Backend, Remote
+from .devices.backend import SETTLE_GRACE_S, Backend, DeviceKind, Transport, check_device_count
 from .devices.bound import Bound
 from .devices.cpu import CpuDevices
 from .devices.routes import Route
 from .devices.streams import Busy, Event, OpReport, Stream, Trace, TraceRecord
 from .job.engine import Backoff
+
+if TYPE_CHECKING:
+    from .job.distributed import Distributed
+    from .job.engine import Engine
+    from .job.host_links import HostLinks
 
 BACKENDS = ("cpu", "cuda")
 
@@ -47,11 +58,12 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
     processes: every rank calls it, from the main thread, in the same order."""
     if name not in BACKENDS:
         raise ValueError(f"backend: unknown {name!r}; available: {BACKENDS}")
+    check_device_count(num_devices)
     bound = Bound(check_seconds("timeout", timeout))  # (one, shared by every part that waits)
     if name == "cuda":
         from .devices.cuda import CudaDevices
 
-        devices: Any = CudaDevices(timeout=bound)
+        devices: DeviceKind = CudaDevices(timeout=bound)
     else:
         devices = CpuDevices()
     if world is None or not world.distributed:
@@ -60,7 +72,7 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
         num_devices, world.size), bound, host_links, grace, poll)
 
 
-def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
+def _joined(devices: DeviceKind, num_devices: int, world: World, placement: Placement,
             timeout: Bound, host_links: bool | None, grace: float,
             poll: Backoff | None) -> Backend:
     from ..world import TORCH_SOURCES, mpi_world_comm
@@ -95,8 +107,6 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
             raise ValueError(f"world: rank {world.rank} of {world.size} does not match "
                              f"MPI.COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()})")
         boot = MpiBootstrap(comm)
-    backend = Backend(devices, num_devices, timeout=timeout, placement=placement,
-                      rank=world.rank)
     engine = Engine(f"overlap-engine-r{world.rank}", poll)
     try:
         failures: list[str] = []
@@ -108,23 +118,30 @@ def _joined(devices: Any, num_devices: int, world: World, placement: Placement,
                                f"one): {'; '.join(failures) or 'no reason given'}")
         dist = Distributed(world, placement, engine, comm, links, timeout=timeout,
                            grace=grace)
-        backend.dist = dist
-        if cuda:
-            from .job.nccl import NcclTransport
-
-            backend.remote = NcclTransport(backend, dist, world)
-        else:
-            from .job.mpi import MpiWire
-            from .job.wire import WireTransport
-
-            backend.remote = WireTransport(backend, dist, None if comm is None else
-                                           MpiWire(comm, engine), links)
+        return Backend(devices, num_devices, timeout=timeout, placement=placement,
+                       rank=world.rank, dist=dist,
+                       transport=_data_plane(cuda, dist, world, comm, engine, links))
     except BaseException:
         engine.close()
         raise
-    return backend
 
 
-__all__ = ["BACKENDS", "SETTLE_GRACE_S", "Backend", "Backoff", "Busy", "CpuDevices", "Event",
-           "OpReport", "Remote",
-           "Route", "Stream", "Trace", "TraceRecord", "make_backend"]
+def _data_plane(cuda: bool, dist: Distributed, world: World, comm: Any, engine: Engine,
+                links: HostLinks | None) -> Callable[[Backend], Transport]:
+    """What makes the backend's transport across processes (it needs the backend): NCCL
+    for the CUDA kind; for the CPU kind wires — MPI's (none under torchrun) and the host
+    links."""
+    if cuda:
+        from .job.nccl import NcclTransport
+
+        return lambda backend: NcclTransport(backend, dist, world)
+    from .job.mpi import MpiWire
+    from .job.wire import WireTransport
+
+    mpi = None if comm is None else MpiWire(comm, engine)
+    return lambda backend: WireTransport(backend, dist, mpi, links)
+
+
+__all__ = ["BACKENDS", "SETTLE_GRACE_S", "Backend", "Backoff", "Busy", "CpuDevices",
+           "DeviceKind", "Event", "OpReport", "Route", "Stream", "Trace", "TraceRecord",
+           "Transport", "make_backend"]

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -33,26 +33,186 @@ SETTLE_GRACE_S = 0.25
 RETURN_GRACE_S = 4 * sys.getswitchinterval()
 
 
-class Remote(Protocol):
-    """A transport for collectives whose participants span processes."""
+class LocalCollectives(Protocol):
+    """The transport of collectives among this process's devices (a device kind makes it:
+    :meth:`DeviceKind.transport`) — :class:`~.local.LocalTransport`, or the CUDA kind's
+    ``CudaLocal``. Its participants meet by launch position; no tag names a collective."""
 
-    def spans(self, group: Sequence[int]) -> bool: ...
-    def prepared(self, channels: dict[str, tuple[int, ...]],
-                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> bool: ...
-    def prepare(self, channels: dict[str, tuple[int, ...]],
-                groups: Sequence[tuple[str, tuple[int, ...]]]) -> None: ...
-    def broadcast(self, order: tuple[int, ...], device: int, root: int, buffer: Any,
-                  desc: str, namespace: str, tag: int | None, scope: CancelScope) -> None: ...
+    def prepare(self, channels: dict[str, tuple[int, ...]]) -> None: ...
+    def broadcast(self, group: tuple[int, ...], device: int, root: int, buffer: Any,
+                  desc: str, namespace: str, scope: CancelScope) -> None: ...
     def all_reduce(self, group: tuple[int, ...], device: int, buffer: Any, desc: str,
-                   op: Callable[[Any, Any], Any], namespace: str, tag: int | None,
+                   op: Callable[[Any, Any], Any], namespace: str,
                    scope: CancelScope) -> None: ...
     def all_gather(self, group: tuple[int, ...], device: int, buffer: Any, out: Any,
-                   desc: str, namespace: str, tag: int | None, scope: CancelScope) -> None: ...
-    def receives_strided(self, group: Sequence[int]) -> bool: ...
+                   desc: str, namespace: str, scope: CancelScope) -> None: ...
+
+
+@runtime_checkable
+class DeviceKind(Protocol):
+    """What a :class:`Backend` (and its streams and in-process transport) asks of its
+    devices: :class:`~.cpu.CpuDevices` (the host is the device) and ``cuda.CudaDevices``
+    (CuPy streams, events and memory). A kind holds no stream of its own: the backend's
+    :class:`~.streams.Stream` threads call it for each item."""
+
+    name: str  # "cpu" or "cuda": the backend's name
+    xp: Any  # the array module stage functions and transfers use (numpy or cupy)
+    events_end_work: bool  # an event completes when the work before it is done (not launched)
+    poll_s: float  # how long a stream's thread looks again for work before it sleeps
+
+    def transport(self, backend: Backend) -> LocalCollectives:
+        """The transport of collectives among this process's devices, for ``backend``."""
+        ...
+
+    # ---- a stream's items (on the stream's thread) ---------------------------------------
+
+    def attach(self, stream: Stream) -> None:
+        """The stream's thread starts."""
+        ...
+
+    def run(self, stream: Stream, fn: Callable[[], Any]) -> Any:
+        """Run an op's host code on ``stream``; may return device work left in flight."""
+        ...
+
+    def mark(self, stream: Stream) -> Any:
+        """A trace mark now on ``stream`` (read later by :meth:`span_seconds`)."""
+        ...
+
+    def record(self, stream: Stream, event: Event) -> None:
+        """The stream reached a record of ``event``: enqueue what marks it on the device."""
+        ...
+
+    def waited(self, stream: Stream, event: Event, scope: CancelScope, what: str) -> None:
+        """The stream's thread saw ``event`` reached: make the device wait for it too."""
+        ...
+
+    # ---- collectives' data movement (the in-process transport's) -------------------------
+
+    def arrive(self) -> Any:
+        """A participant's contribution is ready (what its ready mark is, if any)."""
+        ...
+
+    def loopback(self, arrivals: dict[int, tuple[Any, Any]],
+                 work: Callable[[dict[int, Any]], None]) -> Any:
+        """The last arriver moves every participant's bytes (``work``); returns what the
+        participants' streams then wait for (:meth:`joined`)."""
+        ...
+
+    def joined(self, done: Any) -> None:
+        """A participant's stream goes on after the collective's data movement."""
+        ...
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """Copy ``src``'s elements into ``dst``."""
+        ...
+
+    def receives_strided(self, group: Sequence[int]) -> bool:
+        """Whether a broadcast among ``group`` may land in a strided view."""
+        ...
+
+    # ---- around a call -------------------------------------------------------------------
+
+    def caller_events(self, backend: Backend) -> list[Event]:
+        """Events a call's lanes wait for first (the caller's own device work so far)."""
+        ...
+
+    def release_to_caller(self, ends: Sequence[Event]) -> None:
+        """Order the caller's later device work after ``ends``."""
+        ...
+
+    def join_ends(self, backend: Backend, ends: Sequence[Event]) -> list[Event]:
+        """Fewer events, done once every one of ``ends`` is."""
+        ...
+
+    def hold(self, *buffers: Any) -> None:
+        """Keep ``buffers`` alive until the device ran what the calling op launched."""
+        ...
+
+    def current_stream(self) -> Any:
+        """The native stream of the calling op (None where streams are threads)."""
+        ...
+
+    def physical(self, device: int) -> int:
+        """The GPU a virtual device runs on (the device itself on the CPU)."""
+        ...
+
+    def start_trace(self, backend: Backend) -> Any:
+        """A trace's clock: what :meth:`span_seconds` reads marks against."""
+        ...
+
+    def span_seconds(self, clock: Any, mark: Any) -> float:
+        """A mark as seconds since ``clock`` (after the work completed)."""
+        ...
+
+    def profiler(self, on: bool, gpus: Sequence[int]) -> None:
+        """Start or stop the device profiler's capture on ``gpus``."""
+        ...
+
+    def close(self, streams: Sequence[Stream]) -> None:
+        """The backend closed: release what the kind holds for ``streams``."""
+        ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """A transport for collectives whose participants span processes (the job package's
+    ``WireTransport`` over wires for the CPU kind, ``NcclTransport`` for CUDA), given to
+    a :class:`Backend` when it is made. Each collective names itself by ``tag`` (a
+    transfer's op id) as well as by its channel (``namespace``)."""
+
+    def spans(self, group: Sequence[int]) -> bool:
+        """Whether ``group``'s devices live in more than one process (else: in-process)."""
+        ...
+
+    def prepared(self, channels: dict[str, tuple[int, ...]],
+                 groups: Sequence[tuple[str, tuple[int, ...]]]) -> bool:
+        """Whether every communicator :meth:`prepare` would make exists already."""
+        ...
+
+    def prepare(self, channels: dict[str, tuple[int, ...]],
+                groups: Sequence[tuple[str, tuple[int, ...]]]) -> None:
+        """Make the missing communicators, in the same order on every process (collective)."""
+        ...
+
+    def broadcast(self, order: tuple[int, ...], device: int, root: int, buffer: Any,
+                  desc: str, namespace: str, tag: int | None, scope: CancelScope) -> None:
+        ...
+
+    def all_reduce(self, group: tuple[int, ...], device: int, buffer: Any, desc: str,
+                   op: Callable[[Any, Any], Any], namespace: str, tag: int | None,
+                   scope: CancelScope) -> None:
+        ...
+
+    def all_gather(self, group: tuple[int, ...], device: int, buffer: Any, out: Any,
+                   desc: str, namespace: str, tag: int | None, scope: CancelScope) -> None:
+        ...
+
+    def receives_strided(self, group: Sequence[int]) -> bool:
+        """Whether a broadcast among ``group`` may land in a strided view."""
+        ...
+
     def hop(self, order: tuple[int, ...], device: int, root: int, namespace: str,
-            nbytes: int) -> Any: ...
-    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope) -> Any: ...
-    def close(self) -> None: ...
+            nbytes: int) -> Any:
+        """``device``'s part of a broadcast along ``order``, resolved once (a route's hop)."""
+        ...
+
+    def transfer(self, route: Route, buffer: Any, tag: int, scope: CancelScope) -> Any:
+        """Run a route's part; returns the device work it left in flight, or None."""
+        ...
+
+    def forget(self) -> None:
+        """After a failed call, once its work settled: what it left part-way is dropped."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def check_device_count(num_devices: int) -> int:
+    """``num_devices`` if it is an int >= 1 (ValueError naming the argument otherwise)."""
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices: expected an int >= 1, got {num_devices!r}")
+    return num_devices
 
 
 class Backend(Bounded):
@@ -60,7 +220,8 @@ class Backend(Bounded):
     trace clock, and the end of a call's work.
 
     Args:
-        devices: the device kind (:class:`~.cpu.CpuDevices`, ``cuda.CudaDevices``).
+        devices: the device kind (:class:`DeviceKind`: :class:`~.cpu.CpuDevices`,
+            ``cuda.CudaDevices``).
         num_devices: device ids are ``0..num_devices-1``.
         timeout: seconds a collective's rendezvous (or a wait on the wire) may wait for a
             participant before it raises, naming who never came.
@@ -68,13 +229,27 @@ class Backend(Bounded):
             emulation, one process); None: as fast as the copies.
         placement, rank: which process drives which device (several processes); None: this
             process drives every device.
+        dist: the control plane of a multi-process job (the job package's ``Distributed``);
+            the backend only closes it, last.
+        transport: the transport of collectives that span processes (a :class:`Transport`),
+            or a factory that makes it for this backend (``WireTransport`` and
+            ``NcclTransport`` need the backend: its placement, its kind, its communicators),
+            called once everything else is in place; None: one process.
     """
 
-    def __init__(self, devices: Any, num_devices: int, *, timeout: float | Bound = 30.0,
+    def __init__(self, devices: DeviceKind, num_devices: int, *,
+                 timeout: float | Bound = 30.0,
                  link_time: Callable[[int, Sequence[int], int], float] | None = None,
-                 placement: Placement | None = None, rank: int = 0) -> None:
-        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-            raise ValueError(f"num_devices: expected an int >= 1, got {num_devices!r}")
+                 placement: Placement | None = None, rank: int = 0, dist: Any = None,
+                 transport: Transport | Callable[[Backend], Transport] | None = None) -> None:
+        check_device_count(num_devices)
+        if not isinstance(devices, DeviceKind):
+            raise TypeError(f"devices: expected a device kind (CpuDevices, CudaDevices: every "
+                            f"member of DeviceKind), got {devices!r}")
+        if transport is not None and not callable(transport) and not isinstance(
+                transport, Transport):
+            raise TypeError(f"transport: expected a Transport or a callable that makes one "
+                            f"for the backend, got {transport!r}")
         if not isinstance(timeout, Bound):
             timeout = Bound(check_seconds("timeout", timeout))
         # Every wait of the backend reads it (``bound``): a call may widen it for itself.
@@ -89,14 +264,17 @@ class Backend(Bounded):
         self.rank = rank
         self._owned = frozenset(placement.devices_of(rank)) if placement is not None else None
         self.comms = Communicators(self.bound)
-        self.local = devices.transport(self)
-        self.remote: Remote | None = None  # set by a multi-process flavour
-        # The control plane of a multi-process job (a ``distributed.Distributed``).
-        self.dist: Any = None
+        self.local: LocalCollectives = devices.transport(self)
+        # The control plane of a multi-process job (typed by the job package, which this one
+        # never imports: the runtime's call reads it, the backend only closes it).
+        self.dist: Any = dist
         self._streams: dict[tuple[int, str], Stream] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.lost: list[Busy] = []  # ops whose stream threads were abandoned, stuck in them
+        # Last: a factory reads the backend it joins (all of the above). (A transport itself
+        # is not callable.)
+        self.remote: Transport | None = transport(self) if callable(transport) else transport
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, {self.num_devices} devices)"
@@ -313,9 +491,8 @@ class Backend(Bounded):
         """After a failed call, once its work settled: the rendezvous it left part-way are
         dropped (launch positions start again at the next call, on every device)."""
         self.comms.forget()
-        forget = getattr(self.remote, "forget", None)
-        if forget is not None:
-            forget()
+        if self.remote is not None:
+            self.remote.forget()
 
     def abandon(self, stuck: Sequence[Busy], reason: str) -> None:
         """Give up the threads of ``stuck`` streams: each is a daemon stuck in its op, which
@@ -355,4 +532,5 @@ class Backend(Bounded):
 
 
 
-__all__ = ["SETTLE_GRACE_S", "Backend", "Remote"]
+__all__ = ["SETTLE_GRACE_S", "Backend", "DeviceKind", "LocalCollectives", "Transport",
+           "check_device_count"]

@@ -230,6 +230,10 @@ class NcclTransport:
         """Across processes a broadcast is NCCL's: contiguous buffers only."""
         return False
 
+    def forget(self) -> None:
+        """After a failed call: nothing to drop — the communicators were aborted, and a
+        multi-process runtime refuses its later calls (see module doc)."""
+
     def close(self) -> None:
         self._links.close()
 
