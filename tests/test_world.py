@@ -231,7 +231,7 @@ def test_a_rank_prints_its_traceback_in_one_write(monkeypatch):
     several ranks' pieces interleave mid-line. The exit guard writes it whole."""
     import traceback
 
-    from overlap.backends.job.distributed import print_whole
+    from overlap.backends.job.exit_guard import print_whole
 
     class Recorder:
         def __init__(self) -> None:

@@ -42,24 +42,18 @@ malformed one is logged and dropped, nothing is unpickled. They go over MPI (eve
 reach every other), and the engine looks for them every ``LISTEN_TICK_S``.
 
 **Exit**: MPI cannot take back messages in flight, so a failed multi-process runtime does not
-recover. At exit a failed process flushes its output, tells its peers, waits (bounded by
-``grace``) until every peer has reported — said it is exiting too, or left — so that they
-print their errors, lingers so the launcher forwards them, then calls ``MPI_Abort``: the
-launcher ends the job with a non-zero status.
+recover; how its process then ends is :mod:`.exit_guard`'s (a :class:`Distributed` is watched
+from when it is made until it leaves).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
-import traceback
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +65,7 @@ from ...scope import CancelScope
 from ...waits import OneShot, wait_on
 from ...world import Placement, World, describe
 from ..devices.bound import Bound, Bounded, bound_of
+from . import exit_guard
 from .control_messages import ControlTag, encode_control, parse_control
 from .engine import Completion, Engine
 from .host_links import HostLinks
@@ -86,7 +81,6 @@ HOST_LINKS_ENV = "OVERLAP_HOST_LINKS"
 _TAGS = 1 << 31  # a round's tag is its call number modulo this (a link's tags are int32)
 LISTEN_TICK_S = 0.02  # how often the engine looks for control messages
 QUERY_WAIT_S = 0.5  # how long an overdue wait waits for the peers' answers
-_LINGER_S = 0.5  # after every peer reported: time for the launcher to forward their output
 # An agreement row: the digest's first 24 bytes, the call number, then the step's number of
 # microbatches (int32) and the shapes of its first microbatches (SHAPE_SLOTS of them,
 # SHAPE_DIMS int32 dimensions each, -1 for none): a mismatch of counts is named by both
@@ -115,7 +109,6 @@ def _shape_text(row: bytes, slot: int) -> str:
     dims = np.frombuffer(row, np.int32, SHAPE_DIMS, 36 + slot * SHAPE_DIMS * 4)
     return str(tuple(int(n) for n in dims if n >= 0))
 
-_LIVE: weakref.WeakSet[Distributed] = weakref.WeakSet()
 log = logging.getLogger("overlap")
 
 
@@ -183,8 +176,7 @@ class Distributed(Bounded):
         else:
             self._probe = self.MPI.Status()
             engine.every(LISTEN_TICK_S, self._listen)
-        _LIVE.add(self)
-        _install_exit_guards()
+        exit_guard.watch(self)  # (until it leaves: a failure ends the job at exit)
 
     def describe(self) -> str:
         return describe(self.world, self.local_devices)
@@ -204,15 +196,13 @@ class Distributed(Bounded):
         """A call begins (every rank makes every call): count it, fail it at once if a
         member it needs left, post its agreement row. None where this rank has no one to
         check with — it holds none of the call's devices, or all of them."""
-        from ...guard import report  # (imported here: ``python -m overlap.guard`` runs it)
-
         self.calls += 1
         self.busy = True
         members = self.everyone if members is None else members
         self.members = members
         self._call_scope = scope
         doing = f"{what} (call {self.calls})"
-        report(doing)
+        exit_guard.report(doing)
         self._check_departed(self.calls, members, scope)
         if self.rank not in members or len(members) == 1:
             return None
@@ -469,10 +459,11 @@ class Distributed(Bounded):
             self.listening = True
             return
         if self.broken is None:
-            self._say_left("exited" if error is not None else "closed its runtime")
-        _LIVE.discard(self)
+            self.say_left("exited" if error is not None else "closed its runtime")
+        exit_guard.release(self)
 
-    def _say_left(self, how: str) -> None:
+    def say_left(self, how: str) -> None:
+        """Tell every peer this rank left, after how many calls (once)."""
         if not self.left:
             self.left = True
             self.tell_all(_LEFT, {"rank": self.rank, "calls": self.calls, "how": how})
@@ -812,71 +803,6 @@ class CallRounds:
 def _clean_exit(error: BaseException) -> bool:
     """``sys.exit()`` / ``sys.exit(0)``: the script ends normally."""
     return isinstance(error, SystemExit) and error.code in (None, 0)
-
-
-# ---- process exit: a failed job must end, on every rank, with a non-zero status ------------
-
-_GUARDS: list[bool] = []  # installed (once per process)
-
-
-def print_whole(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-    """Print a traceback as Python does, but in one write: the default hook writes it in
-    pieces, and with unbuffered output (PYTHONUNBUFFERED) the launcher interleaves the
-    pieces of several ranks' errors mid-line."""
-    text = "".join(traceback.format_exception(tp, value, tb))
-    with contextlib.suppress(Exception):
-        sys.stderr.write(text)
-        sys.stderr.flush()
-
-
-def _install_exit_guards() -> None:
-    if _GUARDS:
-        return
-    _GUARDS.append(True)
-    previous = sys.excepthook
-
-    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        if previous is sys.__excepthook__:
-            print_whole(tp, value, tb)
-        else:  # the user's own hook (IPython, rich, ...) prints it their way
-            previous(tp, value, tb)
-        for d in list(_LIVE):
-            if d.broken is None and not isinstance(value, RankFailed):
-                d.announce_failure("the script (an uncaught exception)", value)
-            d.broken = d.broken or value
-            break
-
-    sys.excepthook = excepthook
-    atexit.register(_at_exit)
-
-
-def _at_exit() -> None:
-    live = list(_LIVE)
-    broken = [d for d in live if d.broken is not None]
-    if not broken:
-        for d in live:
-            d._say_left("exited")  # the script ended without closing its runtime
-            d.engine.close()
-        return
-    b = broken[0]
-    # Let the peers print their own errors before the launcher takes the job down: every
-    # rank flushes what it printed, then says so, and the first MPI_Abort waits until every
-    # peer has reported (said it is exiting too, or left), bounded by the grace.
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    b.tell_all(_EXITING, {"rank": b.rank})
-    deadline = time.perf_counter() + b.grace
-    others = set(range(b.world.size)) - {b.rank}
-    while not others <= b.exiting and time.perf_counter() < deadline:
-        time.sleep(0.01)
-    # What a rank wrote sits in a pipe until the launcher forwards it, and the launcher drops
-    # what it has not read when MPI_Abort tears the job down (seen under load: a rank's
-    # error, and the aborting ranks' own "Abort(1)" lines, missing from the job's output).
-    time.sleep(min(_LINGER_S, b.grace))
-    if b.MPI is None:  # (torchrun: the agent ends the other workers of a failed one)
-        os._exit(1)
-    b.MPI.COMM_WORLD.Abort(1)
 
 
 __all__ = ["Answers", "CallRounds", "Distributed", "Round", "host_links_wanted", "shape_table"]
