@@ -69,8 +69,7 @@ from .scope import CancelScope
 from .waits import OneShot, wait_on, when_all
 
 if TYPE_CHECKING:
-    from .backends import Backend, Event, Trace
-    from .backends.job.distributed import CallRounds, Distributed
+    from .backends import Backend, CallRounds, Distributed, Event, Trace
     from .hang_dump import HangDump
 
 TICK_S = 0.1  # how often a waiting call looks for hung ops (at most; less for small timeouts)

@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .backends.devices.streams import current_stream
+from .backends import current_stream
 from .errors import OverlapRuntimeError
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ import numpy as np
 
 from scheduler import Op, Region, ReshardPlan, StepGraph, Transfer, contains, region_shape
 
-from .backends.devices.routes import Route
+from .backends import Route
 from .launch import launch
 from .waits import sleep
 

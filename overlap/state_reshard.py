@@ -28,8 +28,7 @@ import numpy as np
 
 from scheduler import Op, Region, StateReshardPlan, StepGraph, region_shape, state_graph
 
-from .backends import OpReport
-from .backends.devices.routes import Route
+from .backends import OpReport, Route
 from .launch import launch
 from .reshard import BufferTable, check_outs, check_shards, shards_match, transfer_op
 from .runtime_parts import RuntimeParts

@@ -125,7 +125,7 @@ def agreement_digest(graph: StepGraph) -> bytes:
     """What a step's agreement compares across processes: the graph's digest, then the
     number of microbatches and each one's first-boundary shape (a mismatch of counts is
     named by both counts, one of shapes by microbatch)."""
-    from .backends.job.distributed import shape_table
+    from .backends import shape_table
 
     m = graph.schedule.num_microbatches if graph.schedule is not None else 0
     first = Channel("fwd", 0)

@@ -120,3 +120,33 @@ def test_functions_are_short(name):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert long == [], f"functions over {MAX_FUNCTION_LINES} lines in {name}"
+
+
+def test_backends_devices_never_import_the_job_and_the_runtime_goes_through_the_face():
+    """``overlap/backends/`` is two packages, one built on the other: the process's devices
+    (``devices/``) and the multi-process job (``job/``, which builds on ``devices/``).
+
+    - Nothing in ``devices/`` imports ``job/`` (nor the face ``overlap.backends``, which
+      imports ``job/``): a device kind, its streams and the in-process transport stand on
+      their own, and what spans processes is given to ``Backend`` as a ``Transport``.
+    - The rest of ``overlap`` — the runtime's API modules (``runtime``, ``call``,
+      ``pipeline``, ``reshard``, the torch adapter, ...) — imports neither package's modules,
+      only the face ``overlap.backends`` (``make_backend`` and the names it exports): what the
+      runtime builds on is exported, and a module inside may move. The one exception is
+      ``overlap.world``, which sits beneath the backends (they import it for ``World`` and
+      ``Placement``, so it cannot import their face without a cycle) and borrows the torch
+      bootstrap lazily to describe a process group the caller made.
+
+    Tests and benchmarks may import the modules themselves (they test them)."""
+    devices, job = "overlap.backends.devices", "overlap.backends.job"
+    inside = {m for m in MODULES if m.startswith(f"{devices}.") or m == devices}
+    assert {f"{devices}.backend", f"{devices}.streams", f"{job}.distributed",
+            f"{job}.exit_guard"} <= set(MODULES)
+    upward = {m: sorted(t for t in GRAPH[m] if t == "overlap.backends" or t.startswith(job))
+              for m in inside}
+    assert {m: t for m, t in upward.items() if t} == {}
+    allowed = {("overlap.world", f"{job}.bootstrap")}
+    past = {m: sorted(t for t in GRAPH[m] if t.startswith(("overlap.backends.", devices, job))
+                      and (m, t) not in allowed)
+            for m in MODULES if m.startswith("overlap") and not m.startswith("overlap.backends")}
+    assert {m: t for m, t in past.items() if t} == {}

@@ -33,11 +33,11 @@ from .devices.backend import SETTLE_GRACE_S, Backend, DeviceKind, Transport, che
 from .devices.bound import Bound
 from .devices.cpu import CpuDevices
 from .devices.routes import Route
-from .devices.streams import Busy, Event, OpReport, Stream, Trace, TraceRecord
+from .devices.streams import Busy, Event, OpReport, Stream, Trace, TraceRecord, current_stream
+from .job.distributed import CallRounds, Distributed, shape_table
 from .job.engine import Backoff
 
 if TYPE_CHECKING:
-    from .job.distributed import Distributed
     from .job.engine import Engine
     from .job.host_links import HostLinks
 
@@ -77,7 +77,7 @@ def _joined(devices: DeviceKind, num_devices: int, world: World, placement: Plac
             poll: Backoff | None) -> Backend:
     from ..world import TORCH_SOURCES, mpi_world_comm
     from .job.bootstrap import Bootstrap, MpiBootstrap, TorchBootstrap
-    from .job.distributed import HOST_LINKS_ENV, Distributed, host_links_wanted
+    from .job.distributed import HOST_LINKS_ENV, host_links_wanted
     from .job.engine import Engine
     from .job.host_links import HostLinks
 
@@ -142,6 +142,6 @@ def _data_plane(cuda: bool, dist: Distributed, world: World, comm: Any, engine: 
     return lambda backend: WireTransport(backend, dist, mpi, links)
 
 
-__all__ = ["BACKENDS", "SETTLE_GRACE_S", "Backend", "Backoff", "Busy", "CpuDevices",
-           "DeviceKind", "Event", "OpReport", "Route", "Stream", "Trace", "TraceRecord",
-           "Transport", "make_backend"]
+__all__ = ["BACKENDS", "SETTLE_GRACE_S", "Backend", "Backoff", "Busy", "CallRounds", "CpuDevices",
+           "DeviceKind", "Distributed", "Event", "OpReport", "Route", "Stream", "Trace",
+           "TraceRecord", "Transport", "current_stream", "make_backend", "shape_table"]

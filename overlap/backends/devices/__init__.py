@@ -8,5 +8,5 @@ among this process's devices, matched by :mod:`.collectives`. :class:`~.backend.
 composes a kind with its transports; a transport whose participants span processes
 (:class:`~.backend.Transport`) is given to it by the job package (:mod:`overlap.backends.job`).
 
-Nothing here imports the job package: a one-process run never loads it.
+Nothing here imports the job package (``tests/test_layout.py`` holds it so).
 """
