@@ -1,6 +1,6 @@
 """The CPU device kind: virtual devices in this process that behave like CUDA devices.
 
-A device is a set of streams (:mod:`~overlap.backends.streams`: a thread each) whose ops run
+A device is a set of streams (:mod:`~overlap.backends.devices.streams`: a thread each) whose ops run
 their host code directly; memory is numpy's; an event is done as soon as its stream got there
 (the host *is* the device). Bytes really move — a broadcast copies the root's buffer into every
 receiver's — and the stream and collective rules are CUDA's and NCCL's, so ordering bugs show

@@ -19,7 +19,7 @@ host thread moves on at once:
 - virtual devices map to GPUs round-robin (``device % num_gpus``; one GPU per process across
   processes). Collectives among devices that share a GPU are device-to-device copies on the
   last arriver's stream after every participant's ready event ("loopback", :mod:`.local`);
-  among distinct GPUs, NCCL (:mod:`.nccl`);
+  among distinct GPUs, NCCL (:mod:`.nccl_groups`);
 - CuPy has no ``record_stream``: every buffer a collective or an op touches is kept alive,
   with the event that ends its use, until that event has completed; CuPy's pool keeps freed
   blocks per stream, so closing gives back every stream's.

@@ -1,6 +1,6 @@
 """The in-process transport: collectives whose participants all live in this process.
 
-The participants meet on a :class:`~overlap.backends.collectives.Communicator` (by launch
+The participants meet on a :class:`~overlap.backends.devices.collectives.Communicator` (by launch
 position); the last to arrive moves the bytes for all of them with its device kind's copies —
 ``numpy.copyto`` on the CPU, device-to-device copies on the last arriver's CUDA stream after
 every participant's ready event on a GPU (the "loopback") — and every participant's stream

@@ -12,10 +12,11 @@ failing op fails its scope — which cancels it — and the rest of that call's 
 stream is skipped (records complete with the failure; waits return at once), while work of
 later calls runs as usual: a failed call needs no reset.
 
-A device kind (:mod:`~overlap.backends.cpu`, :mod:`~overlap.backends.cuda`) supplies what
-differs: how an op's host code runs (CUDA: with its device and CUDA stream current), what a
-record records (CUDA: a CUDA event after the work enqueued so far), what a wait adds (CUDA: a
-device-side wait), and trace marks.
+A device kind (:class:`~.backend.DeviceKind`: :mod:`~overlap.backends.devices.cpu`,
+:mod:`~overlap.backends.devices.cuda`) supplies what differs: how an op's host code runs
+(CUDA: with its device and CUDA stream current), what a record records (CUDA: a CUDA event
+after the work enqueued so far), what a wait adds (CUDA: a device-side wait), and trace
+marks.
 """
 
 from __future__ import annotations
@@ -147,9 +148,10 @@ class Event(OneShot):
 class DeviceWork(Protocol):
     """Work an op left in flight on its device when its host code returned — as a GPU runs
     a kernel after the host thread that launched it went on. On the CPU: a transfer's
-    messages on the wire, which the progress engine completes (:mod:`.wire`). An op that
-    returns one is *issued*, not done: what the stream runs after it waits for it, and an
-    event recorded after it is done once it is."""
+    messages on the wire, which the progress engine completes
+    (:mod:`overlap.backends.job.wire`). An op that returns one is *issued*, not done: what
+    the stream runs after it waits for it, and an event recorded after it is done once it
+    is."""
 
     @property
     def done(self) -> bool: ...

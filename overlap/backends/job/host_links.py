@@ -15,7 +15,7 @@ one that comes first waits, copied, until its receive is posted (MPI's unexpecte
 Between frames it reads 16 KiB at once (a small frame and those queued after it in one
 system call; a larger payload's start is copied once, its rest lands in place). A send writes
 what the socket takes at once from the posting thread and leaves the rest to the engine.
-Every request is a :class:`~overlap.backends.engine.Completion`.
+Every request is a :class:`~overlap.backends.job.engine.Completion`.
 
 Failures: a peer whose socket closed delivers what it sent before; receives still waiting for
 it then wait on (as MPI's do: the runtime's failure notices and timeouts name the rank), a

@@ -3,7 +3,7 @@ process's progress engine tests.
 
 The posting thread makes the MPI call itself (MPI is initialised ``MPI_THREAD_MULTIPLE``:
 stream threads post) and hands the request to the engine, which tests every pending request
-with backoff and completes its :class:`~overlap.backends.engine.Completion` — a waiting
+with backoff and completes its :class:`~overlap.backends.job.engine.Completion` — a waiting
 stream thread wakes then. No other thread tests a request. A channel is a communicator of its
 own (every rank makes it, in the same order: :meth:`MpiWire.add_channel`), and messages of a
 channel are matched by source and tag, never by order: threads of different ranks reach a

@@ -2,7 +2,7 @@
 MPI ranks.
 
 A wire moves one message to one peer (``isend``/``irecv`` returning a
-:class:`~overlap.backends.engine.Completion`, matched by channel, source and tag): a host
+:class:`~overlap.backends.job.engine.Completion`, matched by channel, source and tag): a host
 link (:mod:`.host_links`) between the ranks of one host, for pieces of at most
 ``LINK_MAX_PIECE_BYTES`` — the socket's kernel buffer completes a send at once, and the engine
 wakes only for a message; MPI (:mod:`.mpi`) otherwise — larger pieces (a socket copies twice),
@@ -445,10 +445,11 @@ class WireTransport(Bounded):
 
 
 class WireWork(OneShot):
-    """A transfer part's messages in flight (:class:`~.streams.DeviceWork`): done once the
-    engine completed every one of them (and a receive's sizes were right). It is bounded as
-    every wait on the wire: past the timeout, the peer is asked how far it got
-    (:meth:`Distributed.overdue <overlap.backends.distributed.Distributed.overdue>`). A
+    """A transfer part's messages in flight
+    (:class:`~overlap.backends.devices.streams.DeviceWork`): done once the engine completed
+    every one of them (and a receive's sizes were right). It is bounded as every wait on the
+    wire: past the timeout, the peer is asked how far it got
+    (:meth:`Distributed.overdue <overlap.backends.job.distributed.Distributed.overdue>`). A
     failure — a message of the wrong size, a link that failed — fails the call's scope; the
     scope's cancellation takes the receives back (and fails it: that is how a cancellation
     reaches its waits)."""
