@@ -31,10 +31,11 @@ ROWS = _rows()
 
 def _values(value: str) -> list[float]:
     """"0.25 s" -> [0.25]; "50 µs" -> [5e-05]; "544 bytes" -> [544]; "4, 64" -> [4, 64]."""
-    number, _, unit = value.partition(" ")
+    number, _, unit = value.rpartition(" ")
+    if unit not in UNITS:  # (no unit: plain numbers)
+        number, unit = value, ""
     scale = UNITS[unit] if unit else 1
-    return [float(v.replace(",", "")) * scale for v in re.split(r",\s*", number if unit
-                                                                 else value)]
+    return [float(v) * scale for v in re.split(r",\s*", number)]
 
 
 def test_the_page_states_its_numbers():

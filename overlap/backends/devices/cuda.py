@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 WAITER_THREADS = 4  # several: one event that completes late does not delay the others'
 MAX_WAITER_THREADS = 64  # spares, started while every thread is busy (stuck kernels)
-_LOOK_S = 0.01  # how often an awaited device event is looked at besides its waiter's answer
+LOOK_S = 0.01  # how often an awaited device event is looked at besides its waiter's answer
 
 
 def _cupy() -> Any:
@@ -247,7 +247,7 @@ class CudaDevices(Bounded):
             return True
 
         # (Given up on, by the timeout or a cancel: the waiter thread's late answer is lost.)
-        await wait_on(passed, None, f"the device reaching {event.label}", _LOOK_S, look)
+        await wait_on(passed, None, f"the device reaching {event.label}", LOOK_S, look)
         if passed.error is not None:  # CUDA's sticky error, from synchronize
             raise DeviceFault(f"the device failed before reaching {event.label}: "
                               f"{passed.error}", event=event.label) from passed.error

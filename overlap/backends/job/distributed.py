@@ -87,7 +87,7 @@ QUERY_WAIT_S = 0.5  # how long an overdue wait waits for the peers' answers
 # counts, one of shapes by microbatch and both shapes.
 SHAPE_SLOTS, SHAPE_DIMS = 32, 4
 _SHAPE_BYTES = 4 + SHAPE_SLOTS * SHAPE_DIMS * 4
-_ROW = 32 + _SHAPE_BYTES
+AGREEMENT_ROW_BYTES = 32 + _SHAPE_BYTES
 
 
 def shape_table(shapes: Sequence[Sequence[int]], count: int | None = None) -> bytes:
@@ -685,13 +685,13 @@ class CallRounds:
         self.members = members
         self.scope = scope
         size = dist.world.size
-        self._mine = np.zeros(_ROW, np.uint8)
+        self._mine = np.zeros(AGREEMENT_ROW_BYTES, np.uint8)
         self._mine[:24] = np.frombuffer(digest[:24].ljust(24, b"\0"), np.uint8)
         self._mine[24:32] = np.frombuffer(call.to_bytes(8, "little"), np.uint8)
         # (digest[32:]: the call's shape table, when it has one)
         self._mine[32:] = np.frombuffer(digest[32:32 + _SHAPE_BYTES].ljust(_SHAPE_BYTES,
                                                                              b"\0"), np.uint8)
-        self._every = np.zeros((size, _ROW), np.uint8)
+        self._every = np.zeros((size, AGREEMENT_ROW_BYTES), np.uint8)
         self._lock = threading.Lock()
         self._settled = False
         self.mismatch: CallMismatch | None = None
@@ -706,7 +706,8 @@ class CallRounds:
                 return
             self._settled = True
             mine, rows = self._mine.tobytes(), self._every.tobytes()
-            differ = tuple(r for r in self.members if rows[_ROW * r:_ROW * r + _ROW] != mine)
+            n = AGREEMENT_ROW_BYTES
+            differ = tuple(r for r in self.members if rows[n * r:n * r + n] != mine)
             if differ:
                 self.mismatch = CallMismatch(
                     f"{self.what}: ranks {list(differ)} made a different call than rank "
@@ -723,7 +724,8 @@ class CallRounds:
         else differs)."""
         mine = self._mine.tobytes()
         r = differ[0]
-        theirs = rows[_ROW * r:_ROW * r + _ROW]
+        n = AGREEMENT_ROW_BYTES
+        theirs = rows[n * r:n * r + n]
         here, there = _count_of(mine), _count_of(theirs)
         if here != there:
             return (f": this step has {here} microbatches here and {there} on rank {r} (every "
