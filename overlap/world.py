@@ -21,7 +21,7 @@ processes under an MPI launcher — ``mpiexec -n N``, ``mpirun``, Slurm's ``srun
    host names, gathered over that group (so detecting such a world is a collective: every
    process of the group calls it). The ranks link over TCP as under torchrun, listening on
    the address that routes to the group's store (see
-   :func:`overlap.backends.job.bootstrap.reachable_address`). ``torch`` is never imported to
+   :func:`overlap.bootstrap.reachable_address`). ``torch`` is never imported to
    detect a world: a script that made no group gets none of this.
 4. Otherwise a world of one process.
 
@@ -146,7 +146,7 @@ def process_group_world() -> World | None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
-    from .backends.job.bootstrap import TorchBootstrap
+    from .bootstrap import TorchBootstrap
 
     rank, size = dist.get_rank(), dist.get_world_size()
     if size == 1:

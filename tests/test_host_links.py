@@ -547,7 +547,7 @@ def test_a_unix_link_peer_of_another_user_is_refused(monkeypatch):
 
 
 def test_setup_values_travel_as_json_never_pickled():
-    from overlap.backends.job.bootstrap import MAX_VALUE_BYTES, decode_values, encode_value
+    from overlap.bootstrap import MAX_VALUE_BYTES, decode_values, encode_value
 
     row = encode_value(["vm", [1, 2]])
     rows = np.zeros((2, row.size), np.uint8)

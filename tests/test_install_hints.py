@@ -34,7 +34,7 @@ def test_missing_mpi4py_names_the_mpi_extra(monkeypatch):
 
 
 def test_missing_torch_distributed_under_torchrun_names_the_torch_extra(monkeypatch):
-    from overlap.backends.job.bootstrap import TorchBootstrap
+    from overlap.bootstrap import TorchBootstrap
 
     monkeypatch.setitem(sys.modules, "torch.distributed", None)
     with pytest.raises(RuntimeError) as err:

@@ -132,10 +132,9 @@ def test_backends_devices_never_import_the_job_and_the_runtime_goes_through_the_
     - The rest of ``overlap`` — the runtime's API modules (``runtime``, ``call``,
       ``pipeline``, ``reshard``, the torch adapter, ...) — imports neither package's modules,
       only the face ``overlap.backends`` (``make_backend`` and the names it exports): what the
-      runtime builds on is exported, and a module inside may move. The one exception is
-      ``overlap.world``, which sits beneath the backends (they import it for ``World`` and
-      ``Placement``, so it cannot import their face without a cycle) and borrows the torch
-      bootstrap lazily to describe a process group the caller made.
+      runtime builds on is exported, and a module inside may move. (The setup's collectives,
+      ``overlap.bootstrap``, sit beneath both ``overlap.world`` — which gathers a caller's
+      process group's host names with them — and the job package.)
 
     Tests and benchmarks may import the modules themselves (they test them)."""
     devices, job = "overlap.backends.devices", "overlap.backends.job"
@@ -145,8 +144,6 @@ def test_backends_devices_never_import_the_job_and_the_runtime_goes_through_the_
     upward = {m: sorted(t for t in GRAPH[m] if t == "overlap.backends" or t.startswith(job))
               for m in inside}
     assert {m: t for m, t in upward.items() if t} == {}
-    allowed = {("overlap.world", f"{job}.bootstrap")}
-    past = {m: sorted(t for t in GRAPH[m] if t.startswith(("overlap.backends.", devices, job))
-                      and (m, t) not in allowed)
+    past = {m: sorted(t for t in GRAPH[m] if t.startswith(("overlap.backends.", devices, job)))
             for m in MODULES if m.startswith("overlap") and not m.startswith("overlap.backends")}
     assert {m: t for m, t in past.items() if t} == {}

@@ -75,8 +75,8 @@ def make_backend(name: str, num_devices: int, *, timeout: float = 30.0,
 def _joined(devices: DeviceKind, num_devices: int, world: World, placement: Placement,
             timeout: Bound, host_links: bool | None, grace: float,
             poll: Backoff | None) -> Backend:
+    from ..bootstrap import Bootstrap, MpiBootstrap, TorchBootstrap
     from ..world import TORCH_SOURCES, mpi_world_comm
-    from .job.bootstrap import Bootstrap, MpiBootstrap, TorchBootstrap
     from .job.distributed import HOST_LINKS_ENV, host_links_wanted
     from .job.engine import Engine
     from .job.host_links import HostLinks

@@ -40,9 +40,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...bootstrap import Bootstrap, reachable_address
 from ...errors import CollectiveAborted, OverlapRuntimeError
 from ...scope import CancelScope
-from .bootstrap import Bootstrap, reachable_address
 from .engine import Completion, Engine
 
 log = logging.getLogger("overlap")
