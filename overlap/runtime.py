@@ -1,14 +1,10 @@
 """The runtime's API: launches resharding plans and pipeline steps — step graphs — on a
-backend, from asyncio.
-
-Async-first: ``await rt.reshard(plan, shards)`` and ``await rt.train_step(...)``; the
-``*_sync`` methods wrap them for synchronous code. The event loop never blocks on device
-work: completions arrive through events. :class:`Runtime` holds the API and the lifecycle;
-its methods delegate to small modules: each call runs once through :mod:`overlap.call`
-(gate, leftovers, agreement, launch, watch, finish, recovery: where the multi-process
-protocol sits), derived values are kept by :mod:`overlap.step_graph_cache`, what ran is
-measured by :mod:`overlap.measurements`, and the ``*_sync`` methods run on
-:mod:`overlap.sync_loop`'s loop. A failed call leaves a one-process runtime usable.
+backend, from asyncio (``await rt.reshard(...)``, ``await rt.train_step(...)``; the ``*_sync``
+methods wrap them). :class:`Runtime` holds the API and the lifecycle and delegates: each call
+runs once through :mod:`overlap.call`, derived values are kept by
+:mod:`overlap.step_graph_cache`, what ran is measured by :mod:`overlap.measurements`, and the
+``*_sync`` methods run on :mod:`overlap.sync_loop`'s loop. A failed call leaves a one-process
+runtime usable.
 """
 
 from __future__ import annotations
@@ -70,8 +66,8 @@ class Runtime:
         timeout: seconds a collective or wait may block before it raises, naming who is
             missing, and a stage op may run before it is named as hung (``StageTimeout``).
         world: this process's place in a multi-process job; by default what the launcher
-            says (``overlap.world.detect_world``: one process unless started by ``mpiexec``
-            or ``srun``).
+            says (``overlap.world.detect_world``: ``mpiexec``/``srun``, ``torchrun``, or a
+            ``torch.distributed`` group the caller made; else one process).
         placement: which rank drives which device (several processes only); by default equal
             contiguous blocks of device ids (``Placement.blocks``).
         profile_steps: the training steps a profiler should record (counting from 0), as a
