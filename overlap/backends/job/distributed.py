@@ -62,7 +62,7 @@ import numpy as np
 
 from ...errors import CallMismatch, CollectiveAborted, CollectiveTimeout, RankFailed
 from ...scope import CancelScope
-from ...waits import OneShot, wait_on
+from ...waits import OneShot, block_on, wait_on
 from ...world import Placement, World, describe
 from ..devices.bound import Bound, Bounded, bound_of
 from . import exit_guard
@@ -167,7 +167,9 @@ class Distributed(Bounded):
         self.listening = False
         self._replies: dict[int, tuple[int, bool, float]] = {}  # rank -> calls, busy, when
         self._asked: dict[int, float] = {}  # rank -> when it was last asked
-        self._replied = threading.Condition()
+        self._replied = threading.Lock()  # (a leaf: the replies and the asks awaiting them)
+        # Asks in flight: (ranks asked, when, finished once every one answered after that).
+        self._asking: list[tuple[frozenset[int], float, OneShot]] = []
         # The runtime's rounds go over links when they join this rank to every other.
         self.rounds_linked = links is not None and len(links.peers) == world.size - 1
         if comm is None:
@@ -332,21 +334,25 @@ class Distributed(Bounded):
                       and recent - QUERY_WAIT_S <= self._asked.get(r, -1.0) <= recent
                       and self._replies.get(r, (0, False, -1.0))[2] < self._asked[r]}
         to_ask = [r for r in others if r not in known and r not in silent]
+        answered = OneShot()  # (finished by the engine, handling the last answer)
+        with self._replied:
+            self._asking.append((frozenset(to_ask), now, answered))
         for r in to_ask:
             self._asked[r] = now
             self._tell(r, _QUERY, {})
-        deadline = now + wait
+        if not to_ask:
+            answered.finish()
+        try:
+            block_on(answered, scope, "the peers' answers", wait)
+        except CollectiveAborted:
+            pass  # (not past a cancellation: a failure notice that came meanwhile is the
+            # explanation, and a failed peer may never answer)
+        finally:
+            with self._replied:
+                self._asking = [a for a in self._asking if a[2] is not answered]
         with self._replied:
-            while True:
-                got = {r: self._replies[r][:2] for r in to_ask
-                       if r in self._replies and self._replies[r][2] >= now}
-                left = deadline - time.perf_counter()
-                # (Not past a cancellation: a failure notice that came meanwhile is the
-                # explanation, and a failed peer may never answer.)
-                if len(got) == len(to_ask) or left <= 0 or (
-                        scope is not None and scope.cancelled):
-                    break
-                self._replied.wait(min(left, LISTEN_TICK_S))
+            got = {r: self._replies[r][:2] for r in to_ask
+                   if r in self._replies and self._replies[r][2] >= now}
         return Answers.of(self.calls, {**known, **got}, others)
 
     # ---- control messages ----------------------------------------------------------------
@@ -406,7 +412,10 @@ class Distributed(Bounded):
         elif tag == _REPLY:
             with self._replied:
                 self._replies[source] = (msg["calls"], msg["busy"], time.perf_counter())
-                self._replied.notify_all()
+                done = [a for ranks, since, a in self._asking if all(
+                    self._replies.get(r, (0, False, -1.0))[2] >= since for r in ranks)]
+            for a in done:  # (outside the lock: no one-shot finished under one)
+                a.finish()
         elif tag == _FAILED:
             self._remote_failure(msg)
         elif tag == _LEFT:
