@@ -256,16 +256,23 @@ class Call:
         if scope.cancelled or any(ev.error is not None for ev in ends):
             raise CollectiveAborted(f"{self.what}: its work failed")
         pending = self.backend.join_ends(ends)
-        if pending:  # launched, not yet done on the device (CUDA)
-            tasks = {asyncio.ensure_future(ev.wait()) for ev in pending}
+        if pending:  # launched, not yet done on the device (CUDA): each bounds its own wait
+            tasks = [asyncio.ensure_future(ev.wait()) for ev in pending]
+            settled = OneShot()  # (every one done, or the first failed)
+            left = [len(tasks)]
+
+            def one(t: asyncio.Future[Any]) -> None:  # (on the loop)
+                left[0] -= 1
+                if left[0] == 0 or t.cancelled() or t.exception() is not None:
+                    settled.finish()
+
+            for t in tasks:
+                t.add_done_callback(one)
             try:
-                while tasks:
-                    done, tasks = await asyncio.wait(tasks, timeout=tick,
-                                                     return_when=asyncio.FIRST_EXCEPTION)
-                    for t in done:
-                        if t.exception() is not None:
-                            raise t.exception()  # type: ignore[misc]
-                    scope.check(self.what)
+                await wait_on(settled, scope, self.what)
+                for t in tasks:
+                    if t.done() and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
             finally:
                 for t in tasks:
                     t.cancel()

@@ -170,14 +170,14 @@ class Engine:
         if threading.current_thread() is self._thread or not self._thread.is_alive():
             drop()
             return
-        dropped = threading.Event()
+        dropped = OneShot()
 
         def drop_and_say() -> None:
             drop()
-            dropped.set()
+            dropped.finish()
 
         self.call_soon(drop_and_say)
-        dropped.wait(wait)
+        block_on(dropped, None, f"the engine dropping descriptor {fd}", wait)
 
     def every(self, seconds: float, fn: Callable[[], None]) -> None:
         """Call ``fn()`` on the engine's thread every ``seconds`` — also after a call that
