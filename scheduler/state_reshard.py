@@ -25,6 +25,7 @@ cut small enough (a row longer than the bucket) runs alone in its own bucket and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -33,16 +34,22 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .balance import balance_sends
 from .cluster import Cluster
 from .cost import CostModel, lower_bound_of_tasks, ratio_text
 from .dtypes import check_dtype
 from .errors import ClusterError, PlanError, ShardingError, load_json
 from .graph import COMPUTE, Dep, Op, StepGraph, TransferOp, lane_stream, lanes_of
 from .plan import ReshardPlan, Transfer, fmt_bytes
-from .planner import PlanOptions, _decompose, check_nbytes
+from .planner import PlanOptions, check_nbytes
 from .regions import is_empty, split_region, volume
 from .sharding import Sharding, check_shape
+from .state_candidates import (
+    joint_entries,
+    per_tensor_entries,
+    plans_of,
+    state_tasks,
+    tensor_classes,
+)
 from .tasks import check_fits, unit_tasks
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -390,53 +397,38 @@ def plan_state_resharding(
     of at most ``options.bucket_bytes`` (see the module doc). Input errors name the argument
     and are raised before any planning."""
     state, options = _check_state(tensors, cluster, options)
+    items = list(state.values())
+    classes = tensor_classes(items, cluster)
+    task_lists = state_tasks(items, classes, cluster)
+    itemsizes = [check_dtype(t.dtype).itemsize for t in items]
+    model = CostModel(cluster)
+    joint, stats = joint_entries(task_lists, itemsizes, cluster, options)
+    candidates = {"joint": joint,
+                  "per-tensor": per_tensor_entries(items, classes, cluster, options)}
+    best: tuple[float, str, StateReshardPlan] | None = None
+    estimates: dict[str, float] = {}
+    for label, entries in candidates.items():
+        plan = _assemble(state, entries, options, model)
+        estimates[label] = plan.estimate_seconds
+        if best is None or plan.estimate_seconds < best[0]:
+            best = (plan.estimate_seconds, label, plan)
+    assert best is not None
+    _, choice, plan = best
+    return dataclasses.replace(
+        plan, bound_seconds=lower_bound_of_tasks(task_lists, cluster),
+        stats={**stats, "options": str(options), "choice": choice,
+               "candidates": estimates, "tensor_classes": len(classes)})
+
+
+def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Transfer]],
+              options: StateOptions, model: CostModel) -> StateReshardPlan:
+    """A candidate's entries as a plan: staged transfers larger than a bucket cut, the
+    launch order cut into buckets, the transfers split back per tensor, and the estimate
+    (the cost model running :meth:`StateReshardPlan.schedule`); the bound is left 0."""
     names = list(state)
-    # 1. Per tensor: unit tasks and decomposition (local work, sends, all-gather forwards).
-    task_lists, parts, itemsizes = [], [], []
-    for t in state.values():
-        tasks = unit_tasks(t.shape, t.dtype, t.src, t.dst, cluster)
-        itemsize = check_dtype(t.dtype).itemsize
-        task_lists.append(tasks)
-        itemsizes.append(itemsize)
-        parts.append(_decompose(tasks, itemsize, cluster, options.strategy))
-    # 2. One balancing over every tensor's sends, after every tensor's local work.
-    owner_of_send: list[int] = []
-    sends, before = [], []
-    entries: list[tuple[int, Transfer]] = []  # (tensor, transfer, after in global indices)
-    for k, p in enumerate(parts):
-        owner_of_send += [k] * len(p.sends)
-        sends += p.sends
-        before += p.before
-        entries += [(k, t) for t in p.before]
-    ordered, stats = balance_sends(sends, cluster, options.balance, seed=options.seed,
-                                   budget=options.budget, before=before, groups=owner_of_send)
-    offset = len(entries)
-    brought: dict[int, list[int]] = {}  # global send index -> the entries that carry it
-    for j, (idx, region, sender, receivers, after, lane) in enumerate(ordered):
-        k = owner_of_send[idx]
-        entries.append((k, Transfer(region, sender, receivers, volume(region) * itemsizes[k],
-                                    tuple(offset + a for a in after), lane)))
-        brought.setdefault(idx, []).append(offset + j)
-    first_send = 0
-    for k, p in enumerate(parts):
-        for idx, region, local in p.after:
-            owner = p.sends[idx].receivers[0]
-            entries.append((k, Transfer(region, owner, local, volume(region) * itemsizes[k],
-                                        tuple(brought.get(first_send + idx, ())))))
-        first_send += len(p.sends)
-    # 3. Cut staged transfers larger than a bucket; then the buckets; then per tensor.
     entries = _cut(entries, options.bucket_bytes)
     buckets_g = _buckets([t for _, t in entries], options.bucket_bytes)
-    local_index: list[int] = []
-    count = [0] * len(names)
-    for k, _ in entries:
-        local_index.append(count[k])
-        count[k] += 1
-    per_tensor: list[list[Transfer]] = [[] for _ in names]
-    for k, t in entries:
-        # ``after`` across tensors is dropped: the buckets' per-device order stands in.
-        after = tuple(local_index[a] for a in t.after if entries[a][0] == k)
-        per_tensor[k].append(Transfer(t.region, t.sender, t.receivers, t.nbytes, after, t.lane))
+    per_tensor, local_index = plans_of(entries, len(names))
     plans = {
         name: ReshardPlan(shape=t.shape, dtype=t.dtype, src=t.src, dst=t.dst,
                           transfers=tuple(per_tensor[k]), strategy=options.strategy,
@@ -445,17 +437,12 @@ def plan_state_resharding(
     }
     buckets = tuple(tuple((names[entries[g][0]], local_index[g]) for g in b) for b in buckets_g)
     peak = _peak_staging([[entries[g][1] for g in b] for b in buckets_g])
-    model = CostModel(cluster)
     draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
     schedule = [t for _, t in draft.schedule()]
     est = max((x.end for x in model.run(schedule)), default=0.0)
     net = sum(t.nbytes * sum(h.network for h in model.chain(t.sender, t.receivers))
               for t in schedule)
-    return StateReshardPlan(
-        tensors=state, plans=plans, buckets=buckets, bucket_bytes=options.bucket_bytes,
-        bound_seconds=lower_bound_of_tasks(task_lists, cluster), estimate_seconds=est,
-        network_bytes=net, peak_staging_bytes=peak, stats={**stats, "options": str(options)},
-    )
+    return dataclasses.replace(draft, estimate_seconds=est, network_bytes=net)
 
 
 def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:

@@ -6,6 +6,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler import (
     Cluster,
@@ -27,6 +29,7 @@ from scheduler import (
     state_lower_bound,
 )
 from scheduler.regions import contains
+from strategies import clusters, problems
 
 P3 = Cluster.preset("p3.8xlarge", 4)  # 4 hosts x 4 GPUs, one NIC per host
 DGX = Cluster.preset("dgx-h100", 2)  # one NIC per GPU
@@ -327,3 +330,27 @@ def test_real_model_shapes_count_their_parameters():
 
     assert round(count(deepseek_v3_shapes()) / 1e9) == 671
     assert round(count(llama3_70b_shapes()) / 1e9, 1) == 70.6
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_states_check_and_never_lose_to_planning_tensor_by_tensor(data):
+    cluster = data.draw(clusters())
+    tensors = {}
+    for k in range(data.draw(st.integers(1, 3))):
+        shape, dtype, src, dst, _ = data.draw(problems(cluster))
+        tensors[f"t{k}"] = StateTensor(shape, dtype, src, dst)
+    bucket = data.draw(st.sampled_from([16, 256, 1 << 30]))
+    options = StateOptions(budget=5_000, bucket_bytes=bucket)
+    plan = plan_state_resharding(tensors, cluster, options)
+    plan.check()
+    execute(plan)
+    assert plan.bound_seconds <= plan.estimate_seconds + 1e-12
+    # The kept plan is the fastest candidate, the tensors' own plans concatenated among them.
+    assert plan.estimate_seconds == min(plan.stats["candidates"].values())
+    assert plan.estimate_seconds <= plan.stats["candidates"]["per-tensor"]
+    if bucket == 1 << 30:  # nothing cut, one bucket: no slower than one plan after another
+        alone = sum(estimate(plan_resharding(t.shape, t.dtype, t.src, t.dst, cluster,
+                                             PlanOptions(budget=5_000)), cluster)
+                    for t in tensors.values())
+        assert plan.estimate_seconds <= alone * (1 + 1e-9)
