@@ -6,9 +6,11 @@ number, transfer)`` in launch order, ``after`` naming earlier entries of the sam
 
 - :func:`joint_entries`: every tensor's unit tasks and decomposition, then ONE balancing
   over the union of their sends (a NIC one tensor loads is avoided by the next);
-- :func:`per_tensor_entries`: every tensor's own :func:`~scheduler.planner.plan_resharding`
-  plan, concatenated in the state's order. So the kept plan is never slower, under the cost
-  model, than that concatenation bucketed the same way.
+- :func:`concatenated`: every tensor's own :func:`~scheduler.planner.plan_resharding`
+  plan (:func:`per_tensor_plans`), one after another in the state's order. So the kept plan
+  is never slower, under the cost model, than that concatenation bucketed the same way;
+- :func:`interleaved`: the same plans, those of tensors on different source hosts side by
+  side (a pipeline's stages send at once).
 
 Identical tensors are planned once (:func:`tensor_classes`): two tensors of the same shape,
 dtype, specs and mesh shapes whose devices are the same up to a renaming of hosts (each
@@ -86,11 +88,11 @@ def state_tasks(tensors: Sequence[Any], classes: Sequence, cluster: Cluster
     return out
 
 
-def per_tensor_entries(tensors: Sequence[Any], classes: Sequence, cluster: Cluster,
-                       options: PlanOptions) -> list[Entry]:
-    """Each class's representative planned alone (:func:`plan_resharding` with
-    ``options``), renamed for the other members, and the plans concatenated in the state's
-    order (each plan's ``after`` shifted to the entry numbers)."""
+def per_tensor_plans(tensors: Sequence[Any], classes: Sequence, cluster: Cluster,
+                     options: PlanOptions) -> list[list[Transfer]]:
+    """Each tensor's transfers as :func:`plan_resharding` plans it alone with ``options``
+    (the same plan a caller gets for that tensor): each class's representative planned,
+    the other members renamed."""
     single = PlanOptions(options.strategy, options.balance, options.seed, options.budget)
     plans: list[list[Transfer]] = [[] for _ in tensors]
     for rep, members in classes:
@@ -98,13 +100,48 @@ def per_tensor_entries(tensors: Sequence[Any], classes: Sequence, cluster: Clust
         plan = plan_resharding(t.shape, t.dtype, t.src, t.dst, cluster, single)
         for k, devmap in members:
             plans[k] = list(plan.transfers) if k == rep else renamed(plan.transfers, devmap)
-    entries: list[Entry] = []
-    for k, transfers in enumerate(plans):
-        offset = len(entries)
-        entries += [(k, Transfer(t.region, t.sender, t.receivers, t.nbytes,
-                                 tuple(offset + a for a in t.after), t.lane))
-                    for t in transfers]
-    return entries
+    return plans
+
+
+def concatenated(plans: Sequence[Sequence[Transfer]]) -> list[Entry]:
+    """The plans one after another in the state's order (``after`` shifted to entries)."""
+    return _entries([(k, i) for k, p in enumerate(plans) for i in range(len(p))], plans)
+
+
+def interleaved(plans: Sequence[Sequence[Transfer]], tensors: Sequence[Any],
+                cluster: Cluster) -> list[Entry]:
+    """The plans of tensors whose sources share no host side by side: tensors grouped by
+    the hosts of their source mesh (a pipeline stage, say), each group's plans concatenated,
+    and the groups merged fairly — each transfer placed by the fraction of its group's bytes
+    done when it ends — so every group moves at the same relative pace and all finish
+    together, instead of one source group sending while the others wait their turn."""
+    g = cluster.gpus_per_host
+    groups: dict[frozenset[int], list[int]] = {}
+    for k, t in enumerate(tensors):
+        groups.setdefault(frozenset(d // g for d in t.src.mesh.device_ids), []).append(k)
+    keyed: list[tuple[float, int, int, int]] = []
+    for n, members in enumerate(groups.values()):
+        seq = [(k, i) for k in members for i in range(len(plans[k]))]
+        total = sum(plans[k][i].nbytes for k, i in seq)
+        done = 0
+        for pos, (k, i) in enumerate(seq):
+            done += plans[k][i].nbytes
+            frac = done / total if total else (pos + 1) / len(seq)
+            keyed.append((frac, n, k, i))
+    keyed.sort()
+    return _entries([(k, i) for _, _, k, i in keyed], plans)
+
+
+def _entries(order: Sequence[tuple[int, int]], plans: Sequence[Sequence[Transfer]]
+             ) -> list[Entry]:
+    """(tensor, index in its plan) in launch order as entries, ``after`` renumbered."""
+    position = {key: n for n, key in enumerate(order)}
+    out: list[Entry] = []
+    for k, i in order:
+        t = plans[k][i]
+        out.append((k, Transfer(t.region, t.sender, t.receivers, t.nbytes,
+                                tuple(position[(k, a)] for a in t.after), t.lane)))
+    return out
 
 
 def joint_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[int],
@@ -155,5 +192,5 @@ def plans_of(entries: Sequence[Entry], count: int) -> tuple[list[list[Transfer]]
     return per_tensor, local_index
 
 
-__all__ = ["joint_entries", "per_tensor_entries", "plans_of", "renamed", "state_tasks",
+__all__ = ["concatenated", "interleaved", "joint_entries", "per_tensor_plans", "plans_of", "renamed", "state_tasks",
            "tensor_classes"]

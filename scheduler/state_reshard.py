@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import re
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -44,8 +45,10 @@ from .planner import PlanOptions, check_nbytes
 from .regions import is_empty, split_region, volume
 from .sharding import Sharding, check_shape
 from .state_candidates import (
+    concatenated,
+    interleaved,
     joint_entries,
-    per_tensor_entries,
+    per_tensor_plans,
     plans_of,
     state_tasks,
     tensor_classes,
@@ -192,29 +195,20 @@ class StateReshardPlan:
     # ---- running ---------------------------------------------------------------------------
 
     def schedule(self) -> list[tuple[Key, Transfer]]:
-        """The whole state's transfers in launch order (bucket by bucket), each with ``after``
-        in indices of this list: its plan's own ``after``, plus, for each of its devices, the
-        last transfer of every lane of that device's previous bucket (the bucket barrier that
-        bounds a device's staging memory to one bucket's bytes)."""
-        position = {key: g for g, key in enumerate(k for b in self.buckets for k in b)}
+        """The whole state's transfers in launch order, each with ``after`` in indices of
+        this list: its plan's own ``after``, plus the staging window's waits
+        (:func:`staging_waits`: a device starts a staged transfer only once the bytes it
+        has started and not finished, this one included, fit in ``bucket_bytes``)."""
+        order = self.launch_order
+        position = {key: g for g, key in enumerate(order)}
+        transfers = [self._transfer(key) for key in order]
+        window = staging_waits(transfers, self.bucket_bytes)
         out: list[tuple[Key, Transfer]] = []
-        latest: dict[int, tuple[int, dict[int, int]]] = {}  # device -> (bucket, lane -> last)
-        barrier: dict[int, tuple[int, ...]] = {}  # device -> last of each lane, previous bucket
-        for b, bucket in enumerate(self.buckets):
-            for key in bucket:
-                g = len(out)
-                t = self._transfer(key)
-                deps = {position[(key[0], j)] for j in t.after}
-                for d in t.devices:
-                    entry = latest.get(d)
-                    if entry is None or entry[0] < b:
-                        if entry is not None:
-                            barrier[d] = tuple(entry[1].values())
-                        entry = latest[d] = (b, {})
-                    deps.update(barrier.get(d, ()))
-                    entry[1][t.lane] = g
-                out.append((key, Transfer(t.region, t.sender, t.receivers, t.nbytes,
-                                          tuple(sorted(deps)), t.lane)))
+        for g, (key, t) in enumerate(zip(order, transfers)):
+            deps = {position[(key[0], j)] for j in t.after}
+            deps.update(j for j, _ in window[g])
+            out.append((key, Transfer(t.region, t.sender, t.receivers, t.nbytes,
+                                      tuple(sorted(deps)), t.lane)))
         return out
 
     # ---- invariants ------------------------------------------------------------------------
@@ -372,21 +366,6 @@ def state_lower_bound(tensors: Mapping[str, StateTensor], cluster: Cluster) -> f
         (unit_tasks(t.shape, t.dtype, t.src, t.dst, cluster) for t in tensors.values()), cluster)
 
 
-def _peak_staging(buckets: Sequence[Sequence[Transfer]]) -> dict[int, int]:
-    """Per device, the most bytes one bucket stages there (a local copy stages none: it
-    copies shard to shard)."""
-    peak: dict[int, int] = {}
-    for bucket in buckets:
-        staged: dict[int, int] = {}
-        for t in bucket:
-            if not t.is_local_copy:
-                for d in t.devices:
-                    staged[d] = staged.get(d, 0) + t.nbytes
-        for d, v in staged.items():
-            peak[d] = max(peak.get(d, 0), v)
-    return peak
-
-
 def plan_state_resharding(
     tensors: Mapping[str, StateTensor],
     cluster: Cluster,
@@ -403,8 +382,9 @@ def plan_state_resharding(
     itemsizes = [check_dtype(t.dtype).itemsize for t in items]
     model = CostModel(cluster)
     joint, stats = joint_entries(task_lists, itemsizes, cluster, options)
-    candidates = {"joint": joint,
-                  "per-tensor": per_tensor_entries(items, classes, cluster, options)}
+    alone = per_tensor_plans(items, classes, cluster, options)
+    candidates = {"joint": joint, "per-tensor": concatenated(alone),
+                  "per-tensor-interleaved": interleaved(alone, items, cluster)}
     best: tuple[float, str, StateReshardPlan] | None = None
     estimates: dict[str, float] = {}
     for label, entries in candidates.items():
@@ -436,7 +416,7 @@ def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Tra
         for k, (name, t) in enumerate(state.items())
     }
     buckets = tuple(tuple((names[entries[g][0]], local_index[g]) for g in b) for b in buckets_g)
-    peak = _peak_staging([[entries[g][1] for g in b] for b in buckets_g])
+    _, peak = staging_window([t for _, t in entries], options.bucket_bytes)
     draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
     schedule = [t for _, t in draft.schedule()]
     est = max((x.end for x in model.run(schedule)), default=0.0)
@@ -452,13 +432,11 @@ def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
 
     Waits: each transfer's ``after`` within its tensor (as :func:`~scheduler.reshard_graph`
     makes them: on the sender, for what it forwards or for its NIC's order), and the
-    **bucket barrier** — on each device, a transfer of bucket ``b`` waits, on that device,
-    for the device's last transfer of each of its other streams in the device's previous
-    bucket (its own stream's is before it anyway: FIFO). A device thus stages one bucket
-    at a time (:attr:`StateReshardPlan.peak_staging_bytes`), while devices done with a
-    bucket go on to the next without waiting for the others: bucket ``k + 1`` moves between
-    some devices while bucket ``k`` still lands on others. Every wait names an earlier op,
-    so the graph cannot deadlock."""
+    **staging window** (:func:`staging_window`): on each device, a staged transfer waits, on
+    that device, for the last transfer of each of its other streams before its window, so
+    a device never has more than ``bucket_bytes`` staged bytes started and not finished
+    (:attr:`StateReshardPlan.peak_staging_bytes`), and no device ever drains its streams at
+    a bucket's end. Every wait names an earlier op, so the graph cannot deadlock."""
     if not isinstance(plan, StateReshardPlan):
         raise TypeError(f"plan: expected a StateReshardPlan, got {type(plan).__name__}")
     if not isinstance(stream, str) or not stream or stream == COMPUTE \
@@ -467,31 +445,72 @@ def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
                          f"ending like a lane's (<name>.<lane>), got {stream!r}")
     order = plan.launch_order
     position = {key: g for g, key in enumerate(order)}
-    current: dict[int, tuple[int, dict[str, int]]] = {}  # device -> (bucket, stream -> last)
-    barrier: dict[int, dict[str, int]] = {}  # device -> stream -> last op, previous bucket
+    transfers = [plan.plans[name].transfers[i] for name, i in order]
+    window = staging_waits(transfers, plan.bucket_bytes)
     ops: list[Op] = []
-    for b, bucket in enumerate(plan.buckets):
-        for name, i in bucket:
-            g = len(ops)
-            t = plan.plans[name].transfers[i]
-            s = lane_stream(stream, t)
-            waits: dict[Dep, None] = {}
-            for j in t.after:
-                earlier = plan.plans[name].transfers[j]
-                src = t.sender if t.sender in earlier.devices else earlier.sender
-                waits[Dep(position[(name, j)], src, t.sender)] = None
-            for d in t.devices:
-                entry = current.get(d)
-                if entry is None or entry[0] < b:
-                    if entry is not None:
-                        barrier[d] = entry[1]
-                    entry = current[d] = (b, {})
-                for other, last in barrier.get(d, {}).items():
-                    if other != s:
-                        waits[Dep(last, d, d)] = None
-                entry[1][s] = g
-            ops.append(Op(g, TransferOp(None, 0, g, t), s, t.devices, tuple(waits)))
+    for g, ((name, i), t) in enumerate(zip(order, transfers)):
+        waits: dict[Dep, None] = {}
+        for j in t.after:
+            earlier = plan.plans[name].transfers[j]
+            src = t.sender if t.sender in earlier.devices else earlier.sender
+            waits[Dep(position[(name, j)], src, t.sender)] = None
+        for j, d in window[g]:
+            waits[Dep(j, d, d)] = None
+        ops.append(Op(g, TransferOp(None, 0, g, t), lane_stream(stream, t), t.devices,
+                      tuple(waits)))
     return StepGraph(tuple(ops), lanes_of(ops))
+
+
+def staging_waits(transfers: Sequence[Transfer], cap: int) -> list[list[tuple[int, int]]]:
+    """The staging window (:func:`staging_window`'s waits)."""
+    return staging_window(transfers, cap)[0]
+
+
+def staging_window(transfers: Sequence[Transfer], cap: int
+                   ) -> tuple[list[list[tuple[int, int]]], dict[int, int]]:
+    """The staging window: for each transfer of a launch order, the ``(earlier transfer,
+    device)`` pairs it waits for so that no device has more than ``cap`` staged bytes
+    started and not finished.
+
+    On each device, a staged transfer (not a local copy, which goes shard to shard) waits
+    until every transfer of that device before its *window* has ended: the window is the
+    longest run of the device's transfers ending with this one whose staged bytes fit in
+    ``cap`` (just this one when it alone is larger: an oversized transfer runs alone). It
+    waits, on each of the device's other lanes, for that lane's last transfer before the
+    window (its own lane is FIFO anyway). At any moment, then, what a device has started
+    and not finished lies in the window of the last transfer it started: at most ``cap``
+    bytes, or one oversized transfer. Unlike a barrier between buckets, a device never
+    drains: while its slowest lane ends one part, its other lanes already move the next.
+
+    Returns the waits of each transfer and, per device, the most staged bytes any of its
+    windows holds: the most it can have in flight (its peak staging memory)."""
+    out: list[list[tuple[int, int]]] = [[] for _ in transfers]
+    peak: dict[int, int] = {}
+    mine: dict[int, list[int]] = defaultdict(list)  # device -> its transfers so far
+    start: dict[int, int] = defaultdict(int)  # device -> index in mine where its window begins
+    inflight: dict[int, int] = defaultdict(int)  # device -> staged bytes from there on
+    ended: dict[int, dict[int, int]] = defaultdict(dict)  # device -> lane -> last before it
+    waited: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)  # (device, lane) -> ...
+    for g, t in enumerate(transfers):
+        b = _staged(t)
+        for d in t.devices:
+            mine[d].append(g)
+            if not b:
+                continue
+            seq, lo = mine[d], start[d]
+            inflight[d] += b
+            while lo < len(seq) - 1 and (inflight[d] > cap or b > cap):
+                inflight[d] -= _staged(transfers[seq[lo]])
+                ended[d][transfers[seq[lo]].lane] = seq[lo]
+                lo += 1
+            start[d] = lo
+            peak[d] = max(peak.get(d, 0), inflight[d])
+            done = waited[(d, t.lane)]
+            for lane, j in ended[d].items():
+                if lane != t.lane and j > done.get(lane, -1):
+                    out[g].append((j, d))
+                    done[lane] = j
+    return out, peak
 
 
 def _cut(entries: Sequence[tuple[int, Transfer]], cap: int) -> list[tuple[int, Transfer]]:
