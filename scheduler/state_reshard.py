@@ -406,7 +406,7 @@ def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Tra
     launch order cut into buckets, the transfers split back per tensor, and the estimate
     (the cost model running :meth:`StateReshardPlan.schedule`); the bound is left 0."""
     names = list(state)
-    entries = _cut(entries, options.bucket_bytes)
+    entries = _by_start(_cut(entries, options.bucket_bytes), model)
     buckets_g = _buckets([t for _, t in entries], options.bucket_bytes)
     per_tensor, local_index = plans_of(entries, len(names))
     plans = {
@@ -511,6 +511,23 @@ def staging_window(transfers: Sequence[Transfer], cap: int
                     out[g].append((j, d))
                     done[lane] = j
     return out, peak
+
+
+def _by_start(entries: Sequence[tuple[int, Transfer]], model: CostModel
+              ) -> list[tuple[int, Transfer]]:
+    """The entries in the order they start when the cost model runs them with no staging
+    limit (``after`` renumbered). The staging window makes a transfer wait for everything
+    its devices launched before its window; in this order a device's transfers are listed
+    as they would start, so a transfer listed early but held up (its sender busy on another
+    lane) does not hold back the many listed after it."""
+    if not entries:
+        return []
+    timings = model.run([t for _, t in entries])
+    order = sorted(range(len(entries)), key=lambda g: (timings[g].start, g))
+    position = {g: n for n, g in enumerate(order)}
+    return [(entries[g][0], dataclasses.replace(
+                entries[g][1], after=tuple(sorted(position[a] for a in entries[g][1].after))))
+            for g in order]
 
 
 def _cut(entries: Sequence[tuple[int, Transfer]], cap: int) -> list[tuple[int, Transfer]]:
