@@ -1,26 +1,38 @@
 """Resharding a whole state at once (an RL weight refit): many tensors, one plan.
 
-:func:`plan_state_resharding` plans every tensor of a state (a model's weights, say, from the
-trainer's layout to the inference engine's) together, with the planner's own stages:
+:func:`plan_state_resharding` builds several candidate plans of the whole state
+(:mod:`scheduler.state_candidates`) and keeps the one the cost model times fastest:
 
-1. per tensor, :func:`~scheduler.tasks.unit_tasks` and the planner's decomposition into local
-   work (copies, NVLink forwards from a holder on the same host) and *sends* (boxes that must
-   cross the network, any source replica a candidate sender, a destination's replicas reached
-   by one chained broadcast under the default strategy);
-2. ONE balancing (:func:`~scheduler.balance.balance_sends`) over the union of every tensor's
-   sends, after the union of their local work: a NIC that one tensor loads is avoided by the
-   next, and the launch order interleaves the tensors;
-3. the result split back per tensor (each tensor's own :class:`~scheduler.plan.ReshardPlan`,
-   checkable alone), and the launch order cut into *buckets* in which no device stages
-   more than :attr:`StateOptions.bucket_bytes` bytes.
+- **joint**: per tensor, :func:`~scheduler.tasks.unit_tasks` and the planner's decomposition
+  into local work and *sends* (boxes that must cross the network, any source replica a
+  candidate sender, a destination's replicas reached by one chained broadcast under the
+  default strategy); then ONE balancing (:func:`~scheduler.balance.balance_sends`) over the
+  union of every tensor's sends, after the union of their local work;
+- **per-tensor**: every tensor's own :func:`~scheduler.planner.plan_resharding` plan (with the
+  same options), one after another — so the kept plan is never slower, under the cost model,
+  than planning tensor by tensor, bucketed the same way;
+- **per-tensor-interleaved**: the same plans, those of tensors whose sources are on different
+  hosts (pipeline stages) side by side, each group at the same pace.
 
-Buckets bound memory: a device stages (sends from, or receives into, a buffer) only the
-transfers of one bucket at a time — its transfers of a bucket start once its transfers of its
-previous bucket have ended (:meth:`StateReshardPlan.schedule`) — so its extra memory is at
-most the bucket's bytes (:attr:`StateReshardPlan.peak_staging_bytes` says how much each device
-needs). A transfer larger than a bucket is first cut into parts that fit; one that cannot be
-cut small enough (a row longer than the bucket) runs alone in its own bucket and is listed in
-:attr:`StateReshardPlan.oversized`.
+Identical tensors (same shape, dtype, specs and mesh shapes, devices the same up to a renaming
+of hosts) are planned once: their unit tasks and plans are renamed copies, exact in cost.
+
+Each candidate's transfers larger than a bucket are first cut into parts that fit (one that
+cannot be cut small enough — a row longer than the bucket — is listed in
+:attr:`StateReshardPlan.oversized`); they are launched in the order they start when the cost
+model runs them unconstrained; that launch order is cut into *buckets* in which no device
+stages more than :attr:`StateOptions.bucket_bytes` bytes.
+
+**Memory guarantee.** A device stages (sends from, or receives into, a buffer) the bytes of
+every transfer it takes part in except local copies. The **staging window**
+(:func:`staging_window`, enforced by :meth:`StateReshardPlan.schedule` and
+:func:`state_graph`) makes each staged transfer wait, on each of its devices, until every
+transfer that device launched before the longest run of its transfers (ending with this one)
+that fits in ``bucket_bytes`` has ended. So at no moment does a device have more than
+``bucket_bytes`` staged bytes started and not finished — or a single oversized transfer,
+which runs alone. :attr:`StateReshardPlan.peak_staging_bytes` gives, per device, the most
+any of its windows holds (at most ``bucket_bytes`` but for an oversized transfer). Unlike a
+barrier between buckets, a device never drains its lanes to start the next part.
 """
 
 from __future__ import annotations
@@ -103,8 +115,9 @@ class StateTensor:
 @dataclass(frozen=True)
 class StateOptions(PlanOptions):
     """The planner's :class:`~scheduler.planner.PlanOptions` plus ``bucket_bytes``: the most
-    bytes of staged (non-local) transfers one device takes part in within one bucket, so the
-    most extra memory a device needs at a time (256 MiB by default)."""
+    bytes of staged (non-local) transfers a device has started and not finished at any
+    moment (the staging window), so the most extra memory it needs (256 MiB by default).
+    ``budget`` goes to the joint balancing and, whole, to each distinct tensor's own plan."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
@@ -124,11 +137,14 @@ class StateReshardPlan:
 
     ``plans[name]`` is the tensor's own :class:`~scheduler.plan.ReshardPlan` (its transfers
     in the tensor's launch order; ``after`` names transfers of the same tensor only).
-    ``buckets``: the launch order of the whole state, cut into buckets, each a tuple of
-    ``(tensor name, transfer index)``. The figures are those of the cluster it was planned
-    for: ``bound_seconds`` (:func:`state_lower_bound`), ``estimate_seconds`` (the cost model
-    running :meth:`schedule`), ``network_bytes`` (each transfer's bytes times its inter-host
-    hops) and ``peak_staging_bytes`` (device -> the most bytes it stages in one bucket).
+    ``buckets``: the launch order of the whole state, cut into buckets (in none does a
+    device stage more than ``bucket_bytes``), each a tuple of ``(tensor name, transfer
+    index)``. The figures are those of the cluster it was planned for: ``bound_seconds``
+    (:func:`state_lower_bound`), ``estimate_seconds`` (the cost model running
+    :meth:`schedule`), ``network_bytes`` (each transfer's bytes times its inter-host hops)
+    and ``peak_staging_bytes`` (device -> the most staged bytes it can have in flight:
+    :func:`staging_window`). ``stats``: which candidate was kept (``choice``), every
+    candidate's estimate (``candidates``), the classes of identical tensors.
     """
 
     tensors: Mapping[str, StateTensor]
@@ -197,12 +213,12 @@ class StateReshardPlan:
     def schedule(self) -> list[tuple[Key, Transfer]]:
         """The whole state's transfers in launch order, each with ``after`` in indices of
         this list: its plan's own ``after``, plus the staging window's waits
-        (:func:`staging_waits`: a device starts a staged transfer only once the bytes it
+        (:func:`staging_window`: a device starts a staged transfer only once the bytes it
         has started and not finished, this one included, fit in ``bucket_bytes``)."""
         order = self.launch_order
         position = {key: g for g, key in enumerate(order)}
         transfers = [self._transfer(key) for key in order]
-        window = staging_waits(transfers, self.bucket_bytes)
+        window, _ = staging_window(transfers, self.bucket_bytes)
         out: list[tuple[Key, Transfer]] = []
         for g, (key, t) in enumerate(zip(order, transfers)):
             deps = {position[(key[0], j)] for j in t.after}
@@ -446,7 +462,7 @@ def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
     order = plan.launch_order
     position = {key: g for g, key in enumerate(order)}
     transfers = [plan.plans[name].transfers[i] for name, i in order]
-    window = staging_waits(transfers, plan.bucket_bytes)
+    window, _ = staging_window(transfers, plan.bucket_bytes)
     ops: list[Op] = []
     for g, ((name, i), t) in enumerate(zip(order, transfers)):
         waits: dict[Dep, None] = {}
@@ -459,11 +475,6 @@ def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
         ops.append(Op(g, TransferOp(None, 0, g, t), lane_stream(stream, t), t.devices,
                       tuple(waits)))
     return StepGraph(tuple(ops), lanes_of(ops))
-
-
-def staging_waits(transfers: Sequence[Transfer], cap: int) -> list[list[tuple[int, int]]]:
-    """The staging window (:func:`staging_window`'s waits)."""
-    return staging_window(transfers, cap)[0]
 
 
 def staging_window(transfers: Sequence[Transfer], cap: int
@@ -584,4 +595,5 @@ __all__ = [
     "plan_state_resharding",
     "state_graph",
     "state_lower_bound",
+    "staging_window",
 ]
