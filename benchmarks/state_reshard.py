@@ -134,21 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(t.nbytes for t in tensors.values())
     print(f"state: {len(tensors)} tensors, {parameters(tensors) / 1e9:.2f} B parameters, "
           f"{fmt_bytes(total)} (bfloat16), {where}")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_state_resharding(tensors, cluster,
                                  StateOptions(bucket_bytes=args.bucket_mib << 20))
-    planned = time.perf_counter() - t0
+    planned, planned_cpu = time.perf_counter() - t0, time.process_time() - c0
+    bound = plan.bound_seconds
     t0 = time.perf_counter()
     plan.check()
     checked = time.perf_counter() - t0
     print(plan.to_text())
-    print(f"  plan time {planned:.2f} s, check {checked:.2f} s, balance "
-          f"{plan.stats.get('auto_choice', plan.stats.get('options'))}")
+    print(f"  plan time {planned:.2f} s ({planned_cpu:.2f} s of CPU: the machine is shared), "
+          f"check {checked:.2f} s; {plan.stats['tensor_classes']} classes of identical "
+          f"tensors; kept {plan.stats['choice']!r} of: " + ", ".join(
+              f"{k} {v / bound:.3f}" for k, v in plan.stats["candidates"].items()))
     t0 = time.perf_counter()
     sequential = per_tensor(tensors, cluster, model)
     per_tensor_time = time.perf_counter() - t0
     gathered = gather_then_broadcast(tensors, model)
-    bound = plan.bound_seconds
     print(f"joint plan:               {plan.estimate_seconds * 1e3:9.3f} ms  "
           f"(estimate / bound {plan.estimate_seconds / bound:.3f})")
     print(f"per tensor, one by one:   {sequential * 1e3:9.3f} ms  "
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gather to one, broadcast: {gathered * 1e3:9.3f} ms  ({gathered / bound:.3f} x bound)")
     print(f"lower bound:              {bound * 1e3:9.3f} ms")
     print(f"goal estimate / bound <= 1.05: {'met' if plan.ratio <= 1.05 else 'NOT met'}; "
-          f"goal plan time <= 5 s: {'met' if planned <= 5 else 'NOT met'}")
+          f"goal plan time <= 5 s: {'met' if planned <= 5 else 'NOT met'} (wall), "
+          f"{'met' if planned_cpu <= 5 else 'NOT met'} (CPU)")
     return 0
 
 

@@ -3,10 +3,11 @@ of a state dict moved from one layout to another in one call — an RL weight re
 checkpoint reshaped from N ranks to M.
 
 The plan runs as ONE step graph (:func:`scheduler.state_graph`): every transfer of every
-tensor in the plan's bucket order, each one a pack → move → unpack on its devices' comm
+tensor in the plan's launch order, each one a pack → move → unpack on its devices' comm
 streams (:func:`overlap.reshard.transfer_op`, the one-tensor call's own), with each device's
-bucket barrier as event waits — so a device stages one bucket at a time while devices done
-with bucket ``k`` already move bucket ``k + 1``. The call goes through the runtime's one call
+staging window (:func:`scheduler.state_reshard.staging_window`) as event waits — so a device
+never has more than the plan's ``bucket_bytes`` staged bytes in flight, and no device waits
+for a whole bucket. The call goes through the runtime's one call
 path (:meth:`overlap.call.Calls.run`): the gate, the agreement across
 processes (a SHA-256 of the plan, among the ranks holding any of its devices), the timeout,
 cancellation and one named root cause on failure — exactly as :meth:`Runtime.reshard`.

@@ -1,48 +1,70 @@
 """Resharding a whole state at once (an RL weight refit): many tensors, one plan.
 
-:func:`plan_state_resharding` plans every tensor of a state (a model's weights, say, from the
-trainer's layout to the inference engine's) together, with the planner's own stages:
+:func:`plan_state_resharding` builds several candidate plans of the whole state
+(:mod:`scheduler.state_candidates`) and keeps the one the cost model times fastest:
 
-1. per tensor, :func:`~scheduler.tasks.unit_tasks` and the planner's decomposition into local
-   work (copies, NVLink forwards from a holder on the same host) and *sends* (boxes that must
-   cross the network, any source replica a candidate sender, a destination's replicas reached
-   by one chained broadcast under the default strategy);
-2. ONE balancing (:func:`~scheduler.balance.balance_sends`) over the union of every tensor's
-   sends, after the union of their local work: a NIC that one tensor loads is avoided by the
-   next, and the launch order interleaves the tensors;
-3. the result split back per tensor (each tensor's own :class:`~scheduler.plan.ReshardPlan`,
-   checkable alone), and the launch order cut into *buckets* in which no device stages
-   more than :attr:`StateOptions.bucket_bytes` bytes.
+- **joint**: per tensor, :func:`~scheduler.tasks.unit_tasks` and the planner's decomposition
+  into local work and *sends* (boxes that must cross the network, any source replica a
+  candidate sender, a destination's replicas reached by one chained broadcast under the
+  default strategy); then ONE balancing (:func:`~scheduler.balance.balance_sends`) over the
+  union of every tensor's sends, after the union of their local work;
+- **per-tensor**: every tensor's own :func:`~scheduler.planner.plan_resharding` plan (with the
+  same options), one after another — so the kept plan is never slower, under the cost model,
+  than planning tensor by tensor, bucketed the same way;
+- **per-tensor-interleaved**: the same plans, those of tensors whose sources are on different
+  hosts (pipeline stages) side by side, each group at the same pace.
 
-Buckets bound memory: a device stages (sends from, or receives into, a buffer) only the
-transfers of one bucket at a time — its transfers of a bucket start once its transfers of its
-previous bucket have ended (:meth:`StateReshardPlan.schedule`) — so its extra memory is at
-most the bucket's bytes (:attr:`StateReshardPlan.peak_staging_bytes` says how much each device
-needs). A transfer larger than a bucket is first cut into parts that fit; one that cannot be
-cut small enough (a row longer than the bucket) runs alone in its own bucket and is listed in
-:attr:`StateReshardPlan.oversized`.
+Identical tensors (same shape, dtype, specs and mesh shapes, devices the same up to a renaming
+of hosts) are planned once: their unit tasks and plans are renamed copies, exact in cost.
+
+Each candidate's transfers larger than a bucket are first cut into parts that fit (one that
+cannot be cut small enough — a row longer than the bucket — is listed in
+:attr:`StateReshardPlan.oversized`); they are launched in the order they start when the cost
+model runs them unconstrained; that launch order is cut into *buckets* in which no device
+stages more than :attr:`StateOptions.bucket_bytes` bytes.
+
+**Memory guarantee.** A device stages (sends from, or receives into, a buffer) the bytes of
+every transfer it takes part in except local copies. The **staging window**
+(:func:`staging_window`, enforced by :meth:`StateReshardPlan.schedule` and
+:func:`state_graph`) makes each staged transfer wait, on each of its devices, until every
+transfer that device launched before the longest run of its transfers (ending with this one)
+that fits in ``bucket_bytes`` has ended. So at no moment does a device have more than
+``bucket_bytes`` staged bytes started and not finished — or a single oversized transfer,
+which runs alone. :attr:`StateReshardPlan.peak_staging_bytes` gives, per device, the most
+any of its windows holds (at most ``bucket_bytes`` but for an oversized transfer). Unlike a
+barrier between buckets, a device never drains its lanes to start the next part.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .balance import balance_sends
 from .cluster import Cluster
 from .cost import CostModel, lower_bound_of_tasks, ratio_text
 from .dtypes import check_dtype
 from .errors import ClusterError, PlanError, ShardingError, load_json
 from .graph import COMPUTE, Dep, Op, StepGraph, TransferOp, lane_stream, lanes_of
 from .plan import ReshardPlan, Transfer, fmt_bytes
-from .planner import PlanOptions, _decompose, check_nbytes
+from .planner import PlanOptions, check_nbytes
 from .regions import is_empty, split_region, volume
 from .sharding import Sharding, check_shape
+from .state_candidates import (
+    concatenated,
+    interleaved,
+    joint_entries,
+    per_tensor_plans,
+    plans_of,
+    state_tasks,
+    tensor_classes,
+)
 from .tasks import check_fits, unit_tasks
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -93,8 +115,9 @@ class StateTensor:
 @dataclass(frozen=True)
 class StateOptions(PlanOptions):
     """The planner's :class:`~scheduler.planner.PlanOptions` plus ``bucket_bytes``: the most
-    bytes of staged (non-local) transfers one device takes part in within one bucket, so the
-    most extra memory a device needs at a time (256 MiB by default)."""
+    bytes of staged (non-local) transfers a device has started and not finished at any
+    moment (the staging window), so the most extra memory it needs (256 MiB by default).
+    ``budget`` goes to the joint balancing and, whole, to each distinct tensor's own plan."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
@@ -114,11 +137,14 @@ class StateReshardPlan:
 
     ``plans[name]`` is the tensor's own :class:`~scheduler.plan.ReshardPlan` (its transfers
     in the tensor's launch order; ``after`` names transfers of the same tensor only).
-    ``buckets``: the launch order of the whole state, cut into buckets, each a tuple of
-    ``(tensor name, transfer index)``. The figures are those of the cluster it was planned
-    for: ``bound_seconds`` (:func:`state_lower_bound`), ``estimate_seconds`` (the cost model
-    running :meth:`schedule`), ``network_bytes`` (each transfer's bytes times its inter-host
-    hops) and ``peak_staging_bytes`` (device -> the most bytes it stages in one bucket).
+    ``buckets``: the launch order of the whole state, cut into buckets (in none does a
+    device stage more than ``bucket_bytes``), each a tuple of ``(tensor name, transfer
+    index)``. The figures are those of the cluster it was planned for: ``bound_seconds``
+    (:func:`state_lower_bound`), ``estimate_seconds`` (the cost model running
+    :meth:`schedule`), ``network_bytes`` (each transfer's bytes times its inter-host hops)
+    and ``peak_staging_bytes`` (device -> the most staged bytes it can have in flight:
+    :func:`staging_window`). ``stats``: which candidate was kept (``choice``), every
+    candidate's estimate (``candidates``), the classes of identical tensors.
     """
 
     tensors: Mapping[str, StateTensor]
@@ -185,29 +211,20 @@ class StateReshardPlan:
     # ---- running ---------------------------------------------------------------------------
 
     def schedule(self) -> list[tuple[Key, Transfer]]:
-        """The whole state's transfers in launch order (bucket by bucket), each with ``after``
-        in indices of this list: its plan's own ``after``, plus, for each of its devices, the
-        last transfer of every lane of that device's previous bucket (the bucket barrier that
-        bounds a device's staging memory to one bucket's bytes)."""
-        position = {key: g for g, key in enumerate(k for b in self.buckets for k in b)}
+        """The whole state's transfers in launch order, each with ``after`` in indices of
+        this list: its plan's own ``after``, plus the staging window's waits
+        (:func:`staging_window`: a device starts a staged transfer only once the bytes it
+        has started and not finished, this one included, fit in ``bucket_bytes``)."""
+        order = self.launch_order
+        position = {key: g for g, key in enumerate(order)}
+        transfers = [self._transfer(key) for key in order]
+        window, _ = staging_window(transfers, self.bucket_bytes)
         out: list[tuple[Key, Transfer]] = []
-        latest: dict[int, tuple[int, dict[int, int]]] = {}  # device -> (bucket, lane -> last)
-        barrier: dict[int, tuple[int, ...]] = {}  # device -> last of each lane, previous bucket
-        for b, bucket in enumerate(self.buckets):
-            for key in bucket:
-                g = len(out)
-                t = self._transfer(key)
-                deps = {position[(key[0], j)] for j in t.after}
-                for d in t.devices:
-                    entry = latest.get(d)
-                    if entry is None or entry[0] < b:
-                        if entry is not None:
-                            barrier[d] = tuple(entry[1].values())
-                        entry = latest[d] = (b, {})
-                    deps.update(barrier.get(d, ()))
-                    entry[1][t.lane] = g
-                out.append((key, Transfer(t.region, t.sender, t.receivers, t.nbytes,
-                                          tuple(sorted(deps)), t.lane)))
+        for g, (key, t) in enumerate(zip(order, transfers)):
+            deps = {position[(key[0], j)] for j in t.after}
+            deps.update(j for j, _ in window[g])
+            out.append((key, Transfer(t.region, t.sender, t.receivers, t.nbytes,
+                                      tuple(sorted(deps)), t.lane)))
         return out
 
     # ---- invariants ------------------------------------------------------------------------
@@ -365,21 +382,6 @@ def state_lower_bound(tensors: Mapping[str, StateTensor], cluster: Cluster) -> f
         (unit_tasks(t.shape, t.dtype, t.src, t.dst, cluster) for t in tensors.values()), cluster)
 
 
-def _peak_staging(buckets: Sequence[Sequence[Transfer]]) -> dict[int, int]:
-    """Per device, the most bytes one bucket stages there (a local copy stages none: it
-    copies shard to shard)."""
-    peak: dict[int, int] = {}
-    for bucket in buckets:
-        staged: dict[int, int] = {}
-        for t in bucket:
-            if not t.is_local_copy:
-                for d in t.devices:
-                    staged[d] = staged.get(d, 0) + t.nbytes
-        for d, v in staged.items():
-            peak[d] = max(peak.get(d, 0), v)
-    return peak
-
-
 def plan_state_resharding(
     tensors: Mapping[str, StateTensor],
     cluster: Cluster,
@@ -390,53 +392,39 @@ def plan_state_resharding(
     of at most ``options.bucket_bytes`` (see the module doc). Input errors name the argument
     and are raised before any planning."""
     state, options = _check_state(tensors, cluster, options)
+    items = list(state.values())
+    classes = tensor_classes(items, cluster)
+    task_lists = state_tasks(items, classes, cluster)
+    itemsizes = [check_dtype(t.dtype).itemsize for t in items]
+    model = CostModel(cluster)
+    joint, stats = joint_entries(task_lists, itemsizes, cluster, options)
+    alone = per_tensor_plans(items, classes, cluster, options)
+    candidates = {"joint": joint, "per-tensor": concatenated(alone),
+                  "per-tensor-interleaved": interleaved(alone, items, cluster)}
+    best: tuple[float, str, StateReshardPlan] | None = None
+    estimates: dict[str, float] = {}
+    for label, entries in candidates.items():
+        plan = _assemble(state, entries, options, model)
+        estimates[label] = plan.estimate_seconds
+        if best is None or plan.estimate_seconds < best[0]:
+            best = (plan.estimate_seconds, label, plan)
+    assert best is not None
+    _, choice, plan = best
+    return dataclasses.replace(
+        plan, bound_seconds=lower_bound_of_tasks(task_lists, cluster),
+        stats={**stats, "options": str(options), "choice": choice,
+               "candidates": estimates, "tensor_classes": len(classes)})
+
+
+def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Transfer]],
+              options: StateOptions, model: CostModel) -> StateReshardPlan:
+    """A candidate's entries as a plan: staged transfers larger than a bucket cut, the
+    launch order cut into buckets, the transfers split back per tensor, and the estimate
+    (the cost model running :meth:`StateReshardPlan.schedule`); the bound is left 0."""
     names = list(state)
-    # 1. Per tensor: unit tasks and decomposition (local work, sends, all-gather forwards).
-    task_lists, parts, itemsizes = [], [], []
-    for t in state.values():
-        tasks = unit_tasks(t.shape, t.dtype, t.src, t.dst, cluster)
-        itemsize = check_dtype(t.dtype).itemsize
-        task_lists.append(tasks)
-        itemsizes.append(itemsize)
-        parts.append(_decompose(tasks, itemsize, cluster, options.strategy))
-    # 2. One balancing over every tensor's sends, after every tensor's local work.
-    owner_of_send: list[int] = []
-    sends, before = [], []
-    entries: list[tuple[int, Transfer]] = []  # (tensor, transfer, after in global indices)
-    for k, p in enumerate(parts):
-        owner_of_send += [k] * len(p.sends)
-        sends += p.sends
-        before += p.before
-        entries += [(k, t) for t in p.before]
-    ordered, stats = balance_sends(sends, cluster, options.balance, seed=options.seed,
-                                   budget=options.budget, before=before, groups=owner_of_send)
-    offset = len(entries)
-    brought: dict[int, list[int]] = {}  # global send index -> the entries that carry it
-    for j, (idx, region, sender, receivers, after, lane) in enumerate(ordered):
-        k = owner_of_send[idx]
-        entries.append((k, Transfer(region, sender, receivers, volume(region) * itemsizes[k],
-                                    tuple(offset + a for a in after), lane)))
-        brought.setdefault(idx, []).append(offset + j)
-    first_send = 0
-    for k, p in enumerate(parts):
-        for idx, region, local in p.after:
-            owner = p.sends[idx].receivers[0]
-            entries.append((k, Transfer(region, owner, local, volume(region) * itemsizes[k],
-                                        tuple(brought.get(first_send + idx, ())))))
-        first_send += len(p.sends)
-    # 3. Cut staged transfers larger than a bucket; then the buckets; then per tensor.
-    entries = _cut(entries, options.bucket_bytes)
+    entries = _by_start(_cut(entries, options.bucket_bytes), model)
     buckets_g = _buckets([t for _, t in entries], options.bucket_bytes)
-    local_index: list[int] = []
-    count = [0] * len(names)
-    for k, _ in entries:
-        local_index.append(count[k])
-        count[k] += 1
-    per_tensor: list[list[Transfer]] = [[] for _ in names]
-    for k, t in entries:
-        # ``after`` across tensors is dropped: the buckets' per-device order stands in.
-        after = tuple(local_index[a] for a in t.after if entries[a][0] == k)
-        per_tensor[k].append(Transfer(t.region, t.sender, t.receivers, t.nbytes, after, t.lane))
+    per_tensor, local_index = plans_of(entries, len(names))
     plans = {
         name: ReshardPlan(shape=t.shape, dtype=t.dtype, src=t.src, dst=t.dst,
                           transfers=tuple(per_tensor[k]), strategy=options.strategy,
@@ -444,18 +432,13 @@ def plan_state_resharding(
         for k, (name, t) in enumerate(state.items())
     }
     buckets = tuple(tuple((names[entries[g][0]], local_index[g]) for g in b) for b in buckets_g)
-    peak = _peak_staging([[entries[g][1] for g in b] for b in buckets_g])
-    model = CostModel(cluster)
+    _, peak = staging_window([t for _, t in entries], options.bucket_bytes)
     draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
     schedule = [t for _, t in draft.schedule()]
     est = max((x.end for x in model.run(schedule)), default=0.0)
     net = sum(t.nbytes * sum(h.network for h in model.chain(t.sender, t.receivers))
               for t in schedule)
-    return StateReshardPlan(
-        tensors=state, plans=plans, buckets=buckets, bucket_bytes=options.bucket_bytes,
-        bound_seconds=lower_bound_of_tasks(task_lists, cluster), estimate_seconds=est,
-        network_bytes=net, peak_staging_bytes=peak, stats={**stats, "options": str(options)},
-    )
+    return dataclasses.replace(draft, estimate_seconds=est, network_bytes=net)
 
 
 def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
@@ -465,13 +448,11 @@ def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
 
     Waits: each transfer's ``after`` within its tensor (as :func:`~scheduler.reshard_graph`
     makes them: on the sender, for what it forwards or for its NIC's order), and the
-    **bucket barrier** — on each device, a transfer of bucket ``b`` waits, on that device,
-    for the device's last transfer of each of its other streams in the device's previous
-    bucket (its own stream's is before it anyway: FIFO). A device thus stages one bucket
-    at a time (:attr:`StateReshardPlan.peak_staging_bytes`), while devices done with a
-    bucket go on to the next without waiting for the others: bucket ``k + 1`` moves between
-    some devices while bucket ``k`` still lands on others. Every wait names an earlier op,
-    so the graph cannot deadlock."""
+    **staging window** (:func:`staging_window`): on each device, a staged transfer waits, on
+    that device, for the last transfer of each of its other streams before its window, so
+    a device never has more than ``bucket_bytes`` staged bytes started and not finished
+    (:attr:`StateReshardPlan.peak_staging_bytes`), and no device ever drains its streams at
+    a bucket's end. Every wait names an earlier op, so the graph cannot deadlock."""
     if not isinstance(plan, StateReshardPlan):
         raise TypeError(f"plan: expected a StateReshardPlan, got {type(plan).__name__}")
     if not isinstance(stream, str) or not stream or stream == COMPUTE \
@@ -480,31 +461,84 @@ def state_graph(plan: StateReshardPlan, stream: str = "comm") -> StepGraph:
                          f"ending like a lane's (<name>.<lane>), got {stream!r}")
     order = plan.launch_order
     position = {key: g for g, key in enumerate(order)}
-    current: dict[int, tuple[int, dict[str, int]]] = {}  # device -> (bucket, stream -> last)
-    barrier: dict[int, dict[str, int]] = {}  # device -> stream -> last op, previous bucket
+    transfers = [plan.plans[name].transfers[i] for name, i in order]
+    window, _ = staging_window(transfers, plan.bucket_bytes)
     ops: list[Op] = []
-    for b, bucket in enumerate(plan.buckets):
-        for name, i in bucket:
-            g = len(ops)
-            t = plan.plans[name].transfers[i]
-            s = lane_stream(stream, t)
-            waits: dict[Dep, None] = {}
-            for j in t.after:
-                earlier = plan.plans[name].transfers[j]
-                src = t.sender if t.sender in earlier.devices else earlier.sender
-                waits[Dep(position[(name, j)], src, t.sender)] = None
-            for d in t.devices:
-                entry = current.get(d)
-                if entry is None or entry[0] < b:
-                    if entry is not None:
-                        barrier[d] = entry[1]
-                    entry = current[d] = (b, {})
-                for other, last in barrier.get(d, {}).items():
-                    if other != s:
-                        waits[Dep(last, d, d)] = None
-                entry[1][s] = g
-            ops.append(Op(g, TransferOp(None, 0, g, t), s, t.devices, tuple(waits)))
+    for g, ((name, _i), t) in enumerate(zip(order, transfers)):
+        waits: dict[Dep, None] = {}
+        for j in t.after:
+            earlier = plan.plans[name].transfers[j]
+            src = t.sender if t.sender in earlier.devices else earlier.sender
+            waits[Dep(position[(name, j)], src, t.sender)] = None
+        for j, d in window[g]:
+            waits[Dep(j, d, d)] = None
+        ops.append(Op(g, TransferOp(None, 0, g, t), lane_stream(stream, t), t.devices,
+                      tuple(waits)))
     return StepGraph(tuple(ops), lanes_of(ops))
+
+
+def staging_window(transfers: Sequence[Transfer], cap: int
+                   ) -> tuple[list[list[tuple[int, int]]], dict[int, int]]:
+    """The staging window: for each transfer of a launch order, the ``(earlier transfer,
+    device)`` pairs it waits for so that no device has more than ``cap`` staged bytes
+    started and not finished.
+
+    On each device, a staged transfer (not a local copy, which goes shard to shard) waits
+    until every transfer of that device before its *window* has ended: the window is the
+    longest run of the device's transfers ending with this one whose staged bytes fit in
+    ``cap`` (just this one when it alone is larger: an oversized transfer runs alone). It
+    waits, on each of the device's other lanes, for that lane's last transfer before the
+    window (its own lane is FIFO anyway). At any moment, then, what a device has started
+    and not finished lies in the window of the last transfer it started: at most ``cap``
+    bytes, or one oversized transfer. Unlike a barrier between buckets, a device never
+    drains: while its slowest lane ends one part, its other lanes already move the next.
+
+    Returns the waits of each transfer and, per device, the most staged bytes any of its
+    windows holds: the most it can have in flight (its peak staging memory)."""
+    out: list[list[tuple[int, int]]] = [[] for _ in transfers]
+    peak: dict[int, int] = {}
+    mine: dict[int, list[int]] = defaultdict(list)  # device -> its transfers so far
+    start: dict[int, int] = defaultdict(int)  # device -> index in mine where its window begins
+    inflight: dict[int, int] = defaultdict(int)  # device -> staged bytes from there on
+    ended: dict[int, dict[int, int]] = defaultdict(dict)  # device -> lane -> last before it
+    waited: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)  # (device, lane) -> ...
+    for g, t in enumerate(transfers):
+        b = _staged(t)
+        for d in t.devices:
+            mine[d].append(g)
+            if not b:
+                continue
+            seq, lo = mine[d], start[d]
+            inflight[d] += b
+            while lo < len(seq) - 1 and (inflight[d] > cap or b > cap):
+                inflight[d] -= _staged(transfers[seq[lo]])
+                ended[d][transfers[seq[lo]].lane] = seq[lo]
+                lo += 1
+            start[d] = lo
+            peak[d] = max(peak.get(d, 0), inflight[d])
+            done = waited[(d, t.lane)]
+            for lane, j in ended[d].items():
+                if lane != t.lane and j > done.get(lane, -1):
+                    out[g].append((j, d))
+                    done[lane] = j
+    return out, peak
+
+
+def _by_start(entries: Sequence[tuple[int, Transfer]], model: CostModel
+              ) -> list[tuple[int, Transfer]]:
+    """The entries in the order they start when the cost model runs them with no staging
+    limit (``after`` renumbered). The staging window makes a transfer wait for everything
+    its devices launched before its window; in this order a device's transfers are listed
+    as they would start, so a transfer listed early but held up (its sender busy on another
+    lane) does not hold back the many listed after it."""
+    if not entries:
+        return []
+    timings = model.run([t for _, t in entries])
+    order = sorted(range(len(entries)), key=lambda g: (timings[g].start, g))
+    position = {g: n for n, g in enumerate(order)}
+    return [(entries[g][0], dataclasses.replace(
+                entries[g][1], after=tuple(sorted(position[a] for a in entries[g][1].after))))
+            for g in order]
 
 
 def _cut(entries: Sequence[tuple[int, Transfer]], cap: int) -> list[tuple[int, Transfer]]:
@@ -559,6 +593,7 @@ __all__ = [
     "StateReshardPlan",
     "StateTensor",
     "plan_state_resharding",
+    "staging_window",
     "state_graph",
     "state_lower_bound",
 ]
