@@ -97,18 +97,24 @@ def make_job(plan: object, num_devices: int, is_local: Callable[[int], bool],
                     digest, members)
 
 
+def _check_by_name(job: StateJob, value: object, argument: str) -> None:
+    """TypeError unless ``value`` maps tensor names to per-device arrays; ValueError naming
+    ``argument`` for a name the plan does not have."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{argument}: expected a mapping of tensor name -> {{device: array}}, "
+                        f"got {type(value).__name__}")
+    extra = sorted(str(n) for n in value if n not in job.plan.tensors)
+    if extra:
+        raise ValueError(f"{argument}: tensors {extra} are not in the plan (its tensors: "
+                         f"{_names(job.plan.tensors)})")
+
+
 def check_state_shards(job: StateJob, shards: object, array_types: tuple[type, ...],
                        is_local: Callable[[int], bool] | None) -> None:
     """Raise naming ``shards[name]`` (and the device) unless ``shards`` gives every tensor
     of the plan that has a source device here, each as :meth:`Runtime.reshard` takes it
     (``is_local`` None: one process, every source device)."""
-    if not isinstance(shards, Mapping):
-        raise TypeError(f"shards: expected a mapping of tensor name -> {{device: array}}, got "
-                        f"{type(shards).__name__}")
-    extra = sorted(str(n) for n in shards if n not in job.plan.tensors)
-    if extra:
-        raise ValueError(f"shards: tensors {extra} are not in the plan (its tensors: "
-                         f"{_names(job.plan.tensors)})")
+    _check_by_name(job, shards, "shards")
     missing = sorted(n for n, want in job.expected.items() if want and n not in shards)
     if missing:
         raise ValueError(f"shards: no shards for tensors {missing}, which have source devices "
@@ -129,13 +135,7 @@ def check_state_outs(job: StateJob, out: object, shards: Mapping[str, Mapping[in
     """Raise naming ``out[name]`` unless every tensor ``out`` names is in the plan and its
     arrays are as :meth:`Runtime.reshard` takes them; an array may not share memory with
     another tensor's destination or any source shard of this process either."""
-    if not isinstance(out, Mapping):
-        raise TypeError(f"out: expected a mapping of tensor name -> {{device: array}}, got "
-                        f"{type(out).__name__}")
-    extra = sorted(str(n) for n in out if n not in job.plan.tensors)
-    if extra:
-        raise ValueError(f"out: tensors {extra} are not in the plan (its tensors: "
-                         f"{_names(job.plan.tensors)})")
+    _check_by_name(job, out, "out")
     for name, arrays in out.items():
         try:
             check_outs(job.plan.plans[name], arrays, shards.get(name, {}), array_types,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import re
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from launchers import LAUNCHERS, launch
+from state_arrays import box, full_tensors
 from strategies import problems
 
 from overlap import Runtime
@@ -36,25 +36,9 @@ from scheduler import (
     state_graph,
     validate,
 )
-from scheduler.dtypes import check_dtype
 
 SETTLE_S = 10.0
 P3 = Cluster.preset("p3.8xlarge", 2)  # 2 hosts x 4 GPUs
-
-
-def _box(region) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in region)
-
-
-def full_tensors(tensors, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random bytes for each tensor, viewed as its dtype."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, t in tensors.items():
-        dt = check_dtype(t.dtype)
-        raw = rng.integers(0, 256, math.prod(t.shape) * dt.itemsize, dtype=np.uint8)
-        out[name] = raw.view(dt).reshape(t.shape)
-    return out
 
 
 def source_shards(tensors, full, devices=None) -> dict[str, dict[int, np.ndarray]]:
@@ -64,7 +48,7 @@ def source_shards(tensors, full, devices=None) -> dict[str, dict[int, np.ndarray
         shards[name] = {}
         for d, region in t.src.device_regions(t.shape).items():
             if devices is None or d in devices:
-                a = np.array(full[name][_box(region)])
+                a = np.array(full[name][box(region)])
                 a.setflags(write=False)
                 shards[name][d] = a
     return shards
@@ -76,7 +60,7 @@ def assert_state_delivered(out, tensors, full) -> None:
         regions = t.dst.device_regions(t.shape)
         assert sorted(out[name]) == sorted(regions), name
         for d, region in regions.items():
-            want = full[name][_box(region)]
+            want = full[name][box(region)]
             got = out[name][d]
             assert got.shape == want.shape and got.dtype == want.dtype, (name, d)
             np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.uint8),

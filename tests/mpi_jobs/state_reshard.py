@@ -6,7 +6,6 @@ all of that holds and prints ``STATE OK <rank> <tensors checked>``."""
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 from pathlib import Path
@@ -14,6 +13,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests/: state_arrays)
+
+from state_arrays import box, full_tensors
 
 import overlap
 from scheduler import (
@@ -25,13 +27,8 @@ from scheduler import (
     StateTensor,
     plan_state_resharding,
 )
-from scheduler.dtypes import check_dtype
 
 CLUSTER = Cluster.preset("p3.8xlarge", 2)  # 8 devices: 2 hosts x 4 GPUs
-
-
-def _box(region):
-    return tuple(slice(a, b) for a, b in region)
 
 
 def _sharding(rng: random.Random, devices: list[int], rank: int) -> Sharding:
@@ -73,19 +70,9 @@ def states() -> list[dict[str, StateTensor]]:
     return out
 
 
-def full_tensors(tensors, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, t in tensors.items():
-        dt = check_dtype(t.dtype)
-        raw = rng.integers(0, 256, math.prod(t.shape) * dt.itemsize, dtype=np.uint8)
-        out[name] = raw.view(dt).reshape(t.shape)
-    return out
-
-
 def mine(tensors, full, local) -> dict[str, dict[int, np.ndarray]]:
     """This process's source shards only."""
-    return {name: {d: np.ascontiguousarray(full[name][_box(r)])
+    return {name: {d: np.ascontiguousarray(full[name][box(r)])
                    for d, r in t.src.device_regions(t.shape).items() if d in local}
             for name, t in tensors.items()}
 
@@ -96,7 +83,7 @@ def check(out, tensors, full, local) -> int:
         want = {d: r for d, r in t.dst.device_regions(t.shape).items() if d in local}
         assert sorted(out[name]) == sorted(want), (name, sorted(out[name]), sorted(want))
         for d, region in want.items():
-            got, exp = out[name][d], full[name][_box(region)]
+            got, exp = out[name][d], full[name][box(region)]
             assert got.shape == exp.shape and got.dtype == exp.dtype, (name, d)
             assert np.array_equal(np.ascontiguousarray(got).view(np.uint8),
                                   np.ascontiguousarray(exp).view(np.uint8)), (name, d)
@@ -110,7 +97,7 @@ def refused_elsewhere(rt, plan, tensors, full, local) -> None:
                    if any(d not in local for d in t.src.device_regions(t.shape)))
     shards = mine(tensors, full, local)
     away = next(d for d in t.src.device_regions(t.shape) if d not in local)
-    shards[name] = {**shards[name], away: full[name][_box(t.src.device_regions(t.shape)[away])]}
+    shards[name] = {**shards[name], away: full[name][box(t.src.device_regions(t.shape)[away])]}
     try:
         rt.reshard_state_sync(plan, shards)
     except ValueError as exc:
