@@ -53,7 +53,7 @@ async def reshard(parts: RuntimeParts, plan: ReshardPlan, shards: Mapping[int, n
         outs.update(out)
 
     def go(scope: CancelScope, report: OpReport) -> list[Any]:
-        base = next(parts.reshards) * len(plan.transfers)  # (counted once launched)
+        base = parts.tags.take(len(graph.ops))  # (taken once launched)
         routes = graphs.routes(graph, lambda op: f"#{op.id}")
         return launch_reshard(backend, plan, shards, outs, graph, routes, (src, regions),
                               scope=scope, report=report, tag_base=base)

@@ -12,10 +12,9 @@ dropped without ``close()`` is collected, and :func:`collected` ends its threads
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -39,8 +38,8 @@ log = logging.getLogger("overlap")
 
 @dataclass(frozen=True)
 class RuntimeParts:
-    """A runtime's parts (see module doc). ``reshards`` counts the standalone reshardings
-    launched so far: it names their messages across ranks (every rank counts alike)."""
+    """A runtime's parts (see module doc). ``tags`` names the messages of standalone
+    reshardings across ranks."""
 
     cluster: Cluster
     world: World
@@ -51,7 +50,7 @@ class RuntimeParts:
     measure: Measurements
     sync: SyncLoop
     compute_time: Callable[[int, str], float] | None
-    reshards: Iterator[int]
+    tags: TagRanges
 
     @property
     def distributed(self) -> bool:
@@ -61,6 +60,24 @@ class RuntimeParts:
         """The arrays a call takes: numpy's, and on a GPU the device kind's (CuPy's)."""
         xp = self.backend.xp
         return (np.ndarray,) if xp is np else (np.ndarray, xp.ndarray)
+
+
+class TagRanges:
+    """Each standalone resharding's message tags across processes: a range of its own, as
+    many tags as its graph has ops, taken from a running total when it launches. Calls
+    launch one at a time and in the same order on every rank, so every rank takes the same
+    ranges. (Calls of different sizes numbered ``call × ops + op`` shared tags: a rank ahead
+    in a later call could then take a slower peer's message of an earlier call as its own
+    wherever the two calls met on a channel.) Tags wrap at the transport's bound, far
+    beyond any two calls in flight at once."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def take(self, ops: int) -> int:
+        """The first tag of a new range of ``ops`` tags."""
+        first, self.taken = self.taken, self.taken + ops
+        return first
 
 
 def make_parts(cluster: Cluster, backend: str, *, emulate_links: bool | str,
@@ -96,7 +113,7 @@ def make_parts(cluster: Cluster, backend: str, *, emulate_links: bool | str,
     graphs = StepGraphCache(cluster, made, distributed=world.distributed,
                             compute_time=compute_time, measured=measure.compute_means)
     return RuntimeParts(cluster, world, made, scope, Calls(made, scope, dump), graphs, measure,
-                        SyncLoop(), compute_time, itertools.count())
+                        SyncLoop(), compute_time, TagRanges())
 
 
 def _world_and_placement(cluster: Cluster, world: World | None, placement: Placement | None,

@@ -241,7 +241,7 @@ async def reshard_state(parts: RuntimeParts, plan: StateReshardPlan,
     outs = state_buffers(job, out, backend.xp)
 
     def go(scope: CancelScope, report: OpReport) -> list[Any]:
-        base = next(parts.reshards) * len(job.graph.ops)  # (counted once launched)
+        base = parts.tags.take(len(job.graph.ops))  # (taken once launched)
         routes = parts.graphs.routes(job.graph, op_name(job))
         return launch_state(backend, job, shards, outs, routes, scope, base, report)
 

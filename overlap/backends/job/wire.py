@@ -23,7 +23,8 @@ contributions to every other rank of the group and reduces in device order, so r
 one process's bit for bit.
 
 **Tags**: a transfer's is its op id in the step graph (the same on every rank; a standalone
-resharding's: a call counter × its transfers + k); a stage collective's is its group's id
+resharding's: the first of a range of its own, taken from a running total of ops, + its op
+id); a stage collective's is its group's id
 and launch position. Threads of different ranks reach a channel's transfers in different
 orders; with tags that can neither deadlock nor cross messages.
 
