@@ -88,16 +88,19 @@ def measure(steps: int, stages: int, microbatches: int, schedule: str,
         threads[name] = threading.active_count() - before
     times: dict[str, list[float]] = {b: [] for b in runs}
     switches: dict[str, list[int]] = {b: [] for b in runs}
+    cpu: dict[str, list[float]] = {b: [] for b in runs}
     try:
         for _ in range(steps):
             for b, (step, _, ops) in runs.items():
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step()
                 times[b].append((time.perf_counter() - t0) / max(ops, 1))
+                cpu[b].append((time.process_time() - c0) / max(ops, 1))
                 switches[b].append(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before)
         for b, (_, _, ops) in runs.items():
             out[b] = {"op_us": statistics.median(times[b]) * 1e6, "ops": ops,
+                      "cpu_us": statistics.median(cpu[b]) * 1e6,
                       "switches": statistics.median(switches[b]), "threads": threads[b]}
     finally:
         for _, rt, _ in runs.values():
@@ -130,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     r = measure(args.steps, args.stages, args.microbatches, args.schedule, variants)
     print(f"{args.stages} stages x {args.microbatches} microbatches, {args.schedule}, "
           f"{r['cpu']['ops']} ops per step; medians of {args.steps} steps, alternating")
-    print(f"{'variant':<20} {'host µs/op':>11} {'/ cpu':>7} {'sleeps/step':>12} "
-          f"{'threads':>8}")
+    print(f"{'variant':<20} {'host µs/op':>11} {'/ cpu':>7} {'CPU µs/op':>10} {'/ cpu':>7} "
+          f"{'sleeps/step':>12} {'threads':>8}")
     for name in variants:
         print(f"{name:<20} {r[name]['op_us']:>11.1f} {r[name]['op_us'] / r['cpu']['op_us']:>7.2f}"
+              f" {r[name]['cpu_us']:>10.1f} {r[name]['cpu_us'] / r['cpu']['cpu_us']:>7.2f}"
               f" {r[name]['switches']:>12.0f} {r[name]['threads']:>8}")
     ratio = r["cuda"]["op_us"] / r["cpu"]["op_us"]
     print(f"cuda / cpu host cost per op: {ratio:.2f} x (goal <= 1.0: "

@@ -332,8 +332,13 @@ def get_elapsed_time(start_event: Event, end_event: Event) -> float:
     return (end_event.t - start_event.t) * 1e3
 
 
+def _set_device(device: int) -> None:
+    Device(device).use()
+
+
 runtime = types.SimpleNamespace(
     getDeviceCount=lambda: DEVICES, memcpyPeerAsync=None,
+    getDevice=_current_device, setDevice=_set_device,
     getDeviceProperties=lambda device: {"name": b"CuPy stand-in (numpy)"})
 # cupy.cuda.profiler (cupy_backends/cuda/api/runtime: cudaProfilerStart/Stop, acting on the
 # current device's context): records (call, current device).

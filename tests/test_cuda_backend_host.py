@@ -878,3 +878,38 @@ def test_a_step_waits_for_one_completion_whatever_its_lanes(monkeypatch):
         assert len(watched) == 1
         waiters = [t for t in threading.enumerate() if t.name.startswith("overlap-cuda-waiter")]
         assert len(waiters) <= 4  # (the first use starts the pool: none more)
+
+
+def test_a_stage_function_runs_on_its_gpu_and_stream_whatever_the_last_one_left(monkeypatch):
+    # A stream's thread makes its GPU and CUDA stream current once; a stage function that
+    # leaves another CUDA stream current (``Stream().use()``) does not move the ops after
+    # it: each runs on its own stream again.
+    from overlap import Stage
+    from scheduler import Boundary
+
+    cluster = Cluster(2, 1, nic_gbps=10)
+    meshes = [DeviceMesh([[d]], ("host", "gpu")) for d in range(2)]
+    seen: list[tuple[int, int, bool]] = []  # (stage, current GPU, its stream current)
+
+    with Runtime(cluster, backend="cuda") as rt:
+        def forward(s):
+            def f(ctx, x):
+                seen.append((s, fake_cupy.cuda.runtime.getDevice(),
+                             fake_cupy.cuda.get_current_stream() is rt.backend.current_stream()))
+                if s == 0:  # leaves a stream of its own current
+                    fake_cupy.cuda.Stream(non_blocking=True).use()
+                    return x * 2
+                return (x * 3).sum()
+            return f
+
+        def backward(s):
+            return lambda ctx, dy: None if s == 0 else fake_cupy.ones((2, 4), np.float32)
+
+        stages = [Stage(m, forward(s), backward(s)) for s, m in enumerate(meshes)]
+        bounds = [Boundary((2, 4), "float32", Sharding(meshes[0], P()), Sharding(meshes[1], P()))]
+        mbs = [fake_cupy.ones((2, 4), np.float32) for _ in range(3)]
+        for _ in range(2):
+            losses = rt.train_step_sync(stages, bounds, mbs, schedule="1f1b",
+                                        input_sharding=Sharding(meshes[0], P()))
+            assert [float(v) for v in losses] == [48.0] * 3
+    assert len(seen) == 12 and all(gpu == 0 and mine for _, gpu, mine in seen)

@@ -41,7 +41,8 @@ CALLABLES = [
     "asarray", "array", "ascontiguousarray", "asnumpy", "empty", "zeros", "ones",
     "cuda.Stream", "cuda.ExternalStream", "cuda.Event", "cuda.Device",
     "cuda.Stream.wait_event", "cuda.Stream.launch_host_func", "cuda.Event.record",
-    "cuda.runtime.getDeviceCount", "cuda.profiler.start", "cuda.profiler.stop",
+    "cuda.runtime.getDeviceCount", "cuda.runtime.getDevice", "cuda.runtime.setDevice",
+    "cuda.get_current_stream", "cuda.profiler.start", "cuda.profiler.stop",
     "cuda.get_elapsed_time", "ndarray.get", "get_default_memory_pool",
     "cuda.MemoryPool.free_all_blocks", "cuda.Event.synchronize",
     "cuda.nccl.NcclCommunicator.send", "cuda.nccl.NcclCommunicator.recv",
@@ -69,7 +70,7 @@ def test_what_the_stand_in_accepts_the_real_one_accepts(path):
     ("cuda.nccl.NcclCommunicator", ["send", "recv", "allReduce", "allGather", "abort",
                                     "destroy", "initAll", "device_id", "rank_id", "size"]),
     ("cuda.nccl", ["groupStart", "groupEnd", "get_unique_id", "NcclCommunicator"]),
-    ("cuda.runtime", ["getDeviceCount", "memcpyPeerAsync"]),
+    ("cuda.runtime", ["getDeviceCount", "getDevice", "setDevice", "memcpyPeerAsync"]),
     ("cuda.profiler", ["start", "stop"]),
 ])
 def test_the_backend_touches_nothing_the_real_one_lacks(path, names):

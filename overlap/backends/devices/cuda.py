@@ -39,7 +39,7 @@ from ...errors import CollectiveAborted, DeviceFault, DeviceTimeout, OverlapRunt
 from ...waits import OneShot, wait_on
 from .bound import Bound, Bounded, bound_of
 from .local import LocalTransport
-from .streams import InFlight
+from .streams import InFlight, current_stream
 
 if TYPE_CHECKING:
     from ...scope import CancelScope
@@ -161,6 +161,7 @@ class CudaDevices(Bounded):
         self._keep_lock = threading.Lock()
         self.nccl: Any = None  # the in-process NCCL groups (made with the transport)
         self._join_streams: dict[int, Any] = {}  # per GPU: where a call's ends are joined
+        self._distinct: dict[tuple[Any, ...], bool] = {}  # (see distinct_gpus)
 
     def physical(self, device: int) -> int:
         return self.pinned if self.pinned is not None else device % self.num_gpus
@@ -174,7 +175,12 @@ class CudaDevices(Bounded):
     # ---- a stream's items ----------------------------------------------------------------
 
     def attach(self, stream: Stream) -> None:
-        """(The stream's thread.) Its CUDA stream is made on first use, under its device."""
+        """(The stream's thread, once.) Its GPU and its CUDA stream are made current for the
+        thread's life: the items it runs then make no device or stream current each (two
+        context managers per op, and an event's record under its device, were most of the
+        kind's host cost per op on the stand-in)."""
+        self._native(stream).use()
+        self.xp.cuda.Device(self.physical(stream.device)).use()
 
     def _native(self, stream: Stream) -> Any:
         if stream.native is None:
@@ -184,43 +190,51 @@ class CudaDevices(Bounded):
         return stream.native
 
     def run(self, stream: Stream, fn: Callable[[], Any]) -> None:
+        self._local.stream = stream
+        try:
+            fn()
+        finally:
+            self._local.stream = None
+            self._restore(stream)
+
+    def _restore(self, stream: Stream) -> None:
+        """The stream's GPU and CUDA stream current again on its thread, had user code
+        changed them and not changed them back (``Device(i).use()``): one look each."""
         cp = self.xp
-        native = self._native(stream)
-        with cp.cuda.Device(self.physical(stream.device)), native:
-            self._local.stream = stream
-            try:
-                fn()
-            finally:
-                self._local.stream = None
+        gpu = self.physical(stream.device)
+        if cp.cuda.runtime.getDevice() != gpu:
+            cp.cuda.runtime.setDevice(gpu)
+        if cp.cuda.get_current_stream() is not stream.native:
+            stream.native.use()
 
     def mark(self, stream: Stream) -> tuple[int, Any]:
         cp = self.xp
         gpu = self.physical(stream.device)
-        native = self._native(stream)
-        with cp.cuda.Device(gpu):
+        if current_stream() is stream:  # (its thread: its GPU current)
             ev = cp.cuda.Event()
-            ev.record(native)
+            ev.record(stream.native)
+        else:  # (a wire completion's callback: another thread, maybe another GPU current)
+            with cp.cuda.Device(gpu):
+                ev = cp.cuda.Event()
+                ev.record(self._native(stream))
         return (gpu, ev)  # CuPy events do not know their device
 
     def record(self, stream: Stream, event: Event) -> None:
-        cp = self.xp
-        native = self._native(stream)
-        with cp.cuda.Device(self.physical(stream.device)):
-            # For waits only: untimed (cheaper); blocking-sync, so a host thread waiting for
-            # it sleeps instead of spinning.
-            ev = cp.cuda.Event(block=True, disable_timing=True)
-            ev.record(native)
+        """(The stream's thread.) For waits only: untimed (cheaper); blocking-sync, so a host
+        thread waiting for it sleeps instead of spinning."""
+        ev = self.xp.cuda.Event(block=True, disable_timing=True)
+        ev.record(stream.native)
+        self._ride(stream, ev)
         event.native = ev
         event.device_wait = self.device_wait
 
     def waited(self, stream: Stream, event: Event, scope: CancelScope | None = None,
                what: str = "") -> None:
-        """After the host wait (the other stream enqueued its record): the device-side wait
-        (CUDA waits on an unrecorded event are no-ops, so the order matters)."""
+        """(The stream's thread.) After the host wait (the other stream enqueued its
+        record): the device-side wait (CUDA waits on an unrecorded event are no-ops, so the
+        order matters)."""
         if event.native is not None:
-            native = self._native(stream)
-            with self.xp.cuda.Device(self.physical(stream.device)):
-                native.wait_event(event.native)
+            stream.native.wait_event(event.native)
 
     async def device_wait(self, event: Event) -> None:
         """Until the GPU passed ``event`` — bounded: after a device fault it may never
@@ -256,10 +270,9 @@ class CudaDevices(Bounded):
 
     def arrive(self) -> Any:
         """An event on the calling op's stream marking its contribution as ready."""
-        cp = self.xp
         stream = self._local.stream
-        ev = cp.cuda.Event(disable_timing=True)
-        ev.record(self._native(stream))
+        ev = self.xp.cuda.Event(disable_timing=True)
+        ev.record(stream.native)
         return ev
 
     def loopback(self, arrivals: dict[int, tuple[Any, Any]],
@@ -280,7 +293,7 @@ class CudaDevices(Bounded):
         work({d: payload for d, (_, payload) in arrivals.items()})
         done = cp.cuda.Event(disable_timing=not timed)
         done.record(native)
-        self.keep(done, *(p for _, p in arrivals.values()))
+        self._keep(me, done, (p for _, p in arrivals.values()))
         return done, start, self.physical(me.device)
 
     def joined(self, landed: tuple[Any, Any, int]) -> None:
@@ -307,7 +320,12 @@ class CudaDevices(Bounded):
                                             cp.cuda.get_current_stream().ptr)
 
     def distinct_gpus(self, group: Sequence[int]) -> bool:
-        return len({self.physical(d) for d in group}) == len(group) and len(group) > 1
+        key = (self.pinned, tuple(group))  # (asked per transfer: answered once per group)
+        known = self._distinct.get(key)
+        if known is None:
+            known = self._distinct[key] = (len({self.physical(d) for d in group}) == len(group)
+                                           and len(group) > 1)
+        return known
 
     def receives_strided(self, group: Sequence[int]) -> bool:
         """On one GPU a broadcast is a strided device copy; NCCL needs contiguous buffers."""
@@ -318,26 +336,44 @@ class CudaDevices(Bounded):
     def keep(self, event: Any, *buffers: Any) -> None:
         """Keep ``buffers`` alive until ``event`` (recorded on the calling op's stream)
         completes — CuPy has no record_stream — and let go of that stream's earlier ones
-        whose event has (``event`` None: of every stream's whose event has). One stream's
-        events complete in the order they were recorded, so only its oldest are looked at:
-        a host running a step ahead of the GPU keeps hundreds, and looking at all of them
-        on every op cost a CUDA query each."""
-        with self._keep_lock:
-            if event is None:
+        whose event has (``event`` None: of every stream's whose event has)."""
+        if event is None:
+            with self._keep_lock:
                 for kept in self._keepalive.values():
                     left = [k for k in kept if not k[0].done]
                     kept.clear()
                     kept.extend(left)
-                return
-            stream = getattr(self._local, "stream", None)
+            return
+        self._keep(self._local.stream, event, buffers)
+
+    def _keep(self, stream: Stream, event: Any, buffers: Any) -> None:
+        """One stream's events complete in the order they were recorded, so only its oldest
+        are looked at: a host running a step ahead of the GPU keeps hundreds, and looking at
+        all of them on every op cost a CUDA query each."""
+        with self._keep_lock:
             kept = self._keepalive.setdefault(id(stream), collections.deque())
             while kept and kept[0][0].done:
                 kept.popleft()
-            kept.append((event, buffers))
+            kept.append((event, tuple(buffers)))
 
     def hold(self, *buffers: Any) -> None:
-        """Keep ``buffers`` alive until the calling op's stream has run its work so far."""
-        self.keep(self.arrive(), *buffers)
+        """Keep ``buffers`` alive until the calling op's stream has run its work so far:
+        they ride on the next record of that stream (one another stream waits for, at the
+        latest its lane's end), which the device passes after this op's work — no event of
+        their own: one per op, and keeping it, were the kind's largest host cost per op on
+        the stand-in."""
+        held = getattr(self._local, "held", None)
+        if held is None:
+            held = self._local.held = []
+        held.extend(buffers)
+
+    def _ride(self, stream: Stream, event: Any) -> None:
+        """(``stream``'s thread, ``event`` just recorded on it.) What its ops held so far is
+        kept until ``event`` completes."""
+        held = getattr(self._local, "held", None)
+        if held:
+            self._keep(stream, event, held)
+            held.clear()
 
     def current_native(self) -> Any:
         """The calling op's CUDA stream."""

@@ -171,7 +171,7 @@ class NcclGroups:
                     nccl.groupEnd()
             else:
                 comm.recv(buffer.data.ptr, count, dtype, ranks.index(root), stream)
-        self.kind.keep(self.kind.arrive(), buffer)
+        self.kind.hold(buffer)
 
     def all_reduce(self, backend: Backend, group: tuple[int, ...], device: int, buffer: Any,
                    desc: str, op: Callable[[Any, Any], Any], namespace: str,
@@ -184,7 +184,7 @@ class NcclGroups:
         with self.issuing(device):
             comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size,
                            nccl_dtype(buffer.dtype), reduction, self.kind.current_native().ptr)
-        self.kind.keep(self.kind.arrive(), buffer)
+        self.kind.hold(buffer)
 
     def abort(self) -> None:
         """Abort every communicator (best effort); the next collective makes new ones."""

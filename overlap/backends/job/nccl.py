@@ -204,7 +204,7 @@ class NcclTransport:
                                   stream)
         else:
             self._links.recv(namespace, buffer, members.index(owner[root]), stream)
-        self.kind.keep(self.kind.arrive(), buffer)
+        self.kind.hold(buffer)
 
     def all_reduce(self, group: tuple[int, ...], device: int, buffer: Any, desc: str,
                    op: Callable[[Any, Any], Any], namespace: str, tag: int | None,
@@ -216,7 +216,7 @@ class NcclTransport:
         scope.check(f"all_reduce[{desc}]")
         self._members_of((namespace, group), group, f"all_reduce[{desc}]")
         self._links.all_reduce((namespace, group), buffer, self.kind.current_native())
-        self.kind.keep(self.kind.arrive(), buffer)
+        self.kind.hold(buffer)
 
     def all_gather(self, group: tuple[int, ...], device: int, buffer: Any, out: Any,
                    desc: str, namespace: str, tag: int | None, scope: CancelScope) -> None:
@@ -224,7 +224,7 @@ class NcclTransport:
         scope.check(f"all_gather[{desc}]")
         self._members_of((namespace, group), group, f"all_gather[{desc}]")
         self._links.all_gather((namespace, group), buffer, out, self.kind.current_native())
-        self.kind.keep(self.kind.arrive(), buffer, out)
+        self.kind.hold(buffer, out)
 
     def receives_strided(self, group: Sequence[int]) -> bool:
         """Across processes a broadcast is NCCL's: contiguous buffers only."""
