@@ -635,7 +635,7 @@ class Round(OneShot):
     def cancel(self) -> None:
         """Take back the receives still pending."""
         for r in self._recvs:
-            if not r.over and hasattr(r, "Cancel"):
+            if not r.over:
                 with contextlib.suppress(Exception):
                     r.Cancel()
 

@@ -94,6 +94,14 @@ class Completion(OneShot):
     def fail(self, error: BaseException) -> None:
         self.finish(error)
 
+    def Cancel(self) -> None:
+        """Take back a receive still pending (the wire's and MPI's receives do); a send, or
+        a completion nothing can take back, stays as it is."""
+
+    def Wait(self, timeout: float = 1.0) -> None:
+        """(After :meth:`Cancel`.) Return once no bytes will land in the buffer any more:
+        nothing was posted here to land."""
+
     def block(self, scope: CancelScope, what: str, timeout: float | None,
               overdue: Callable[[], bool] | None = None) -> bool:
         """Block this thread until it is done (True; raises what failed it), ``timeout``

@@ -330,7 +330,7 @@ class WireTransport(Bounded):
         except BaseException:
             for r in recvs:
                 if not r.over:
-                    r.Cancel()  # type: ignore[attr-defined]
+                    r.Cancel()
             raise
         if self.hop_timings is not None:
             self.hop_timings.append(HopTiming(tag, prev, nxt, n, posted, landed,
@@ -497,7 +497,7 @@ class WireWork(OneShot):
         """Over with ``error``: the receives still pending are taken back first (a message
         that comes later goes to the next receive, not to this buffer)."""
         for c in self.parts:
-            if not c.over and hasattr(c, "Cancel"):
+            if not c.over:
                 c.Cancel()
         self.finish(error)
 
