@@ -913,3 +913,39 @@ def test_a_stage_function_runs_on_its_gpu_and_stream_whatever_the_last_one_left(
                                         input_sharding=Sharding(meshes[0], P()))
             assert [float(v) for v in losses] == [48.0] * 3
     assert len(seen) == 12 and all(gpu == 0 and mine for _, gpu, mine in seen)
+
+
+def test_a_held_buffer_lives_until_the_gpu_passed_the_op_that_held_it(monkeypatch, scope):
+    # CuPy has no record_stream: a buffer an op is done with (``Backend.hold``) must outlive
+    # the op's device work, or the pool hands its block to a later allocation while a kernel
+    # still reads it. Here the GPU runs 0.3 s behind the host: the buffer stays alive after
+    # its op returned and after the stream's next record was launched, and is let go once
+    # the device passed that record.
+    import weakref
+
+    monkeypatch.setattr(fake_cupy, "EVENT_LATENCY_S", 0.3)
+    backend = make_backend("cuda", 1, timeout=5.0)
+    try:
+        stream = backend.stream(0, "compute")
+        ref: list = []
+
+        def op() -> None:
+            buf = fake_cupy.ones(16, np.float32)
+            ref.append(weakref.ref(buf))
+            backend.hold(buf)
+
+        stream.launch("holds", op, scope=scope)
+        assert settled([stream.record(scope=scope)]) == [None]
+        assert ref[0]() is not None  # launched, not passed by the device yet
+        end = stream.record(scope=scope)
+        assert settled([end]) == [None]
+        backend.devices.keep(None)  # (what release_to_caller does after a call)
+        assert ref[0]() is not None
+        deadline = time.perf_counter() + 5.0
+        while not end.done() and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert end.done()
+        backend.devices.keep(None)
+        assert ref[0]() is None
+    finally:
+        backend.close()
