@@ -234,7 +234,16 @@ class Stream:
         # ``Device(-1)`` refuses: seen on an H200); a created stream to the current one.
         self.device_id = -1 if null or ptds else _current_device()
 
+    def _check_device(self) -> None:
+        # As CuPy's check_stream_device_match: a stream is made current only while its
+        # device is.
+        if self.device_id >= 0 and self.device_id != _current_device():
+            raise RuntimeError(f"The device that the stream is created on ({self.device_id})"
+                               f" does not match with the current device "
+                               f"({_current_device()})")
+
     def __enter__(self) -> Stream:
+        self._check_device()
         self._prev = getattr(_local, "stream", None)
         _local.stream = self
         return self
@@ -244,6 +253,7 @@ class Stream:
         return False
 
     def use(self) -> Stream:
+        self._check_device()
         _local.stream = self
         return self
 

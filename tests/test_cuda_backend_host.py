@@ -150,6 +150,25 @@ def test_failure_through_the_cuda_backend_names_the_op():
     assert np.allclose(losses, reference_step(model.full_weights, mbs)[0])
 
 
+def test_a_stream_whose_thread_cannot_be_set_up_fails_its_call_naming_it(monkeypatch):
+    # A CUDA error while a stream's thread makes its GPU and stream current (its first
+    # item) fails the call at once with a StreamError that says so — the thread does not
+    # die silently and leave the call to its timeout. The runtime still closes.
+    def refused(self):
+        raise RuntimeError("cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are busy")
+
+    cluster = Cluster(2, 1, nic_gbps=10)
+    src = Sharding(DeviceMesh([0], "a"), P())
+    dst = Sharding(DeviceMesh([1], "a"), P())
+    plan = plan_resharding((4,), "float32", src, dst, cluster)
+    monkeypatch.setattr(fake_cupy.Stream, "use", refused)
+    # (Hung, it would end past the timeout with another error, naming no set-up.)
+    named = "setting up its thread failed: RuntimeError: cudaErrorDevicesUnavailable"
+    with Runtime(cluster, backend="cuda", timeout=60) as rt, \
+            pytest.raises(StreamError, match=named):
+        rt.reshard_sync(plan, {0: fake_cupy.arange(4, dtype=np.float32)})
+
+
 # ---- what a review against CuPy 14.2 / NCCL found ---------------------------------------------
 
 

@@ -179,8 +179,9 @@ class CudaDevices(Bounded):
         thread's life: the items it runs then make no device or stream current each (two
         context managers per op, and an event's record under its device, were most of the
         kind's host cost per op on the stand-in)."""
-        self._native(stream).use()
+        # (The GPU first: CuPy refuses to make current a stream of another device.)
         self.xp.cuda.Device(self.physical(stream.device)).use()
+        self._native(stream).use()
 
     def _native(self, stream: Stream) -> Any:
         if stream.native is None:

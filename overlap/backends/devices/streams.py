@@ -275,14 +275,21 @@ class Stream:
     def _run(self) -> None:
         me = threading.current_thread()
         _local.stream = self
-        self.kind.attach(self)
+        try:
+            self.kind.attach(self)
+            broken: BaseException | None = None
+        except BaseException as exc:  # (every item then fails, naming it: nothing hangs)
+            broken = exc
         while True:
             item = self._next()
             if item is _STOP or self._thread is not me:
                 return  # closed, or abandoned while it was stuck: run nothing more
             self._current = (item, time.perf_counter())
             try:
-                self._do(item)
+                if broken is not None:
+                    self._refuse(item, broken)
+                else:
+                    self._do(item)
             except BaseException:  # (a bug here must not end the thread silently)
                 log.exception("device %d stream %r: an item failed", self.device, self.name)
             finally:
@@ -305,6 +312,14 @@ class Stream:
         if look() or poll_first(look, self.kind.poll_s):
             return got[0]
         return q.get()
+
+    def _refuse(self, item: tuple[Any, ...], exc: BaseException) -> None:
+        """An item of a stream whose device kind could not set its thread up (``attach``):
+        its scope fails, naming that, and a record completes with the failure."""
+        scope = item[-1]
+        self._fail(scope, exc, "setting up its thread")
+        if item[0] == _RECORD:
+            item[1].finish(_failure(scope))
 
     def _do(self, item: tuple[Any, ...]) -> None:
         code, scope = item[0], item[-1]
