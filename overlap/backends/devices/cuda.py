@@ -28,6 +28,7 @@ host thread moves on at once:
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import sys
 import threading
@@ -194,9 +195,14 @@ class CudaDevices(Bounded):
         self._local.stream = stream
         try:
             fn()
+        except BaseException:
+            with contextlib.suppress(Exception):  # (the op's own failure is the one named)
+                self._restore(stream)
+            raise
+        else:
+            self._restore(stream)
         finally:
             self._local.stream = None
-            self._restore(stream)
 
     def _restore(self, stream: Stream) -> None:
         """The stream's GPU and CUDA stream current again on its thread, had user code
