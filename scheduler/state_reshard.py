@@ -8,10 +8,17 @@
   candidate sender, a destination's replicas reached by one chained broadcast under the
   default strategy); then ONE balancing (:func:`~scheduler.balance.balance_sends`) over the
   union of every tensor's sends, after the union of their local work;
-- **per-tensor**: every tensor's own :func:`~scheduler.planner.plan_resharding` plan (with the
-  same options), one after another — so the kept plan is never slower, under the cost model,
-  than planning tensor by tensor, bucketed the same way;
-- **per-tensor-interleaved**: the same plans, those of tensors whose sources are on different
+- **joint-paced**: the same decomposition (long chains to a replicated destination cut per
+  host), each send whole from its least-loaded holder, then *paced*: each tensor's transfers
+  in rounds that share no device, whole tensors spread over the lanes by load, each lane's
+  rounds rotated so that at any moment the lanes reach different receivers
+  (:func:`~scheduler.state_candidates.paced_entries`); launched in its own estimated start
+  order, so costed with one run of the cost model;
+- with ``StateOptions(per_tensor=True)`` only (one full plan per distinct tensor: seconds
+  each): **per-tensor**, every tensor's own :func:`~scheduler.planner.plan_resharding` plan
+  (with the same options), one after another — so the kept plan is never slower, under the
+  cost model, than planning tensor by tensor, bucketed the same way — and
+  **per-tensor-interleaved**, the same plans, those of tensors whose sources are on different
   hosts (pipeline stages) side by side, each group at the same pace.
 
 Identical tensors (same shape, dtype, specs and mesh shapes, devices the same up to a renaming
@@ -60,6 +67,7 @@ from .state_candidates import (
     concatenated,
     interleaved,
     joint_entries,
+    paced_entries,
     per_tensor_plans,
     plans_of,
     state_tasks,
@@ -116,19 +124,27 @@ class StateTensor:
 class StateOptions(PlanOptions):
     """The planner's :class:`~scheduler.planner.PlanOptions` plus ``bucket_bytes``: the most
     bytes of staged (non-local) transfers a device has started and not finished at any
-    moment (the staging window), so the most extra memory it needs (256 MiB by default).
-    ``budget`` goes to the joint balancing and, whole, to each distinct tensor's own plan."""
+    moment (the staging window), so the most extra memory it needs (256 MiB by default);
+    and ``per_tensor``: also build the per-tensor candidates (every distinct tensor planned
+    alone by :func:`~scheduler.planner.plan_resharding`, at the full ``budget`` each), so
+    that the kept plan is never slower than planning tensor by tensor — at the price of one
+    full plan per distinct tensor (seconds each), hence off by default. ``budget`` goes to
+    the joint balancing (and to each per-tensor plan)."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    per_tensor: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         b = self.bucket_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"bucket_bytes: expected an int >= 1, got {b!r}")
+        if not isinstance(self.per_tensor, bool):
+            raise TypeError(f"per_tensor: expected a bool, got {self.per_tensor!r}")
 
     def __str__(self) -> str:
-        return f"{super().__str__()}, buckets of {fmt_bytes(self.bucket_bytes)}"
+        return (f"{super().__str__()}, buckets of {fmt_bytes(self.bucket_bytes)}"
+                + (", per-tensor candidates" if self.per_tensor else ""))
 
 
 @dataclass(frozen=True)
@@ -398,13 +414,19 @@ def plan_state_resharding(
     itemsizes = [check_dtype(t.dtype).itemsize for t in items]
     model = CostModel(cluster)
     joint, stats = joint_entries(task_lists, itemsizes, cluster, options)
-    alone = per_tensor_plans(items, classes, cluster, options)
-    candidates = {"joint": joint, "per-tensor": concatenated(alone),
-                  "per-tensor-interleaved": interleaved(alone, items, cluster)}
+    paced, paced_stats = paced_entries(task_lists, itemsizes, cluster, options)
+    stats.update(paced_stats)
+    # (label, entries, whether to launch in the order they start unconstrained: the paced
+    # candidate is already in its estimated start order)
+    candidates = [("joint", joint, True), ("joint-paced", paced, False)]
+    if options.per_tensor:
+        alone = per_tensor_plans(items, classes, cluster, options)
+        candidates += [("per-tensor", concatenated(alone), True),
+                       ("per-tensor-interleaved", interleaved(alone, items, cluster), True)]
     best: tuple[float, str, StateReshardPlan] | None = None
     estimates: dict[str, float] = {}
-    for label, entries in candidates.items():
-        plan = _assemble(state, entries, options, model)
+    for label, entries, by_start in candidates:
+        plan = _assemble(state, entries, options, model, by_start)
         estimates[label] = plan.estimate_seconds
         if best is None or plan.estimate_seconds < best[0]:
             best = (plan.estimate_seconds, label, plan)
@@ -417,12 +439,16 @@ def plan_state_resharding(
 
 
 def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Transfer]],
-              options: StateOptions, model: CostModel) -> StateReshardPlan:
-    """A candidate's entries as a plan: staged transfers larger than a bucket cut, the
-    launch order cut into buckets, the transfers split back per tensor, and the estimate
-    (the cost model running :meth:`StateReshardPlan.schedule`); the bound is left 0."""
+              options: StateOptions, model: CostModel, by_start: bool = True
+              ) -> StateReshardPlan:
+    """A candidate's entries as a plan: staged transfers larger than a bucket cut, (when
+    ``by_start``) put in the order they start unconstrained, the launch order cut into
+    buckets, the transfers split back per tensor, and the estimate (the cost model running
+    :meth:`StateReshardPlan.schedule`); the bound is left 0."""
     names = list(state)
-    entries = _by_start(_cut(entries, options.bucket_bytes), model)
+    entries = _cut(entries, options.bucket_bytes)
+    if by_start:
+        entries = _by_start(entries, model)
     buckets_g = _buckets([t for _, t in entries], options.bucket_bytes)
     per_tensor, local_index = plans_of(entries, len(names))
     plans = {
