@@ -160,7 +160,9 @@ class StateReshardPlan:
     :meth:`schedule`), ``network_bytes`` (each transfer's bytes times its inter-host hops)
     and ``peak_staging_bytes`` (device -> the most staged bytes it can have in flight:
     :func:`staging_window`). ``stats``: which candidate was kept (``choice``), every
-    candidate's estimate (``candidates``), the classes of identical tensors.
+    candidate's estimate (``candidates``; ``inf`` for one whose run passed the best estimate
+    of those costed before it: it was stopped there, as it could not be kept), the classes
+    of identical tensors.
     """
 
     tensors: Mapping[str, StateTensor]
@@ -418,7 +420,7 @@ def plan_state_resharding(
     stats.update(paced_stats)
     # (label, entries, whether to launch in the order they start unconstrained: the paced
     # candidate is already in its estimated start order)
-    candidates = [("joint", joint, True), ("joint-paced", paced, False)]
+    candidates = [("joint-paced", paced, False), ("joint", joint, True)]
     if options.per_tensor:
         alone = per_tensor_plans(items, classes, cluster, options)
         candidates += [("per-tensor", concatenated(alone), True),
@@ -426,7 +428,10 @@ def plan_state_resharding(
     best: tuple[float, str, StateReshardPlan] | None = None
     estimates: dict[str, float] = {}
     for label, entries, by_start in candidates:
-        plan = _assemble(state, entries, options, model, by_start)
+        # A candidate whose run passes the best estimate so far cannot be kept: its run
+        # stops there and its estimate reads inf.
+        plan = _assemble(state, entries, options, model, by_start,
+                         until=math.inf if best is None else best[0])
         estimates[label] = plan.estimate_seconds
         if best is None or plan.estimate_seconds < best[0]:
             best = (plan.estimate_seconds, label, plan)
@@ -439,12 +444,13 @@ def plan_state_resharding(
 
 
 def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Transfer]],
-              options: StateOptions, model: CostModel, by_start: bool = True
-              ) -> StateReshardPlan:
+              options: StateOptions, model: CostModel, by_start: bool = True,
+              until: float = math.inf) -> StateReshardPlan:
     """A candidate's entries as a plan: staged transfers larger than a bucket cut, (when
     ``by_start``) put in the order they start unconstrained, the launch order cut into
     buckets, the transfers split back per tensor, and the estimate (the cost model running
-    :meth:`StateReshardPlan.schedule`); the bound is left 0."""
+    :meth:`StateReshardPlan.schedule`; ``inf`` when that run would end after ``until``, which
+    is then as far as it runs); the bound is left 0."""
     names = list(state)
     entries = _cut(entries, options.bucket_bytes)
     if by_start:
@@ -461,7 +467,8 @@ def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Tra
     _, peak = staging_window([t for _, t in entries], options.bucket_bytes)
     draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
     schedule = [t for _, t in draft.schedule()]
-    est = max((x.end for x in model.run(schedule)), default=0.0)
+    ends = [x.end for x in model.run(schedule, until=until)]
+    est = math.inf if any(e != e for e in ends) else max(ends, default=0.0)
     net = sum(t.nbytes * sum(h.network for h in model.chain(t.sender, t.receivers))
               for t in schedule)
     return dataclasses.replace(draft, estimate_seconds=est, network_bytes=net)

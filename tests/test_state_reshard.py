@@ -292,7 +292,9 @@ def test_a_state_too_large_to_cost_plans_in_linear_time_one_lane_per_tensor():
     plan.check()
     execute(plan)
     assert "over budget" in plan.stats["auto_choice"]
-    assert plan.stats["choice"] == "joint"
+    # Both joint candidates (the linear balancing and the paced one) keep a tensor's sends
+    # on one lane.
+    assert plan.stats["choice"] in ("joint", "joint-paced")
     lanes = set()
     for p in plan.plans.values():
         sent = [t for t in p.transfers  # the balanced sends: across hosts
