@@ -160,9 +160,9 @@ class StateReshardPlan:
     :meth:`schedule`), ``network_bytes`` (each transfer's bytes times its inter-host hops)
     and ``peak_staging_bytes`` (device -> the most staged bytes it can have in flight:
     :func:`staging_window`). ``stats``: which candidate was kept (``choice``), every
-    candidate's estimate (``candidates``; ``inf`` for one whose run passed the best estimate
-    of those costed before it: it was stopped there, as it could not be kept), the classes
-    of identical tensors.
+    candidate's estimate (``candidates``; ``inf`` for one screened out: its run passed the
+    best estimate of those costed before it and was stopped there), the classes of
+    identical tensors.
     """
 
     tensors: Mapping[str, StateTensor]
@@ -428,12 +428,12 @@ def plan_state_resharding(
     best: tuple[float, str, StateReshardPlan] | None = None
     estimates: dict[str, float] = {}
     for label, entries, by_start in candidates:
-        # A candidate whose run passes the best estimate so far cannot be kept: its run
-        # stops there and its estimate reads inf.
+        # Screening: a candidate whose run passes the best estimate so far is dropped there
+        # (its estimate reads inf): the paced one, costed first, is often the best.
         plan = _assemble(state, entries, options, model, by_start,
                          until=math.inf if best is None else best[0])
-        estimates[label] = plan.estimate_seconds
-        if best is None or plan.estimate_seconds < best[0]:
+        estimates[label] = math.inf if plan is None else plan.estimate_seconds
+        if plan is not None and (best is None or plan.estimate_seconds < best[0]):
             best = (plan.estimate_seconds, label, plan)
     assert best is not None
     _, choice, plan = best
@@ -445,16 +445,20 @@ def plan_state_resharding(
 
 def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Transfer]],
               options: StateOptions, model: CostModel, by_start: bool = True,
-              until: float = math.inf) -> StateReshardPlan:
+              until: float = math.inf) -> StateReshardPlan | None:
     """A candidate's entries as a plan: staged transfers larger than a bucket cut, (when
     ``by_start``) put in the order they start unconstrained, the launch order cut into
     buckets, the transfers split back per tensor, and the estimate (the cost model running
-    :meth:`StateReshardPlan.schedule`; ``inf`` when that run would end after ``until``, which
-    is then as far as it runs); the bound is left 0."""
+    :meth:`StateReshardPlan.schedule`); the bound is left 0. ``None`` (a screened-out
+    candidate) when a run passes ``until``: the unconstrained run of ``by_start`` — the
+    staging window only adds waits, so such a candidate is all but sure to end later — or
+    the plan's own run (which then ends later for certain); each stops there."""
     names = list(state)
     entries = _cut(entries, options.bucket_bytes)
     if by_start:
-        entries = _by_start(entries, model)
+        entries = _by_start(entries, model, until)
+        if entries is None:
+            return None
     buckets_g = _buckets([t for _, t in entries], options.bucket_bytes)
     per_tensor, local_index = plans_of(entries, len(names))
     plans = {
@@ -468,7 +472,9 @@ def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Tra
     draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
     schedule = [t for _, t in draft.schedule()]
     ends = [x.end for x in model.run(schedule, until=until)]
-    est = math.inf if any(e != e for e in ends) else max(ends, default=0.0)
+    if any(e != e for e in ends):  # nan: not ended by ``until``
+        return None
+    est = max(ends, default=0.0)
     net = sum(t.nbytes * sum(h.network for h in model.chain(t.sender, t.receivers))
               for t in schedule)
     return dataclasses.replace(draft, estimate_seconds=est, network_bytes=net)
@@ -557,16 +563,19 @@ def staging_window(transfers: Sequence[Transfer], cap: int
     return out, peak
 
 
-def _by_start(entries: Sequence[tuple[int, Transfer]], model: CostModel
-              ) -> list[tuple[int, Transfer]]:
+def _by_start(entries: Sequence[tuple[int, Transfer]], model: CostModel,
+              until: float = math.inf) -> list[tuple[int, Transfer]] | None:
     """The entries in the order they start when the cost model runs them with no staging
     limit (``after`` renumbered). The staging window makes a transfer wait for everything
     its devices launched before its window; in this order a device's transfers are listed
     as they would start, so a transfer listed early but held up (its sender busy on another
-    lane) does not hold back the many listed after it."""
+    lane) does not hold back the many listed after it. ``None`` when that run passes
+    ``until`` (stopped there)."""
     if not entries:
         return []
-    timings = model.run([t for _, t in entries])
+    timings = model.run([t for _, t in entries], until=until)
+    if any(x.end != x.end for x in timings):  # passed ``until``: None
+        return None
     order = sorted(range(len(entries)), key=lambda g: (timings[g].start, g))
     position = {g: n for n, g in enumerate(order)}
     return [(entries[g][0], dataclasses.replace(
