@@ -737,8 +737,10 @@ def lower_bound_for(
     need that no source device on that host holds; every set of source hosts that alone holds
     some bytes needed elsewhere sends them out through its NICs (checked for each single host
     and each distinct set of holder hosts); every destination GPU ingests what it needs and
-    does not hold, at most at NVLink plus NIC rate. Plus one network (or NVLink) latency when
-    anything must cross hosts (or devices).
+    does not hold, at most at NVLink plus NIC rate. The host terms plus one network latency
+    (their bytes cross a NIC); the GPU terms plus the least latency of a hop (a GPU's bytes
+    may all come over NVLink: adding a network latency there overstated the bound of a state
+    whose busiest GPU is fed on its own host).
     """
     from .tasks import unit_tasks
 
@@ -769,10 +771,8 @@ def lower_bound_of_tasks(task_lists: Iterable[Sequence[Any]], cluster: Cluster) 
                 crosses_device = True
         exclusive[holder_hosts][frozenset(need_hosts)] += task.nbytes
     host_bw = c.nics_per_host * c.nic_bytes_per_s
-    terms = [0.0]
+    terms = [0.0]  # bytes that must cross a NIC: each pays at least a network hop's latency
     terms += [b / host_bw for b in host_in.values()]
-    gpu_bw = c.nvlink_bytes_per_s + c.nic_bytes_per_s
-    terms += [b / gpu_bw for b in gpu_in.values()]
     candidates = set(exclusive) | {frozenset([h]) for s in exclusive for h in s}
     for group in candidates:
         out = sum(
@@ -783,5 +783,9 @@ def lower_bound_of_tasks(task_lists: Iterable[Sequence[Any]], cluster: Cluster) 
             if need - group
         )
         terms.append(out / (len(group) * host_bw))
-    latency = c.nic_latency_s if crosses_host else (c.nvlink_latency_s if crosses_device else 0.0)
-    return max(terms) + latency
+    gpu_bw = c.nvlink_bytes_per_s + c.nic_bytes_per_s
+    # A GPU's bytes may all come over NVLink: its term pays the least latency of a hop.
+    gpu_term = max((b / gpu_bw for b in gpu_in.values()), default=0.0)
+    hop_latency = min(c.nic_latency_s, c.nvlink_latency_s) if crosses_host else c.nvlink_latency_s
+    return max(max(terms) + c.nic_latency_s if crosses_host else 0.0,
+               gpu_term + hop_latency if crosses_device else 0.0)

@@ -273,7 +273,28 @@ def paced_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[
         alone = [model.alone_time(items[n][1]) for n in order]
         units.append((sum(alone), k, [(rounds[n], *items[n]) for n in order], alone,
                       max(rounds) + 1))
+    # Heaviest first (the lanes balanced as in LPT scheduling), but tensors of about the
+    # same weight (within 10 %) taken one per source group (the hosts they are sent from:
+    # a pipeline stage) in turn — else the lanes would all take one stage's equal tensors
+    # at once, and that stage's NICs would feed every lane while the other stages wait.
     units.sort(key=lambda u: (-u[0], u[1]))
+    ordered: list = []
+    start = 0
+    while start < len(units):
+        end = start
+        while end < len(units) and units[end][0] >= 0.9 * units[start][0]:
+            end += 1
+        turn: dict[frozenset[int], int] = {}
+        first_seen: dict[frozenset[int], int] = {}
+        ranked = []
+        for unit in units[start:end]:
+            hosts = frozenset(cluster.host_of(t.sender) for _, _, t in unit[2])
+            first_seen.setdefault(hosts, len(first_seen))
+            turn[hosts] = turn.get(hosts, -1) + 1
+            ranked.append((turn[hosts], first_seen[hosts], unit[1], unit))
+        ordered += [u for *_, u in sorted(ranked, key=lambda r: r[:3])]
+        start = end
+    units = ordered
     lanes = MAX_LANES if units else 1
     load: dict[tuple[int, int], float] = defaultdict(float)
     on_lane: dict[int, list] = defaultdict(list)

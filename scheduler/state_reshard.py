@@ -384,12 +384,13 @@ def state_lower_bound(tensors: Mapping[str, StateTensor], cluster: Cluster) -> f
     """Seconds no plan of the whole state can beat on ``cluster``.
 
     :func:`~scheduler.cost.lower_bound_for` with every term summed over the tensors before
-    the largest is taken (:func:`~scheduler.cost.lower_bound_of_tasks`)::
+    the largest is taken (:func:`~scheduler.cost.lower_bound_of_tasks`): the larger of::
 
         max( max over destination hosts h:  Σ_tensors in_h  / (NICs per host × NIC rate),
-             max over destination GPUs g:   Σ_tensors in_g  / (NVLink rate + NIC rate),
              max over holder-host sets S:   Σ_tensors out_S / (|S| × NICs per host × NIC rate) )
-        + one network latency (NVLink latency when nothing crosses hosts)
+        + one network latency (when anything crosses hosts),
+        max over destination GPUs g:   Σ_tensors in_g  / (NVLink rate + NIC rate)
+        + the least latency of a hop
 
     where ``in_h`` is the bytes host h's devices need that no source device on h holds,
     ``in_g`` the bytes GPU g needs and does not hold, and ``out_S`` the bytes held only on

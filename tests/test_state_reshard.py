@@ -466,3 +466,20 @@ def test_per_tensor_candidates_are_asked_for_and_the_option_checked():
     assert "per-tensor candidates" in plan.stats["options"]
     with pytest.raises(TypeError, match="per_tensor"):
         StateOptions(per_tensor=1)
+
+
+def test_the_bound_adds_a_network_latency_only_to_what_crosses_a_nic():
+    # The busiest GPU is fed over NVLink on its own host (36 B), while one byte crosses
+    # hosts: the GPU's term pays no network latency, so the bound stays under the plan.
+    cluster = Cluster(2, 7, nic_gbps=10.0, nvlink_gbps=300.0, nic_latency_us=5.0,
+                      nvlink_latency_us=0.0)
+    tensors = {
+        "far": StateTensor((1,), "int8", Sharding(_mesh([[7, 8, 9]]), P()),
+                           Sharding(_mesh([[7, 8, 9, 2]]), P())),
+        "near": StateTensor((1, 3, 6), "float16", Sharding(_mesh([[0]]), P()),
+                            Sharding(_mesh([[1]]), P())),
+    }
+    plan = plan_state_resharding(tensors, cluster, StateOptions(bucket_bytes=16))
+    plan.check()
+    assert plan.bound_seconds <= plan.estimate_seconds
+    assert plan.bound_seconds == pytest.approx(cluster.nic_latency_s + 1 / cluster.nic_bytes_per_s)
