@@ -73,6 +73,9 @@ class CostModel:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.cluster = cluster
         self.chunk_bytes = chunk_bytes
+        # (sender, receivers) -> (ports, latency, hop rates) of its chain: a whole state
+        # costs tens of thousands of transfers over a few thousand distinct chains.
+        self._chains: dict[tuple[int, tuple[int, ...]], tuple[tuple, float, tuple]] = {}
 
     # ---- one transfer --------------------------------------------------------------------
 
@@ -108,29 +111,36 @@ class CostModel:
             return TransferCost(
                 ((GPU_MEM, sender),), c.nvlink_latency_s, nbytes, c.nvlink_bytes_per_s
             )
-        hops = self.chain(sender, receivers)
-        ports: list[tuple[str, int]] = []
-        latency = 0.0
-        chunk_time = 0.0  # one chunk through every hop
-        bw = math.inf
+        key = (sender, tuple(receivers))
+        known = self._chains.get(key)
+        if known is None:
+            ports: list[tuple[str, int]] = []
+            latency = 0.0
+            rates = []
+            for hop in self.chain(sender, receivers):
+                if hop.network:
+                    ports += [(NIC_OUT, c.nic_of(hop.src)), (NIC_IN, c.nic_of(hop.dst))]
+                    latency += c.nic_latency_s
+                    rates.append(c.nic_bytes_per_s)
+                else:
+                    ports += [(GPU_OUT, hop.src), (GPU_IN, hop.dst)]
+                    latency += c.nvlink_latency_s
+                    rates.append(c.nvlink_bytes_per_s)
+            if len(self._chains) >= 1 << 16:  # a long-lived model: keep the memory bounded
+                self._chains.clear()
+            # A chain may leave and enter the same NIC on different hops only across hosts;
+            # a port listed twice would be double-booked, so keep each once.
+            known = self._chains[key] = (tuple(dict.fromkeys(ports)), latency, tuple(rates))
+        ports_once, latency, rates = known
         chunk = min(self.chunk_bytes, nbytes)
-        for hop in hops:
-            if hop.network:
-                ports += [(NIC_OUT, c.nic_of(hop.src)), (NIC_IN, c.nic_of(hop.dst))]
-                latency += c.nic_latency_s
-                hop_bw = c.nic_bytes_per_s
-            else:
-                ports += [(GPU_OUT, hop.src), (GPU_IN, hop.dst)]
-                latency += c.nvlink_latency_s
-                hop_bw = c.nvlink_bytes_per_s
-            bw = min(bw, hop_bw)
+        bw = min(rates, default=math.inf)
+        chunk_time = 0.0  # one chunk through every hop
+        for hop_bw in rates:
             chunk_time += chunk / hop_bw
         # Pipelining: the last byte leaves the bottleneck at bytes/bw, then still has to cross
         # the other hops one chunk at a time.
         fill = chunk_time - chunk / bw
-        # A chain may leave and enter the same NIC on different hops only across hosts;
-        # a port listed twice would be double-booked, so keep each once.
-        return TransferCost(tuple(dict.fromkeys(ports)), latency + fill, nbytes, bw)
+        return TransferCost(ports_once, latency + fill, nbytes, bw)
 
     def ring(self, group: Sequence[int]) -> list[Hop]:
         """The hops of a ring over ``group`` (NCCL's ring all-reduce): the devices host by
@@ -187,15 +197,19 @@ class CostModel:
 
     # ---- many transfers ------------------------------------------------------------------
 
-    def run(self, transfers: Sequence[Transfer]) -> list[TransferTiming]:
+    def run(self, transfers: Sequence[Transfer], *, until: float = math.inf
+            ) -> list[TransferTiming]:
         """Start and end time of every transfer, launched in order on per-device streams
-        (one per lane)."""
+        (one per lane). ``until``: stop once the clock would pass it — a transfer not
+        ended by then has a nan end (and a nan start if it had not started): a caller that
+        only wants to know whether the run ends by ``until`` need not run the rest."""
         return self.run_costs(
             [self.transfer_cost(t) for t in transfers],
             # A device's streams: one FIFO per lane (lanes of a device run side by side).
             [t.devices if not t.lane else tuple((d, t.lane) for d in t.devices)
              for t in transfers],
             after=[t.after for t in transfers],
+            until=until,
         )
 
     def run_costs(
@@ -204,6 +218,7 @@ class CostModel:
         devices: Sequence[Sequence[Any]],
         ready: Sequence[float] | None = None,
         after: Sequence[Sequence[int]] | None = None,
+        until: float = math.inf,
     ) -> list[TransferTiming]:
         """Fluid discrete-event run of transfers in launch order, FIFO per device.
 
@@ -227,7 +242,7 @@ class CostModel:
                     raise ValueError(f"after[{i}]: {j} is not an earlier transfer")
                 succ[j].append(i)
                 need[i] += 1
-        start, end = self.run_ops(costs, succ, need, ready)
+        start, end = self.run_ops(costs, succ, need, ready, until=until)
         return [TransferTiming(s, e) for s, e in zip(start, end)]
 
     def run_ops(
@@ -236,13 +251,16 @@ class CostModel:
         succ: Sequence[Sequence[int]],
         need: Sequence[int],
         ready: Sequence[float] | None = None,
+        *,
+        until: float = math.inf,
     ) -> tuple[list[float], list[float]]:
         """Start and end times of ops that each start as soon as ``need[i]`` of the ops
         naming it in their ``succ`` lists have ended (and not before ``ready[i]``): the one
         engine behind plan costing and the pipeline simulator. An op without ports (a
         compute, or a signal-mode transfer) lasts its ``fixed_s``. Raises RuntimeError if
-        some op can never start (a cycle)."""
-        return _DependentRun(self, costs, succ, need, ready).run()
+        some op can never start (a cycle). ``until``: stop once the clock would pass it (ops
+        not ended by then keep a nan end)."""
+        return _DependentRun(self, costs, succ, need, ready).run(until)
 
     def list_schedule(
         self,
@@ -400,7 +418,7 @@ class _FluidEngine:
         self.members[i] = [i]
         kernel.schedule(now + self.fixed[i], i * 4 + _FIXED, _FIXED)
 
-    def run(self) -> tuple[list[float], list[float]]:
+    def run(self, until: float = math.inf) -> tuple[list[float], list[float]]:
         kernel = self.kernel
         left, last, rate, flow_event = self.left, self.last, self.rate, self.flow_event
         flow_ports, port_flows, changed = self.flow_ports, self.port_flows, self.changed
@@ -438,7 +456,9 @@ class _FluidEngine:
                 self._settle()
 
         self.first()
-        kernel.run(handle)
+        kernel.run(handle, until)
+        if len(kernel):  # stopped at ``until``: what has not ended keeps its nan
+            return self.start, self.end
         if any(e != e for e in self.end):  # NaN: never ended
             raise RuntimeError(
                 "cost model: transfers can never start (a device order has a cycle?)")
@@ -717,8 +737,10 @@ def lower_bound_for(
     need that no source device on that host holds; every set of source hosts that alone holds
     some bytes needed elsewhere sends them out through its NICs (checked for each single host
     and each distinct set of holder hosts); every destination GPU ingests what it needs and
-    does not hold, at most at NVLink plus NIC rate. Plus one network (or NVLink) latency when
-    anything must cross hosts (or devices).
+    does not hold, at most at NVLink plus NIC rate. The host terms plus one network latency
+    (their bytes cross a NIC); the GPU terms plus the least latency of a hop (a GPU's bytes
+    may all come over NVLink: adding a network latency there overstated the bound of a state
+    whose busiest GPU is fed on its own host).
     """
     from .tasks import unit_tasks
 
@@ -749,10 +771,8 @@ def lower_bound_of_tasks(task_lists: Iterable[Sequence[Any]], cluster: Cluster) 
                 crosses_device = True
         exclusive[holder_hosts][frozenset(need_hosts)] += task.nbytes
     host_bw = c.nics_per_host * c.nic_bytes_per_s
-    terms = [0.0]
+    terms = [0.0]  # bytes that must cross a NIC: each pays at least a network hop's latency
     terms += [b / host_bw for b in host_in.values()]
-    gpu_bw = c.nvlink_bytes_per_s + c.nic_bytes_per_s
-    terms += [b / gpu_bw for b in gpu_in.values()]
     candidates = set(exclusive) | {frozenset([h]) for s in exclusive for h in s}
     for group in candidates:
         out = sum(
@@ -763,5 +783,9 @@ def lower_bound_of_tasks(task_lists: Iterable[Sequence[Any]], cluster: Cluster) 
             if need - group
         )
         terms.append(out / (len(group) * host_bw))
-    latency = c.nic_latency_s if crosses_host else (c.nvlink_latency_s if crosses_device else 0.0)
-    return max(terms) + latency
+    gpu_bw = c.nvlink_bytes_per_s + c.nic_bytes_per_s
+    # A GPU's bytes may all come over NVLink: its term pays the least latency of a hop.
+    gpu_term = max((b / gpu_bw for b in gpu_in.values()), default=0.0)
+    hop_latency = min(c.nic_latency_s, c.nvlink_latency_s) if crosses_host else c.nvlink_latency_s
+    return max(max(terms) + c.nic_latency_s if crosses_host else 0.0,
+               gpu_term + hop_latency if crosses_device else 0.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,13 +48,14 @@ class Kernel:
         self.processed += 1
         return entry
 
-    def run(self, handle: Callable[[int, Any], None]) -> None:
+    def run(self, handle: Callable[[int, Any], None], until: float = math.inf) -> None:
         """Pop every event in order, calling ``handle(count, event)`` at its time, until the
-        heap is empty (handlers may schedule more)."""
+        heap is empty (handlers may schedule more) or the next event is later than
+        ``until`` (it stays in the heap)."""
         heap, pop = self._heap, heapq.heappop
         processed = self.processed
         try:
-            while heap:
+            while heap and heap[0][0] <= until:
                 time, _, count, event = pop(heap)
                 self.now = time
                 processed += 1

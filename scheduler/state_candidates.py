@@ -10,7 +10,14 @@ number, transfer)`` in launch order, ``after`` naming earlier entries of the sam
   plan (:func:`per_tensor_plans`), one after another in the state's order. So the kept plan
   is never slower, under the cost model, than that concatenation bucketed the same way;
 - :func:`interleaved`: the same plans, those of tensors on different source hosts side by
-  side (a pipeline's stages send at once).
+  side (a pipeline's stages send at once);
+- :func:`paced_entries`: the joint decomposition, each tensor's sends in *rounds* (no device
+  twice in a round), whole tensors spread over the lanes by load, each lane's rounds rotated
+  so that the lanes reach different devices at once, and long chains of a replicated
+  destination cut per host (entering each host through a different GPU).
+
+(:func:`per_tensor_plans` plans each distinct tensor at the full budget: the per-tensor
+candidates are built only when ``StateOptions.per_tensor`` asks for them.)
 
 Identical tensors are planned once (:func:`tensor_classes`): two tensors of the same shape,
 dtype, specs and mesh shapes whose devices are the same up to a renaming of hosts (each
@@ -22,14 +29,17 @@ GPUs only through which are equal.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .balance import balance_sends
+from .balance import MAX_LANES, _by_size, _Ports, balance_sends
 from .cluster import Cluster
+from .cost import CostModel
 from .plan import Transfer
 from .planner import PlanOptions, _decompose, plan_resharding
 from .regions import volume
+from .sends import Send
 from .tasks import UnitTask, unit_tasks
 
 Entry = tuple[int, Transfer]  # (tensor number in the state's order, transfer)
@@ -177,6 +187,154 @@ def joint_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[
     return entries, stats
 
 
+def _per_host_chains(send: Send, cluster: Cluster, turn: int) -> list[Send] | None:
+    """``send`` cut into one chain per receiving host when its chain is long (several
+    receivers on each of several hosts: NVLink hops after each network hop) and its holders
+    have several NICs to send the chains from; each host's receivers rotated by ``turn`` so
+    that the host's entry GPU (whose NIC takes the bytes in) differs from send to send.
+    ``None`` when it stays one chain."""
+    by_host: dict[int, list[int]] = {}
+    for r in send.receivers:
+        by_host.setdefault(cluster.host_of(r), []).append(r)
+    if (len(by_host) < 2 or len(send.receivers) == len(by_host)
+            or len({cluster.nic_of(h) for h in send.holders}) < 2):
+        return None
+    out = []
+    for n, rs in enumerate(by_host.values()):
+        k = (turn + n) % len(rs)
+        out.append(Send(send.region, send.nbytes, send.holders, tuple(rs[k:] + rs[:k])))
+    return out
+
+
+def _rounds(transfers: Sequence[Transfer]) -> list[int]:
+    """Each transfer's round, first fit: the first round in which none of its devices is
+    busy (a round is a set of transfers that share no device: they can all run at once)."""
+    used: dict[int, int] = defaultdict(int)  # device -> bit set of its rounds
+    out = []
+    for t in transfers:
+        busy = 0
+        for d in t.devices:
+            busy |= used[d]
+        r = (~busy & (busy + 1)).bit_length() - 1  # the lowest free round
+        for d in t.devices:
+            used[d] |= 1 << r
+        out.append(r)
+    return out
+
+
+def paced_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[int],
+                  cluster: Cluster, options: PlanOptions) -> tuple[list[Entry], dict]:
+    """The joint decomposition (long chains to a replicated destination cut per host), each
+    send from its holder whose NIC has sent least (largest first), then paced over the
+    lanes, in time linear in the sends but for the rounds:
+
+    1. each tensor's transfers in rounds (:func:`_rounds`);
+    2. tensors, heaviest first (alone time), each whole on the lane (of
+       :data:`~scheduler.balance.MAX_LANES`) whose busiest device of the tensor has least
+       time on it so far;
+    3. on each lane, each tensor's rounds rotated by ``lane × rounds / lanes`` (plus a third
+       of its rounds per tensor before it on the lane): the lanes' transfers of the same
+       moment reach different devices, where the same first round on every lane would load
+       the same receivers and leave the others idle;
+    4. one launch order: every transfer at its estimated start (the time its devices'
+       lane has so far), so that the lanes advance together.
+    """
+    model = CostModel(cluster)
+    parts = [_decompose(tasks, itemsize, cluster, options.strategy)
+             for tasks, itemsize in zip(task_lists, itemsizes)]
+    entries: list[Entry] = [(k, t) for k, p in enumerate(parts) for t in p.before]
+    sends: list[Send] = []
+    owner: list[int] = []
+    origin: list[int] = []  # the decomposition's send (numbered across tensors) of each
+    first = 0
+    turn = 0
+    for k, p in enumerate(parts):
+        for i, s in enumerate(p.sends):
+            split = _per_host_chains(s, cluster, turn)
+            if split is not None:
+                turn += 1
+            for piece in split or [s]:
+                sends.append(piece)
+                owner.append(k)
+                origin.append(first + i)
+        first += len(p.sends)
+    ready: dict[int, float] = {}
+    ports = _Ports(sends, cluster, ready)
+    by_tensor: dict[int, list[tuple[int, Transfer]]] = {}
+    for i, region, sender in _by_size(sends, ports):
+        k = owner[i]
+        by_tensor.setdefault(k, []).append(
+            (origin[i], Transfer(region, sender, sends[i].receivers,
+                                 volume(region) * itemsizes[k])))
+    units = []
+    for k, items in by_tensor.items():
+        rounds = _rounds([t for _, t in items])
+        order = sorted(range(len(items)), key=lambda n: (rounds[n], n))
+        alone = [model.alone_time(items[n][1]) for n in order]
+        units.append((sum(alone), k, [(rounds[n], *items[n]) for n in order], alone,
+                      max(rounds) + 1))
+    # Heaviest first (the lanes balanced as in LPT scheduling), but tensors of about the
+    # same weight (within 10 %) taken one per source group (the hosts they are sent from:
+    # a pipeline stage) in turn — else the lanes would all take one stage's equal tensors
+    # at once, and that stage's NICs would feed every lane while the other stages wait.
+    units.sort(key=lambda u: (-u[0], u[1]))
+    ordered: list = []
+    start = 0
+    while start < len(units):
+        end = start
+        while end < len(units) and units[end][0] >= 0.9 * units[start][0]:
+            end += 1
+        turn: dict[frozenset[int], int] = {}
+        first_seen: dict[frozenset[int], int] = {}
+        ranked = []
+        for unit in units[start:end]:
+            hosts = frozenset(cluster.host_of(t.sender) for _, _, t in unit[2])
+            first_seen.setdefault(hosts, len(first_seen))
+            turn[hosts] = turn.get(hosts, -1) + 1
+            ranked.append((turn[hosts], first_seen[hosts], unit[1], unit))
+        ordered += [u for *_, u in sorted(ranked, key=lambda r: r[:3])]
+        start = end
+    units = ordered
+    lanes = MAX_LANES if units else 1
+    load: dict[tuple[int, int], float] = defaultdict(float)
+    on_lane: dict[int, list] = defaultdict(list)
+    for unit in units:
+        devices = {d for _, _, t in unit[2] for d in t.devices}
+        lane = min(range(lanes), key=lambda n: (max(load[(d, n)] for d in devices), n))
+        for (_, _, t), x in zip(unit[2], unit[3]):
+            for d in t.devices:
+                load[(d, lane)] += x
+        on_lane[lane].append(unit)
+    clock: dict[tuple[int, int], float] = defaultdict(float)
+    keyed: list[tuple[float, int, int, int, Transfer]] = []
+    for lane in sorted(on_lane):
+        for n_unit, (_, k, items, alone, count) in enumerate(on_lane[lane]):
+            shift = (lane * count // lanes + n_unit * count // 3) % count
+            order = sorted(range(len(items)), key=lambda n: ((items[n][0] - shift) % count, n))
+            for n in order:
+                _, idx, t = items[n]
+                begin = max(clock[(d, lane)] for d in t.devices)
+                for d in t.devices:
+                    clock[(d, lane)] = begin + alone[n]
+                keyed.append((begin, len(keyed), k, idx,
+                              Transfer(t.region, t.sender, t.receivers, t.nbytes, (), lane)))
+    keyed.sort(key=lambda e: e[:2])
+    offset = len(entries)
+    brought: dict[int, list[int]] = {}
+    for j, (_, _, k, idx, t) in enumerate(keyed):
+        entries.append((k, t))
+        brought.setdefault(idx, []).append(offset + j)
+    first = 0
+    for k, p in enumerate(parts):
+        for idx, region, local in p.after:
+            owner_dev = p.sends[idx].receivers[0]
+            entries.append((k, Transfer(region, owner_dev, local,
+                                        volume(region) * itemsizes[k],
+                                        tuple(brought.get(first + idx, ())))))
+        first += len(p.sends)
+    return entries, {"paced_lanes": len(on_lane)}
+
+
 def plans_of(entries: Sequence[Entry], count: int) -> tuple[list[list[Transfer]], list[int]]:
     """Entries split per tensor (``after`` within the tensor; across tensors it is dropped:
     the buckets' per-device order stands in) and each entry's index in its tensor's list."""
@@ -192,5 +350,5 @@ def plans_of(entries: Sequence[Entry], count: int) -> tuple[list[list[Transfer]]
     return per_tensor, local_index
 
 
-__all__ = ["concatenated", "interleaved", "joint_entries", "per_tensor_plans", "plans_of",
-           "renamed", "state_tasks", "tensor_classes"]
+__all__ = ["concatenated", "interleaved", "joint_entries", "paced_entries", "per_tensor_plans",
+           "plans_of", "renamed", "state_tasks", "tensor_classes"]

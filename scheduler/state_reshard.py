@@ -8,10 +8,17 @@
   candidate sender, a destination's replicas reached by one chained broadcast under the
   default strategy); then ONE balancing (:func:`~scheduler.balance.balance_sends`) over the
   union of every tensor's sends, after the union of their local work;
-- **per-tensor**: every tensor's own :func:`~scheduler.planner.plan_resharding` plan (with the
-  same options), one after another — so the kept plan is never slower, under the cost model,
-  than planning tensor by tensor, bucketed the same way;
-- **per-tensor-interleaved**: the same plans, those of tensors whose sources are on different
+- **joint-paced**: the same decomposition (long chains to a replicated destination cut per
+  host), each send whole from its least-loaded holder, then *paced*: each tensor's transfers
+  in rounds that share no device, whole tensors spread over the lanes by load, each lane's
+  rounds rotated so that at any moment the lanes reach different receivers
+  (:func:`~scheduler.state_candidates.paced_entries`); launched in its own estimated start
+  order, so costed with one run of the cost model;
+- with ``StateOptions(per_tensor=True)`` only (one full plan per distinct tensor: seconds
+  each): **per-tensor**, every tensor's own :func:`~scheduler.planner.plan_resharding` plan
+  (with the same options), one after another — so the kept plan is never slower, under the
+  cost model, than planning tensor by tensor, bucketed the same way — and
+  **per-tensor-interleaved**, the same plans, those of tensors whose sources are on different
   hosts (pipeline stages) side by side, each group at the same pace.
 
 Identical tensors (same shape, dtype, specs and mesh shapes, devices the same up to a renaming
@@ -60,6 +67,7 @@ from .state_candidates import (
     concatenated,
     interleaved,
     joint_entries,
+    paced_entries,
     per_tensor_plans,
     plans_of,
     state_tasks,
@@ -116,19 +124,27 @@ class StateTensor:
 class StateOptions(PlanOptions):
     """The planner's :class:`~scheduler.planner.PlanOptions` plus ``bucket_bytes``: the most
     bytes of staged (non-local) transfers a device has started and not finished at any
-    moment (the staging window), so the most extra memory it needs (256 MiB by default).
-    ``budget`` goes to the joint balancing and, whole, to each distinct tensor's own plan."""
+    moment (the staging window), so the most extra memory it needs (256 MiB by default);
+    and ``per_tensor``: also build the per-tensor candidates (every distinct tensor planned
+    alone by :func:`~scheduler.planner.plan_resharding`, at the full ``budget`` each), so
+    that the kept plan is never slower than planning tensor by tensor — at the price of one
+    full plan per distinct tensor (seconds each), hence off by default. ``budget`` goes to
+    the joint balancing (and to each per-tensor plan)."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    per_tensor: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         b = self.bucket_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"bucket_bytes: expected an int >= 1, got {b!r}")
+        if not isinstance(self.per_tensor, bool):
+            raise TypeError(f"per_tensor: expected a bool, got {self.per_tensor!r}")
 
     def __str__(self) -> str:
-        return f"{super().__str__()}, buckets of {fmt_bytes(self.bucket_bytes)}"
+        return (f"{super().__str__()}, buckets of {fmt_bytes(self.bucket_bytes)}"
+                + (", per-tensor candidates" if self.per_tensor else ""))
 
 
 @dataclass(frozen=True)
@@ -144,7 +160,9 @@ class StateReshardPlan:
     :meth:`schedule`), ``network_bytes`` (each transfer's bytes times its inter-host hops)
     and ``peak_staging_bytes`` (device -> the most staged bytes it can have in flight:
     :func:`staging_window`). ``stats``: which candidate was kept (``choice``), every
-    candidate's estimate (``candidates``), the classes of identical tensors.
+    candidate's estimate (``candidates``; ``inf`` for one screened out: its run passed the
+    best estimate of those costed before it and was stopped there), the classes of
+    identical tensors.
     """
 
     tensors: Mapping[str, StateTensor]
@@ -366,12 +384,13 @@ def state_lower_bound(tensors: Mapping[str, StateTensor], cluster: Cluster) -> f
     """Seconds no plan of the whole state can beat on ``cluster``.
 
     :func:`~scheduler.cost.lower_bound_for` with every term summed over the tensors before
-    the largest is taken (:func:`~scheduler.cost.lower_bound_of_tasks`)::
+    the largest is taken (:func:`~scheduler.cost.lower_bound_of_tasks`): the larger of::
 
         max( max over destination hosts h:  Σ_tensors in_h  / (NICs per host × NIC rate),
-             max over destination GPUs g:   Σ_tensors in_g  / (NVLink rate + NIC rate),
              max over holder-host sets S:   Σ_tensors out_S / (|S| × NICs per host × NIC rate) )
-        + one network latency (NVLink latency when nothing crosses hosts)
+        + one network latency (when anything crosses hosts),
+        max over destination GPUs g:   Σ_tensors in_g  / (NVLink rate + NIC rate)
+        + the least latency of a hop
 
     where ``in_h`` is the bytes host h's devices need that no source device on h holds,
     ``in_g`` the bytes GPU g needs and does not hold, and ``out_S`` the bytes held only on
@@ -398,15 +417,24 @@ def plan_state_resharding(
     itemsizes = [check_dtype(t.dtype).itemsize for t in items]
     model = CostModel(cluster)
     joint, stats = joint_entries(task_lists, itemsizes, cluster, options)
-    alone = per_tensor_plans(items, classes, cluster, options)
-    candidates = {"joint": joint, "per-tensor": concatenated(alone),
-                  "per-tensor-interleaved": interleaved(alone, items, cluster)}
+    paced, paced_stats = paced_entries(task_lists, itemsizes, cluster, options)
+    stats.update(paced_stats)
+    # (label, entries, whether to launch in the order they start unconstrained: the paced
+    # candidate is already in its estimated start order)
+    candidates = [("joint-paced", paced, False), ("joint", joint, True)]
+    if options.per_tensor:
+        alone = per_tensor_plans(items, classes, cluster, options)
+        candidates += [("per-tensor", concatenated(alone), True),
+                       ("per-tensor-interleaved", interleaved(alone, items, cluster), True)]
     best: tuple[float, str, StateReshardPlan] | None = None
     estimates: dict[str, float] = {}
-    for label, entries in candidates.items():
-        plan = _assemble(state, entries, options, model)
-        estimates[label] = plan.estimate_seconds
-        if best is None or plan.estimate_seconds < best[0]:
+    for label, entries, by_start in candidates:
+        # Screening: a candidate whose run passes the best estimate so far is dropped there
+        # (its estimate reads inf): the paced one, costed first, is often the best.
+        plan = _assemble(state, entries, options, model, by_start,
+                         until=math.inf if best is None else best[0])
+        estimates[label] = math.inf if plan is None else plan.estimate_seconds
+        if plan is not None and (best is None or plan.estimate_seconds < best[0]):
             best = (plan.estimate_seconds, label, plan)
     assert best is not None
     _, choice, plan = best
@@ -417,12 +445,21 @@ def plan_state_resharding(
 
 
 def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Transfer]],
-              options: StateOptions, model: CostModel) -> StateReshardPlan:
-    """A candidate's entries as a plan: staged transfers larger than a bucket cut, the
-    launch order cut into buckets, the transfers split back per tensor, and the estimate
-    (the cost model running :meth:`StateReshardPlan.schedule`); the bound is left 0."""
+              options: StateOptions, model: CostModel, by_start: bool = True,
+              until: float = math.inf) -> StateReshardPlan | None:
+    """A candidate's entries as a plan: staged transfers larger than a bucket cut, (when
+    ``by_start``) put in the order they start unconstrained, the launch order cut into
+    buckets, the transfers split back per tensor, and the estimate (the cost model running
+    :meth:`StateReshardPlan.schedule`); the bound is left 0. ``None`` (a screened-out
+    candidate) when a run passes ``until``: the unconstrained run of ``by_start`` — the
+    staging window only adds waits, so such a candidate is all but sure to end later — or
+    the plan's own run (which then ends later for certain); each stops there."""
     names = list(state)
-    entries = _by_start(_cut(entries, options.bucket_bytes), model)
+    entries = _cut(entries, options.bucket_bytes)
+    if by_start:
+        entries = _by_start(entries, model, until)
+        if entries is None:
+            return None
     buckets_g = _buckets([t for _, t in entries], options.bucket_bytes)
     per_tensor, local_index = plans_of(entries, len(names))
     plans = {
@@ -435,7 +472,10 @@ def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Tra
     _, peak = staging_window([t for _, t in entries], options.bucket_bytes)
     draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
     schedule = [t for _, t in draft.schedule()]
-    est = max((x.end for x in model.run(schedule)), default=0.0)
+    ends = [x.end for x in model.run(schedule, until=until)]
+    if any(e != e for e in ends):  # nan: not ended by ``until``
+        return None
+    est = max(ends, default=0.0)
     net = sum(t.nbytes * sum(h.network for h in model.chain(t.sender, t.receivers))
               for t in schedule)
     return dataclasses.replace(draft, estimate_seconds=est, network_bytes=net)
@@ -524,16 +564,19 @@ def staging_window(transfers: Sequence[Transfer], cap: int
     return out, peak
 
 
-def _by_start(entries: Sequence[tuple[int, Transfer]], model: CostModel
-              ) -> list[tuple[int, Transfer]]:
+def _by_start(entries: Sequence[tuple[int, Transfer]], model: CostModel,
+              until: float = math.inf) -> list[tuple[int, Transfer]] | None:
     """The entries in the order they start when the cost model runs them with no staging
     limit (``after`` renumbered). The staging window makes a transfer wait for everything
     its devices launched before its window; in this order a device's transfers are listed
     as they would start, so a transfer listed early but held up (its sender busy on another
-    lane) does not hold back the many listed after it."""
+    lane) does not hold back the many listed after it. ``None`` when that run passes
+    ``until`` (stopped there)."""
     if not entries:
         return []
-    timings = model.run([t for _, t in entries])
+    timings = model.run([t for _, t in entries], until=until)
+    if any(x.end != x.end for x in timings):  # passed ``until``: None
+        return None
     order = sorted(range(len(entries)), key=lambda g: (timings[g].start, g))
     position = {g: n for n, g in enumerate(order)}
     return [(entries[g][0], dataclasses.replace(

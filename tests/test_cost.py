@@ -475,3 +475,16 @@ def test_lower_bound_zero_when_nothing_moves():
     c = cl(2, 4, nic_latency_us=10, nvlink_latency_us=3)
     s = Sharding(_mesh(c, [0]), P("gpu"))
     assert lower_bound_for((1024,), "float32", s, s, c) == 0.0
+
+
+def test_a_run_stopped_at_until_keeps_what_ended_and_leaves_the_rest_nan():
+    cluster = Cluster.preset("dgx-h100", 2)
+    model = CostModel(cluster)
+    # Four transfers one after another on GPU 0's stream, then one more on another GPU.
+    transfers = [Transfer(((0, 1 << 20),), 0, (8,), 1 << 20) for _ in range(4)]
+    transfers.append(Transfer(((0, 1 << 20),), 1, (9,), 1 << 20))
+    full = model.run(transfers)
+    assert model.run(transfers, until=max(x.end for x in full)) == full
+    cut = model.run(transfers, until=full[1].end)
+    assert cut[:2] == full[:2] and cut[4] == full[4]  # ended by then: the same times
+    assert all(x.end != x.end for x in cut[2:4])  # not ended: nan

@@ -292,7 +292,9 @@ def test_a_state_too_large_to_cost_plans_in_linear_time_one_lane_per_tensor():
     plan.check()
     execute(plan)
     assert "over budget" in plan.stats["auto_choice"]
-    assert plan.stats["choice"] == "joint"
+    # Both joint candidates (the linear balancing and the paced one) keep a tensor's sends
+    # on one lane.
+    assert plan.stats["choice"] in ("joint", "joint-paced")
     lanes = set()
     for p in plan.plans.values():
         sent = [t for t in p.transfers  # the balanced sends: across hosts
@@ -344,12 +346,13 @@ def test_random_states_check_and_never_lose_to_planning_tensor_by_tensor(data):
         shape, dtype, src, dst, _ = data.draw(problems(cluster))
         tensors[f"t{k}"] = StateTensor(shape, dtype, src, dst)
     bucket = data.draw(st.sampled_from([16, 256, 1 << 30]))
-    options = StateOptions(budget=5_000, bucket_bytes=bucket)
+    options = StateOptions(budget=5_000, bucket_bytes=bucket, per_tensor=True)
     plan = plan_state_resharding(tensors, cluster, options)
     plan.check()
     execute(plan)
     assert plan.bound_seconds <= plan.estimate_seconds + 1e-12
-    # The kept plan is the fastest candidate, the tensors' own plans concatenated among them.
+    # The kept plan is the fastest candidate, the tensors' own plans concatenated among them
+    # (asked for: per_tensor=True).
     assert plan.estimate_seconds == min(plan.stats["candidates"].values())
     assert plan.estimate_seconds <= plan.stats["candidates"]["per-tensor"]
     if bucket == 1 << 30:  # nothing cut, one bucket: no slower than one plan after another
@@ -411,3 +414,72 @@ def test_identical_tensors_on_renamed_hosts_are_planned_once():
     assert model.plan_time(alone["stage0.w"]) == pytest.approx(model.plan_time(alone["stage1.w"]))
     # Side by side (different source hosts): the two take less than one after the other.
     assert plan.estimate_seconds < sum(model.plan_time(p) for p in alone.values())
+
+
+def _moe_state(layers: int = 2, width: int = 128):
+    """A small MoE refit: per layer, stacked experts split over the 8 GPUs of its stage
+    (one host per stage), a replicated router and norm; to TP 16 x DP 2 on four other
+    hosts (each expert's intermediate dim split, the router and norm on every GPU)."""
+    cluster = Cluster.preset("dgx-h100", 2 + 4)
+    engine = DeviceMesh(np.arange(16, 48).reshape(2, 16).tolist(), ("dp", "tp"))
+    out = {}
+    for i in range(layers):
+        stage = DeviceMesh(list(range(8 * (i % 2), 8 * (i % 2) + 8)), ("ep",))
+        experts = Sharding(stage, P("ep", None, None))
+        for name, spec in (("gate", P(None, "tp", None)), ("up", P(None, "tp", None)),
+                           ("down", P(None, None, "tp"))):
+            shape = (16, 2 * width, width) if name != "down" else (16, width, 2 * width)
+            out[f"l{i}.experts.{name}"] = StateTensor(shape, "bfloat16", experts,
+                                                      Sharding(engine, spec))
+        for name, shape in (("router", (16, width)), ("norm", (width,))):
+            out[f"l{i}.{name}"] = StateTensor(shape, "bfloat16", Sharding(stage, P()),
+                                              Sharding(engine, P()))
+    return out, cluster
+
+
+def test_a_moe_state_of_identical_layers_plans_near_its_bound():
+    # Every stage's experts reach every TP rank of both replicas: the paced candidate sends
+    # each tensor in rounds over all the lanes, and the plan delivers every element once.
+    small, cluster = _moe_state(4)
+    plan = plan_state_resharding(small, cluster)
+    plan.check()
+    execute(plan)  # small enough to run on arrays
+    tensors, cluster = _moe_state(4, width=1024)  # 1.5 GiB: bandwidth, not latency, counts
+    plan = plan_state_resharding(tensors, cluster)
+    plan.check()
+    assert "joint-paced" in plan.stats["candidates"]
+    assert "per-tensor" not in plan.stats["candidates"]  # not asked for
+    # Kept over the joint balancing (each tensor on one lane, tensor after tensor: the
+    # stages' experts pile on a few lanes), well within twice the bound.
+    assert plan.stats["choice"] == "joint-paced"
+    assert plan.estimate_seconds <= 0.9 * plan.stats["candidates"]["joint"]
+    assert plan.bound_seconds <= plan.estimate_seconds <= 1.8 * plan.bound_seconds
+
+
+def test_per_tensor_candidates_are_asked_for_and_the_option_checked():
+    tensors, cluster = _moe_state(2)
+    plan = plan_state_resharding(tensors, cluster, StateOptions(per_tensor=True))
+    plan.check()
+    assert {"joint", "joint-paced", "per-tensor", "per-tensor-interleaved"} == set(
+        plan.stats["candidates"])
+    assert plan.estimate_seconds == min(plan.stats["candidates"].values())
+    assert "per-tensor candidates" in plan.stats["options"]
+    with pytest.raises(TypeError, match="per_tensor"):
+        StateOptions(per_tensor=1)
+
+
+def test_the_bound_adds_a_network_latency_only_to_what_crosses_a_nic():
+    # The busiest GPU is fed over NVLink on its own host (36 B), while one byte crosses
+    # hosts: the GPU's term pays no network latency, so the bound stays under the plan.
+    cluster = Cluster(2, 7, nic_gbps=10.0, nvlink_gbps=300.0, nic_latency_us=5.0,
+                      nvlink_latency_us=0.0)
+    tensors = {
+        "far": StateTensor((1,), "int8", Sharding(_mesh([[7, 8, 9]]), P()),
+                           Sharding(_mesh([[7, 8, 9, 2]]), P())),
+        "near": StateTensor((1, 3, 6), "float16", Sharding(_mesh([[0]]), P()),
+                            Sharding(_mesh([[1]]), P())),
+    }
+    plan = plan_state_resharding(tensors, cluster, StateOptions(bucket_bytes=16))
+    plan.check()
+    assert plan.bound_seconds <= plan.estimate_seconds
+    assert plan.bound_seconds == pytest.approx(cluster.nic_latency_s + 1 / cluster.nic_bytes_per_s)
