@@ -243,23 +243,8 @@ def paced_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[
     parts = [_decompose(tasks, itemsize, cluster, options.strategy)
              for tasks, itemsize in zip(task_lists, itemsizes)]
     entries: list[Entry] = [(k, t) for k, p in enumerate(parts) for t in p.before]
-    sends: list[Send] = []
-    owner: list[int] = []
-    origin: list[int] = []  # the decomposition's send (numbered across tensors) of each
-    first = 0
-    turn = 0
-    for k, p in enumerate(parts):
-        for i, s in enumerate(p.sends):
-            split = _per_host_chains(s, cluster, turn)
-            if split is not None:
-                turn += 1
-            for piece in split or [s]:
-                sends.append(piece)
-                owner.append(k)
-                origin.append(first + i)
-        first += len(p.sends)
-    ready: dict[int, float] = {}
-    ports = _Ports(sends, cluster, ready)
+    sends, owner, origin = _cut_chains(parts, cluster)
+    ports = _Ports(sends, cluster, {})
     by_tensor: dict[int, list[tuple[int, Transfer]]] = {}
     for i, region, sender in _by_size(sends, ports):
         k = owner[i]
@@ -273,12 +258,53 @@ def paced_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[
         alone = [model.alone_time(items[n][1]) for n in order]
         units.append((sum(alone), k, [(rounds[n], *items[n]) for n in order], alone,
                       max(rounds) + 1))
-    # Heaviest first (the lanes balanced as in LPT scheduling), but tensors of about the
-    # same weight (within 10 %) taken one per source group (the hosts they are sent from:
-    # a pipeline stage) in turn — else the lanes would all take one stage's equal tensors
-    # at once, and that stage's NICs would feed every lane while the other stages wait.
-    units.sort(key=lambda u: (-u[0], u[1]))
-    ordered: list = []
+    on_lane = _on_lanes(_stage_turns(units, cluster))
+    offset = len(entries)
+    brought: dict[int, list[int]] = {}
+    for j, (_, _, k, idx, t) in enumerate(_paced(on_lane)):
+        entries.append((k, t))
+        brought.setdefault(idx, []).append(offset + j)
+    first = 0
+    for k, p in enumerate(parts):
+        for idx, region, local in p.after:
+            owner_dev = p.sends[idx].receivers[0]
+            entries.append((k, Transfer(region, owner_dev, local,
+                                        volume(region) * itemsizes[k],
+                                        tuple(brought.get(first + idx, ())))))
+        first += len(p.sends)
+    return entries, {"paced_lanes": len(on_lane)}
+
+
+def _cut_chains(parts: Sequence[Any], cluster: Cluster
+                ) -> tuple[list[Send], list[int], list[int]]:
+    """Every tensor's sends, long chains to a replicated destination cut per host
+    (:func:`_per_host_chains`, each cut entering its hosts at the next turn); with each
+    send's tensor and the decomposition's send (numbered across tensors) it came from."""
+    sends: list[Send] = []
+    owner: list[int] = []
+    origin: list[int] = []
+    first = 0
+    turn = 0
+    for k, p in enumerate(parts):
+        for i, s in enumerate(p.sends):
+            split = _per_host_chains(s, cluster, turn)
+            if split is not None:
+                turn += 1
+            for piece in split or [s]:
+                sends.append(piece)
+                owner.append(k)
+                origin.append(first + i)
+        first += len(p.sends)
+    return sends, owner, origin
+
+
+def _stage_turns(units: list[Any], cluster: Cluster) -> list[Any]:
+    """Heaviest first (the lanes balanced as in LPT scheduling), but tensors of about the
+    same weight (within 10 %) taken one per source group (the hosts they are sent from: a
+    pipeline stage) in turn — else the lanes would all take one stage's equal tensors at
+    once, and that stage's NICs would feed every lane while the other stages wait."""
+    units = sorted(units, key=lambda u: (-u[0], u[1]))
+    ordered: list[Any] = []
     start = 0
     while start < len(units):
         end = start
@@ -294,10 +320,15 @@ def paced_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[
             ranked.append((turn[hosts], first_seen[hosts], unit[1], unit))
         ordered += [u for *_, u in sorted(ranked, key=lambda r: r[:3])]
         start = end
-    units = ordered
+    return ordered
+
+
+def _on_lanes(units: list[Any]) -> dict[int, list[Any]]:
+    """Each tensor whole on the lane whose busiest device of the tensor has least time on
+    it so far, in the order given."""
     lanes = MAX_LANES if units else 1
     load: dict[tuple[int, int], float] = defaultdict(float)
-    on_lane: dict[int, list] = defaultdict(list)
+    on_lane: dict[int, list[Any]] = defaultdict(list)
     for unit in units:
         devices = {d for _, _, t in unit[2] for d in t.devices}
         lane = min(range(lanes), key=lambda n: (max(load[(d, n)] for d in devices), n))
@@ -305,6 +336,15 @@ def paced_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[
             for d in t.devices:
                 load[(d, lane)] += x
         on_lane[lane].append(unit)
+    return on_lane
+
+
+def _paced(on_lane: dict[int, list[Any]]) -> list[tuple[float, int, int, int, Transfer]]:
+    """One launch order: on each lane each tensor's rounds rotated (see
+    :func:`paced_entries`), every transfer at its estimated start (the time its devices'
+    lane has so far), so that the lanes advance together; (start, n, tensor, send, transfer
+    on its lane)."""
+    lanes = MAX_LANES if on_lane else 1
     clock: dict[tuple[int, int], float] = defaultdict(float)
     keyed: list[tuple[float, int, int, int, Transfer]] = []
     for lane in sorted(on_lane):
@@ -319,20 +359,7 @@ def paced_entries(task_lists: Sequence[Sequence[UnitTask]], itemsizes: Sequence[
                 keyed.append((begin, len(keyed), k, idx,
                               Transfer(t.region, t.sender, t.receivers, t.nbytes, (), lane)))
     keyed.sort(key=lambda e: e[:2])
-    offset = len(entries)
-    brought: dict[int, list[int]] = {}
-    for j, (_, _, k, idx, t) in enumerate(keyed):
-        entries.append((k, t))
-        brought.setdefault(idx, []).append(offset + j)
-    first = 0
-    for k, p in enumerate(parts):
-        for idx, region, local in p.after:
-            owner_dev = p.sends[idx].receivers[0]
-            entries.append((k, Transfer(region, owner_dev, local,
-                                        volume(region) * itemsizes[k],
-                                        tuple(brought.get(first + idx, ())))))
-        first += len(p.sends)
-    return entries, {"paced_lanes": len(on_lane)}
+    return keyed
 
 
 def plans_of(entries: Sequence[Entry], count: int) -> tuple[list[list[Transfer]], list[int]]:
