@@ -51,10 +51,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # (state_arrays)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 from mpi_reshard import as_mpi_job, barrier, interleaved, rank0_print, runtime
+from state_arrays import box, full_tensors
 from thread_profile import role, thread_cpu
 
 from overlap.world import detect_world
@@ -109,21 +111,6 @@ def refit_state(layers: int, width: int, vocab: int, engine: str) -> dict[str, S
             stage = 0 if name == "embed_tokens" else 1
         out[name] = StateTensor(shape, DTYPE, Sharding(stages[stage], specs[kind]),
                                 Sharding(infer, specs[kind]))
-    return out
-
-
-def box(region) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in region)
-
-
-def full_state(tensors: dict[str, StateTensor], seed: int = 48) -> dict[str, np.ndarray]:
-    """Random bytes as every tensor (the same on every rank)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, t in tensors.items():
-        dt = check_dtype(t.dtype)
-        raw = rng.integers(0, 256, int(np.prod(t.shape)) * dt.itemsize, dtype=np.uint8)
-        out[name] = raw.view(dt).reshape(t.shape)
     return out
 
 
@@ -259,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         say("state_reshard_mpi.py: run it with 4 processes (mpiexec -n 4)")
         return 2
     tensors = refit_state(args.layers, args.width, args.vocab, args.engine)
-    full = full_state(tensors)
+    full = full_tensors(tensors, seed=48)  # (the same on every rank)
     pairs = [(0, 2), (1, 3)] if args.engine == "disjoint" else [(0, 1), (1, 0)]
     link, alone, copy = probe(comm, pairs)
     cluster = rated_cluster(link, copy)
