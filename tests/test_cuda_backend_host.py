@@ -958,13 +958,13 @@ def test_a_held_buffer_lives_until_the_gpu_passed_the_op_that_held_it(monkeypatc
         assert ref[0]() is not None  # launched, not passed by the device yet
         end = stream.record(scope=scope)
         assert settled([end]) == [None]
-        backend.devices.keep(None)  # (what release_to_caller does after a call)
+        backend.devices.let_go()  # (what release_to_caller does after a call)
         assert ref[0]() is not None
         deadline = time.perf_counter() + 5.0
         while not end.done() and time.perf_counter() < deadline:
             time.sleep(0.01)
         assert end.done()
-        backend.devices.keep(None)
+        backend.devices.let_go()
         assert ref[0]() is None
     finally:
         backend.close()

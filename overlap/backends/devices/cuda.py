@@ -340,21 +340,18 @@ class CudaDevices(Bounded):
 
     # ---- buffers in flight ---------------------------------------------------------------
 
-    def keep(self, event: Any, *buffers: Any) -> None:
-        """Keep ``buffers`` alive until ``event`` (recorded on the calling op's stream)
-        completes — CuPy has no record_stream — and let go of that stream's earlier ones
-        whose event has (``event`` None: of every stream's whose event has)."""
-        if event is None:
-            with self._keep_lock:
-                for kept in self._keepalive.values():
-                    left = [k for k in kept if not k[0].done]
-                    kept.clear()
-                    kept.extend(left)
-            return
-        self._keep(self._local.stream, event, buffers)
+    def let_go(self) -> None:
+        """Let go of every stream's kept buffers whose event has completed."""
+        with self._keep_lock:
+            for kept in self._keepalive.values():
+                left = [k for k in kept if not k[0].done]
+                kept.clear()
+                kept.extend(left)
 
     def _keep(self, stream: Stream, event: Any, buffers: Any) -> None:
-        """One stream's events complete in the order they were recorded, so only its oldest
+        """Keep ``buffers`` alive until ``event`` (recorded on ``stream``) completes — CuPy
+        has no record_stream — and let go of that stream's earlier ones whose event has.
+        One stream's events complete in the order they were recorded, so only its oldest
         are looked at: a host running a step ahead of the GPU keeps hundreds, and looking at
         all of them on every op cost a CUDA query each."""
         with self._keep_lock:
@@ -425,7 +422,7 @@ class CudaDevices(Bounded):
             for ev in ends:
                 if ev.native is not None:
                     s.wait_event(ev.native)
-        self.keep(None)
+        self.let_go()
 
     def join_ends(self, backend: Backend, ends: Sequence[Event]) -> list[Event]:
         """One event, recorded on a stream of the kind's own after it waited (on the GPU)
