@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...polling import POLL_FIRST_S
+from .host_memory import keep_freed_host_memory
 from .local import LocalTransport
 
 if TYPE_CHECKING:
@@ -35,6 +36,11 @@ class CpuDevices:
     # How long a stream's thread looks again for its next item or event before it sleeps
     # (overlap.polling): here the host is the device, and a wake-up costs more than a look.
     poll_s = POLL_FIRST_S
+
+    def __init__(self) -> None:
+        # The devices' memory is the process's heap: keep what is freed for the next step,
+        # as a GPU's caching allocator does (.host_memory).
+        self.host_memory_kept = keep_freed_host_memory()
 
     def transport(self, backend: Backend) -> LocalTransport:
         """The transport of collectives among this process's devices."""
