@@ -233,10 +233,15 @@ class StateReshardPlan:
         this list: its plan's own ``after``, plus the staging window's waits
         (:func:`staging_window`: a device starts a staged transfer only once the bytes it
         has started and not finished, this one included, fit in ``bucket_bytes``)."""
+        transfers = [self._transfer(key) for key in self.launch_order]
+        return self._scheduled(transfers, staging_window(transfers, self.bucket_bytes)[0])
+
+    def _scheduled(self, transfers: Sequence[Transfer],
+                   window: Sequence[Sequence[tuple[int, int]]]) -> list[tuple[Key, Transfer]]:
+        """:meth:`schedule`, given the launch order's transfers and their staging window
+        (planning has it already: computing it is a pass over every transfer's devices)."""
         order = self.launch_order
         position = {key: g for g, key in enumerate(order)}
-        transfers = [self._transfer(key) for key in order]
-        window, _ = staging_window(transfers, self.bucket_bytes)
         out: list[tuple[Key, Transfer]] = []
         for g, (key, t) in enumerate(zip(order, transfers)):
             deps = {position[(key[0], j)] for j in t.after}
@@ -469,9 +474,12 @@ def _assemble(state: Mapping[str, StateTensor], entries: Sequence[tuple[int, Tra
         for k, (name, t) in enumerate(state.items())
     }
     buckets = tuple(tuple((names[entries[g][0]], local_index[g]) for g in b) for b in buckets_g)
-    _, peak = staging_window([t for _, t in entries], options.bucket_bytes)
+    # (The launch order is ``entries``' order: buckets are consecutive runs of it.)
+    transfers = [t for _, t in entries]
+    window, peak = staging_window(transfers, options.bucket_bytes)
     draft = StateReshardPlan(state, plans, buckets, options.bucket_bytes, 0.0, 0.0, 0, peak)
-    schedule = [t for _, t in draft.schedule()]
+    schedule = [t for _, t in draft._scheduled(
+        [draft._transfer(key) for key in draft.launch_order], window)]
     ends = [x.end for x in model.run(schedule, until=until)]
     if any(e != e for e in ends):  # nan: not ended by ``until``
         return None

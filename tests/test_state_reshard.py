@@ -131,6 +131,10 @@ def test_random_states_deliver_every_element_once(kind, strategy):
         execute(plan)
         assert plan.estimate_seconds >= plan.bound_seconds - 1e-12
         assert plan.bound_seconds == pytest.approx(state_lower_bound(tensors, cluster))
+        # The estimate is the cost model's run of the schedule the runtime launches.
+        schedule = [t for _, t in plan.schedule()]
+        assert plan.estimate_seconds == max(
+            (x.end for x in CostModel(cluster).run(schedule)), default=0.0)
         for k, b in enumerate(plan.buckets):
             staged = plan.bucket_device_nbytes(k)
             assert max(staged.values(), default=0) <= bucket or len(b) == 1
