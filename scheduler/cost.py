@@ -596,8 +596,12 @@ def _max_min_rates(
     stack = list(changed)
     rem = {p: cap[p] for p in stack}
     classes: dict[Sequence[int], list[int]] = {}
+    seen: set[int] = set()  # (a flow is met once per port it uses: taken the first time)
     while stack:  # the connected component: its ports (rem) and flows, by port set
         for i in port_flows.get(stack.pop(), ()):
+            if i in seen:
+                continue
+            seen.add(i)
             ports = flow_ports[i]
             flows = classes.get(ports)
             if flows is None:
@@ -606,7 +610,7 @@ def _max_min_rates(
                     if q not in rem:
                         rem[q] = cap[q]
                         stack.append(q)
-            elif i not in flows:
+            else:
                 flows.append(i)
     if len(classes) <= 1:  # nothing flows, or one class alone: its narrowest port decides
         for ports, flows in classes.items():
