@@ -40,7 +40,7 @@ class CpuDevices:
     def __init__(self) -> None:
         # The devices' memory is the process's heap: keep what is freed for the next step,
         # as a GPU's caching allocator does (.host_memory).
-        self.host_memory_kept = keep_freed_host_memory()
+        keep_freed_host_memory()
 
     def transport(self, backend: Backend) -> LocalTransport:
         """The transport of collectives among this process's devices."""

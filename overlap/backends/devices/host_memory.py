@@ -23,7 +23,6 @@ or ``MALLOC_TOP_PAD_`` in the environment), nor where ``malloc`` is not glibc's.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import threading
 
@@ -60,7 +59,7 @@ def _apply() -> bool:
     if any(v in os.environ for v in USER_SETTINGS):
         return False  # (the user's choice stands)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # (the process's own symbols: its C library's among them)
         libc.gnu_get_libc_version  # noqa: B018  (glibc's alone: the question asked)
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # (not glibc: musl, macOS)
@@ -73,4 +72,5 @@ def _apply() -> bool:
                 and mallopt(_M_TOP_PAD, TOP_PAD))
 
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "USER_SETTINGS", "keep_freed_host_memory"]
+__all__ = ["MMAP_THRESHOLD", "TOP_PAD", "TRIM_THRESHOLD", "USER_SETTINGS",
+           "keep_freed_host_memory"]
