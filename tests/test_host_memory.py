@@ -60,3 +60,15 @@ def test_a_cpu_runtime_keeps_freed_host_memory() -> None:
 def test_the_users_own_glibc_settings_stand() -> None:
     # Trimming at 128 KiB, as the user asked: every round's top is handed back again.
     assert faults_per_round(RUNTIME, {"MALLOC_TRIM_THRESHOLD_": "131072"}) > PAGES / 2
+
+
+def test_where_malloc_is_not_glibcs_nothing_is_set_and_the_runtime_runs() -> None:
+    # (musl, macOS: no gnu_get_libc_version among the process's symbols.)
+    not_glibc = ("import ctypes\n"
+                 "class NotGlibc:\n"
+                 "    def __init__(self, *args, **kwargs): pass\n"
+                 "    def __getattr__(self, name): raise AttributeError(name)\n"
+                 "ctypes.CDLL = NotGlibc\n"
+                 "from overlap.backends.devices.host_memory import keep_freed_host_memory\n"
+                 "assert keep_freed_host_memory() is False\n" + RUNTIME)
+    assert faults_per_round(not_glibc) > PAGES / 2
