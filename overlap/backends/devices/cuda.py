@@ -376,7 +376,7 @@ class CudaDevices(Bounded):
         their own: one per op, and keeping it, were the kind's largest host cost per op on
         the stand-in."""
         held = getattr(self._local, "held", None)
-        if held is None:  # (not a stream's thread: kept until the next record made here)
+        if held is None:  # (not a stream's thread: no record here ever lets them go)
             held = self._local.held = []
         held.extend(buffers)
 

@@ -23,8 +23,8 @@ or ``MALLOC_TOP_PAD_`` in the environment), nor where ``malloc`` is not glibc's.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import threading
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -41,21 +41,12 @@ TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
 USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
 
-
+@functools.cache  # (two threads racing here both set the same values: harmless)
 def keep_freed_host_memory() -> bool:
     """Ask glibc to keep freed heap memory for reuse (see module doc), once per process;
     True where it is in effect, False where it was not made (another allocator, or the
     user's own settings)."""
-    with _lock:
-        if "kept" not in _state:
-            _state["kept"] = _apply()
-        return _state["kept"]
-
-
-def _apply() -> bool:
     if any(v in os.environ for v in USER_SETTINGS):
         return False  # (the user's choice stands)
     try:
