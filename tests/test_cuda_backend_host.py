@@ -968,31 +968,3 @@ def test_a_held_buffer_lives_until_the_gpu_passed_the_op_that_held_it(monkeypatc
         assert ref[0]() is None
     finally:
         backend.close()
-
-
-def test_back_to_back_ops_share_one_mark_and_a_wait_starts_a_new_one(scope):
-    # On a GPU two ops enqueued one after the other on a stream meet at one point: one timed
-    # event marks the first's end and the second's start. A device-side wait between them
-    # is work of its own: the op after it starts at a mark made after the wait.
-    from overlap.backends.devices.streams import OpReport
-
-    backend = make_backend("cuda", 2, timeout=5.0)
-    try:
-        trace = backend.start_trace()
-        report = OpReport(trace=trace)
-        a, b = backend.stream(0, "compute"), backend.stream(1, "compute")
-        other = b.record(scope=scope)
-        for op in (0, 1):
-            a.launch(f"op {op}", lambda: fake_cupy.ones(4), scope=scope, op=op, report=report)
-        a.wait_event(other, scope=scope)
-        a.launch("op 2", lambda: fake_cupy.ones(4), scope=scope, op=2, report=report)
-        assert settled([a.record(scope=scope)]) == [None]
-        r = {rec.op: rec for rec in trace.records}
-        assert r[1].start is r[0].end
-        assert r[2].start is not r[1].end
-        assert all(rec.start is not rec.end for rec in r.values())
-        spans = [backend.span_seconds(trace, r[op].end) - backend.span_seconds(
-            trace, r[op].start) for op in (0, 1, 2)]
-        assert all(s >= 0 for s in spans)
-    finally:
-        backend.close()

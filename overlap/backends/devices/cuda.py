@@ -184,7 +184,7 @@ class CudaDevices(Bounded):
         self.xp.cuda.Device(self.physical(stream.device)).use()
         self._native(stream).use()
         local = self._local  # (this thread runs this stream's items alone, for good)
-        local.stream, local.held, local.mark = stream, [], None
+        local.stream, local.held = stream, []
 
     def _native(self, stream: Stream) -> Any:
         if stream.native is None:
@@ -194,7 +194,6 @@ class CudaDevices(Bounded):
         return stream.native
 
     def run(self, stream: Stream, fn: Callable[[], Any]) -> None:
-        self._local.mark = None  # (work is enqueued after the last mark: see mark)
         try:
             fn()
         except BaseException:
@@ -214,24 +213,15 @@ class CudaDevices(Bounded):
             stream.native.use()
 
     def mark(self, stream: Stream) -> tuple[int, Any]:
-        """A timing event where ``stream``'s work has got to, with its GPU. On the stream's
-        own thread, the last mark made there while nothing was enqueued after it (no op's
-        work, no device-side wait): an op's start is the previous op's end, one event for
-        both (the GPU passes them at the same time)."""
         cp = self.xp
-        local = self._local
-        if current_stream() is stream:  # (its thread: its GPU current)
-            last = local.mark
-            if last is None:
-                ev = cp.cuda.Event()
-                ev.record(stream.native)
-                last = local.mark = (self.physical(stream.device), ev)
-            return last
         gpu = self.physical(stream.device)
-        # (A wire completion's callback: another thread, maybe another GPU current.)
-        with cp.cuda.Device(gpu):
+        if current_stream() is stream:  # (its thread: its GPU current)
             ev = cp.cuda.Event()
-            ev.record(self._native(stream))
+            ev.record(stream.native)
+        else:  # (a wire completion's callback: another thread, maybe another GPU current)
+            with cp.cuda.Device(gpu):
+                ev = cp.cuda.Event()
+                ev.record(self._native(stream))
         return (gpu, ev)  # CuPy events do not know their device
 
     def record(self, stream: Stream, event: Event) -> None:
@@ -250,7 +240,6 @@ class CudaDevices(Bounded):
         order matters)."""
         if event.native is not None:
             stream.native.wait_event(event.native)
-            self._local.mark = None  # (what follows starts after the wait)
 
     async def device_wait(self, event: Event) -> None:
         """Until the GPU passed ``event`` — bounded: after a device fault it may never
